@@ -1,0 +1,57 @@
+"""1F1B over heterogeneous chunks, pipeline group by pipeline group.
+
+Within a group the forward order is the chunk order. The backward order is the same except
+that the chunks of each split sequence are reversed in place (its slices run backward from the
+last to the first, because an earlier slice's K/V gradient is complete only after every later
+slice's backward). Stage ``s`` of ``p`` runs, before the backward of the ``i``-th chunk ``b_i``
+of the backward order, the forwards of all chunks up to ``max_{j<=i} pos(b_j) + (p - s - 1)``
+in forward order: with no split sequence this is textbook 1F1B (``p - s`` warm-up forwards,
+then one forward / one backward), and a sequence of ``n`` chunks raises the in-flight window
+to ``p - s - 1 + n`` chunks. Groups run back to back (fill and drain each).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .types import Action, ActionKind, Chunk
+
+__all__ = ["backward_order", "build_schedule"]
+
+
+def backward_order(chunks: Sequence[Chunk], group: Sequence[int]) -> list[int]:
+    """The group's chunks in backward order: forward order, each split chain reversed in place."""
+    chain_of: dict[int, list[int]] = {}
+    for ci in group:
+        seq = chunks[ci].split_seq
+        if seq is not None:
+            chain_of.setdefault(seq, []).append(ci)
+    order = list(group)
+    pos = {ci: k for k, ci in enumerate(group)}
+    for chain in chain_of.values():
+        slots = sorted(pos[ci] for ci in chain)
+        for slot, ci in zip(slots, reversed(chain)):
+            order[slot] = ci
+    return order
+
+
+def build_schedule(chunks: Sequence[Chunk], groups: Sequence[Sequence[int]], num_stages: int) -> tuple[tuple[Action, ...], ...]:
+    """Per-stage action lists for groups run back to back (see the module docstring)."""
+    p = num_stages
+    stages: list[list[Action]] = [[] for _ in range(p)]
+    for group in groups:
+        fwd = list(group)
+        bwd = backward_order(chunks, group)
+        pos = {ci: k for k, ci in enumerate(fwd)}
+        for s in range(p):
+            acts = stages[s]
+            done = 0
+            need = -1
+            for b in bwd:
+                need = max(need, pos[b])
+                target = min(len(fwd), need + 1 + (p - s - 1))
+                while done < target:
+                    acts.append(Action(s, ActionKind.FORWARD, fwd[done]))
+                    done += 1
+                acts.append(Action(s, ActionKind.BACKWARD, b))
+    return tuple(tuple(a) for a in stages)

@@ -1,0 +1,392 @@
+"""Plain, frozen data types of a step plan.
+
+A :class:`Plan` is everything one optimizer step needs, as data: the chunks (variable-size
+micro-batches cut from the step's sequences), the stage layout (which decoder layers each
+pipeline stage owns), the per-stage action lists (forward / backward of a chunk, in order),
+and the recompute decision per (stage, chunk). Every rank of a pipeline executes the same plan;
+nothing about shapes is negotiated at run time.
+
+All types are frozen dataclasses made of tuples and scalars, so they are hashable, compare by
+value and round-trip through JSON (:meth:`Plan.to_json` / :meth:`Plan.from_json`).
+
+Conventions: stages are 0-indexed, ``stage 0`` owns the embedding, the last stage owns the
+final norm, the LM head and the loss. Chunk ``index`` is its position in the plan's global
+forward order (``plan.chunks[i].index == i``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "Action",
+    "ActionKind",
+    "Chunk",
+    "ChunkKind",
+    "Plan",
+    "PlanError",
+    "PlanStats",
+    "Slice",
+    "StageLayout",
+]
+
+
+class PlanError(ValueError):
+    """A plan is malformed, or no plan fits the given constraints."""
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Slice:
+    """A contiguous token range ``[start, start + length)`` of sequence ``seq``.
+
+    Its context (tokens of the same sequence before it, whose K/V it attends to) is ``start``.
+    """
+
+    seq: int
+    start: int
+    length: int
+
+    @property
+    def context(self) -> int:
+        return self.start
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+class ChunkKind(str, enum.Enum):
+    PACKED = "packed"  # whole short sequences, each with context 0
+    SPLIT = "split"  # exactly one non-final slice of a long sequence
+    HYBRID = "hybrid"  # the final slice of a split sequence plus whole short sequences
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """The unit that flows through the pipeline: a padding-free concatenation of slices."""
+
+    index: int
+    kind: ChunkKind
+    slices: tuple[Slice, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.length for s in self.slices)
+
+    @property
+    def split_seq(self) -> int | None:
+        """The split sequence this chunk carries a slice of (``None`` for a packed chunk).
+
+        By convention a hybrid chunk lists its tail slice first.
+        """
+        return None if self.kind is ChunkKind.PACKED else self.slices[0].seq
+
+
+@dataclass(frozen=True, slots=True)
+class StageLayout:
+    """Contiguous decoder-layer ranges ``[start, end)`` per pipeline stage."""
+
+    num_layers: int
+    layer_ranges: tuple[tuple[int, int], ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.layer_ranges)
+
+    def num_stage_layers(self, stage: int) -> int:
+        a, b = self.layer_ranges[stage]
+        return b - a
+
+    def has_embedding(self, stage: int) -> bool:
+        return stage == 0
+
+    def has_head(self, stage: int) -> bool:
+        return stage == self.num_stages - 1
+
+    @classmethod
+    def even(cls, num_layers: int, num_stages: int) -> "StageLayout":
+        """Layers spread as evenly as possible, earlier stages taking the remainder."""
+        if not 1 <= num_stages <= num_layers:
+            raise PlanError(
+                f"cannot place {num_layers} decoder layers on {num_stages} pipeline stages; "
+                "set the pipeline size between 1 and the number of layers"
+            )
+        base, extra = divmod(num_layers, num_stages)
+        ranges, start = [], 0
+        for s in range(num_stages):
+            n = base + (1 if s < extra else 0)
+            ranges.append((start, start + n))
+            start += n
+        return cls(num_layers, tuple(ranges))
+
+
+class ActionKind(str, enum.Enum):
+    FORWARD = "F"
+    BACKWARD = "B"
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One computation of a stage on a chunk, printed like torch pipelining: ``"1F3"``."""
+
+    stage: int
+    kind: ActionKind
+    chunk: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.chunk}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        for k in ActionKind:
+            if k.value in text:
+                a, b = text.split(k.value)
+                return cls(int(a), k, int(b))
+        raise PlanError(f"not an action: {text!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class PlanStats:
+    """What the simulator predicts for a plan (see :func:`concertina_hf.planning.simulate`)."""
+
+    step_time_s: float
+    bubble_fraction: float
+    recompute_fraction: float
+    peak_memory_bytes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Everything one step needs, as plain data.
+
+    ``groups``: chunk indices of each pipeline group, in forward order; groups run back to back.
+    ``schedule``: per stage, the ordered actions the stage executes.
+    ``recompute``: ``recompute[stage][chunk]`` decoder layers of that stage recompute their
+    activations in the chunk's backward (0 .. layers of the stage).
+    ``memory_budget_bytes``: per-stage budget the plan was made for (0 when unconstrained).
+    ``knobs``: the strategy's chosen settings, as ``(name, value)`` pairs (e.g. token budget).
+    """
+
+    strategy: str
+    seq_lens: tuple[int, ...]
+    layout: StageLayout
+    chunks: tuple[Chunk, ...]
+    groups: tuple[tuple[int, ...], ...]
+    schedule: tuple[tuple[Action, ...], ...]
+    recompute: tuple[tuple[int, ...], ...]
+    memory_budget_bytes: tuple[int, ...] = ()
+    knobs: tuple[tuple[str, Any], ...] = ()
+    predicted: PlanStats | None = field(default=None, compare=False)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_stages(self) -> int:
+        return self.layout.num_stages
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunks)
+
+    def chunk_counts(self) -> dict[str, int]:
+        counts = {k.value: 0 for k in ChunkKind}
+        for c in self.chunks:
+            counts[c.kind.value] += 1
+        return counts
+
+    def slices_of(self, seq: int) -> list[tuple[int, Slice]]:
+        """``(chunk index, slice)`` of sequence ``seq``, in token order."""
+        out = [(c.index, s) for c in self.chunks for s in c.slices if s.seq == seq]
+        return sorted(out, key=lambda cs: cs[1].start)
+
+    def knob(self, name: str, default: Any = None) -> Any:
+        return dict(self.knobs).get(name, default)
+
+    def with_predicted(self, stats: PlanStats) -> "Plan":
+        return dataclasses.replace(self, predicted=stats)
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> "Plan":
+        """Check every structural invariant; raise :class:`PlanError` naming the first broken one.
+
+        Invariants: every token of every sequence lands in exactly one slice, slices of a
+        sequence are in chunk order; chunk kinds match their content; no chunk holds slices of
+        two split sequences; groups partition the chunks in order and a split sequence stays in
+        one group; each stage forwards and backwards every chunk exactly once, forward before
+        backward, slices of a sequence forward in order and backward in reverse order; recompute
+        is within each stage's layer count.
+        """
+        p = self.num_stages
+        lay = self.layout
+        if lay.num_stages < 1 or lay.layer_ranges[0][0] != 0 or lay.layer_ranges[-1][1] != lay.num_layers:
+            raise PlanError(f"stage layout {lay.layer_ranges} does not cover {lay.num_layers} layers")
+        for (a0, b0), (a1, _) in zip(lay.layer_ranges, lay.layer_ranges[1:]):
+            if b0 != a1 or a0 >= b0:
+                raise PlanError(f"stage layout {lay.layer_ranges} is not contiguous and non-empty")
+        if lay.layer_ranges[-1][0] >= lay.layer_ranges[-1][1]:
+            raise PlanError(f"stage layout {lay.layer_ranges} has an empty last stage")
+        for i, c in enumerate(self.chunks):
+            if c.index != i:
+                raise PlanError(f"chunk at position {i} has index {c.index}")
+            if not c.slices:
+                raise PlanError(f"chunk {i} is empty")
+            split = {s.seq for s in c.slices if s.length != self.seq_lens[s.seq]}
+            if len(split) > 1:
+                raise PlanError(f"chunk {i} holds slices of two split sequences {sorted(split)}")
+            if c.kind is ChunkKind.PACKED and split:
+                raise PlanError(f"packed chunk {i} holds a slice of split sequence {split.pop()}")
+            if c.kind is ChunkKind.SPLIT and (len(c.slices) != 1 or not split):
+                raise PlanError(f"split chunk {i} must hold exactly one slice of a split sequence")
+            if c.kind is ChunkKind.SPLIT and c.slices[0].end == self.seq_lens[c.slices[0].seq]:
+                raise PlanError(f"split chunk {i} holds a final slice (that is a hybrid chunk)")
+            if c.kind is ChunkKind.HYBRID:
+                if not split:
+                    raise PlanError(f"hybrid chunk {i} holds no tail slice")
+                tail = c.slices[0]
+                if tail.seq not in split:
+                    raise PlanError(f"hybrid chunk {i} must list its tail slice first")
+                if tail.end != self.seq_lens[tail.seq]:
+                    raise PlanError(f"hybrid chunk {i} holds a non-final slice of sequence {tail.seq}")
+        # token coverage and slice order
+        chunk_group = {}
+        for g, members in enumerate(self.groups):
+            for ci in members:
+                if ci in chunk_group:
+                    raise PlanError(f"chunk {ci} is in two pipeline groups")
+                chunk_group[ci] = g
+        flat = [ci for members in self.groups for ci in members]
+        if flat != list(range(self.num_chunks)):
+            raise PlanError("pipeline groups must list every chunk once, in forward order")
+        for seq, n in enumerate(self.seq_lens):
+            parts = self.slices_of(seq)
+            pos = 0
+            for ci, s in parts:
+                if s.start != pos:
+                    raise PlanError(f"sequence {seq}: tokens [{pos}, {s.start}) are missing or repeated")
+                pos = s.end
+                if s.length <= 0:
+                    raise PlanError(f"sequence {seq}: empty slice in chunk {ci}")
+            if pos != n:
+                raise PlanError(f"sequence {seq}: covers {pos} of {n} tokens")
+            chunk_ids = [ci for ci, _ in parts]
+            if chunk_ids != sorted(chunk_ids) or len(set(chunk_ids)) != len(chunk_ids):
+                raise PlanError(f"sequence {seq}: slices are not in increasing chunk order")
+            if len({chunk_group[ci] for ci in chunk_ids}) > 1:
+                raise PlanError(f"sequence {seq} is split across pipeline groups")
+        # schedule
+        if len(self.schedule) != p:
+            raise PlanError(f"schedule has {len(self.schedule)} stages, layout has {p}")
+        seq_chunks = {seq: [ci for ci, _ in self.slices_of(seq)] for seq in range(len(self.seq_lens))}
+        for st, actions in enumerate(self.schedule):
+            fdone: set[int] = set()
+            bdone: set[int] = set()
+            for a in actions:
+                if a.stage != st:
+                    raise PlanError(f"action {a} listed under stage {st}")
+                if not 0 <= a.chunk < self.num_chunks:
+                    raise PlanError(f"action {a} names a chunk that does not exist")
+                done = fdone if a.kind is ActionKind.FORWARD else bdone
+                if a.chunk in done:
+                    raise PlanError(f"action {a} appears twice")
+                if a.kind is ActionKind.BACKWARD and a.chunk not in fdone:
+                    raise PlanError(f"action {a} runs before its forward")
+                for s in self.chunks[a.chunk].slices:
+                    chain = seq_chunks[s.seq]
+                    k = chain.index(a.chunk)
+                    if a.kind is ActionKind.FORWARD and k > 0 and chain[k - 1] not in fdone:
+                        raise PlanError(f"action {a}: earlier slice (chunk {chain[k-1]}) not forwarded yet")
+                    if a.kind is ActionKind.BACKWARD and k + 1 < len(chain) and chain[k + 1] not in bdone:
+                        raise PlanError(f"action {a}: later slice (chunk {chain[k+1]}) not backwarded yet")
+                done.add(a.chunk)
+            if len(fdone) != self.num_chunks or len(bdone) != self.num_chunks:
+                raise PlanError(f"stage {st} does not run every chunk forward and backward once")
+        if len(self.recompute) != p or any(len(r) != self.num_chunks for r in self.recompute):
+            raise PlanError("recompute must be [stage][chunk]")
+        for st, row in enumerate(self.recompute):
+            n = lay.num_stage_layers(st)
+            for ci, r in enumerate(row):
+                if not 0 <= r <= n:
+                    raise PlanError(f"recompute[{st}][{ci}] = {r} outside 0..{n}")
+        if self.memory_budget_bytes and len(self.memory_budget_bytes) != p:
+            raise PlanError("memory_budget_bytes must have one entry per stage")
+        return self
+
+    # ------------------------------------------------------------------ serialization
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy,
+            "seq_lens": list(self.seq_lens),
+            "layout": {"num_layers": self.layout.num_layers, "layer_ranges": [list(r) for r in self.layout.layer_ranges]},
+            "chunks": [
+                {"index": c.index, "kind": c.kind.value, "slices": [[s.seq, s.start, s.length] for s in c.slices]}
+                for c in self.chunks
+            ],
+            "groups": [list(g) for g in self.groups],
+            "schedule": [[str(a) for a in acts] for acts in self.schedule],
+            "recompute": [list(r) for r in self.recompute],
+            "memory_budget_bytes": list(self.memory_budget_bytes),
+            "knobs": [[k, v] for k, v in self.knobs],
+            "predicted": None if self.predicted is None else {
+                "step_time_s": self.predicted.step_time_s,
+                "bubble_fraction": self.predicted.bubble_fraction,
+                "recompute_fraction": self.predicted.recompute_fraction,
+                "peak_memory_bytes": list(self.predicted.peak_memory_bytes),
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        pred = d.get("predicted")
+        return cls(
+            strategy=d["strategy"],
+            seq_lens=tuple(d["seq_lens"]),
+            layout=StageLayout(d["layout"]["num_layers"], tuple(tuple(r) for r in d["layout"]["layer_ranges"])),
+            chunks=tuple(
+                Chunk(c["index"], ChunkKind(c["kind"]), tuple(Slice(*s) for s in c["slices"])) for c in d["chunks"]
+            ),
+            groups=tuple(tuple(g) for g in d["groups"]),
+            schedule=tuple(tuple(Action.parse(a) for a in acts) for acts in d["schedule"]),
+            recompute=tuple(tuple(r) for r in d["recompute"]),
+            memory_budget_bytes=tuple(d.get("memory_budget_bytes", ())),
+            knobs=tuple((k, v) for k, v in d.get("knobs", ())),
+            predicted=None if pred is None else PlanStats(
+                pred["step_time_s"], pred["bubble_fraction"], pred["recompute_fraction"],
+                tuple(pred["peak_memory_bytes"]),
+            ),
+        )
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.from_dict(json.loads(text))
+
+    def fingerprint(self) -> str:
+        """A stable hash of what the runtime executes (predictions excluded)."""
+        d = self.to_dict()
+        d.pop("predicted")
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+    # ------------------------------------------------------------------ display
+    def grid(self, mark: Action | None = None) -> str:
+        """The schedule as text: one row per stage, one column per step of its action list.
+
+        ``mark`` (e.g. a failing action) is wrapped in ``>...<``. Below the grid, one line per
+        chunk: kind, slices as ``seq[start:end]``, and recompute layers per stage.
+        """
+        cells = [[(f">{a}<" if a == mark else str(a)) for a in acts] for acts in self.schedule]
+        width = max((len(c) for row in cells for c in row), default=3)
+        lines = [f"plan {self.strategy} ({self.fingerprint()}): {self.num_chunks} chunks, {self.num_stages} stages"]
+        for st, row in enumerate(cells):
+            a, b = self.layout.layer_ranges[st]
+            lines.append(f"stage {st} [L{a}-{b - 1}] | " + " ".join(c.rjust(width) for c in row))
+        for c in self.chunks:
+            sl = " ".join(f"{s.seq}[{s.start}:{s.end}]" for s in c.slices)
+            rc = "/".join(str(self.recompute[st][c.index]) for st in range(self.num_stages))
+            lines.append(f"  chunk {c.index:>3} {c.kind.value:<6} {c.num_tokens:>7} tok  recompute {rc}  {sl}")
+        return "\n".join(lines)
