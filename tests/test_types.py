@@ -1,0 +1,126 @@
+"""Plan data types, the 1F1B schedule builder and the analytic cost model (no torch)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from concertina_hf.planning import (
+    Action, ActionKind, Chunk, ChunkKind, CostModel, Plan, PlanError, ProfileSample, Slice, StageLayout,
+    backward_order, build_schedule,
+)
+
+TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+            vocab_size=512, num_hidden_layers=4)
+
+
+def _plan(num_stages=3):
+    chunks = (
+        Chunk(0, ChunkKind.SPLIT, (Slice(0, 0, 10),)),
+        Chunk(1, ChunkKind.SPLIT, (Slice(0, 10, 6),)),
+        Chunk(2, ChunkKind.HYBRID, (Slice(0, 16, 4), Slice(1, 0, 3))),
+        Chunk(3, ChunkKind.PACKED, (Slice(2, 0, 4), Slice(3, 0, 5))),
+    )
+    groups = ((0, 1, 2, 3),)
+    return Plan(
+        strategy="test", seq_lens=(20, 3, 4, 5), layout=StageLayout.even(6, num_stages), chunks=chunks,
+        groups=groups, schedule=build_schedule(chunks, groups, num_stages),
+        recompute=tuple((0, 1, 2, 0)[: len(chunks)] for _ in range(num_stages)),
+    )
+
+
+def test_plan_validates_roundtrips_and_hashes():
+    plan = _plan().validate()
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and hash(again) == hash(plan)
+    assert again.fingerprint() == plan.fingerprint()
+    assert plan.chunk_counts() == {"packed": 1, "split": 2, "hybrid": 1}
+    grid = plan.grid(mark=Action(1, ActionKind.BACKWARD, 2))
+    assert ">1B2<" in grid and "0[16:20] 1[0:3]" in grid
+
+
+def test_backward_order_reverses_split_chains():
+    plan = _plan()
+    assert backward_order(plan.chunks, plan.groups[0]) == [2, 1, 0, 3]
+    # the last stage runs each backward right after the forward it needs
+    assert [str(a) for a in plan.schedule[-1]] == ["2F0", "2F1", "2F2", "2B2", "2B1", "2B0", "2F3", "2B3"]
+
+
+def test_uniform_chunks_give_textbook_1f1b():
+    p, m = 4, 6
+    chunks = tuple(Chunk(i, ChunkKind.PACKED, (Slice(i, 0, 8),)) for i in range(m))
+    sched = build_schedule(chunks, [tuple(range(m))], p)
+    for s, acts in enumerate(sched):
+        warmup = [a for a in acts[: p - s]]
+        assert all(a.kind is ActionKind.FORWARD for a in warmup)
+        assert acts[p - s].kind is ActionKind.BACKWARD
+        steady = acts[p - s: p - s + 2 * (m - (p - s))]
+        assert [a.kind for a in steady] == [ActionKind.BACKWARD, ActionKind.FORWARD] * (m - (p - s))
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d["chunks"][3]["slices"].pop(), "covers"),
+    (lambda d: d["schedule"][0].reverse(), "before its forward"),
+    (lambda d: d["recompute"][0].__setitem__(0, 9), "outside"),
+    (lambda d: d["chunks"][2]["slices"].reverse(), "tail slice first"),
+])
+def test_validate_names_the_broken_invariant(mutate, message):
+    d = _plan().to_dict()
+    mutate(d)
+    with pytest.raises(PlanError, match=message):
+        Plan.from_dict(d).validate()
+
+
+def test_backward_of_slices_must_run_in_reverse_order():
+    plan = _plan()
+    bad = list(plan.schedule[2])
+    i, j = bad.index(Action(2, ActionKind.BACKWARD, 2)), bad.index(Action(2, ActionKind.BACKWARD, 0))
+    bad[i], bad[j] = bad[j], bad[i]
+    d = plan.to_dict()
+    d["schedule"][2] = [str(a) for a in bad]
+    with pytest.raises(PlanError, match="later slice"):
+        Plan.from_dict(d).validate()
+
+
+def test_stage_layout_even_and_errors():
+    assert StageLayout.even(10, 4).layer_ranges == ((0, 3), (3, 6), (6, 8), (8, 10))
+    with pytest.raises(PlanError, match="pipeline size"):
+        StageLayout.even(2, 4)
+
+
+def test_analytic_cost_model_terms():
+    cost = CostModel.from_hf_config(TINY)
+    lay = StageLayout.even(4, 2)
+    short = Chunk(0, ChunkKind.PACKED, (Slice(0, 0, 100),))
+    late = Chunk(1, ChunkKind.HYBRID, (Slice(1, 900, 100),))
+    # same tokens, more context: more attention time; backward about twice forward
+    assert cost.fwd_time(lay, 0, late) > cost.fwd_time(lay, 0, short)
+    assert cost.bwd_time(lay, 0, short) == pytest.approx(2 * cost.fwd_time(lay, 0, short))
+    assert cost.bwd_time(lay, 0, short, 2) > cost.bwd_time(lay, 0, short, 0)
+    # recompute trades activation bytes for time; the head stage keeps logits
+    assert cost.act_memory(lay, 0, short, 2) < cost.act_memory(lay, 0, short, 0)
+    assert cost.act_memory(lay, 1, short) > cost.act_memory(lay, 0, short)
+    # a recomputed slice of a split sequence still keeps its K/V
+    assert cost.act_memory(lay, 0, late, 2, split_seqs={1}) > cost.act_memory(lay, 0, late, 2)
+    assert cost.static_memory(lay, 0) > 0 and CostModel.from_dict(cost.to_dict()) == cost
+
+
+def test_fit_recovers_coefficients():
+    true = CostModel(num_layers=2, alpha_attn=3e-9, alpha_tok=2e-6, beta=1e-4, bwd_factor=2.5)
+    shapes = [((0, 128),), ((0, 512),), ((256, 256),), ((0, 64), (0, 64)), ((1024, 128),), ((0, 2048),)]
+    samples = []
+    for sh in shapes:
+        f = true.layer_fwd_time([Slice(0, c, s) for c, s in sh])
+        samples.append(ProfileSample(sh, f, 2.5 * f, act_bytes=100.0 * sum(s for _, s in sh)))
+    fitted = CostModel.from_hf_config(TINY).fit(samples)
+    assert fitted.alpha_attn == pytest.approx(3e-9, rel=1e-6)
+    assert fitted.alpha_tok == pytest.approx(2e-6, rel=1e-6)
+    assert fitted.beta == pytest.approx(1e-4, rel=1e-6)
+    assert fitted.bwd_factor == pytest.approx(2.5) and fitted.act_bytes_per_token == pytest.approx(100.0)
+    assert fitted.source == "fitted"
+
+
+def test_planning_does_not_import_torch():
+    code = "import sys, concertina_hf.planning; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
