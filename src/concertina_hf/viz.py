@@ -1,0 +1,188 @@
+"""Pictures of a plan: the pipeline schedule as a Gantt chart and each stage's memory over time.
+
+:func:`plot_gantt` draws, top to bottom:
+
+1. the *planned* schedule from the simulator (``sim.action_times``): one row per stage, one bar
+   per action, colored by chunk kind (packed / split / hybrid), forwards light and backwards
+   dark, the recompute part of a backward hatched (exactly, when the cost model is given; else
+   the whole backward of a chunk with recompute is hatched), chunk indices on bars wide enough
+   to hold them;
+2. the *measured* schedule, when given (actual start / end per action, e.g. from the runtime's
+   timers), on the same time axis so gaps between plan and reality show;
+3. every stage's memory over time (``sim.memory_timeline``, a step function) with its budget
+   as a dashed line.
+
+matplotlib is an optional dependency (``pip install concertina_hf[viz]``); it is imported only
+here, through its object API with the Agg canvas, so the global backend is left alone. Drawing
+costs one ``broken_barh`` call per (stage, color), so plans with thousands of actions draw in
+about a second.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, Mapping, Sequence
+
+from .planning.types import Action, ActionKind, ChunkKind, Plan
+
+__all__ = ["KIND_COLORS", "plot_gantt"]
+
+KIND_COLORS = {ChunkKind.PACKED: "#4C72B0", ChunkKind.SPLIT: "#DD8452", ChunkKind.HYBRID: "#55A868"}
+_STAGE_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22"]
+_GIB = float(2**30)
+
+
+def _matplotlib():
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "drawing plans needs matplotlib; install it with `pip install concertina_hf[viz]`"
+        ) from e
+    return Figure, FigureCanvasAgg, Patch
+
+
+def _normalize_measured(
+    measured: Sequence[tuple[Any, float, float]] | Mapping[int, Sequence[Any]] | None,
+) -> list[tuple[Action, float, float]]:
+    """Measured actions as ``(Action, start, end)`` with times relative to the earliest start.
+
+    Accepts a flat list of ``(action, start, end)`` or ``{stage: [(action, start, end), ...]}``;
+    an action may be an :class:`Action` or its string form ``"1F3"``.
+    """
+    if measured is None:
+        return []
+    rows: Iterable[Any]
+    if isinstance(measured, Mapping):
+        rows = [r for stage in sorted(measured) for r in measured[stage]]
+    else:
+        rows = measured
+    out = []
+    for r in rows:
+        a, t0, t1 = r
+        a = a if isinstance(a, Action) else Action.parse(str(a))
+        out.append((a, float(t0), float(t1)))
+    if not out:
+        return []
+    base = min(t0 for _, t0, _ in out)
+    return [(a, t0 - base, t1 - base) for a, t0, t1 in out]
+
+
+def _draw_schedule(ax, plan: Plan, times: Sequence[tuple[Action, float, float]], cost, span: float, label: str):
+    p = plan.num_stages
+    # group bars by (stage, color, alpha, hatch) so each group is one broken_barh call
+    groups: dict[tuple[int, str, float, str | None], list[tuple[float, float]]] = {}
+    texts = []
+    for a, t0, t1 in times:
+        chunk = plan.chunks[a.chunk]
+        color = KIND_COLORS[chunk.kind]
+        dur = max(t1 - t0, 0.0)
+        if a.kind is ActionKind.FORWARD:
+            groups.setdefault((a.stage, color, 0.45, None), []).append((t0, dur))
+        else:
+            r = plan.recompute[a.stage][a.chunk] if plan.recompute else 0
+            rec = 0.0
+            if r:
+                # exact recompute share from the cost model; without it hatch the whole bar
+                rec = min(dur, cost.recompute_time(chunk, r)) if cost is not None else dur
+            if rec > 0:
+                groups.setdefault((a.stage, color, 0.95, "////"), []).append((t0, rec))
+            if dur - rec > 0:
+                groups.setdefault((a.stage, color, 0.95, None), []).append((t0 + rec, dur - rec))
+        if span > 0 and dur / span > 0.012 * max(1, len(str(a.chunk))):
+            texts.append((t0 + dur / 2, a.stage, str(a.chunk)))
+    for (stage, color, alpha, hatch), bars in groups.items():
+        ax.broken_barh(bars, (stage - 0.4, 0.8), facecolors=color, alpha=alpha, hatch=hatch,
+                       edgecolor="white", linewidth=0.3)
+    for x, y, s in texts:
+        ax.text(x, y, s, ha="center", va="center", fontsize=6, color="black")
+    ax.set_yticks(range(p))
+    ax.set_yticklabels([f"stage {s}" for s in range(p)])
+    ax.set_ylim(p - 0.5, -0.5)  # stage 0 on top, as in pipeline diagrams
+    ax.set_xlim(0, span if span > 0 else 1)
+    ax.set_ylabel(label)
+    ax.grid(axis="x", alpha=0.3)
+
+
+def plot_gantt(
+    plan: Plan,
+    sim: Any,
+    path: str | os.PathLike,
+    measured: Sequence[tuple[Any, float, float]] | Mapping[int, Sequence[Any]] | None = None,
+    title: str | None = None,
+    *,
+    cost: Any = None,
+    dpi: int = 130,
+) -> str:
+    """Draw ``plan`` as simulated by ``sim`` (a :class:`~concertina_hf.planning.simulate.SimResult`)
+    into ``path`` (format from the suffix, e.g. ``.png``, ``.svg``, ``.pdf``); return the path.
+
+    ``measured``: actual ``(action, start_s, end_s)`` of a run, flat or per stage; drawn under
+    the plan on the same time axis (times are shifted so the earliest start is 0). ``cost``:
+    the :class:`~concertina_hf.planning.cost.CostModel` the plan was simulated with, to hatch
+    the exact recompute part of each backward.
+    """
+    Figure, FigureCanvasAgg, Patch = _matplotlib()
+    p = plan.num_stages
+    planned = [(a, t0, t1) for a, (t0, t1) in sim.action_times.items()]
+    meas = _normalize_measured(measured)
+    span = max([sim.step_time_s] + [t1 for _, _, t1 in meas])
+
+    n_rows = 3 if meas else 2
+    heights = [max(1.6, 0.45 * p + 0.6)] * (n_rows - 1) + [2.4]
+    fig = Figure(figsize=(13, sum(heights) + 1.4), dpi=dpi)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(n_rows, 1, sharex=True, gridspec_kw={"height_ratios": heights})
+    _draw_schedule(axes[0], plan, planned, cost, span, "planned")
+    if meas:
+        measured_step = max(t1 for _, _, t1 in meas)
+        _draw_schedule(axes[1], plan, meas, cost, span, "measured")
+        axes[1].set_title(
+            f"measured step {measured_step:.3g} s vs planned {sim.step_time_s:.3g} s "
+            f"({(measured_step / sim.step_time_s - 1) * 100 if sim.step_time_s > 0 else 0:+.1f}%)",
+            fontsize=9, loc="left",
+        )
+
+    mem_ax = axes[-1]
+    budgets = list(plan.memory_budget_bytes)
+    for s, points in enumerate(sim.memory_timeline):
+        color = _STAGE_COLORS[s % len(_STAGE_COLORS)]
+        xs = [t for t, _ in points] + [span]
+        ys = [b / _GIB for _, b in points]
+        ys.append(ys[-1] if ys else 0.0)
+        mem_ax.step(xs, ys, where="post", color=color, linewidth=1.0, label=f"stage {s}")
+        if budgets and budgets[s] > 0 and (s == 0 or len(set(budgets)) > 1):
+            mem_ax.axhline(budgets[s] / _GIB, color=color if len(set(budgets)) > 1 else "black",
+                           linestyle="--", linewidth=0.9)
+    if budgets and any(budgets):
+        mem_ax.plot([], [], color="black", linestyle="--", linewidth=0.9, label="budget")
+    mem_ax.set_ylabel("memory (GiB)")
+    mem_ax.set_xlabel("time (s)")
+    mem_ax.set_ylim(bottom=0)
+    mem_ax.grid(alpha=0.3)
+    mem_ax.legend(loc="upper right", fontsize=7, ncol=min(p + 1, 6))
+
+    counts = plan.chunk_counts()
+    handles = [Patch(facecolor=KIND_COLORS[k], label=f"{k.value} ({counts[k.value]})") for k in ChunkKind]
+    handles += [
+        Patch(facecolor="grey", alpha=0.45, label="forward"),
+        Patch(facecolor="grey", alpha=0.95, label="backward"),
+        Patch(facecolor="white", edgecolor="black", hatch="////",
+              label="recompute" if cost is not None else "backward with recompute"),
+    ]
+    # above the chart, so it never hides the first bars
+    axes[0].legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7,
+                   ncol=len(handles), frameon=False)
+    head = title or f"{plan.strategy}: {plan.num_chunks} chunks on {p} stages"
+    fig.suptitle(
+        f"{head}\npredicted step {sim.step_time_s:.3g} s, bubble {sim.bubble_fraction:.1%}, "
+        f"recompute {sim.recompute_fraction:.1%}, peak memory "
+        + " / ".join(f"{b / _GIB:.1f}" for b in sim.peak_memory_bytes) + " GiB",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    out = os.fspath(path)
+    fig.savefig(out)
+    return out
