@@ -1,0 +1,266 @@
+"""Training arguments: ``TrainingArguments`` plus flat ``concertina_*`` fields.
+
+Every field carries its help text in ``metadata["help"]``, so ``HfArgumentParser`` turns them
+into ``--concertina_*`` command-line flags. Invalid values and combinations fail when the
+arguments are built, with a message naming the field to change; checks that need the process
+group (pipeline size times data-parallel size equals the world size) run when the world size
+is already known from the launcher's ``WORLD_SIZE``, and again in :class:`ConcertinaTrainer`.
+
+Layout of ranks: ``world_size = pipeline_size * data_parallel_size``; the ranks of one
+pipeline replica are consecutive (``rank = replica * pipeline_size + stage``), so on one
+machine a pipeline's point-to-point traffic stays between neighbouring devices.
+
+One CPU trap is handled here: ``accelerate launch`` starts CPU processes through torchrun
+without telling ``TrainingArguments`` to use the CPU, and ``TrainingArguments`` then treats
+each rank as a lone process (``world_size == 1``) although the process group spans them all.
+When the launcher says ``WORLD_SIZE > 1`` and no GPU is visible, ``use_cpu`` is switched on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+__all__ = [
+    "COST_MODEL_SOURCES",
+    "ConcertinaTrainingArguments",
+    "SOLVERS",
+    "STRATEGIES",
+    "parse_memory_budget",
+    "resolve_parallel_sizes",
+]
+
+logger = logging.getLogger(__name__)
+
+# Plan strategies of ``concertina_hf.planning.plan_step`` (the adaptive method and its baselines).
+STRATEGIES = ("adaptive", "packed", "split", "no_recompute", "full_recompute")
+SOLVERS = ("ilp", "greedy")
+COST_MODEL_SOURCES = ("analytic", "profiled", "online")
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def _parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size in bytes: {text!r} (examples: 40GiB, 500MB, 1073741824)")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value <= 0:
+        raise ValueError(f"a memory budget must be positive, got {text!r}")
+    return int(value)
+
+
+def parse_memory_budget(text: str | int | None) -> str | tuple[int, ...] | None:
+    """``"auto"`` -> ``"auto"``; ``"none"`` / ``"0"`` / ``None`` -> ``None`` (unconstrained);
+    ``"40GiB"`` -> ``(42949672960,)`` (every stage); ``"20GiB,30GiB"`` -> one per stage.
+
+    >>> parse_memory_budget("1.5KiB,2k")
+    (1536, 2000)
+    """
+    if text is None:
+        return None
+    if isinstance(text, int):
+        return None if text == 0 else (_parse_bytes(str(text)),)
+    t = str(text).strip().lower()
+    if t == "auto":
+        return "auto"
+    if t in ("none", "0", ""):
+        return None
+    return tuple(_parse_bytes(part) for part in t.split(","))
+
+
+def resolve_parallel_sizes(world_size: int, pipeline_size: int | None, data_parallel_size: int | None) -> tuple[int, int]:
+    """``(pipeline_size, data_parallel_size)`` for ``world_size`` ranks; a missing size is
+    derived from the other (pipeline over all ranks when neither is given)."""
+    if pipeline_size is None and data_parallel_size is None:
+        pipeline_size, data_parallel_size = world_size, 1
+    elif pipeline_size is None:
+        if world_size % data_parallel_size:
+            raise ValueError(
+                f"concertina_data_parallel_size={data_parallel_size} does not divide the world size "
+                f"{world_size}; set concertina_data_parallel_size to a divisor of it"
+            )
+        pipeline_size = world_size // data_parallel_size
+    elif data_parallel_size is None:
+        if world_size % pipeline_size:
+            raise ValueError(
+                f"concertina_pipeline_size={pipeline_size} does not divide the world size {world_size}; "
+                "set concertina_pipeline_size to a divisor of it"
+            )
+        data_parallel_size = world_size // pipeline_size
+    if pipeline_size * data_parallel_size != world_size:
+        raise ValueError(
+            f"concertina_pipeline_size={pipeline_size} x concertina_data_parallel_size={data_parallel_size} "
+            f"= {pipeline_size * data_parallel_size} processes, but {world_size} were launched; set "
+            "concertina_pipeline_size / concertina_data_parallel_size so that their product is the number "
+            "of processes (accelerate launch --num_processes)"
+        )
+    return pipeline_size, data_parallel_size
+
+
+@dataclass
+class ConcertinaTrainingArguments(TrainingArguments):
+    """``TrainingArguments`` for :class:`concertina_hf.ConcertinaTrainer`.
+
+    Batch semantics are the Trainer's: an optimizer step consumes ``per_device_train_batch_size
+    x gradient_accumulation_steps`` sequences per pipeline replica, so ``x
+    concertina_data_parallel_size`` in all. All the step's sequences of a replica are planned
+    and run as one pipeline step (gradient accumulation is a batch size, not a loop).
+    """
+
+    concertina_pipeline_size: int | None = field(
+        default=None,
+        metadata={"help": "Pipeline stages per replica (processes per pipeline). Default: number of processes "
+                          "divided by concertina_data_parallel_size."},
+    )
+    concertina_data_parallel_size: int | None = field(
+        default=None,
+        metadata={"help": "Data-parallel pipeline replicas; each sees its own share of every step's sequences and "
+                          "gradients are all-reduced across replicas. Default: number of processes divided by "
+                          "concertina_pipeline_size (1 when neither is set)."},
+    )
+    concertina_memory_budget: str = field(
+        default="auto",
+        metadata={"help": "Memory per pipeline stage the plan must fit (static + activations): 'auto' (device "
+                          "memory x concertina_memory_fraction), 'none' (unconstrained), a size ('40GiB', '500MB', "
+                          "bytes), or a comma-separated list with one size per stage."},
+    )
+    concertina_memory_fraction: float = field(
+        default=0.85,
+        metadata={"help": "With concertina_memory_budget='auto': share of the device's memory a stage may plan for "
+                          "(the rest is left to the allocator's fragmentation and communication buffers)."},
+    )
+    concertina_strategy: str = field(
+        default="adaptive",
+        metadata={"help": f"How each step is planned: one of {', '.join(STRATEGIES)}. 'adaptive' is the method "
+                          "(workload-balanced chunking plus per-chunk, per-stage recompute); the others are the "
+                          "baselines (fixed token budget, fixed slicing, no / full recompute)."},
+    )
+    concertina_max_tokens_per_chunk: int | None = field(
+        default=None,
+        metadata={"help": "Upper bound on the tokens of one pipeline chunk; longer sequences are split into "
+                          "slices. Default: chosen by the planner."},
+    )
+    concertina_solver: str = field(
+        default="ilp",
+        metadata={"help": "Recompute solver: 'ilp' (PuLP/CBC with a time limit, greedy fallback) or 'greedy'."},
+    )
+    concertina_solver_time_limit: float = field(
+        default=1.0,
+        metadata={"help": "Seconds the ILP solver may spend on one step's plan."},
+    )
+    concertina_cost_model: str = field(
+        default="analytic",
+        metadata={"help": "Source of the cost model's coefficients: 'analytic' (FLOPs and bytes of the "
+                          "architecture at the device's rates), 'profiled' (load a fitted model from "
+                          "concertina_cost_model_path), or 'online' (start analytic or from the file, then refit "
+                          "from measured stage times every concertina_replan_interval steps)."},
+    )
+    concertina_cost_model_path: str | None = field(
+        default=None,
+        metadata={"help": "JSON file of a CostModel (CostModel.to_dict(), e.g. written by a profiling run) used "
+                          "by concertina_cost_model='profiled' and as the starting point of 'online'."},
+    )
+    concertina_replan_interval: int = field(
+        default=10,
+        metadata={"help": "With concertina_cost_model='online': refit the cost model from the measured stage "
+                          "times every N optimizer steps; later plans use the refitted model."},
+    )
+    concertina_overlap_planning: bool = field(
+        default=True,
+        metadata={"help": "Plan the next step in a background thread while the current step runs (the "
+                          "dataloader reads one step ahead). Planning is pure Python and deterministic."},
+    )
+    concertina_gantt_steps: int = field(
+        default=0,
+        metadata={"help": "Every N optimizer steps write the step's planned and measured Gantt chart to "
+                          "<output_dir>/gantt/ (and to wandb when it is a tracker); 0 disables."},
+    )
+
+    def __post_init__(self):
+        self._check_concertina_fields()
+        if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _has_accelerator():
+            # torchrun-launched CPU ranks: without this TrainingArguments silently runs each rank alone.
+            logger.info("WORLD_SIZE > 1 and no GPU visible: setting use_cpu=True so the ranks form one job")
+            self.use_cpu = True
+        super().__post_init__()
+        if self.fp16:
+            raise ValueError(
+                "fp16=True is not supported by ConcertinaTrainer (a dynamic loss scale would have to be shared by "
+                "all pipeline stages); set fp16=False and use bf16=True or load the model in bfloat16"
+            )
+        if self.activation_checkpointing:
+            raise ValueError(
+                "activation_checkpointing=True conflicts with the planner, which decides per chunk and per stage "
+                "how many layers recompute their activations; set activation_checkpointing=False (and "
+                "concertina_strategy='full_recompute' to recompute every layer)"
+            )
+        world = os.environ.get("WORLD_SIZE")
+        if world is not None:
+            resolve_parallel_sizes(int(world), self.concertina_pipeline_size, self.concertina_data_parallel_size)
+
+    def _check_concertina_fields(self) -> None:
+        for name in ("concertina_pipeline_size", "concertina_data_parallel_size", "concertina_max_tokens_per_chunk"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if self.concertina_strategy not in STRATEGIES:
+            raise ValueError(f"concertina_strategy={self.concertina_strategy!r}: choose one of {', '.join(STRATEGIES)}")
+        if self.concertina_solver not in SOLVERS:
+            raise ValueError(f"concertina_solver={self.concertina_solver!r}: choose one of {', '.join(SOLVERS)}")
+        if not self.concertina_solver_time_limit > 0:
+            raise ValueError(f"concertina_solver_time_limit must be positive, got {self.concertina_solver_time_limit}")
+        if self.concertina_cost_model not in COST_MODEL_SOURCES:
+            raise ValueError(
+                f"concertina_cost_model={self.concertina_cost_model!r}: choose one of {', '.join(COST_MODEL_SOURCES)}"
+            )
+        if self.concertina_cost_model == "profiled" and not self.concertina_cost_model_path:
+            raise ValueError(
+                "concertina_cost_model='profiled' needs concertina_cost_model_path (a CostModel JSON file); set it, "
+                "or use concertina_cost_model='online' to fit the model from this run's measurements"
+            )
+        if self.concertina_cost_model_path and not os.path.isfile(self.concertina_cost_model_path):
+            raise ValueError(f"concertina_cost_model_path={self.concertina_cost_model_path!r} is not a file")
+        if self.concertina_replan_interval < 0:
+            raise ValueError(f"concertina_replan_interval must be >= 0, got {self.concertina_replan_interval}")
+        if self.concertina_cost_model == "online" and self.concertina_replan_interval == 0:
+            raise ValueError(
+                "concertina_cost_model='online' refits every concertina_replan_interval steps; set "
+                "concertina_replan_interval to a positive number of steps"
+            )
+        if self.concertina_gantt_steps < 0:
+            raise ValueError(f"concertina_gantt_steps must be >= 0, got {self.concertina_gantt_steps}")
+        if not 0 < self.concertina_memory_fraction <= 1:
+            raise ValueError(f"concertina_memory_fraction must be in (0, 1], got {self.concertina_memory_fraction}")
+        try:
+            budget = parse_memory_budget(self.concertina_memory_budget)
+        except ValueError as e:
+            raise ValueError(f"concertina_memory_budget={self.concertina_memory_budget!r}: {e}") from None
+        if isinstance(budget, tuple) and len(budget) > 1 and self.concertina_pipeline_size is not None \
+                and len(budget) != self.concertina_pipeline_size:
+            raise ValueError(
+                f"concertina_memory_budget lists {len(budget)} sizes but concertina_pipeline_size is "
+                f"{self.concertina_pipeline_size}; give one size, or one per stage"
+            )
+
+    @property
+    def memory_budget(self) -> str | tuple[int, ...] | None:
+        """The parsed ``concertina_memory_budget`` (see :func:`parse_memory_budget`)."""
+        return parse_memory_budget(self.concertina_memory_budget)
+
+
+def _has_accelerator() -> bool:
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    xpu = getattr(torch, "xpu", None)
+    return bool(xpu is not None and xpu.is_available())

@@ -1,0 +1,155 @@
+"""Padding-free batches that keep each sequence's length.
+
+:class:`LengthAwareCollator` concatenates the batch's sequences into one row (no padding
+tokens, so no compute or memory is spent on them) and returns their lengths, which is what the
+step planner needs. The output is also a valid padding-free batch for a plain HF causal LM (the
+same layout as ``transformers.DataCollatorWithFlattening``): ``position_ids`` restart at 0 for
+each sequence, so HF's attention masks keep the sequences apart, and the first label of every
+sequence is ``-100``, so no token is ever trained to predict the next sequence's first token.
+Labels are per sequence: a row's own ``labels`` when it has them (``-100`` entries kept), else
+its ``input_ids``.
+
+Cost: one pass over the tokens (a Python list concatenation and one tensor per field).
+:func:`split_sequences` is the inverse, and also understands the batches of
+``DataCollatorWithFlattening`` and of padding collators (``attention_mask``), so
+:class:`ConcertinaTrainer` accepts the collators people already use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+__all__ = ["LengthAwareCollator", "split_sequences"]
+
+
+@dataclass
+class LengthAwareCollator:
+    """Collate tokenized rows (``{"input_ids": [...], "labels": [...] (optional)}``) into one
+    padding-free row.
+
+    ``max_length``: sequences longer than this are truncated to their first ``max_length``
+    tokens (``None``: keep them whole). Empty sequences are dropped (they hold no token to
+    train on). Other fields of the rows (``length``, ``text``, ...) are ignored.
+
+    >>> collate = LengthAwareCollator(max_length=4)
+    >>> batch = collate([{"input_ids": [5, 6, 7]},
+    ...                  {"input_ids": [8, 9, 10, 11, 12]},
+    ...                  {"input_ids": [13, 14], "labels": [-100, 14]}])
+    >>> batch["input_ids"]
+    tensor([[ 5,  6,  7,  8,  9, 10, 11, 13, 14]])
+    >>> batch["labels"]
+    tensor([[-100,    6,    7, -100,    9,   10,   11, -100,   14]])
+    >>> batch["position_ids"]
+    tensor([[0, 1, 2, 0, 1, 2, 3, 0, 1]])
+    >>> batch["seq_lens"]
+    tensor([3, 4, 2])
+    >>> [t.tolist() for t in split_sequences(batch)[0]]
+    [[5, 6, 7], [8, 9, 10, 11], [13, 14]]
+    """
+
+    max_length: int | None = None
+    return_position_ids: bool = True
+
+    def __post_init__(self):
+        if self.max_length is not None and self.max_length < 1:
+            raise ValueError(f"LengthAwareCollator(max_length={self.max_length}): max_length must be at least 1")
+
+    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        ids: list[int] = []
+        labels: list[int] = []
+        positions: list[int] = []
+        lens: list[int] = []
+        for i, row in enumerate(features):
+            if "input_ids" not in row:
+                raise ValueError(
+                    f"row {i} of the batch has no 'input_ids' (fields: {sorted(row)}); tokenize the dataset first "
+                    "(concertina_hf.data.tokenize_dataset) or keep the column (remove_unused_columns)"
+                )
+            x = _as_list(row["input_ids"])
+            y = _as_list(row["labels"]) if row.get("labels") is not None else list(x)
+            if len(y) != len(x):
+                raise ValueError(f"row {i}: {len(y)} labels for {len(x)} input_ids; labels must be unshifted, one per token")
+            if self.max_length is not None:
+                x, y = x[: self.max_length], y[: self.max_length]
+            if not x:
+                continue
+            # The first label of a sequence is never a target of its own tokens; -100 also keeps a
+            # flat HF forward from training the previous sequence's last token to predict it.
+            y[0] = -100
+            ids += x
+            labels += y
+            positions += range(len(x))
+            lens.append(len(x))
+        out = {
+            "input_ids": torch.tensor([ids], dtype=torch.long),
+            "labels": torch.tensor([labels], dtype=torch.long),
+            "seq_lens": torch.tensor(lens, dtype=torch.long),
+        }
+        if self.return_position_ids:
+            out["position_ids"] = torch.tensor([positions], dtype=torch.long)
+        return out
+
+
+def _as_list(x: Any) -> list[int]:
+    if isinstance(x, torch.Tensor):
+        return x.reshape(-1).tolist()
+    return [int(t) for t in x]
+
+
+def split_sequences(batch: Mapping[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The batch's sequences as ``(input_ids, labels)`` lists of 1-D tensors (labels unshifted).
+
+    Understands, in this order: ``seq_lens`` (:class:`LengthAwareCollator`); ``cu_seq_lens_q``
+    or ``position_ids`` restarting at 0 on a single row (``DataCollatorWithFlattening``); a
+    padded ``[B, L]`` batch with ``attention_mask`` (pad positions dropped); a ``[B, L]`` batch
+    without mask (every row is a whole sequence). Without ``labels`` the labels are the inputs.
+    """
+    input_ids = batch["input_ids"]
+    if not isinstance(input_ids, torch.Tensor):
+        input_ids = torch.as_tensor(input_ids)
+    labels = batch.get("labels")
+    if labels is None:
+        labels = input_ids
+    elif not isinstance(labels, torch.Tensor):
+        labels = torch.as_tensor(labels)
+    if labels.shape != input_ids.shape:
+        raise ValueError(f"labels shape {tuple(labels.shape)} differs from input_ids shape {tuple(input_ids.shape)}")
+    if input_ids.dim() == 1:
+        input_ids, labels = input_ids[None], labels[None]
+
+    lens: list[int] | None = None
+    if batch.get("seq_lens") is not None:
+        lens = [int(n) for n in torch.as_tensor(batch["seq_lens"]).reshape(-1).tolist()]
+    elif batch.get("cu_seq_lens_q") is not None and input_ids.shape[0] == 1:
+        cu = torch.as_tensor(batch["cu_seq_lens_q"]).reshape(-1).tolist()
+        lens = [b - a for a, b in zip(cu, cu[1:])]
+    elif batch.get("position_ids") is not None and input_ids.shape[0] == 1 and batch.get("attention_mask") is None:
+        pos = torch.as_tensor(batch["position_ids"]).reshape(-1)
+        starts = (pos == 0).nonzero().reshape(-1).tolist()
+        if not starts or starts[0] != 0:
+            raise ValueError("position_ids of a flattened batch must start at 0 for every sequence")
+        bounds = starts + [pos.numel()]
+        lens = [b - a for a, b in zip(bounds, bounds[1:])]
+    if lens is not None:
+        if sum(lens) != input_ids.shape[1] or input_ids.shape[0] != 1:
+            raise ValueError(
+                f"sequence lengths sum to {sum(lens)} but the flattened batch holds {input_ids.shape[1]} tokens"
+            )
+        return list(input_ids[0].split(lens)), list(labels[0].split(lens))
+
+    mask = batch.get("attention_mask")
+    seqs, labs = [], []
+    for r in range(input_ids.shape[0]):
+        if mask is None:
+            keep = slice(None)
+            x, y = input_ids[r, keep], labels[r, keep]
+        else:
+            m = torch.as_tensor(mask[r]).bool()
+            x, y = input_ids[r][m], labels[r][m]
+        if x.numel():
+            seqs.append(x)
+            labs.append(y)
+    return seqs, labs
