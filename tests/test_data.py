@@ -89,6 +89,8 @@ def test_local_json_through_the_same_call(tmp_path, tokenizer):
     assert tok["length"][0] < tok["length"][1] < tok["length"][2]
     with pytest.raises(ValueError, match="--text-column"):
         data.load_text_dataset("json", data_files=str(path), cache_dir=tmp_path / "c")
+    direct = data.load_text_dataset(str(path), text_column="body", cache_dir=tmp_path / "c")
+    assert direct["id"] == [1, 5, 50]
     stream = data.load_text_dataset("json", data_files=str(path), text_column="body", streaming=True)
     assert [r["id"] for r in stream] == [1, 5, 50]
 

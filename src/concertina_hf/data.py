@@ -49,6 +49,10 @@ _ASSETS = pathlib.Path(__file__).resolve().parent / "assets"
 # Directory names under the stdlib root that are not library source: test suites (they are
 # large, generated-looking and unlike real code) and third-party packages.
 _EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
+# A single local file given as the dataset name is loaded with the packaged builder for its
+# suffix (load_dataset itself only accepts directories and builder names as paths).
+_BUILDER_BY_SUFFIX = {".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet",
+                      ".csv": "csv", ".arrow": "arrow"}
 # Length distributions shipped with the package (see assets/distributions/README.md).
 DISTRIBUTIONS = ("github", "commoncrawl")
 
@@ -128,9 +132,11 @@ def load_text_dataset(
 ):
     """Load a text dataset through ``datasets.load_dataset``.
 
-    ``name`` is a Hub dataset name, a local path or a packaged builder (``"json"``,
+    ``name`` is a Hub dataset name, a local directory or a packaged builder (``"json"``,
     ``"text"``, ``"parquet"``, ``"csv"`` with ``data_files``), passed straight through with
-    ``config``, ``split``, ``streaming`` and ``data_files``. The special name ``"stdlib"`` is
+    ``config``, ``split``, ``streaming`` and ``data_files``; a single local ``.json``,
+    ``.jsonl``, ``.txt``, ``.parquet``, ``.csv`` or ``.arrow`` file becomes the matching builder
+    with ``data_files=name``. The special name ``"stdlib"`` is
     the standard library's sources (optionally only the first ``max_files``) loaded with
     ``load_dataset("json", data_files=<cached JSON lines>)``. ``cache_dir`` is both where the
     stdlib JSON lines go and ``load_dataset``'s cache (default: ``HF_DATASETS_CACHE``, else
@@ -151,6 +157,10 @@ def load_text_dataset(
     else:
         if max_files is not None:
             raise ValueError("max_files applies to the 'stdlib' dataset only; select rows with split='train[:N]'")
+        local = pathlib.Path(name)
+        suffix = local.suffix.lower()
+        if data_files is None and local.is_file() and suffix in _BUILDER_BY_SUFFIX:
+            name, data_files = _BUILDER_BY_SUFFIX[suffix], str(local)
         if data_files is not None:
             kwargs["data_files"] = data_files
         ds = datasets.load_dataset(name, config, **kwargs)
