@@ -8,6 +8,13 @@ of the backward order, the forwards of all chunks up to ``max_{j<=i} pos(b_j) + 
 in forward order: with no split sequence this is textbook 1F1B (``p - s`` warm-up forwards,
 then one forward / one backward), and a sequence of ``n`` chunks raises the in-flight window
 to ``p - s - 1 + n`` chunks. Groups run back to back (fill and drain each).
+
+``prefetch=True`` replaces ``max_{j<=i} pos(b_j)`` by its look-ahead envelope
+``max_{j>=i} (max_{k<=j} pos(b_k) - (j - i))``: a stage forwards the next split chain one
+backward earlier per chunk of the chain, so the stage below, which must forward the whole chain
+before its first backward, never waits for chunks its neighbour holds back behind backwards
+(without it every split chain costs about one backward of idle time per stage). The in-flight
+maximum stays ``p - s - 1 + n``; with no split sequence the two rules coincide.
 """
 
 from __future__ import annotations
@@ -35,7 +42,8 @@ def backward_order(chunks: Sequence[Chunk], group: Sequence[int]) -> list[int]:
     return order
 
 
-def build_schedule(chunks: Sequence[Chunk], groups: Sequence[Sequence[int]], num_stages: int) -> tuple[tuple[Action, ...], ...]:
+def build_schedule(chunks: Sequence[Chunk], groups: Sequence[Sequence[int]], num_stages: int,
+                   *, prefetch: bool = False) -> tuple[tuple[Action, ...], ...]:
     """Per-stage action lists for groups run back to back (see the module docstring)."""
     p = num_stages
     stages: list[list[Action]] = [[] for _ in range(p)]
@@ -43,12 +51,17 @@ def build_schedule(chunks: Sequence[Chunk], groups: Sequence[Sequence[int]], num
         fwd = list(group)
         bwd = backward_order(chunks, group)
         pos = {ci: k for k, ci in enumerate(fwd)}
+        needs, need = [], -1
+        for b in bwd:
+            need = max(need, pos[b])
+            needs.append(need)
+        if prefetch:
+            for i in range(len(needs) - 2, -1, -1):
+                needs[i] = max(needs[i], needs[i + 1] - 1)
         for s in range(p):
             acts = stages[s]
             done = 0
-            need = -1
-            for b in bwd:
-                need = max(need, pos[b])
+            for b, need in zip(bwd, needs):
                 target = min(len(fwd), need + 1 + (p - s - 1))
                 while done < target:
                     acts.append(Action(s, ActionKind.FORWARD, fwd[done]))
