@@ -1,0 +1,24 @@
+"""Runtime: executes a :class:`~concertina_hf.planning.types.Plan` on ``torch.distributed``.
+
+- :class:`PipelineWrapper` (:mod:`.stage`): one pipeline stage of an HF causal LM, pruned in place;
+- :class:`PipelineExecutor` (:mod:`.executor`): walks the stage's actions, returns a :class:`StepResult`;
+- :mod:`.attention`: the ``"concertina"`` attention backend (packed, sliced sequences, K/V across slices);
+- :mod:`.p2p`: stage-to-stage transfers; :mod:`.memory`: measured activation memory.
+"""
+
+from .attention import ATTN_IMPLEMENTATION, ChunkAttentionContext, KVStore, SliceSpec, register_attention
+from .executor import PipelineExecutor, StepResult
+from .memory import SavedTensorMeter
+from .stage import PipelineWrapper
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "ChunkAttentionContext",
+    "KVStore",
+    "PipelineExecutor",
+    "PipelineWrapper",
+    "SavedTensorMeter",
+    "SliceSpec",
+    "StepResult",
+    "register_attention",
+]

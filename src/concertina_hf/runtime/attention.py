@@ -1,0 +1,312 @@
+"""The ``"concertina"`` attention backend: packed, sliced sequences through unmodified HF models.
+
+A chunk is a padding-free concatenation of slices (see :mod:`concertina_hf.planning.types`).
+HF attention modules call the function registered in ``AttentionInterface`` under the model's
+``config._attn_implementation``; the runtime calls the decoder layers itself and passes a
+:class:`ChunkAttentionContext` as the extra keyword ``concertina_ctx``, which HF forwards
+unchanged from the decoder layer to the attention function. With it, for each layer:
+
+1. every slice that is not the last of its sequence stores its post-rotary K and V (a view of the
+   chunk's keys, still attached to the graph, for its own backward) and a detached leaf alias
+   with ``requires_grad`` that later slices read, in the :class:`KVStore` (set-if-absent, so the
+   forward replayed by activation checkpointing leaves the originals in place);
+2. a slice with context ``C > 0`` attends to the concatenated leaves of its sequence's earlier
+   slices (exactly ``C`` tokens) followed by its own keys; the gradient that flows into those
+   leaves is what the runtime hands to the earlier slices' backward;
+3. the keys are laid out slice by slice (``[prefix_i, own_i]``), so the attention is a varlen
+   attention with queries no longer than keys and bottom-right causal alignment:
+   - CUDA with ``flash-attn``: ``flash_attn_varlen_func`` on that layout (:func:`_flash_path`);
+   - otherwise (CPU, tests): one SDPA call with an explicit boolean mask built from the
+     per-token (sequence, position) of queries and keys (:func:`_sdpa_path`): query ``q``
+     sees key ``k`` iff same sequence and ``pos_k <= pos_q`` (and ``pos_q - pos_k < window``
+     under sliding-window attention). The mask is built once per chunk and shared by layers.
+
+Costs: the mask is ``T x S`` booleans per chunk (``S = T + sum C``); SDPA on CPU dispatches to
+its flash kernel, which saves ``q, k, v, out, logsumexp``. A slice with context ``C`` saves its
+concatenated keys (``C + s`` tokens per layer) until its backward; the earlier slices' own K/V
+stay alive (in the store) until their own backward.
+
+Without a context (a plain ``model(...)`` call on a model set to ``"concertina"``) the function
+falls back to HF's SDPA path and the mask function registered under the same name is HF's SDPA
+mask, so ``generate`` and ordinary evaluation still work.
+
+Shape legend: ``T`` query tokens of the chunk, ``S`` key tokens, ``H`` query heads, ``K`` key/value
+heads, ``D`` head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "ChunkAttentionContext",
+    "KVStore",
+    "SliceSpec",
+    "concertina_attention_forward",
+    "flash_attn_available",
+    "register_attention",
+]
+
+ATTN_IMPLEMENTATION = "concertina"
+
+
+@dataclass(frozen=True, slots=True)
+class SliceSpec:
+    """A slice as the attention sees it: ``tokens [start, start+length)`` of sequence ``seq``,
+    at ``offset`` in the chunk; ``final`` when no later slice of the sequence exists."""
+
+    seq: int
+    start: int
+    length: int
+    offset: int
+    final: bool
+
+
+@dataclass(slots=True)
+class _KVEntry:
+    k: torch.Tensor  # [1, K, s, D], attached to the slice's own graph
+    v: torch.Tensor
+    k_leaf: torch.Tensor  # detached alias (same storage) that later slices attend to
+    v_leaf: torch.Tensor
+
+
+class KVStore:
+    """Post-rotary K/V of non-final slices, per ``(sequence, slice start, layer)``.
+
+    The runtime frees a slice's entries after that slice's backward (all later slices of the
+    sequence have run backward by then, so its leaf gradients are complete), or, without
+    gradients, once the sequence's last slice has run forward.
+    """
+
+    def __init__(self) -> None:
+        # seq -> layer -> {start: entry}
+        self._kv: dict[int, dict[int, dict[int, _KVEntry]]] = {}
+
+    def put_if_absent(self, seq: int, start: int, layer: int, k: torch.Tensor, v: torch.Tensor,
+                      requires_grad: bool) -> None:
+        per_start = self._kv.setdefault(seq, {}).setdefault(layer, {})
+        if start in per_start:  # the replay of a checkpointed layer: keep the originals
+            return
+        k_leaf = k.detach().requires_grad_(requires_grad)
+        v_leaf = v.detach().requires_grad_(requires_grad)
+        per_start[start] = _KVEntry(k, v, k_leaf, v_leaf)
+
+    def prefix(self, seq: int, context: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Leaves of the slices of ``seq`` before token ``context``, concatenated: [1, K, context, D]."""
+        per_start = self._kv.get(seq, {}).get(layer, {})
+        parts = [per_start[s] for s in sorted(per_start) if s < context]
+        have = sum(e.k_leaf.shape[2] for e in parts)
+        if have != context:
+            raise RuntimeError(
+                f"K/V of sequence {seq} before token {context} on layer {layer} is incomplete "
+                f"({have} tokens stored): an earlier slice did not run forward on this stage first"
+            )
+        if len(parts) == 1:
+            return parts[0].k_leaf, parts[0].v_leaf
+        return torch.cat([e.k_leaf for e in parts], dim=2), torch.cat([e.v_leaf for e in parts], dim=2)
+
+    def entries(self, seq: int, start: int) -> list[_KVEntry]:
+        """This slice's entries on every layer of the stage (layer order)."""
+        layers = self._kv.get(seq, {})
+        return [layers[l][start] for l in sorted(layers) if start in layers[l]]
+
+    def entries_before(self, seq: int, start: int) -> list[tuple[int, _KVEntry]]:
+        """``(slice start, entry)`` of the slices of ``seq`` before token ``start``, every layer."""
+        return [(s, e) for per_start in self._kv.get(seq, {}).values() for s, e in per_start.items() if s < start]
+
+    def free_slice(self, seq: int, start: int) -> None:
+        layers = self._kv.get(seq)
+        if not layers:
+            return
+        for per_start in layers.values():
+            per_start.pop(start, None)
+        if all(not p for p in layers.values()):
+            del self._kv[seq]
+
+    def free_seq(self, seq: int) -> None:
+        self._kv.pop(seq, None)
+
+    def clear(self) -> None:
+        self._kv.clear()
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every stored tensor, with the leaves' gradients (for memory accounting)."""
+        out = []
+        for layers in self._kv.values():
+            for per_start in layers.values():
+                for e in per_start.values():
+                    out += [e.k, e.v]
+                    out += [g for g in (e.k_leaf.grad, e.v_leaf.grad) if g is not None]
+        return out
+
+    def __len__(self) -> int:
+        return sum(len(p) for layers in self._kv.values() for p in layers.values())
+
+
+class ChunkAttentionContext:
+    """Token layout of one chunk plus the K/V store; passed to decoder layers as ``concertina_ctx``.
+
+    ``position_ids`` ([1, T]) are ``start + arange(length)`` per slice, so rotary embeddings
+    continue across slice boundaries.
+    """
+
+    def __init__(self, slices: Sequence[SliceSpec], store: KVStore, device: torch.device | str,
+                 requires_grad: bool) -> None:
+        self.slices = tuple(slices)
+        self.store = store
+        self.requires_grad = requires_grad
+        self.device = torch.device(device)
+        self.num_tokens = sum(s.length for s in self.slices)
+        q_seq, q_pos = [], []
+        for s in self.slices:
+            q_seq.append(torch.full((s.length,), s.seq, dtype=torch.long))
+            q_pos.append(torch.arange(s.start, s.start + s.length))
+        self.q_seq_T = torch.cat(q_seq).to(self.device)
+        self.q_pos_T = torch.cat(q_pos).to(self.device)
+        self.position_ids = self.q_pos_T.unsqueeze(0)
+        self.has_context = any(s.start > 0 for s in self.slices)
+        # key layout, slice by slice: [prefix_i (start_i tokens), own_i]
+        k_seq, k_pos, cu_k = [], [], [0]
+        for s in self.slices:
+            n = s.start + s.length
+            k_seq.append(torch.full((n,), s.seq, dtype=torch.long))
+            k_pos.append(torch.arange(0, n))
+            cu_k.append(cu_k[-1] + n)
+        self.k_seq_S = torch.cat(k_seq).to(self.device)
+        self.k_pos_S = torch.cat(k_pos).to(self.device)
+        self.cu_seqlens_q = torch.tensor([0] + _cumsum([s.length for s in self.slices]), dtype=torch.int32,
+                                         device=self.device)
+        self.cu_seqlens_k = torch.tensor(cu_k, dtype=torch.int32, device=self.device)
+        self.max_seqlen_q = max(s.length for s in self.slices)
+        self.max_seqlen_k = max(s.start + s.length for s in self.slices)
+        self._masks: dict[int | None, torch.Tensor] = {}
+
+    def keys(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this chunk's non-final slices' K/V and return the keys in the slice-by-slice
+        layout: [1, K, S, D] each."""
+        for s in self.slices:
+            if not s.final:
+                self.store.put_if_absent(s.seq, s.start, layer, key[:, :, s.offset:s.offset + s.length],
+                                         value[:, :, s.offset:s.offset + s.length], self.requires_grad)
+        if not self.has_context:
+            return key, value
+        ks, vs = [], []
+        for s in self.slices:
+            if s.start > 0:
+                pk, pv = self.store.prefix(s.seq, s.start, layer)
+                ks.append(pk)
+                vs.append(pv)
+            ks.append(key[:, :, s.offset:s.offset + s.length])
+            vs.append(value[:, :, s.offset:s.offset + s.length])
+        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """Boolean [1, 1, T, S]: True where the query may attend to the key."""
+        m = self._masks.get(window)
+        if m is None:
+            q_seq, q_pos = self.q_seq_T[:, None], self.q_pos_T[:, None]
+            m = (q_seq == self.k_seq_S[None, :]) & (self.k_pos_S[None, :] <= q_pos)
+            if window is not None:
+                m &= (q_pos - self.k_pos_S[None, :]) < window
+            m = m[None, None]
+            self._masks[window] = m
+        return m
+
+
+def _cumsum(xs: Sequence[int]) -> list[int]:
+    out, t = [], 0
+    for x in xs:
+        t += x
+        out.append(t)
+    return out
+
+
+def flash_attn_available() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _sdpa_path(module: Any, query: torch.Tensor, key_S: torch.Tensor, value_S: torch.Tensor,
+               ctx: ChunkAttentionContext, dropout: float, scaling: float | None,
+               window: int | None) -> torch.Tensor:
+    """query [1, H, T, D], keys [1, K, S, D] -> [1, T, H, D]."""
+    gqa = query.shape[1] != key_S.shape[1]
+    out = F.scaled_dot_product_attention(
+        query, key_S, value_S, attn_mask=ctx.mask(window), dropout_p=dropout, scale=scaling, enable_gqa=gqa,
+    )
+    return out.transpose(1, 2).contiguous()
+
+
+def _flash_path(module: Any, query: torch.Tensor, key_S: torch.Tensor, value_S: torch.Tensor,
+                ctx: ChunkAttentionContext, dropout: float, scaling: float | None,
+                window: int | None) -> torch.Tensor:
+    """flash-attn varlen: each slice is one varlen segment whose keys are ``[prefix, own]``;
+    flash-attn >= 2.1 aligns the causal mask bottom-right when queries are shorter than keys."""
+    from flash_attn import flash_attn_varlen_func
+
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    k = key_S[0].transpose(0, 1)  # [S, K, D] (flash-attn handles K < H natively)
+    v = value_S[0].transpose(0, 1)
+    out = flash_attn_varlen_func(
+        q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k,
+        dropout_p=dropout, softmax_scale=scaling, causal=True,
+        window_size=(window - 1, 0) if window is not None else (-1, -1),
+    )
+    return out.unsqueeze(0)  # [1, T, H, D]
+
+
+def concertina_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    concertina_ctx: ChunkAttentionContext | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """HF attention-interface function. ``query`` [1, H, T, D], ``key``/``value`` [1, K, T, D]
+    (post-rotary); returns ``([1, T, H, D], None)``."""
+    if concertina_ctx is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, sliding_window=sliding_window, **kwargs)
+    ctx = concertina_ctx
+    if query.shape[0] != 1 or query.shape[2] != ctx.num_tokens:
+        raise ValueError(
+            f"concertina attention expects one packed row of {ctx.num_tokens} tokens, got query {tuple(query.shape)}"
+        )
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        raise ValueError(f"{type(module).__name__} has no layer_idx; the concertina backend needs it to key K/V")
+    key_S, value_S = ctx.keys(layer, key, value)
+    use_flash = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and flash_attn_available()
+    path = _flash_path if use_flash else _sdpa_path
+    return path(module, query, key_S, value_S, ctx, dropout, scaling, sliding_window), None
+
+
+_REGISTERED = False
+
+
+def register_attention() -> str:
+    """Register the backend (and HF's SDPA mask under the same name); idempotent. Returns its name."""
+    global _REGISTERED
+    if not _REGISTERED:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        AttentionInterface.register(ATTN_IMPLEMENTATION, concertina_attention_forward)
+        AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+        _REGISTERED = True
+    return ATTN_IMPLEMENTATION

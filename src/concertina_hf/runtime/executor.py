@@ -1,0 +1,301 @@
+"""A faithful interpreter of a :class:`~concertina_hf.planning.types.Plan` on one pipeline stage.
+
+:meth:`PipelineExecutor.run_step` walks this stage's action list in order and decides nothing:
+
+- ``F c``: receive chunk ``c``'s hidden states from the previous stage (stage 0: embed the
+  chunk's tokens), run the stage's decoder layers with the first ``plan.recompute[stage][c]``
+  of them checkpointed, and send the result on (the last stage instead applies the final norm,
+  the LM head and a float32 summed cross-entropy divided by ``num_items_in_batch``);
+- ``B c``: receive the gradient of the chunk's output (the last stage starts from its loss) and
+  run ``torch.autograd.backward`` on the output *and* on the K/V that chunk's non-final slices
+  stored, with the gradients later slices accumulated on the leaf aliases of that K/V (see
+  :mod:`.attention`); send the input gradient back; free the chunk's K/V.
+
+Gradients accumulate into ``.grad`` of the stage's parameters (never zeroed here) and equal
+those of the HF model on one device over the same sequences with the same ``num_items_in_batch``
+(token-weighted loss), whatever the chunking, schedule and recompute.
+
+Per step costs beyond compute: one P2P message per chunk and direction between neighbouring
+stages (``[1, tokens, hidden]`` in the model dtype), and one 2-float broadcast of the loss.
+Failures inside an action are logged with the plan grid, the failing action marked.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..planning.types import Action, ActionKind, Plan, PlanError
+from .attention import ChunkAttentionContext, KVStore, SliceSpec
+from .memory import SavedTensorMeter
+from .p2p import StageComm, activation_tag, gradient_tag
+from .stage import PipelineWrapper
+
+__all__ = ["PipelineExecutor", "StepResult"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    """What one :meth:`PipelineExecutor.run_step` did on this stage.
+
+    ``loss`` = ``loss_sum / num_items`` (the same on every pipeline rank); ``action_times``:
+    ``(action, start, end)`` of the compute of each action of this stage, in seconds since the
+    step started (communication waits before an action are outside its span);
+    ``peak_activation_bytes``: measured peak of activation memory on this stage
+    (:class:`~concertina_hf.runtime.memory.SavedTensorMeter`).
+    """
+
+    loss: float
+    loss_sum: float
+    num_items: int
+    action_times: list[tuple[Action, float, float]] = field(default_factory=list)
+    peak_activation_bytes: int = 0
+    wall_time_s: float = 0.0
+
+
+class _Clock:
+    """Wall clock on CPU; CUDA events on GPU (read once at the end of the step)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.t0 = time.perf_counter()
+        if self.cuda:
+            self.e0 = torch.cuda.Event(enable_timing=True)
+            self.e0.record()
+
+    def mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter() - self.t0
+
+    def seconds(self, mark) -> float:
+        if self.cuda:
+            return self.e0.elapsed_time(mark) / 1e3
+        return mark
+
+
+class PipelineExecutor:
+    """Runs plans on this process's stage (see the module docstring).
+
+    ``pp_group``: the pipeline ranks in stage order (group rank == stage); ``None``: the default
+    group (rank == stage), or no process group at all for a single stage. ``device``: where
+    activations live (default: the device of the stage's parameters).
+    """
+
+    def __init__(self, wrapper: PipelineWrapper, pp_group: dist.ProcessGroup | None = None,
+                 device: torch.device | str | None = None) -> None:
+        self.wrapper = wrapper
+        self.layout = wrapper.layout
+        self.stage = wrapper.stage
+        self.num_stages = wrapper.layout.num_stages
+        self.device = torch.device(device) if device is not None else wrapper.device
+        self.hidden_size = int(wrapper.config.hidden_size)
+        self.comm: StageComm | None = None
+        if self.num_stages > 1:
+            if not dist.is_initialized():
+                raise RuntimeError(
+                    f"a {self.num_stages}-stage pipeline needs torch.distributed initialized "
+                    "(or use a layout with one stage)"
+                )
+            group = pp_group if pp_group is not None else dist.group.WORLD
+            size, rank = dist.get_world_size(group), dist.get_rank(group)
+            if size != self.num_stages:
+                raise ValueError(f"the pipeline group has {size} ranks but the layout has {self.num_stages} stages")
+            if rank != self.stage:
+                raise ValueError(f"this process is rank {rank} of the pipeline group but wraps stage {self.stage}")
+            self.comm = StageComm(group, self.stage, self.num_stages)
+            if dist.get_backend(group) == "nccl":
+                # batched NCCL P2P must not be the first operation on a fresh communicator
+                dist.barrier(group=group)
+        excluded = [p for p in wrapper.parameters()] + [b for b in wrapper.buffers()]
+        self.meter = SavedTensorMeter(exclude=excluded, device=self.device)
+
+    # ------------------------------------------------------------------ checks
+    def _check(self, plan: Plan, input_ids: Sequence[torch.Tensor], labels: Sequence[torch.Tensor] | None) -> None:
+        plan.validate()
+        if plan.layout != self.layout:
+            raise PlanError(
+                f"the plan was made for stage layout {plan.layout.layer_ranges} but this pipeline runs "
+                f"{self.layout.layer_ranges}; plan with the wrapper's layout"
+            )
+        if len(input_ids) != len(plan.seq_lens):
+            raise ValueError(f"the plan covers {len(plan.seq_lens)} sequences, got {len(input_ids)} input_ids")
+        for i, (ids, n) in enumerate(zip(input_ids, plan.seq_lens)):
+            if ids.dim() != 1 or ids.shape[0] != n:
+                raise ValueError(f"input_ids[{i}] has shape {tuple(ids.shape)}, the plan says [{n}]")
+        if labels is not None:
+            if len(labels) != len(input_ids):
+                raise ValueError(f"{len(labels)} labels for {len(input_ids)} sequences")
+            for i, (lab, ids) in enumerate(zip(labels, input_ids)):
+                if lab.shape != ids.shape:
+                    raise ValueError(f"labels[{i}] has shape {tuple(lab.shape)}, input_ids[{i}] {tuple(ids.shape)}")
+        # NCCL matches P2P messages in issue order: neighbours must agree on the chunk order
+        for s in range(self.num_stages - 1):
+            for kind in ActionKind:
+                a = [x.chunk for x in plan.schedule[s] if x.kind is kind]
+                b = [x.chunk for x in plan.schedule[s + 1] if x.kind is kind]
+                if a != b:
+                    raise PlanError(
+                        f"stages {s} and {s + 1} run {kind.name.lower()} passes of the chunks in different "
+                        f"orders ({a} vs {b}); P2P messages would not match"
+                    )
+
+    # ------------------------------------------------------------------ step
+    def run_step(self, plan: Plan, input_ids: Sequence[torch.Tensor], labels: Sequence[torch.Tensor] | None = None,
+                 num_items_in_batch: int | None = None, train: bool = True) -> StepResult:
+        """Execute this stage's part of ``plan`` (see the module docstring)."""
+        self._check(plan, input_ids, labels)
+        if labels is None:
+            labels = input_ids
+        if num_items_in_batch is None:
+            num_items_in_batch = int(sum(int((lab[1:] != -100).sum()) for lab in labels))
+        divisor = float(max(num_items_in_batch, 1))
+        w = self.wrapper
+        dev = self.device
+        st = self.stage
+        chunk_slices = [
+            [SliceSpec(s.seq, s.start, s.length, off, s.end == plan.seq_lens[s.seq])
+             for s, off in zip(c.slices, _offsets([s.length for s in c.slices]))]
+            for c in plan.chunks
+        ]
+        ids_dev = [t.to(dev) for t in input_ids] if w.is_first else None
+        lab_dev = [t.to(dev) for t in labels] if w.is_last else None
+        store = KVStore()
+        inputs: dict[int, torch.Tensor] = {}
+        outputs: dict[int, torch.Tensor] = {}
+        loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
+        times: list[tuple[Action, object, object]] = []
+        pending_sends: list = []
+        actions = [a for a in plan.schedule[st] if train or a.kind is ActionKind.FORWARD]
+        meter = self.meter
+        meter.release_all()
+        meter.reset()
+        clock = _Clock(dev)
+        wall0 = time.perf_counter()
+        with meter, torch.set_grad_enabled(train):
+            for action in actions:
+                try:
+                    c = action.chunk
+                    shape = (1, plan.chunks[c].num_tokens, self.hidden_size)
+                    recvs, buf = [], None
+                    if self.comm is not None:
+                        if action.kind is ActionKind.FORWARD and not w.is_first:
+                            buf = torch.empty(shape, dtype=w.dtype, device=dev)
+                            recvs.append(self.comm.recv_op(buf, st - 1, activation_tag(c)))
+                        elif action.kind is ActionKind.BACKWARD and not w.is_last:
+                            buf = torch.empty(shape, dtype=w.dtype, device=dev)
+                            recvs.append(self.comm.recv_op(buf, st + 1, gradient_tag(c)))
+                        self.comm.exchange(pending_sends, recvs)
+                        pending_sends = []
+                    start = clock.mark()
+                    if action.kind is ActionKind.FORWARD:
+                        ctx = ChunkAttentionContext(chunk_slices[c], store, dev, requires_grad=train)
+                        if w.is_first:
+                            ids = torch.cat([ids_dev[s.seq][s.start:s.start + s.length] for s in chunk_slices[c]])
+                            x = w.embed(ids)
+                        else:
+                            x = buf.requires_grad_(train)
+                            inputs[c] = x
+                            meter.hold(("in", c), x)
+                        y = w.run_layers(x, ctx, plan.recompute[st][c] if train else 0)
+                        if w.is_last:
+                            targets = torch.cat([_targets(lab_dev[s.seq], s) for s in chunk_slices[c]])
+                            chunk_loss = w.head_loss_sum(y, targets)
+                            loss_sum += chunk_loss.detach()
+                            if train:
+                                outputs[c] = chunk_loss / divisor
+                        else:
+                            if train:
+                                outputs[c] = y
+                                meter.hold(("out", c), y)
+                            pending_sends.append(self.comm.send_op(y.detach(), st + 1, activation_tag(c)))
+                        for s in chunk_slices[c]:
+                            if not s.final:
+                                meter.hold(("kv", s.seq, s.start),
+                                           *[t for e in store.entries(s.seq, s.start) for t in (e.k, e.v)])
+                        if not train:
+                            for s in chunk_slices[c]:
+                                if s.final and s.start > 0:  # the sequence's last slice: its K/V is done
+                                    store.free_seq(s.seq)
+                                    for _, earlier in plan.slices_of(s.seq):
+                                        meter.release(("kv", s.seq, earlier.start))
+                    else:
+                        out = outputs.pop(c)
+                        tensors, grads = [out], [buf]
+                        if buf is not None:
+                            meter.hold(("gout", c), buf)
+                        for s in chunk_slices[c]:
+                            if s.final:
+                                continue
+                            for e in store.entries(s.seq, s.start):
+                                for t, leaf in ((e.k, e.k_leaf), (e.v, e.v_leaf)):
+                                    if leaf.grad is not None:
+                                        tensors.append(t)
+                                        grads.append(leaf.grad)
+                        torch.autograd.backward(tensors, grads)
+                        del tensors, grads, out
+                        for s in chunk_slices[c]:
+                            if not s.final:
+                                store.free_slice(s.seq, s.start)
+                                meter.release(("kv", s.seq, s.start))
+                                meter.release(("kvgrad", s.seq, s.start))
+                        meter.release(("out", c))
+                        # gradients this backward left on earlier slices' K/V live until their backward
+                        for s in chunk_slices[c]:
+                            for start, e in store.entries_before(s.seq, s.start):
+                                meter.hold(("kvgrad", s.seq, start), e.k_leaf.grad, e.v_leaf.grad)
+                        if not w.is_first:
+                            x = inputs.pop(c)
+                            meter.hold(("gout", c), x.grad)
+                            pending_sends.append(self.comm.send_op(x.grad, st - 1, gradient_tag(c)))
+                            meter.release(("in", c))
+                        meter.release(("gout", c))
+                    times.append((action, start, clock.mark()))
+                except Exception as exc:
+                    logger.error("pipeline stage %d failed in action %s:\n%s", st, action, plan.grid(mark=action))
+                    raise RuntimeError(f"pipeline stage {st}, action {action}: {exc}") from exc
+            if self.comm is not None:
+                self.comm.exchange(pending_sends, [])
+                self.comm.drain()
+        peak = meter.peak_bytes
+        meter.release_all()
+        store.clear()
+        if self.comm is not None:
+            # the loss lives on the last stage; every rank reports it
+            t = torch.stack([loss_sum, torch.tensor(float(num_items_in_batch), device=dev)])
+            self.comm.broadcast_from(t, self.num_stages - 1)
+            loss_sum = t[0]
+        loss_sum_f = float(loss_sum)
+        return StepResult(
+            loss=loss_sum_f / divisor,
+            loss_sum=loss_sum_f,
+            num_items=int(num_items_in_batch),
+            action_times=[(a, clock.seconds(s), clock.seconds(e)) for a, s, e in times],
+            peak_activation_bytes=int(peak),
+            wall_time_s=time.perf_counter() - wall0,
+        )
+
+
+def _offsets(lengths: Sequence[int]) -> list[int]:
+    out, t = [], 0
+    for n in lengths:
+        out.append(t)
+        t += n
+    return out
+
+
+def _targets(labels: torch.Tensor, s: SliceSpec) -> torch.Tensor:
+    """Target of token ``t`` is ``labels[t + 1]`` of the same sequence; -100 after its last token."""
+    tgt = labels[s.start + 1:s.start + s.length + 1]
+    if tgt.shape[0] < s.length:
+        tgt = torch.cat([tgt, tgt.new_full((s.length - tgt.shape[0],), -100)])
+    return tgt

@@ -1,0 +1,71 @@
+"""Point-to-point transfers between neighbouring pipeline stages.
+
+Shapes are never negotiated: both sides derive ``[1, chunk.num_tokens, hidden]`` from the plan.
+Messages carry a tag (``2 * chunk`` for activations, ``2 * chunk + 1`` for gradients) so that
+gloo matches them even if two stages ordered them differently; NCCL ignores tags and matches in
+issue order, which is why the executor checks that neighbouring stages forward (and backward)
+the chunks in the same order.
+
+The executor starts the sends produced by one action together with the receives the next action
+needs, in one ``batch_isend_irecv`` (NCCL then runs them as one group, which avoids the classic
+1F1B deadlock where both neighbours first block on a receive from each other). Sends complete in
+the background; their buffers are kept alive until :meth:`StageComm.drain`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["StageComm", "activation_tag", "gradient_tag"]
+
+
+def activation_tag(chunk: int) -> int:
+    return 2 * chunk
+
+
+def gradient_tag(chunk: int) -> int:
+    return 2 * chunk + 1
+
+
+class StageComm:
+    """P2P of one stage with its neighbours in ``group`` (group rank == stage)."""
+
+    def __init__(self, group: dist.ProcessGroup | None, stage: int, num_stages: int) -> None:
+        self.group = group if group is not None else dist.group.WORLD
+        self.stage = stage
+        self.num_stages = num_stages
+        self._ranks = [dist.get_global_rank(self.group, s) for s in range(num_stages)]
+        self._in_flight: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def send_op(self, tensor: torch.Tensor, to_stage: int, tag: int) -> dist.P2POp:
+        return dist.P2POp(dist.isend, tensor.contiguous(), self._ranks[to_stage], self.group, tag)
+
+    def recv_op(self, buffer: torch.Tensor, from_stage: int, tag: int) -> dist.P2POp:
+        return dist.P2POp(dist.irecv, buffer, self._ranks[from_stage], self.group, tag)
+
+    def exchange(self, sends: list[dist.P2POp], recvs: list[dist.P2POp]) -> None:
+        """Start ``sends`` and ``recvs`` as one batch; return once the receives have landed."""
+        ops = sends + recvs
+        if not ops:
+            return
+        works = dist.batch_isend_irecv(ops)
+        # with coalesced NCCL ops a single work stands for the whole batch
+        if len(works) != len(ops):
+            for w in works:
+                w.wait()
+            return
+        for op, w in zip(ops[:len(sends)], works[:len(sends)]):
+            self._in_flight.append((w, op.tensor))
+        for w in works[len(sends):]:
+            w.wait()
+        self._in_flight = [(w, t) for w, t in self._in_flight if not w.is_completed()]
+
+    def drain(self) -> None:
+        """Wait for every send started so far."""
+        for w, _ in self._in_flight:
+            w.wait()
+        self._in_flight.clear()
+
+    def broadcast_from(self, tensor: torch.Tensor, stage: int) -> None:
+        dist.broadcast(tensor, src=self._ranks[stage], group=self.group)

@@ -1,0 +1,208 @@
+"""One pipeline stage of an HF causal LM, and the computations a stage runs on a chunk.
+
+:class:`PipelineWrapper` prunes an HF causal LM *in place* to the modules of one stage of a
+:class:`~concertina_hf.planning.types.StageLayout`: decoder layers outside the stage's range
+become empty placeholders (so the kept parameters keep their original HF names, e.g.
+``model.layers.5.mlp.up_proj.weight``), the embedding stays on stage 0 only, the final norm and
+the LM head on the last stage only; the rotary embedding (buffers only) stays everywhere. The
+model is switched to the ``"concertina"`` attention backend (:mod:`.attention`) and HF's own
+gradient checkpointing is turned off (the plan decides recompute per chunk).
+
+Supported models: decoder-only HF causal LMs laid out as ``model.model.embed_tokens``,
+``.layers``, ``.norm``, ``.rotary_emb`` and ``model.lm_head`` whose decoder layers take
+``(hidden, attention_mask=, position_ids=, position_embeddings=(cos, sin), **kwargs)`` and whose
+attention goes through HF's ``AttentionInterface`` (Llama, Qwen2, Qwen3, Mistral, ...). Models
+that scale embeddings or logits inside ``forward`` (Gemma's normalizer, logit soft-capping) are
+not reproduced.
+
+Cost: pruning frees the other stages' parameters (after the caller drops its own references);
+:meth:`PipelineWrapper.full_state_dict` moves every parameter once to pipeline rank 0.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..planning.types import StageLayout
+from .attention import ChunkAttentionContext, register_attention
+
+__all__ = ["PipelineWrapper"]
+
+
+class _Placeholder(nn.Module):
+    """Stands where a module of another stage was; has no parameters and refuses to run."""
+
+    def __init__(self, name: str, owner: str) -> None:
+        super().__init__()
+        self._name = name
+        self._owner = owner
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"{self._name} lives on {self._owner}, not on this pipeline stage")
+
+    def extra_repr(self) -> str:
+        return f"{self._name} on {self._owner}"
+
+
+def _require(obj: Any, path: str) -> Any:
+    cur = obj
+    for part in path.split("."):
+        if not hasattr(cur, part):
+            raise ValueError(
+                f"{type(obj).__name__} has no `{path}`: PipelineWrapper supports HF causal LMs with "
+                "model.model.embed_tokens / .layers / .norm / .rotary_emb and model.lm_head"
+            )
+        cur = getattr(cur, part)
+    return cur
+
+
+class PipelineWrapper(nn.Module):
+    """The modules of pipeline stage ``stage`` of an HF causal LM (the model is pruned in place).
+
+    ``parameters()`` / ``named_parameters()`` / ``state_dict()`` are those of the pruned HF model,
+    so names are the original HF names and only this stage's parameters appear.
+    """
+
+    def __init__(self, model: nn.Module, layout: StageLayout, stage: int) -> None:
+        super().__init__()
+        for path in ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head"):
+            _require(model, path)
+        layers = model.model.layers
+        if layout.num_layers != len(layers):
+            raise ValueError(
+                f"the stage layout covers {layout.num_layers} decoder layers but the model has {len(layers)}; "
+                "build the layout from config.num_hidden_layers"
+            )
+        if not 0 <= stage < layout.num_stages:
+            raise ValueError(f"stage {stage} outside 0..{layout.num_stages - 1}")
+        tied = model.lm_head.weight is model.model.embed_tokens.weight
+        if layout.num_stages > 1 and (tied or getattr(model.config, "tie_word_embeddings", False)):
+            raise ValueError(
+                "tied input/output embeddings cannot be split across pipeline stages (the embedding is on "
+                "stage 0, the LM head on the last stage); load the model with tie_word_embeddings=False "
+                "(the LM head then starts as a copy of the embedding) or use a pipeline size of 1"
+            )
+        self.layout = layout
+        self.stage = stage
+        self.is_first = layout.has_embedding(stage)
+        self.is_last = layout.has_head(stage)
+        self.layer_start, self.layer_end = layout.layer_ranges[stage]
+        owner = {i: s for s, (a, b) in enumerate(layout.layer_ranges) for i in range(a, b)}
+        for i in range(len(layers)):
+            if not self.layer_start <= i < self.layer_end:
+                layers[i] = _Placeholder(f"model.layers.{i}", f"stage {owner[i]}")
+        if not self.is_first:
+            model.model.embed_tokens = _Placeholder("model.embed_tokens", "stage 0")
+        if not self.is_last:
+            last = f"stage {layout.num_stages - 1}"
+            model.model.norm = _Placeholder("model.norm", last)
+            model.lm_head = _Placeholder("lm_head", last)
+        for mod in model.modules():  # HF's checkpointing would wrap every layer; the plan decides
+            if getattr(mod, "gradient_checkpointing", False) is True:
+                mod.gradient_checkpointing = False
+        name = register_attention()
+        try:
+            model.set_attn_implementation(name)
+        except Exception:  # models without the functional attention API still read the config field
+            model.config._attn_implementation = name
+        if model.config._attn_implementation != name:
+            model.config._attn_implementation = name
+        # `model` is registered as a child so .to() / .train() reach it; names are delegated below
+        self.model = model
+        self.config = model.config
+
+    # ------------------------------------------------------------------ HF names
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.model.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.model.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self.model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False):
+        """Load this stage's entries of ``state_dict`` (a full or a stage state dict); with
+        ``strict``, every parameter of this stage must be present."""
+        own = self.model.state_dict()
+        sub = {k: v for k, v in state_dict.items() if k in own}
+        return self.model.load_state_dict(sub, strict=strict, assign=assign)
+
+    @property
+    def decoder_layers(self) -> list[nn.Module]:
+        return list(self.model.model.layers[self.layer_start:self.layer_end])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # ------------------------------------------------------------------ computations
+    def embed(self, input_ids_T: torch.Tensor) -> torch.Tensor:
+        """Stage 0: token ids [T] -> hidden states [1, T, hidden]."""
+        return self.model.model.embed_tokens(input_ids_T.unsqueeze(0))
+
+    def run_layers(self, hidden: torch.Tensor, ctx: ChunkAttentionContext, num_recompute: int = 0) -> torch.Tensor:
+        """This stage's decoder layers on a chunk; the first ``num_recompute`` run under
+        non-reentrant activation checkpointing (only their inputs and the K/V of non-final
+        slices stay alive until backward)."""
+        pos = ctx.position_ids
+        cos_sin = self.model.model.rotary_emb(hidden, pos)
+        for i, layer in enumerate(self.decoder_layers):
+            call = functools.partial(layer, attention_mask=None, position_ids=pos, position_embeddings=cos_sin,
+                                     use_cache=False, concertina_ctx=ctx)
+            if i < num_recompute and torch.is_grad_enabled():
+                out = checkpoint(call, hidden, use_reentrant=False)
+            else:
+                out = call(hidden)
+            hidden = out[0] if isinstance(out, tuple) else out
+        return hidden
+
+    def head_loss_sum(self, hidden: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
+        """Last stage: final norm, LM head, and the summed float32 token cross-entropy (targets
+        already shifted; -100 ignored), like HF's ``ForCausalLMLoss``."""
+        logits = self.model.lm_head(self.model.model.norm(hidden))
+        vocab = logits.shape[-1]
+        return F.cross_entropy(logits.float().view(-1, vocab), targets_T, ignore_index=-100, reduction="sum")
+
+    # ------------------------------------------------------------------ checkpoints
+    def full_state_dict(self, pp_group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor] | None:
+        """All stages' parameters and persistent buffers gathered on pipeline rank 0 (CPU
+        tensors; ``None`` on other ranks): a full HF state dict. Collective over ``pp_group``
+        (``None``: the default group, or no group at all with one stage)."""
+        own = {k: v.detach() for k, v in self.model.state_dict().items()}
+        if self.layout.num_stages == 1:
+            return {k: v.cpu().clone() for k, v in own.items()}
+        if not dist.is_initialized():
+            raise RuntimeError("full_state_dict with several stages needs an initialized torch.distributed group")
+        group = pp_group if pp_group is not None else dist.group.WORLD
+        rank = dist.get_rank(group)
+        backend = dist.get_backend(group)
+        comm_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        # non-owned keys of each stage: stage-local entries only (rotary buffers are on all stages)
+        meta = [(k, tuple(v.shape), v.dtype) for k, v in own.items()]
+        metas: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
+        dist.gather_object(meta, metas, dst=dist.get_global_rank(group, 0), group=group)
+        if rank == 0:
+            out = {k: v.cpu().clone() for k, v in own.items()}
+            for src in range(1, len(metas)):
+                for k, shape, dtype in metas[src]:
+                    buf = torch.empty(shape, dtype=dtype, device=comm_device)
+                    dist.recv(buf, src=dist.get_global_rank(group, src), group=group)
+                    out.setdefault(k, buf.cpu())
+            return out
+        for k, v in own.items():
+            dist.send(v.to(comm_device).contiguous(), dst=dist.get_global_rank(group, 0), group=group)
+        return None

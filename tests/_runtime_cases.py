@@ -1,0 +1,168 @@
+"""Shared pieces of the runtime tests: tiny HF models, plans built by hand, the HF reference.
+
+Plans are built from explicit chunk lists (``[(seq, start, length), ...]`` per chunk) with the
+plan types and :func:`build_schedule`, so the tests exercise every chunk kind on purpose; when
+the planner's ``plan_step`` exists, an "adaptive" case uses it too.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable, Sequence
+
+import torch
+
+from concertina_hf.planning import Chunk, ChunkKind, Plan, Slice, StageLayout, build_schedule
+
+SEQ_LENS = (46, 9, 7, 5, 12, 20)  # one long sequence (split), one medium (split in the hybrid case)
+VOCAB = 96
+
+
+def tiny_config(kind: str, num_layers: int = 8):
+    if kind == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+                           num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+                           tie_word_embeddings=False, attention_dropout=0.0)
+    if kind == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                           tie_word_embeddings=False, use_sliding_window=False)
+    raise ValueError(kind)
+
+
+def tiny_model(kind: str, seed: int = 0, num_layers: int = 8):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(kind, num_layers), attn_implementation="sdpa")
+    # larger init than HF's 0.02 so that gradients are not all tiny (a stricter comparison)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    return model.float()
+
+
+def batch(seq_lens: Sequence[int] = SEQ_LENS, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(0, VOCAB, (n,), generator=g) for n in seq_lens]
+    labels = []
+    for i, t in enumerate(ids):
+        lab = t.clone()
+        if i % 2 == 1:  # some ignored targets, also across a slice boundary of the long sequence
+            lab[1:3] = -100
+        labels.append(lab)
+    labels[0][15:18] = -100
+    return ids, labels
+
+
+def make_plan(seq_lens: Sequence[int], chunk_specs: Sequence[Sequence[tuple[int, int, int]]], layout: StageLayout,
+              recompute: Callable[[int, int, int], int] | str = "none",
+              groups: Sequence[Sequence[int]] | None = None, strategy: str = "test") -> Plan:
+    """A validated plan from explicit chunks. ``recompute``: "none", "full", "partial" or
+    ``f(stage, chunk, num_stage_layers) -> layers``."""
+    chunks = []
+    for i, spec in enumerate(chunk_specs):
+        slices = tuple(Slice(*s) for s in spec)
+        split = [s for s in slices if s.length != seq_lens[s.seq]]
+        if not split:
+            kind = ChunkKind.PACKED
+        elif split[0].end == seq_lens[split[0].seq]:
+            kind = ChunkKind.HYBRID
+        else:
+            kind = ChunkKind.SPLIT
+        chunks.append(Chunk(i, kind, slices))
+    chunks = tuple(chunks)
+    if groups is None:
+        groups = (tuple(range(len(chunks))),)
+    groups = tuple(tuple(g) for g in groups)
+    if recompute == "none":
+        rfun = lambda s, c, n: 0  # noqa: E731
+    elif recompute == "full":
+        rfun = lambda s, c, n: n  # noqa: E731
+    elif recompute == "partial":
+        rfun = lambda s, c, n: (s + c) % (n + 1)  # noqa: E731
+    else:
+        rfun = recompute
+    rec = tuple(tuple(rfun(s, c.index, layout.num_stage_layers(s)) for c in chunks) for s in range(layout.num_stages))
+    plan = Plan(strategy=strategy, seq_lens=tuple(seq_lens), layout=layout, chunks=chunks, groups=groups,
+                schedule=build_schedule(chunks, groups, layout.num_stages), recompute=rec)
+    return plan.validate()
+
+
+# chunkings of SEQ_LENS = (46, 9, 7, 5, 12, 20)
+CHUNKINGS = {
+    # whole sequences packed
+    "packed": [[(0, 0, 46)], [(5, 0, 20), (1, 0, 9)], [(4, 0, 12), (2, 0, 7), (3, 0, 5)]],
+    # the long sequence in 4 uneven slices (tail alone), the rest packed
+    "split": [[(0, 0, 16)], [(0, 16, 12)], [(0, 28, 10)], [(0, 38, 8)],
+              [(5, 0, 20)], [(4, 0, 12), (1, 0, 9), (2, 0, 7), (3, 0, 5)]],
+    # two split sequences, their tails packed with short sequences
+    "hybrid": [[(0, 0, 14)], [(0, 14, 13)], [(0, 27, 11)], [(0, 38, 8), (1, 0, 9), (3, 0, 5)],
+               [(5, 0, 11)], [(5, 11, 9), (4, 0, 12), (2, 0, 7)]],
+}
+# two pipeline groups run back to back
+GROUPED = ("hybrid", [(0, 1, 2, 3), (4, 5)])
+
+
+def plans_for(layout: StageLayout, seq_lens: Sequence[int] = SEQ_LENS) -> list[tuple[str, Plan]]:
+    """Every chunking x recompute setting (plus a grouped plan and an adaptive one if the planner
+    exists) for ``layout``."""
+    out = []
+    for name, spec in CHUNKINGS.items():
+        for rec in ("none", "partial", "full"):
+            out.append((f"{name}/{rec}", make_plan(seq_lens, spec, layout, rec)))
+    name, groups = GROUPED
+    out.append((f"{name}-2groups/partial", make_plan(seq_lens, CHUNKINGS[name], layout, "partial", groups=groups)))
+    adaptive = adaptive_plan(layout, seq_lens)
+    if adaptive is not None:
+        out.append(("adaptive", adaptive))
+    return out
+
+
+def adaptive_plan(layout: StageLayout, seq_lens: Sequence[int]) -> Plan | None:
+    try:
+        from concertina_hf.planning import plan_step  # written by the planner worker
+    except ImportError:
+        return None
+    from concertina_hf.planning import CostModel
+
+    cost = CostModel.from_hf_config(tiny_config("llama", layout.num_layers), dtype_bytes=4)
+    try:
+        return plan_step(list(seq_lens), layout=layout, cost=cost, max_chunk_tokens=24)
+    except TypeError:
+        return None
+
+
+def reference(model, ids, labels) -> tuple[float, dict[str, torch.Tensor]]:
+    """HF on one process: each sequence separately, ``num_items_in_batch`` = the batch total."""
+    ref = copy.deepcopy(model)
+    ref.zero_grad(set_to_none=True)
+    n = int(sum(int((lab[1:] != -100).sum()) for lab in labels))
+    total = 0.0
+    for t, lab in zip(ids, labels):
+        loss = ref(input_ids=t[None], labels=lab[None], num_items_in_batch=n).loss
+        loss.backward()
+        total += float(loss)
+    return total, {k: p.grad.detach().clone() for k, p in ref.named_parameters() if p.grad is not None}
+
+
+def compare_grads(wrapper, ref_grads: dict[str, torch.Tensor], tol: float = 1e-4) -> list[str]:
+    """Names (with relative errors) of this stage's parameters whose gradient is off; checks every
+    parameter of the stage has a gradient."""
+    bad = []
+    names = [k for k, _ in wrapper.named_parameters()]
+    assert names, "stage has no parameters"
+    for k, p in wrapper.named_parameters():
+        r = ref_grads[k]
+        if p.grad is None:
+            bad.append(f"{k}: no grad")
+            continue
+        err = float((p.grad - r).norm() / r.norm().clamp_min(1e-30))
+        if not err < tol:
+            bad.append(f"{k}: rel err {err:.2e}")
+    return bad
