@@ -62,7 +62,8 @@ def batch(seq_lens: Sequence[int] = SEQ_LENS, seed: int = 1):
 
 def make_plan(seq_lens: Sequence[int], chunk_specs: Sequence[Sequence[tuple[int, int, int]]], layout: StageLayout,
               recompute: Callable[[int, int, int], int] | str = "none",
-              groups: Sequence[Sequence[int]] | None = None, strategy: str = "test") -> Plan:
+              groups: Sequence[Sequence[int]] | None = None, strategy: str = "test",
+              prefetch: bool = False) -> Plan:
     """A validated plan from explicit chunks. ``recompute``: "none", "full", "partial" or
     ``f(stage, chunk, num_stage_layers) -> layers``."""
     chunks = []
@@ -90,7 +91,7 @@ def make_plan(seq_lens: Sequence[int], chunk_specs: Sequence[Sequence[tuple[int,
         rfun = recompute
     rec = tuple(tuple(rfun(s, c.index, layout.num_stage_layers(s)) for c in chunks) for s in range(layout.num_stages))
     plan = Plan(strategy=strategy, seq_lens=tuple(seq_lens), layout=layout, chunks=chunks, groups=groups,
-                schedule=build_schedule(chunks, groups, layout.num_stages), recompute=rec)
+                schedule=build_schedule(chunks, groups, layout.num_stages, prefetch=prefetch), recompute=rec)
     return plan.validate()
 
 
@@ -118,6 +119,7 @@ def plans_for(layout: StageLayout, seq_lens: Sequence[int] = SEQ_LENS) -> list[t
             out.append((f"{name}/{rec}", make_plan(seq_lens, spec, layout, rec)))
     name, groups = GROUPED
     out.append((f"{name}-2groups/partial", make_plan(seq_lens, CHUNKINGS[name], layout, "partial", groups=groups)))
+    out.append(("split-prefetch/partial", make_plan(seq_lens, CHUNKINGS["split"], layout, "partial", prefetch=True)))
     adaptive = adaptive_plan(layout, seq_lens)
     if adaptive is not None:
         out.append(("adaptive", adaptive))
@@ -147,7 +149,7 @@ def reference(model, ids, labels) -> tuple[float, dict[str, torch.Tensor]]:
     for t, lab in zip(ids, labels):
         loss = ref(input_ids=t[None], labels=lab[None], num_items_in_batch=n).loss
         loss.backward()
-        total += float(loss)
+        total += float(loss.detach())
     return total, {k: p.grad.detach().clone() for k, p in ref.named_parameters() if p.grad is not None}
 
 

@@ -180,7 +180,7 @@ class PipelineExecutor:
         meter.release_all()
         meter.reset()
         clock = _Clock(dev)
-        wall0 = time.perf_counter()
+        wall0 = clock.t0
         with meter, torch.set_grad_enabled(train):
             for action in actions:
                 try:
@@ -196,7 +196,7 @@ class PipelineExecutor:
                             recvs.append(self.comm.recv_op(buf, st + 1, gradient_tag(c)))
                         self.comm.exchange(pending_sends, recvs)
                         pending_sends = []
-                    start = clock.mark()
+                    t_start = clock.mark()
                     if action.kind is ActionKind.FORWARD:
                         ctx = ChunkAttentionContext(chunk_slices[c], store, dev, requires_grad=train)
                         if w.is_first:
@@ -251,15 +251,15 @@ class PipelineExecutor:
                         meter.release(("out", c))
                         # gradients this backward left on earlier slices' K/V live until their backward
                         for s in chunk_slices[c]:
-                            for start, e in store.entries_before(s.seq, s.start):
-                                meter.hold(("kvgrad", s.seq, start), e.k_leaf.grad, e.v_leaf.grad)
+                            for earlier, e in store.entries_before(s.seq, s.start):
+                                meter.hold(("kvgrad", s.seq, earlier), e.k_leaf.grad, e.v_leaf.grad)
                         if not w.is_first:
                             x = inputs.pop(c)
                             meter.hold(("gout", c), x.grad)
                             pending_sends.append(self.comm.send_op(x.grad, st - 1, gradient_tag(c)))
                             meter.release(("in", c))
                         meter.release(("gout", c))
-                    times.append((action, start, clock.mark()))
+                    times.append((action, t_start, clock.mark()))
                 except Exception as exc:
                     logger.error("pipeline stage %d failed in action %s:\n%s", st, action, plan.grid(mark=action))
                     raise RuntimeError(f"pipeline stage {st}, action {action}: {exc}") from exc

@@ -1,0 +1,317 @@
+"""Single-process runtime tests: the attention backend, stage pruning, and one-stage plans.
+
+The backbone is equivalence with the plain HF model: for every chunking (packed, split, hybrid,
+two pipeline groups, prefetching schedule) and recompute setting (none, partial, full), the
+loss and every parameter gradient of a one-stage pipeline match HF run sequence by sequence with
+the same ``num_items_in_batch``. Multi-stage runs are in ``test_runtime_dist.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from _runtime_cases import (
+    CHUNKINGS,
+    SEQ_LENS,
+    VOCAB,
+    batch,
+    compare_grads,
+    make_plan,
+    plans_for,
+    reference,
+    tiny_model,
+)
+from concertina_hf.planning import CostModel, PlanError, StageLayout
+from concertina_hf.runtime import (
+    ATTN_IMPLEMENTATION,
+    ChunkAttentionContext,
+    KVStore,
+    PipelineExecutor,
+    PipelineWrapper,
+    SavedTensorMeter,
+    SliceSpec,
+)
+
+LOSS_TOL = 1e-5
+GRAD_TOL = 1e-4
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def model_and_ref(request):
+    model = tiny_model(request.param)
+    ids, labels = batch()
+    ref_loss, ref_grads = reference(model, ids, labels)
+    return request.param, model, ids, labels, ref_loss, ref_grads
+
+
+# ---------------------------------------------------------------------------- attention backend
+def test_backend_registered_and_plain_forward_falls_back_to_sdpa():
+    from transformers import AttentionInterface
+
+    model = tiny_model("qwen2", num_layers=2)
+    ids = torch.randint(0, VOCAB, (2, 13))
+    want = model(ids).logits
+    PipelineWrapper(model, StageLayout.even(2, 1), 0)
+    assert model.config._attn_implementation == ATTN_IMPLEMENTATION
+    assert ATTN_IMPLEMENTATION in AttentionInterface._global_mapping
+    got = model(ids).logits  # no concertina_ctx: HF's mask + SDPA path, e.g. for generate()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_context_layout_and_mask():
+    store = KVStore()
+    # a tail slice [10, 14) of sequence 0 packed with a whole sequence 3 of 3 tokens
+    ctx = ChunkAttentionContext([SliceSpec(0, 10, 4, 0, True), SliceSpec(3, 0, 3, 4, True)], store, "cpu", True)
+    assert ctx.position_ids.tolist() == [[10, 11, 12, 13, 0, 1, 2]]
+    assert ctx.cu_seqlens_q.tolist() == [0, 4, 7] and ctx.cu_seqlens_k.tolist() == [0, 14, 17]
+    m = ctx.mask(None)[0, 0]
+    assert m.shape == (7, 17)
+    # query 0 (token 10 of seq 0) sees keys 0..10 of seq 0, nothing of seq 3
+    assert m[0].tolist() == [True] * 11 + [False] * 6
+    # query 6 (token 2 of seq 3) sees exactly tokens 0..2 of seq 3
+    assert m[6].tolist() == [False] * 14 + [True] * 3
+    w = ctx.mask(4)[0, 0]
+    assert w[3].nonzero().flatten().tolist() == [10, 11, 12, 13]  # window of 4 ending at token 13
+    with pytest.raises(RuntimeError, match="before token 10 .* incomplete"):
+        store.prefix(0, 10, layer=0)
+
+
+def test_kv_store_set_if_absent_and_free():
+    store = KVStore()
+    k = torch.randn(1, 2, 5, 4, requires_grad=True) * 1
+    v = torch.randn(1, 2, 5, 4, requires_grad=True) * 1
+    store.put_if_absent(0, 0, 3, k, v, requires_grad=True)
+    store.put_if_absent(0, 0, 3, k * 2, v * 2, requires_grad=True)  # a checkpoint replay: ignored
+    (e,) = store.entries(0, 0)
+    assert e.k is k and e.k_leaf.requires_grad and e.k_leaf.grad_fn is None
+    assert e.k_leaf.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()  # no copy
+    pk, _ = store.prefix(0, 5, 3)
+    assert pk is e.k_leaf
+    store.free_slice(0, 0)
+    assert len(store) == 0
+
+
+# ---------------------------------------------------------------------------- stage pruning
+def test_wrapper_partitions_with_original_names():
+    model = tiny_model("llama")
+    full = {k for k, _ in model.named_parameters()}
+    layout = StageLayout.even(8, 4)
+    seen: set[str] = set()
+    for stage in range(4):
+        w = PipelineWrapper(copy.deepcopy(model), layout, stage)
+        names = {k for k, _ in w.named_parameters()}
+        assert names and names <= full and not names & seen
+        seen |= names
+        a, b = layout.layer_ranges[stage]
+        assert all(any(k.startswith(f"model.layers.{i}.") for i in range(a, b)) or not k.startswith("model.layers.")
+                   for k in names)
+        assert ("model.embed_tokens.weight" in names) == (stage == 0)
+        assert ("lm_head.weight" in names) == ("model.norm.weight" in names) == (stage == 3)
+        assert set(w.state_dict()) >= names
+        assert sum(p.numel() for p in w.parameters()) == sum(p.numel() for _, p in w.named_parameters())
+        if stage != 0:
+            with pytest.raises(RuntimeError, match="model.embed_tokens lives on stage 0"):
+                w.model.model.embed_tokens(torch.zeros(1, 1, dtype=torch.long))
+    assert seen == full
+
+
+def test_wrapper_refuses_tied_embeddings_and_bad_layouts():
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, tie_word_embeddings=True)
+    with pytest.raises(ValueError, match="tie_word_embeddings=False"):
+        PipelineWrapper(AutoModelForCausalLM.from_config(cfg), StageLayout.even(4, 2), 0)
+    with pytest.raises(ValueError, match="covers 8 decoder layers but the model has 4"):
+        PipelineWrapper(AutoModelForCausalLM.from_config(cfg), StageLayout.even(8, 1), 0)
+    with pytest.raises(ValueError, match="has no `model.embed_tokens`"):
+        PipelineWrapper(torch.nn.Linear(2, 2), StageLayout.even(4, 1), 0)
+
+
+def test_tied_embeddings_one_stage_exact():
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    ids, labels = batch()
+    ref_loss, ref_grads = reference(model, ids, labels)
+    layout = StageLayout.even(2, 1)
+    w = PipelineWrapper(copy.deepcopy(model), layout, 0)
+    res = PipelineExecutor(w).run_step(make_plan(SEQ_LENS, CHUNKINGS["hybrid"], layout, "partial"), ids, labels)
+    assert _rel(res.loss, ref_loss) < LOSS_TOL
+    assert compare_grads(w, ref_grads, GRAD_TOL) == []
+
+
+# ---------------------------------------------------------------------------- one-stage plans
+def test_one_stage_matches_hf_for_every_chunking_and_recompute(model_and_ref):
+    kind, model, ids, labels, ref_loss, ref_grads = model_and_ref
+    layout = StageLayout.even(8, 1)
+    w = PipelineWrapper(copy.deepcopy(model), layout, 0)
+    ex = PipelineExecutor(w)
+    failures = []
+    cases = plans_for(layout)
+    assert len(cases) >= 11
+    for name, plan in cases:
+        w.zero_grad(set_to_none=True)
+        res = ex.run_step(plan, ids, labels)
+        n = sum(int((lab[1:] != -100).sum()) for lab in labels)
+        assert res.num_items == n and abs(res.loss_sum / n - res.loss) < 1e-12
+        if not _rel(res.loss, ref_loss) < LOSS_TOL:
+            failures.append(f"{kind} {name}: loss {res.loss} vs {ref_loss}")
+        failures += [f"{kind} {name}: {b}" for b in compare_grads(w, ref_grads, GRAD_TOL)]
+        assert [str(a) for a, _, _ in res.action_times] == [str(a) for a in plan.schedule[0]]
+        assert all(0 <= s <= e <= res.wall_time_s for _, s, e in res.action_times)
+        assert res.peak_activation_bytes > 0
+    assert failures == []
+
+
+def test_gradients_accumulate_across_steps(model_and_ref):
+    kind, model, ids, labels, ref_loss, ref_grads = model_and_ref
+    layout = StageLayout.even(8, 1)
+    w = PipelineWrapper(copy.deepcopy(model), layout, 0)
+    ex = PipelineExecutor(w)
+    plan = make_plan(SEQ_LENS, CHUNKINGS["split"], layout, "partial")
+    ex.run_step(plan, ids, labels)
+    ex.run_step(plan, ids, labels)
+    assert compare_grads(w, {k: 2 * g for k, g in ref_grads.items()}, GRAD_TOL) == []
+
+
+def test_eval_is_forward_only(model_and_ref):
+    kind, model, ids, labels, ref_loss, _ = model_and_ref
+    layout = StageLayout.even(8, 1)
+    w = PipelineWrapper(copy.deepcopy(model), layout, 0)
+    res = PipelineExecutor(w).run_step(make_plan(SEQ_LENS, CHUNKINGS["hybrid"], layout, "full"), ids, labels,
+                                       train=False)
+    assert _rel(res.loss, ref_loss) < LOSS_TOL
+    assert all(p.grad is None for p in w.parameters())
+    assert all(a.kind.value == "F" for a, _, _ in res.action_times)
+
+
+def test_labels_default_and_explicit_num_items():
+    model = tiny_model("llama", num_layers=2)
+    ids, _ = batch()
+    ref_loss, ref_grads = reference(model, ids, ids)
+    layout = StageLayout.even(2, 1)
+    w = PipelineWrapper(copy.deepcopy(model), layout, 0)
+    ex = PipelineExecutor(w)
+    plan = make_plan(SEQ_LENS, CHUNKINGS["split"], layout)
+    res = ex.run_step(plan, ids)  # labels default to the input ids
+    assert _rel(res.loss, ref_loss) < LOSS_TOL and compare_grads(w, ref_grads) == []
+    # a global num_items_in_batch (e.g. over data-parallel replicas) scales loss and gradients
+    w.zero_grad()
+    res2 = ex.run_step(plan, ids, num_items_in_batch=4 * res.num_items)
+    assert _rel(res2.loss, ref_loss / 4) < LOSS_TOL and res2.num_items == 4 * res.num_items
+    assert compare_grads(w, {k: g / 4 for k, g in ref_grads.items()}) == []
+
+
+@pytest.mark.parametrize("arch", ["mistral-sliding-window", "qwen3"])
+def test_other_architectures(arch):
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen3Config
+
+    torch.manual_seed(0)
+    if arch == "qwen3":  # q/k norms inside attention, GQA
+        cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
+    else:  # a window shorter than the slices: keys further back than 6 tokens are invisible
+        cfg = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, sliding_window=6,
+                            tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    ids, labels = batch()
+    ref_loss, ref_grads = reference(model, ids, labels)
+    layout = StageLayout.even(2, 1)
+    w = PipelineWrapper(copy.deepcopy(model), layout, 0)
+    ex = PipelineExecutor(w)
+    for rec in ("none", "full"):
+        w.zero_grad(set_to_none=True)
+        res = ex.run_step(make_plan(SEQ_LENS, CHUNKINGS["hybrid"], layout, rec), ids, labels)
+        assert _rel(res.loss, ref_loss) < LOSS_TOL, rec
+        assert compare_grads(w, ref_grads, GRAD_TOL) == [], rec
+
+
+# ---------------------------------------------------------------------------- errors
+def test_errors_name_the_problem(caplog):
+    model = tiny_model("llama", num_layers=2)
+    ids, labels = batch()
+    w = PipelineWrapper(copy.deepcopy(model), StageLayout.even(2, 1), 0)
+    ex = PipelineExecutor(w)
+    plan = make_plan(SEQ_LENS, CHUNKINGS["split"], StageLayout.even(2, 1))
+    with pytest.raises(PlanError, match="stage layout"):
+        ex.run_step(make_plan(SEQ_LENS, CHUNKINGS["split"], StageLayout(2, ((0, 1), (1, 2)))), ids)
+    with pytest.raises(ValueError, match=r"input_ids\[1\] has shape \(8,\), the plan says \[9\]"):
+        ex.run_step(plan, [ids[0], ids[1][:8], *ids[2:]])
+    with pytest.raises(ValueError, match="labels"):
+        ex.run_step(plan, ids, labels[:-1])
+    bad = [t.clone() for t in ids]
+    bad[0][20] = VOCAB + 5  # an out-of-range token in the second slice of sequence 0
+    with caplog.at_level(logging.ERROR, logger="concertina_hf.runtime.executor"):
+        with pytest.raises(RuntimeError, match="pipeline stage 0, action 0F1"):
+            ex.run_step(plan, bad)
+    assert ">0F1<" in caplog.text and "chunk   1 split" in caplog.text
+    with pytest.raises(RuntimeError, match="needs torch.distributed"):
+        PipelineExecutor(PipelineWrapper(copy.deepcopy(model), StageLayout.even(2, 2), 0))
+
+
+# ---------------------------------------------------------------------------- memory
+def test_saved_tensor_meter_counts_storages_once_and_releases():
+    w = torch.nn.Linear(64, 64)
+    meter = SavedTensorMeter(exclude=list(w.parameters()))
+    x = torch.randn(8, 64, requires_grad=True)
+    with meter:
+        y = w(x)  # saves x (2 KiB) and the weight (excluded)
+        z = y[:4].sin() + y[4:].cos()  # two views of y's storage: counted once (2 KiB)
+    assert meter.current_bytes == 2 * 8 * 64 * 4
+    held = torch.zeros(100)
+    meter.hold("mine", held, held[10:])  # same storage twice
+    assert meter.current_bytes == 2 * 8 * 64 * 4 + 400
+    meter.release("mine")
+    z.sum().backward()
+    del y, z
+    assert meter.current_bytes == 0 and meter.peak_bytes == 2 * 8 * 64 * 4 + 400
+    meter.reset()
+    assert meter.peak_bytes == 0
+
+
+def test_measured_activation_memory_follows_recompute_and_the_cost_model():
+    """Measured peak (saved tensors + stashed K/V) against the simulator's prediction with the
+    analytic cost model (static memory removed): printed for the record; recompute must lower
+    the measured peak, and a fully recomputed stage must be within a small factor of the model."""
+    from concertina_hf.planning.simulate import simulate
+
+    model = tiny_model("llama")
+    ids, labels = batch()
+    layout = StageLayout.even(8, 1)
+    cost = CostModel.from_hf_config(model.config, dtype_bytes=4)
+    w = PipelineWrapper(copy.deepcopy(model), layout, 0)
+    ex = PipelineExecutor(w)
+    peaks = {}
+    for rec in ("none", "full"):
+        plan = make_plan(SEQ_LENS, CHUNKINGS["split"], layout, rec)
+        measured = ex.run_step(plan, ids, labels).peak_activation_bytes
+        predicted = simulate(plan, cost).peak_memory_bytes[0] - cost.static_memory(layout, 0)
+        peaks[rec] = measured
+        print(f"split/{rec}: measured {measured} B, predicted {predicted:.0f} B, ratio {measured / predicted:.2f}")
+        assert 0.2 < measured / predicted < 5.0
+    assert peaks["full"] < 0.5 * peaks["none"]
+
+
+def test_full_state_dict_one_stage():
+    model = tiny_model("llama", num_layers=2)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    w = PipelineWrapper(model, StageLayout.even(2, 1), 0)
+    got = w.full_state_dict()
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
