@@ -25,6 +25,9 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+# the plan strategies of concertina_hf.planning.plan_step: the adaptive method and its baselines
+from .planning.strategies import STRATEGIES
+
 __all__ = [
     "COST_MODEL_SOURCES",
     "ConcertinaTrainingArguments",
@@ -36,8 +39,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Plan strategies of ``concertina_hf.planning.plan_step`` (the adaptive method and its baselines).
-STRATEGIES = ("adaptive", "packed", "split", "no_recompute", "full_recompute")
 SOLVERS = ("ilp", "greedy")
 COST_MODEL_SOURCES = ("analytic", "profiled", "online")
 
@@ -142,7 +143,7 @@ class ConcertinaTrainingArguments(TrainingArguments):
         default="adaptive",
         metadata={"help": f"How each step is planned: one of {', '.join(STRATEGIES)}. 'adaptive' is the method "
                           "(workload-balanced chunking plus per-chunk, per-stage recompute); the others are the "
-                          "baselines (fixed token budget, fixed slicing, no / full recompute)."},
+                          "baselines (packed: fixed token budget; split: fixed slicing; no-recompute / full-recompute)."},
     )
     concertina_max_tokens_per_chunk: int | None = field(
         default=None,
@@ -201,7 +202,7 @@ class ConcertinaTrainingArguments(TrainingArguments):
             raise ValueError(
                 "activation_checkpointing=True conflicts with the planner, which decides per chunk and per stage "
                 "how many layers recompute their activations; set activation_checkpointing=False (and "
-                "concertina_strategy='full_recompute' to recompute every layer)"
+                "concertina_strategy='full-recompute' to recompute every layer)"
             )
         world = os.environ.get("WORLD_SIZE")
         if world is not None:
