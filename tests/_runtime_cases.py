@@ -8,6 +8,7 @@ the planner's ``plan_step`` exists, an "adaptive" case uses it too.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Callable, Sequence
 
 import torch
@@ -110,7 +111,8 @@ CHUNKINGS = {
 GROUPED = ("hybrid", [(0, 1, 2, 3), (4, 5)])
 
 
-def plans_for(layout: StageLayout, seq_lens: Sequence[int] = SEQ_LENS) -> list[tuple[str, Plan]]:
+@functools.lru_cache(maxsize=None)
+def plans_for(layout: StageLayout, seq_lens: tuple[int, ...] = SEQ_LENS) -> list[tuple[str, Plan]]:
     """Every chunking x recompute setting (plus a grouped plan and an adaptive one if the planner
     exists) for ``layout``."""
     out = []
@@ -120,24 +122,29 @@ def plans_for(layout: StageLayout, seq_lens: Sequence[int] = SEQ_LENS) -> list[t
     name, groups = GROUPED
     out.append((f"{name}-2groups/partial", make_plan(seq_lens, CHUNKINGS[name], layout, "partial", groups=groups)))
     out.append(("split-prefetch/partial", make_plan(seq_lens, CHUNKINGS["split"], layout, "partial", prefetch=True)))
-    adaptive = adaptive_plan(layout, seq_lens)
-    if adaptive is not None:
-        out.append(("adaptive", adaptive))
-    return out
+    return out + adaptive_plans(layout, seq_lens)
 
 
-def adaptive_plan(layout: StageLayout, seq_lens: Sequence[int]) -> Plan | None:
+def adaptive_plans(layout: StageLayout, seq_lens: Sequence[int]) -> list[tuple[str, Plan]]:
+    """Plans of the planner (``plan_step``), once it exists: unconstrained, and with a budget of
+    half the unconstrained activation peak (forcing split chains and per-chunk recompute)."""
     try:
-        from concertina_hf.planning import plan_step  # written by the planner worker
+        from concertina_hf.planning import plan_step
     except ImportError:
-        return None
+        try:
+            from concertina_hf.planning.strategies import plan_step
+        except ImportError:
+            return []
     from concertina_hf.planning import CostModel
+    from concertina_hf.planning.simulate import simulate
 
     cost = CostModel.from_hf_config(tiny_config("llama", layout.num_layers), dtype_bytes=4)
-    try:
-        return plan_step(list(seq_lens), layout=layout, cost=cost, max_chunk_tokens=24)
-    except TypeError:
-        return None
+    free = plan_step(list(seq_lens), cost, layout, 0, "adaptive", max_tokens_per_chunk=24)
+    peaks = simulate(free, cost).peak_memory_bytes
+    static = [cost.static_memory(layout, s) for s in range(layout.num_stages)]
+    budget = [int(st + 0.5 * (pk - st)) for st, pk in zip(static, peaks)]
+    tight = plan_step(list(seq_lens), cost, layout, budget, "adaptive", max_tokens_per_chunk=24)
+    return [("adaptive", free), ("adaptive-tight", tight)]
 
 
 def reference(model, ids, labels) -> tuple[float, dict[str, torch.Tensor]]:

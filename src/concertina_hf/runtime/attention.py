@@ -16,13 +16,14 @@ unchanged from the decoder layer to the attention function. With it, for each la
 3. the keys are laid out slice by slice (``[prefix_i, own_i]``), so the attention is a varlen
    attention with queries no longer than keys and bottom-right causal alignment:
    - CUDA with ``flash-attn``: ``flash_attn_varlen_func`` on that layout (:func:`_flash_path`);
-   - otherwise (CPU, tests): one SDPA call with an explicit boolean mask built from the
-     per-token (sequence, position) of queries and keys (:func:`_sdpa_path`): query ``q``
-     sees key ``k`` iff same sequence and ``pos_k <= pos_q`` (and ``pos_q - pos_k < window``
-     under sliding-window attention). The mask is built once per chunk and shared by layers.
+   - otherwise (CPU, tests): one SDPA call with an explicit mask built from the per-token
+     (sequence, position) of queries and keys (:func:`_sdpa_path`): query ``q`` sees key
+     ``k`` iff same sequence and ``pos_k <= pos_q`` (and ``pos_q - pos_k < window`` under
+     sliding-window attention). The mask is built once per chunk, as an additive float mask
+     shared by all layers; a chunk that is one whole sequence needs none (``is_causal``).
 
-Costs: the mask is ``T x S`` booleans per chunk (``S = T + sum C``); SDPA on CPU dispatches to
-its flash kernel, which saves ``q, k, v, out, logsumexp``. A slice with context ``C`` saves its
+Costs: the CPU mask is ``T x S`` floats per chunk (``S = T + sum C``), kept until the chunk's
+backward; SDPA on CPU dispatches to its flash kernel, which saves ``q, k, v, out, logsumexp``. A slice with context ``C`` saves its
 concatenated keys (``C + s`` tokens per layer) until its backward; the earlier slices' own K/V
 stay alive (in the store) until their own backward.
 
@@ -184,7 +185,9 @@ class ChunkAttentionContext:
         self.cu_seqlens_k = torch.tensor(cu_k, dtype=torch.int32, device=self.device)
         self.max_seqlen_q = max(s.length for s in self.slices)
         self.max_seqlen_k = max(s.start + s.length for s in self.slices)
-        self._masks: dict[int | None, torch.Tensor] = {}
+        self._masks: dict[tuple, torch.Tensor] = {}
+        # one whole sequence from its first token: plain causal attention, no mask at all
+        self.plain_causal = len(self.slices) == 1 and self.slices[0].start == 0
 
     def keys(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this chunk's non-final slices' K/V and return the keys in the slice-by-slice
@@ -207,14 +210,25 @@ class ChunkAttentionContext:
 
     def mask(self, window: int | None) -> torch.Tensor:
         """Boolean [1, 1, T, S]: True where the query may attend to the key."""
-        m = self._masks.get(window)
+        m = self._masks.get(("bool", window))
         if m is None:
             q_seq, q_pos = self.q_seq_T[:, None], self.q_pos_T[:, None]
             m = (q_seq == self.k_seq_S[None, :]) & (self.k_pos_S[None, :] <= q_pos)
             if window is not None:
                 m &= (q_pos - self.k_pos_S[None, :]) < window
             m = m[None, None]
-            self._masks[window] = m
+            self._masks[("bool", window)] = m
+        return m
+
+    def additive_mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`mask` as 0 / -inf in ``dtype``, built once per chunk: SDPA would otherwise
+        convert a boolean mask into a new float tensor in every layer and save each copy for
+        backward (``4 * T * S`` bytes per layer); this one is shared by all layers."""
+        m = self._masks.get((dtype, window))
+        if m is None:
+            m = torch.zeros(self.mask(window).shape, dtype=dtype, device=self.device)
+            m.masked_fill_(~self.mask(window), float("-inf"))
+            self._masks[(dtype, window)] = m
         return m
 
 
@@ -239,9 +253,12 @@ def _sdpa_path(module: Any, query: torch.Tensor, key_S: torch.Tensor, value_S: t
                window: int | None) -> torch.Tensor:
     """query [1, H, T, D], keys [1, K, S, D] -> [1, T, H, D]."""
     gqa = query.shape[1] != key_S.shape[1]
-    out = F.scaled_dot_product_attention(
-        query, key_S, value_S, attn_mask=ctx.mask(window), dropout_p=dropout, scale=scaling, enable_gqa=gqa,
-    )
+    if ctx.plain_causal and (window is None or window >= ctx.num_tokens):
+        out = F.scaled_dot_product_attention(query, key_S, value_S, dropout_p=dropout, scale=scaling,
+                                             is_causal=True, enable_gqa=gqa)
+    else:
+        out = F.scaled_dot_product_attention(query, key_S, value_S, attn_mask=ctx.additive_mask(window, query.dtype),
+                                             dropout_p=dropout, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous()
 
 
