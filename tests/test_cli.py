@@ -124,3 +124,24 @@ def test_installed_console_script(files):
                          env=env, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "packed" in run.stdout and "step (s)" in run.stdout
+
+
+def test_gantt_with_measured_schedule_and_missing_matplotlib(files, tmp_path, monkeypatch):
+    from concertina_hf.planning import CostModel, DeviceSpec, StageLayout
+    from concertina_hf.planning.simulate import simulate
+    from concertina_hf.planning.strategies import plan_step
+    from concertina_hf.viz import plot_gantt
+
+    cost = CostModel.from_hf_config(TINY, DeviceSpec.cpu())
+    plan = plan_step(LENGTHS, cost, StageLayout.even(8, 2), int(0.19 * 2**30), "adaptive", solver="greedy")
+    sim = simulate(plan, cost)
+    # measured: 10% slower, absolute clock, string actions, per stage
+    measured = {s: [(str(a), 1e4 + 1.1 * t0, 1e4 + 1.1 * t1) for a, (t0, t1) in sim.action_times.items()
+                    if a.stage == s] for s in range(2)}
+    for path, meas in [(tmp_path / "m.png", measured), (tmp_path / "m.svg", [r for v in measured.values() for r in v])]:
+        assert plot_gantt(plan, sim, path, measured=meas, cost=cost, title="measured") == str(path)
+        assert path.stat().st_size > 10_000
+    assert "+10.0%" in (tmp_path / "m.svg").read_text()  # measured vs planned step, in the subtitle
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
+    with pytest.raises(ImportError, match=r"pip install concertina_hf\[viz\]"):
+        plot_gantt(plan, sim, tmp_path / "x.png")
