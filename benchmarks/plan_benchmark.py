@@ -1,6 +1,6 @@
 """Planner benchmark: predicted step time of every strategy, and planning time.
 
-    python benchmarks/plan_benchmark.py                 # default: one to two minutes
+    python benchmarks/plan_benchmark.py                 # default: under a minute (about 30 s on 2 cores)
     python benchmarks/plan_benchmark.py --batches 5 --repeats 5 --time-limit 2
 
 Settings (each one global batch per seed, planned by every strategy, scored by the same
