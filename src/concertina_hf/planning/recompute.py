@@ -1,0 +1,508 @@
+"""Adaptive activation recomputation: how many layers of each (stage, chunk) recompute.
+
+Problem. Chunks, groups and schedule are fixed. Choose ``r[s][c]`` in ``0 .. layers of stage
+s`` minimizing the step time added by recomputation, with the memory of every stage under its
+budget at every moment of the schedule.
+
+Memory. A stage's memory only depends on its own action order (see
+:mod:`concertina_hf.planning.simulate`), and it is linear in the recompute row: a chunk in
+flight holds ``A0[c] - r[c] * D[c]`` bytes (``D``: a layer's saved activations minus what a
+recomputed layer keeps: its input, plus K/V for slices of split sequences), and during its own
+backward a recomputed chunk re-materializes one layer (``X[c]``, the step in
+``transient_memory`` from 0 to 1 recomputed layers). The local maxima are right after each
+forward and during each backward (:func:`~concertina_hf.planning.simulate.memory_moments`);
+only moments that can exceed the budget at all are kept, and a forward's moment is dropped when
+the backward that follows it holds a superset (the usual 1F1B steady state), so the model has
+about one constraint per over-budget backward.
+
+Time. In 1F1B the backward at position ``i`` of stage ``s``'s backward order runs on
+diagonal ``d = i + (p - 1 - s)`` (per pipeline group): the backwards of one diagonal depend on
+each other, so recompute on one cell delays every stage along it, and cells of a diagonal
+overlap in time. The objective is therefore ``sum_d max_{cells on d} t[c] * r[s][c]``
+(``t[c]``: one layer's forward on the chunk), plus ``1e-3`` times the total recompute time to
+break ties towards less work.
+
+Variables. One integer per cell (only cells that appear in a kept constraint and whose
+recompute saves memory) and one continuous max per diagonal, plus a binary "recomputes at
+all" per cell whose own backward is constrained (for the ``X`` term). We chose per-cell
+integers over a single integer per diagonal scaled by layer counts: the memory pressure is
+very different per stage (stage ``s`` holds ``p - s - 1 + n`` chunks in flight) and per chunk
+(long slices carry K/V), and one integer per diagonal would force recompute onto the last
+stages, which rarely need any, costing busy time that the max-per-diagonal objective does not
+see. The per-diagonal max keeps the objective exact, and pruning keeps the model small: for
+~100 chunks on 4 stages it has a few hundred variables and CBC solves it in tens of ms.
+
+Solvers. ``"ilp"``: PuLP / CBC with a time limit; if CBC fails or finds no solution in time,
+the greedy below is used instead. ``"greedy"``: per stage (stage 0 first), walk the moments in
+schedule order; while one is over budget, add recompute to the in-flight cell that buys the most
+bytes per second of added step time (a cell whose diagonal already has that much recompute
+elsewhere is almost free), with just enough layers to cover the excess. Adding recompute to a
+chunk never raises an earlier moment, so one pass suffices; if no cell can help, the stage falls
+back to full recompute, which is feasible whenever any plan is (checked up front: if even full
+recompute does not fit, :class:`InfeasiblePlanError` says where and what to change). Greedy
+costs ``O(moments x in-flight chunks)``: a few ms for ~100 chunks on 4 stages.
+
+A budget of 0 for a stage means unconstrained (the :class:`Plan` convention).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from .cost import CostModel
+from .simulate import SimResult, memory_moments, simulate, split_sequences
+from .types import Action, ActionKind, Plan, PlanError
+
+__all__ = ["InfeasiblePlanError", "assign_recompute", "fits", "uniform_recompute"]
+
+logger = logging.getLogger(__name__)
+
+_EPS_TOTAL = 1e-3  # weight of total recompute time in the objective (tie-break only)
+# CBC: stop within 2% of the bound; few cut passes, no strong branching and a node cap keep a
+# solve in tens of ms, and the node cap (unlike the time limit) keeps results reproducible
+_ILP_GAP = 0.02
+_CBC_OPTIONS = ("passC 5", "strong 0", "maxN 200")
+_GIB = 2**30
+
+
+class InfeasiblePlanError(PlanError):
+    """No recompute decision fits the memory budget, not even recomputing every layer."""
+
+
+# ---------------------------------------------------------------------------- public helpers
+def uniform_recompute(plan: Plan, layers_per_stage: int | Sequence[int]) -> Plan:
+    """The plan with ``r[s][c] = min(n, layers of stage s)`` for every chunk, ``n`` one number or
+    one per stage (predictions dropped: they no longer apply)."""
+    p = plan.num_stages
+    if isinstance(layers_per_stage, int):
+        per = [layers_per_stage] * p
+    else:
+        per = list(layers_per_stage)
+        if len(per) != p:
+            raise PlanError(f"uniform_recompute needs one layer count per stage ({p}), got {len(per)}")
+    if any(n < 0 for n in per):
+        raise PlanError(f"recompute layer counts must be non-negative, got {per}")
+    rows = tuple((min(per[s], plan.layout.num_stage_layers(s)),) * plan.num_chunks for s in range(p))
+    return dataclasses.replace(plan, recompute=rows, predicted=None)
+
+
+def fits(plan: Plan, cost: CostModel, budgets: Sequence[int]) -> bool:
+    """Whether the simulated peak of every stage is within its budget (0 = unconstrained)."""
+    peaks = simulate(plan, cost).peak_memory_bytes
+    _check_budgets(budgets, plan.num_stages)
+    return all(b == 0 or pk <= b for pk, b in zip(peaks, budgets))
+
+
+def _check_budgets(budgets: Sequence[int], p: int) -> None:
+    if len(budgets) != p:
+        raise PlanError(f"need one memory budget per pipeline stage ({p}), got {len(budgets)}; "
+                        "set concertina_memory_budget to one size or a list with one size per stage")
+    if any(b < 0 for b in budgets):
+        raise PlanError(f"memory budgets must be >= 0 bytes (0 = unconstrained), got {list(budgets)}")
+
+
+# ---------------------------------------------------------------------------- the model
+@dataclass
+class _Moment:
+    action: object
+    in_flight: tuple[int, ...]
+    backward: int  # -1 after a forward
+    base0: float  # bytes with no recompute at all
+
+
+@dataclass
+class _Model:
+    """Per-stage linear memory model and per-cell times (see the module docstring)."""
+
+    p: int
+    layers: list[int]
+    budgets: list[int]
+    A0: list[list[float]]
+    D: list[list[float]]
+    X: list[list[float]]
+    t: list[float]  # one recomputed layer's time per chunk (same on every stage)
+    diag: list[list[int]]  # diagonal id of each cell
+    num_diags: int
+    moments: list[list[_Moment]]
+    slack: list[list[float]]  # seconds B(s, c) can slip without delaying the step
+
+    def delay(self, s: int, c: int, r: int) -> float:
+        """First-order step-time cost of ``r`` recomputed layers on cell (s, c)."""
+        v = r * self.t[c] - self.slack[s][c]
+        return v if v > 0 else 0.0
+
+    def value(self, s: int, m: _Moment, row: Sequence[int]) -> float:
+        D = self.D[s]
+        v = m.base0
+        for c in m.in_flight:
+            if row[c]:
+                v -= row[c] * D[c]
+        b = m.backward
+        if b >= 0 and row[b]:
+            v += self.X[s][b]
+        return v
+
+
+def _build_model(plan: Plan, cost: CostModel, budgets: Sequence[int]) -> _Model:
+    p, n = plan.num_stages, plan.num_chunks
+    lay = plan.layout
+    split = split_sequences(plan)
+    layers = [lay.num_stage_layers(s) for s in range(p)]
+    A0, D, X = [], [], []
+    for s in range(p):
+        a0, d, x = [0.0] * n, [0.0] * n, [0.0] * n
+        for c in plan.chunks:
+            i = c.index
+            a0[i] = cost.act_memory(lay, s, c, 0, split)
+            d[i] = a0[i] - cost.act_memory(lay, s, c, 1, split)
+            x[i] = cost.transient_memory(lay, s, c, 1) - cost.transient_memory(lay, s, c, 0)
+        A0.append(a0)
+        D.append(d)
+        X.append(x)
+    t = [cost.recompute_time(c, 1) for c in plan.chunks]
+    # diagonals, per pipeline group: backward position i on stage s -> i + (p - 1 - s)
+    group_of = [0] * n
+    for g, members in enumerate(plan.groups):
+        for ci in members:
+            group_of[ci] = g
+    diag_id: dict[tuple[int, int], int] = {}
+    diag = [[0] * n for _ in range(p)]
+    for s in range(p):
+        pos: dict[int, int] = {}
+        for a in plan.schedule[s]:
+            if a.kind is ActionKind.BACKWARD:
+                g = group_of[a.chunk]
+                i = pos.get(g, 0)
+                pos[g] = i + 1
+                diag[s][a.chunk] = diag_id.setdefault((g, i + p - 1 - s), len(diag_id))
+    moments = []
+    for s in range(p):
+        tr0 = {}
+        row = []
+        for mo in memory_moments(plan, cost, s):
+            base = mo.const + sum(A0[s][c] for c in mo.in_flight)
+            b = -1 if mo.backward is None else mo.backward
+            if b >= 0:
+                if b not in tr0:
+                    tr0[b] = cost.transient_memory(lay, s, plan.chunks[b], 0)
+                base += tr0[b]
+            row.append(_Moment(mo.action, mo.in_flight, b, base))
+        moments.append(row)
+    slack = [[0.0] * n for _ in range(p)]
+    return _Model(p, layers, list(budgets), A0, D, X, t, diag, len(diag_id), moments, slack)
+
+
+def _over(model: _Model, s: int, m: _Moment) -> bool:
+    """Can this moment exceed its stage's budget for some recompute row?"""
+    b = model.budgets[s]
+    if b == 0:
+        return False
+    # recompute lowers a moment (by D per layer) except for the re-materialized layer X of its
+    # own backward chunk, so base0 + X bounds it from above over all rows the planner makes
+    # (it only recomputes cells with D > 0)
+    worst = m.base0 + (model.X[s][m.backward] if m.backward >= 0 and model.X[s][m.backward] > 0 else 0.0)
+    return worst > b
+
+
+def _full_row(model: _Model, s: int, n: int) -> list[int]:
+    return [model.layers[s]] * n
+
+
+def _infeasible(plan: Plan, model: _Model, cost: CostModel) -> None:
+    """Raise :class:`InfeasiblePlanError` if full recompute does not fit some stage."""
+    n = plan.num_chunks
+    worst = None
+    for s in range(model.p):
+        budget = model.budgets[s]
+        if budget == 0:
+            continue
+        static = cost.static_memory(plan.layout, s)
+        if static > budget:
+            raise InfeasiblePlanError(
+                f"stage {s}'s parameters, gradients and optimizer state alone need {math.ceil(static)} bytes "
+                f"({static / _GIB:.2f} GiB), over its memory budget of {budget} bytes ({budget / _GIB:.2f} GiB); "
+                "raise concertina_memory_budget or use a larger concertina_pipeline_size (fewer layers per stage)"
+            )
+        full = _full_row(model, s, n)
+        for m in model.moments[s]:
+            if not _over(model, s, m):
+                continue
+            v = model.value(s, m, full)
+            if v > budget and (worst is None or v - budget > worst[0] - model.budgets[worst[1]]):
+                worst = (v, s, m)
+    if worst is None:
+        return
+    v, s, m = worst
+    budget = model.budgets[s]
+    a = m.action
+    c = plan.chunks[a.chunk]
+    what = "during the backward" if a.kind is ActionKind.BACKWARD else "after the forward"
+    desc = " ".join(f"{sl.seq}[{sl.start}:{sl.end}]" for sl in c.slices[:4]) + (" ..." if len(c.slices) > 4 else "")
+    per_seq: dict[int, int] = {}
+    for ci in m.in_flight:
+        for sl in plan.chunks[ci].slices:
+            per_seq[sl.seq] = per_seq.get(sl.seq, 0) + sl.length
+    q = max(sorted(per_seq), key=lambda k: per_seq[k])
+    n_slices = len(plan.slices_of(q))
+    tok = sum(per_seq.values())
+    raise InfeasiblePlanError(
+        f"no recompute plan fits stage {s}'s memory budget of {budget} bytes ({budget / _GIB:.2f} GiB): even "
+        f"recomputing all {model.layers[s]} layers of every chunk it needs {math.ceil(v)} bytes "
+        f"({v / _GIB:.2f} GiB) {what} of chunk {c.index} ({c.kind.value}, {c.num_tokens} tokens: {desc}), "
+        f"with {len(m.in_flight)} chunks ({tok} tokens) in flight, the most from sequence {q} "
+        f"({plan.seq_lens[q]} tokens in {n_slices} slice{'s' if n_slices > 1 else ''}, {per_seq[q]} in flight). Raise "
+        "concertina_memory_budget, lower concertina_max_tokens_per_chunk (smaller chunks and slices), or use a "
+        "larger concertina_pipeline_size (fewer layers per stage)"
+    )
+
+
+# ---------------------------------------------------------------------------- slack
+def _backward_slack(plan: Plan, cost: CostModel, res: SimResult) -> list[list[float]]:
+    """Total float of every backward in the simulated schedule: how long ``B(s, c)`` can slip
+    without delaying the step (latest start minus earliest start).
+
+    Latest times come from a reverse sweep over the same dependencies the simulator follows
+    (next action on the stage; ``F(s+1, c)`` after ``F(s, c)``; ``B(s-1, c)`` after ``B(s, c)``,
+    each cross-stage edge carrying one message).
+    """
+    p, n = plan.num_stages, plan.num_chunks
+    at = res.action_times
+    T = res.step_time_s
+    FWD = ActionKind.FORWARD
+    p2p = [cost.p2p_time(c) for c in plan.chunks]
+    lf_start: list[list[float | None]] = [[None] * n for _ in range(p)]  # latest start of F
+    lb_start: list[list[float | None]] = [[None] * n for _ in range(p)]  # latest start of B
+    ptr = [len(a) - 1 for a in plan.schedule]
+    nxt_ls = [T] * p  # latest start of the action after the current one on each stage
+    left = sum(len(a) for a in plan.schedule)
+    sweep = 0
+    while left:
+        progressed = False
+        order = range(p - 1, -1, -1) if sweep % 2 == 0 else range(p)
+        sweep += 1
+        for s in order:
+            acts = plan.schedule[s]
+            k = ptr[s]
+            while k >= 0:
+                a = acts[k]
+                c = a.chunk
+                lf = nxt_ls[s]
+                if a.kind is FWD:
+                    if s < p - 1:
+                        down = lf_start[s + 1][c]
+                        if down is None:
+                            break
+                        lf = min(lf, down - p2p[c])
+                else:
+                    if s > 0:
+                        up = lb_start[s - 1][c]
+                        if up is None:
+                            break
+                        lf = min(lf, up - p2p[c])
+                t0, t1 = at[a]
+                ls = lf - (t1 - t0)
+                (lf_start if a.kind is FWD else lb_start)[s][c] = ls
+                nxt_ls[s] = ls
+                k -= 1
+            if k != ptr[s]:
+                left -= ptr[s] - k
+                ptr[s] = k
+                progressed = True
+        if not progressed:  # cannot happen after a successful forward simulation
+            raise PlanError("internal: reverse sweep of the schedule made no progress")
+    out = []
+    for s in range(p):
+        row = [0.0] * n
+        for c in range(n):
+            row[c] = max(0.0, lb_start[s][c] - at[Action(s, ActionKind.BACKWARD, c)][0])
+        out.append(row)
+    return out
+
+
+# ---------------------------------------------------------------------------- greedy
+def _greedy(model: _Model, start: list[list[int]] | None = None) -> list[list[int]]:
+    """Greedy fill (see the module docstring); ``start``: rows to extend (e.g. a repair)."""
+    p = model.p
+    n = len(model.t)
+    rows = [list(r) for r in start] if start is not None else [[0] * n for _ in range(p)]
+    zmax = [0.0] * model.num_diags  # step-time delay already paid on each diagonal
+    for s in range(p):
+        for c in range(n):
+            d = model.diag[s][c]
+            zmax[d] = max(zmax[d], model.delay(s, c, rows[s][c]))
+    for s in range(p):  # stage 0 first: it needs the most, later stages align with its diagonals
+        budget = model.budgets[s]
+        if budget == 0:
+            continue
+        row, D, X, diag, t, L = rows[s], model.D[s], model.X[s], model.diag[s], model.t, model.layers[s]
+        slack = model.slack[s]
+        for m in model.moments[s]:
+            if not _over(model, s, m):
+                continue
+            v = model.value(s, m, row)
+            while v > budget:
+                excess = v - budget
+                best = None
+                for c in m.in_flight:
+                    rc = row[c]
+                    if rc >= L or D[c] <= 0:
+                        continue
+                    # the first recomputed layer re-materializes X during the chunk's own backward
+                    first = X[c] if (c == m.backward and rc == 0) else 0.0
+                    k_need = min(L - rc, math.ceil((excess + first) / D[c]))
+                    ks = [k_need]
+                    if t[c] > 0:  # layers hidden by slack or by the diagonal's delay: free
+                        k_free = min(L - rc, int((zmax[diag[c]] + slack[c]) / t[c] + 1e-9) - rc)
+                        if 0 < k_free < k_need:
+                            ks.append(k_free)
+                    for k in ks:
+                        saving = k * D[c] - first
+                        if saving <= 0:
+                            continue
+                        added = max(0.0, model.delay(s, c, rc + k) - zmax[diag[c]]) + _EPS_TOTAL * k * t[c]
+                        rate = saving / added if added > 0 else math.inf
+                        key = (-rate, c, k)
+                        if best is None or key < best[0]:
+                            best = (key, c, k, saving)
+                if best is None:
+                    # nothing left that helps here: full recompute of the stage fits (checked)
+                    row[:] = [L] * n
+                    for c in range(n):
+                        zmax[diag[c]] = max(zmax[diag[c]], model.delay(s, c, L))
+                    break
+                _, c, k, saving = best
+                row[c] += k
+                zmax[diag[c]] = max(zmax[diag[c]], model.delay(s, c, row[c]))
+                v -= saving
+    return rows
+
+
+# ---------------------------------------------------------------------------- ILP
+def _ilp(model: _Model, time_limit_s: float, start: list[list[int]] | None = None) -> list[list[int]] | None:
+    """Solve the ILP of the module docstring (``start``: a feasible solution CBC starts from);
+    ``None`` when CBC gives no solution."""
+    import pulp
+
+    p, n = model.p, len(model.t)
+    kept: list[tuple[int, _Moment]] = []
+    for s in range(p):
+        ms = [m for m in model.moments[s] if _over(model, s, m)]
+        for i, m in enumerate(ms):
+            nxt = ms[i + 1] if i + 1 < len(ms) else None
+            # after a forward, dominated by the next backward when it holds a superset
+            if (m.backward < 0 and nxt is not None and nxt.backward >= 0 and nxt.base0 >= m.base0
+                    and set(m.in_flight) <= set(nxt.in_flight)):
+                continue
+            kept.append((s, m))
+    if not kept:
+        return [[0] * n for _ in range(p)]
+    prob = pulp.LpProblem("concertina_recompute", pulp.LpMinimize)
+    r: dict[tuple[int, int], pulp.LpVariable] = {}
+    y: dict[tuple[int, int], pulp.LpVariable] = {}
+
+    def rv(s: int, c: int) -> pulp.LpVariable:
+        key = (s, c)
+        if key not in r:
+            r[key] = pulp.LpVariable(f"r_{s}_{c}", 0, model.layers[s], cat="Integer")
+        return r[key]
+
+    for k, (s, m) in enumerate(kept):
+        D = model.D[s]
+        # bytes in GiB and times in ms keep coefficients near 1 for CBC's tolerances
+        terms = [(rv(s, c), -D[c] / _GIB) for c in m.in_flight if D[c] > 0]
+        b = m.backward
+        if b >= 0 and D[b] > 0 and model.X[s][b] > 0:
+            if (s, b) not in y:
+                y[(s, b)] = pulp.LpVariable(f"y_{s}_{b}", cat="Binary")
+                # y = [r > 0]: r <= L y is the convex hull's facet, r >= y removes y = 1, r = 0
+                prob += rv(s, b) <= model.layers[s] * y[(s, b)], f"link_{s}_{b}"
+                prob += rv(s, b) >= y[(s, b)], f"linkl_{s}_{b}"
+            terms.append((y[(s, b)], model.X[s][b] / _GIB))
+        prob += pulp.LpAffineExpression(terms) <= (model.budgets[s] - m.base0) / _GIB, f"mem_{k}"
+    z: dict[int, pulp.LpVariable] = {}
+    for (s, c), var in r.items():
+        d = model.diag[s][c]
+        if d not in z:
+            z[d] = pulp.LpVariable(f"z_{d}", 0)
+        prob += z[d] >= 1e3 * model.t[c] * var - 1e3 * model.slack[s][c], f"diag_{s}_{c}"
+    prob += pulp.lpSum(z.values()) + pulp.LpAffineExpression(
+        [(var, 1e3 * _EPS_TOTAL * model.t[c]) for (s, c), var in r.items()])
+    if start is not None:
+        zs: dict[int, float] = {}
+        for (s, c), var in r.items():
+            var.setInitialValue(start[s][c])
+            d = model.diag[s][c]
+            zs[d] = max(zs.get(d, 0.0), 1e3 * model.delay(s, c, start[s][c]))
+        for (s, b), var in y.items():
+            var.setInitialValue(1 if start[s][b] > 0 else 0)
+        for d, var in z.items():
+            var.setInitialValue(zs.get(d, 0.0))
+    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=_ILP_GAP, warmStart=start is not None,
+                               options=list(_CBC_OPTIONS))
+    try:
+        prob.solve(solver)
+    except Exception as e:  # noqa: BLE001 - a solver crash must not stop training; greedy takes over
+        logger.warning("CBC failed (%s); using the greedy recompute planner", e)
+        return None
+    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        logger.info("CBC found no solution within %.2fs (%s); using the greedy recompute planner",
+                    time_limit_s, pulp.LpStatus.get(prob.status))
+        return None
+    rows = [[0] * n for _ in range(p)]
+    for (s, c), var in r.items():
+        rows[s][c] = int(round(var.value() or 0))
+    return rows
+
+
+# ---------------------------------------------------------------------------- entry point
+def assign_recompute(plan: Plan, cost: CostModel, budgets: Sequence[int], method: str = "ilp",
+                     time_limit_s: float = 1.0) -> Plan:
+    """``plan`` with ``recompute`` chosen to minimize the step time recomputation adds, with
+    every stage under ``budgets`` (bytes per stage, static memory included; 0 = unconstrained)
+    at every moment of the schedule.
+
+    ``method``: ``"ilp"`` (CBC within ``time_limit_s``, warm-started from the greedy solution;
+    the faster of the two in simulation is returned) or ``"greedy"``. The input's ``recompute``
+    is ignored. Raises :class:`InfeasiblePlanError` when even full recompute does not fit. The
+    result carries ``predicted`` (its simulation) and ``memory_budget_bytes``.
+    """
+    if method not in ("ilp", "greedy"):
+        raise PlanError(f"unknown recompute method {method!r}; set concertina_solver to 'ilp' or 'greedy'")
+    p, n = plan.num_stages, plan.num_chunks
+    _check_budgets(budgets, p)
+    budgets = [int(b) for b in budgets]
+    model = _build_model(plan, cost, budgets)
+    _infeasible(plan, model, cost)
+    zero_rows = tuple((0,) * n for _ in range(p))
+    zero = dataclasses.replace(plan, recompute=zero_rows, memory_budget_bytes=tuple(budgets))
+    res0 = simulate(zero, cost)
+    if all(b == 0 or pk <= b for pk, b in zip(res0.peak_memory_bytes, budgets)):
+        return zero.with_predicted(res0.stats())
+    model.slack = _backward_slack(zero, cost, res0)
+    candidates = [_greedy(model)]
+    if method == "ilp":
+        rows = _ilp(model, time_limit_s, start=candidates[0])
+        if rows is not None:
+            # CBC works in floating point: repair any hair-width violation greedily
+            candidates.insert(0, _greedy(model, rows))
+    best = None
+    for rows in candidates:
+        out = dataclasses.replace(zero, recompute=tuple(tuple(r) for r in rows))
+        res = simulate(out, cost)
+        bad = [s for s in range(p) if budgets[s] and res.peak_memory_bytes[s] > budgets[s]]
+        if bad:  # the linear model disagrees with the cost model: a bug, not a user error
+            s = bad[0]
+            raise PlanError(f"internal: recompute plan exceeds stage {s}'s budget in simulation "
+                            f"({res.peak_memory_bytes[s]} > {budgets[s]} bytes); is the cost model's memory "
+                            "linear in recompute layers?")
+        # the ILP's objective is a first-order model of the step time: keep whichever of the
+        # ILP and greedy solutions the simulator finds faster (ties: less recompute, then ILP)
+        key = (res.step_time_s, res.recompute_time_s)
+        if best is None or key < best[0]:
+            best = (key, out, res)
+    _, out, res = best
+    return out.with_predicted(res.stats())
