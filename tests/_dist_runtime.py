@@ -10,6 +10,7 @@ stage's gradients; with 4 ranks it also runs two independent 2-stage pipelines o
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import sys
@@ -53,7 +54,7 @@ def worker(rank: int, world: int, port: int, outdir: str) -> None:
 
 
 def _run(rank: int, world: int, report: dict) -> None:
-    from concertina_hf.planning import CostModel, StageLayout
+    from concertina_hf.planning import CostModel, PlanError, StageLayout
     from concertina_hf.planning.simulate import simulate
     from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
 
@@ -93,6 +94,16 @@ def _run(rank: int, world: int, report: dict) -> None:
                 fail.append(f"{kind}: full_state_dict differs from the model's state dict")
         elif sd is not None:
             fail.append(f"{kind}: full_state_dict returned a dict on rank {rank}")
+    # neighbours forwarding chunks in different orders: refused before any message is sent
+    plan = make_plan(SEQ_LENS, CHUNKINGS["packed"], layout)
+    sched = list(plan.schedule)
+    sched[-1] = tuple(sorted(sched[-1], key=lambda a: (a.kind.value != "F", -a.chunk)))  # F2 F1 F0 B2 B1 B0
+    try:
+        ex.run_step(dataclasses.replace(plan, schedule=tuple(sched)), ids, labels)
+        fail.append("a plan whose neighbouring stages disagree on the chunk order was executed")
+    except PlanError as e:
+        if "different orders" not in str(e):
+            fail.append(f"wrong error for mismatched orders: {e}")
     if world == 4:
         _subgroups(rank, report, ids, labels)
 

@@ -8,12 +8,13 @@ the planner's ``plan_step`` exists, an "adaptive" case uses it too.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from typing import Callable, Sequence
 
 import torch
 
-from concertina_hf.planning import Chunk, ChunkKind, Plan, Slice, StageLayout, build_schedule
+from concertina_hf.planning import Action, ActionKind, Chunk, ChunkKind, Plan, Slice, StageLayout, build_schedule
 
 SEQ_LENS = (46, 9, 7, 5, 12, 20)  # one long sequence (split), one medium (split in the hybrid case)
 VOCAB = 96
@@ -122,7 +123,19 @@ def plans_for(layout: StageLayout, seq_lens: tuple[int, ...] = SEQ_LENS) -> list
     name, groups = GROUPED
     out.append((f"{name}-2groups/partial", make_plan(seq_lens, CHUNKINGS[name], layout, "partial", groups=groups)))
     out.append(("split-prefetch/partial", make_plan(seq_lens, CHUNKINGS["split"], layout, "partial", prefetch=True)))
+    out.append(("hybrid-gpipe/partial", gpipe(make_plan(seq_lens, CHUNKINGS["hybrid"], layout, "partial"))))
     return out + adaptive_plans(layout, seq_lens)
+
+
+def gpipe(plan: Plan) -> Plan:
+    """The same chunks under a GPipe schedule (all forwards, then all backwards in reverse), to
+    show the runtime follows whatever order the plan gives."""
+    order = [c.index for c in plan.chunks]
+    schedule = tuple(
+        tuple([Action(s, ActionKind.FORWARD, c) for c in order] + [Action(s, ActionKind.BACKWARD, c) for c in order[::-1]])
+        for s in range(plan.num_stages)
+    )
+    return dataclasses.replace(plan, schedule=schedule, strategy="gpipe").validate()
 
 
 def adaptive_plans(layout: StageLayout, seq_lens: Sequence[int]) -> list[tuple[str, Plan]]:

@@ -116,17 +116,15 @@ class PipelineExecutor:
             if dist.get_backend(group) == "nccl":
                 # batched NCCL P2P must not be the first operation on a fresh communicator
                 dist.barrier(group=group)
+        self._checked_plan: Plan | None = None
         excluded = [p for p in wrapper.parameters()] + [b for b in wrapper.buffers()]
         self.meter = SavedTensorMeter(exclude=excluded, device=self.device)
 
     # ------------------------------------------------------------------ checks
     def _check(self, plan: Plan, input_ids: Sequence[torch.Tensor], labels: Sequence[torch.Tensor] | None) -> None:
-        plan.validate()
-        if plan.layout != self.layout:
-            raise PlanError(
-                f"the plan was made for stage layout {plan.layout.layer_ranges} but this pipeline runs "
-                f"{self.layout.layer_ranges}; plan with the wrapper's layout"
-            )
+        if plan is not self._checked_plan:
+            self._check_plan(plan)
+            self._checked_plan = plan
         if len(input_ids) != len(plan.seq_lens):
             raise ValueError(f"the plan covers {len(plan.seq_lens)} sequences, got {len(input_ids)} input_ids")
         for i, (ids, n) in enumerate(zip(input_ids, plan.seq_lens)):
@@ -138,6 +136,14 @@ class PipelineExecutor:
             for i, (lab, ids) in enumerate(zip(labels, input_ids)):
                 if lab.shape != ids.shape:
                     raise ValueError(f"labels[{i}] has shape {tuple(lab.shape)}, input_ids[{i}] {tuple(ids.shape)}")
+
+    def _check_plan(self, plan: Plan) -> None:
+        plan.validate()
+        if plan.layout != self.layout:
+            raise PlanError(
+                f"the plan was made for stage layout {plan.layout.layer_ranges} but this pipeline runs "
+                f"{self.layout.layer_ranges}; plan with the wrapper's layout"
+            )
         # NCCL matches P2P messages in issue order: neighbours must agree on the chunk order
         for s in range(self.num_stages - 1):
             for kind in ActionKind:
@@ -217,7 +223,8 @@ class PipelineExecutor:
                             if train:
                                 outputs[c] = y
                                 meter.hold(("out", c), y)
-                            pending_sends.append(self.comm.send_op(y.detach(), st + 1, activation_tag(c)))
+                            # the wire dtype is the model's (both sides derive it); autocast may differ
+                            pending_sends.append(self.comm.send_op(y.detach().to(w.dtype), st + 1, activation_tag(c)))
                         for s in chunk_slices[c]:
                             if not s.final:
                                 meter.hold(("kv", s.seq, s.start),
@@ -230,7 +237,7 @@ class PipelineExecutor:
                                         meter.release(("kv", s.seq, earlier.start))
                     else:
                         out = outputs.pop(c)
-                        tensors, grads = [out], [buf]
+                        tensors, grads = [out], [None if buf is None else buf.to(out.dtype)]
                         if buf is not None:
                             meter.hold(("gout", c), buf)
                         for s in chunk_slices[c]:
@@ -256,7 +263,7 @@ class PipelineExecutor:
                         if not w.is_first:
                             x = inputs.pop(c)
                             meter.hold(("gout", c), x.grad)
-                            pending_sends.append(self.comm.send_op(x.grad, st - 1, gradient_tag(c)))
+                            pending_sends.append(self.comm.send_op(x.grad.to(w.dtype), st - 1, gradient_tag(c)))
                             meter.release(("in", c))
                         meter.release(("gout", c))
                     times.append((action, t_start, clock.mark()))
@@ -266,6 +273,8 @@ class PipelineExecutor:
             if self.comm is not None:
                 self.comm.exchange(pending_sends, [])
                 self.comm.drain()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)  # the events of the action clock must have completed
         peak = meter.peak_bytes
         meter.release_all()
         store.clear()
