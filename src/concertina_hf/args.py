@@ -204,15 +204,15 @@ class ConcertinaTrainingArguments(TrainingArguments):
                 "how many layers recompute their activations; set activation_checkpointing=False (and "
                 "concertina_strategy='full-recompute' to recompute every layer)"
             )
-        world = os.environ.get("WORLD_SIZE")
-        if world is not None:
-            resolve_parallel_sizes(int(world), self.concertina_pipeline_size, self.concertina_data_parallel_size)
 
     def _check_concertina_fields(self) -> None:
         for name in ("concertina_pipeline_size", "concertina_data_parallel_size", "concertina_max_tokens_per_chunk"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        world = os.environ.get("WORLD_SIZE")
+        if world is not None:  # launched: check the sizes before any process group is set up
+            resolve_parallel_sizes(int(world), self.concertina_pipeline_size, self.concertina_data_parallel_size)
         if self.concertina_strategy not in STRATEGIES:
             raise ValueError(f"concertina_strategy={self.concertina_strategy!r}: choose one of {', '.join(STRATEGIES)}")
         if self.concertina_solver not in SOLVERS:

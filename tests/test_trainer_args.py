@@ -1,0 +1,88 @@
+"""ConcertinaTrainingArguments: fields, parsing, and the errors that name the field to change."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from transformers import HfArgumentParser
+
+from concertina_hf.args import (
+    ConcertinaTrainingArguments,
+    parse_memory_budget,
+    resolve_parallel_sizes,
+)
+from concertina_hf.planning import STRATEGIES
+
+
+def _args(tmp_path, **kw):
+    return ConcertinaTrainingArguments(output_dir=str(tmp_path), report_to=[], **kw)
+
+
+def test_every_concertina_field_has_help_and_parses_from_the_command_line(tmp_path):
+    fields = [f for f in dataclasses.fields(ConcertinaTrainingArguments) if f.name.startswith("concertina_")]
+    names = {f.name for f in fields}
+    assert {"concertina_pipeline_size", "concertina_data_parallel_size", "concertina_memory_budget",
+            "concertina_strategy", "concertina_max_tokens_per_chunk", "concertina_solver_time_limit",
+            "concertina_replan_interval", "concertina_cost_model"} <= names
+    assert all(len(f.metadata.get("help", "")) > 20 for f in fields)
+    (args,) = HfArgumentParser(ConcertinaTrainingArguments).parse_args_into_dataclasses(args=[
+        "--output_dir", str(tmp_path), "--report_to", "none", "--concertina_pipeline_size", "2",
+        "--concertina_memory_budget", "3GiB,1GiB", "--concertina_strategy", "packed",
+        "--concertina_max_tokens_per_chunk", "4096", "--concertina_cost_model", "online",
+        "--concertina_replan_interval", "7", "--concertina_solver", "greedy", "--concertina_gantt_steps", "5",
+    ])
+    assert args.concertina_strategy == "packed" and args.concertina_max_tokens_per_chunk == 4096
+    assert args.memory_budget == (3 * 2**30, 2**30)
+    assert args.concertina_replan_interval == 7 and args.concertina_solver == "greedy"
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(concertina_strategy="fastest"), "concertina_strategy"),
+    (dict(concertina_solver="cplex"), "concertina_solver"),
+    (dict(concertina_solver_time_limit=0.0), "concertina_solver_time_limit"),
+    (dict(concertina_cost_model="measured"), "concertina_cost_model"),
+    (dict(concertina_cost_model="profiled"), "concertina_cost_model_path"),
+    (dict(concertina_cost_model_path="/nonexistent/cost.json"), "concertina_cost_model_path"),
+    (dict(concertina_cost_model="online", concertina_replan_interval=0), "concertina_replan_interval"),
+    (dict(concertina_replan_interval=-1), "concertina_replan_interval"),
+    (dict(concertina_gantt_steps=-2), "concertina_gantt_steps"),
+    (dict(concertina_memory_budget="lots"), "concertina_memory_budget"),
+    (dict(concertina_memory_budget="-3GiB"), "concertina_memory_budget"),
+    (dict(concertina_memory_fraction=1.5), "concertina_memory_fraction"),
+    (dict(concertina_pipeline_size=0), "concertina_pipeline_size"),
+    (dict(concertina_data_parallel_size=-1), "concertina_data_parallel_size"),
+    (dict(concertina_max_tokens_per_chunk=0), "concertina_max_tokens_per_chunk"),
+    (dict(concertina_pipeline_size=2, concertina_memory_budget="1GiB,2GiB,3GiB"), "concertina_memory_budget"),
+    (dict(activation_checkpointing=True), "activation_checkpointing"),
+])
+def test_invalid_settings_fail_at_construction_naming_the_field(tmp_path, kw, field):
+    with pytest.raises(ValueError, match=field):
+        _args(tmp_path, **kw)
+
+
+def test_world_size_checks_against_the_launcher(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="concertina_pipeline_size=3 does not divide"):
+        _args(tmp_path, concertina_pipeline_size=3)
+    with pytest.raises(ValueError, match="product is the number of processes"):
+        _args(tmp_path, concertina_pipeline_size=2, concertina_data_parallel_size=3)
+
+
+def test_parallel_sizes_and_budgets():
+    assert resolve_parallel_sizes(8, None, None) == (8, 1)
+    assert resolve_parallel_sizes(8, 4, None) == (4, 2)
+    assert resolve_parallel_sizes(8, None, 2) == (4, 2)
+    assert resolve_parallel_sizes(1, None, None) == (1, 1)
+    with pytest.raises(ValueError, match="concertina_data_parallel_size=3"):
+        resolve_parallel_sizes(8, None, 3)
+    assert parse_memory_budget("auto") == "auto"
+    assert parse_memory_budget("none") is None and parse_memory_budget("0") is None
+    assert parse_memory_budget("40GiB") == (40 * 2**30,)
+    assert parse_memory_budget("1.5GB") == (1_500_000_000,)
+    assert parse_memory_budget(1024) == (1024,)
+
+
+def test_strategies_are_the_planners(tmp_path):
+    for s in STRATEGIES:
+        assert _args(tmp_path, concertina_strategy=s).concertina_strategy == s
