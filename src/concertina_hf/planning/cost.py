@@ -15,6 +15,17 @@ gradient buffers of its earlier slices' K/V are alive too. The last stage keeps 
 logits (``logits_bytes_per_token``) until its backward. Static memory is parameters, gradients
 and optimizer state: ``static_bytes_per_param`` per parameter of the stage.
 
+Terms the profiler measures on the real runtime (all 0 in the analytic model, which then reduces
+to the formulas above): a slice with context ``C`` saves, on every layer that keeps its
+activations, the concatenated keys and values it attends to (``context_bytes_per_token`` per
+layer and context token; a non-final slice with context also keeps its own K/V in the store,
+counted with the same coefficient); an explicit attention mask, built once per chunk when the
+chunk is not one whole sequence, holds ``mask_bytes_per_pair * T * S`` bytes (``T`` tokens,
+``S = T + sum C`` keys; SDPA backends, not flash-attn); a stage other than the last keeps its
+output until the backward (``output_bytes_per_token``). Backends that compute attention densely
+over ``T x S`` whenever a chunk needs a mask (SDPA on CPU) cost ``alpha_mask * T * S`` per layer
+instead of ``alpha_attn * pairs`` on such chunks (``alpha_mask = 0``: flash-attn's varlen kernel).
+
 Two constructors: :meth:`CostModel.from_hf_config` (FLOPs and bytes of the architecture at a
 device's rates) and :meth:`CostModel.fit` (least squares over measured samples, e.g. from
 :mod:`concertina_hf.runtime.profiler`). Pure Python (numpy for the fit); no torch.
@@ -26,7 +37,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from .types import Chunk, Slice, StageLayout
+from .types import Chunk, ChunkKind, Slice, StageLayout
 
 __all__ = ["CostModel", "DeviceSpec", "ProfileSample", "attn_pairs"]
 
@@ -109,6 +120,11 @@ class CostModel:
     p2p_bandwidth: float = 20e9
     p2p_latency_s: float = 2e-5
     source: str = "analytic"
+    # measured terms of the real runtime (see the module docstring); 0 = not modelled
+    alpha_mask: float = 0.0  # s per (query, key) element of a dense masked attention, per layer
+    context_bytes_per_token: float = 0.0  # per saved layer and token of context attended to
+    mask_bytes_per_pair: float = 0.0  # per chunk and (query, key) element of an explicit mask
+    output_bytes_per_token: float = 0.0  # stage output kept until backward (not the last stage)
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -172,9 +188,12 @@ class CostModel:
             source="analytic",
         )
 
-    def fit(self, samples: Sequence[ProfileSample]) -> "CostModel":
+    def fit(self, samples: Sequence[ProfileSample], *, dense_mask: bool = False) -> "CostModel":
         """Refit ``alpha_attn``, ``alpha_tok``, ``beta``, ``bwd_factor`` (and the activation
         bytes per token when samples carry them) by least squares; other fields are kept.
+
+        ``dense_mask``: the samples come from a backend that attends densely over ``T x S`` when
+        a chunk needs a mask (SDPA on CPU); ``alpha_mask`` is fitted too, on those chunks only.
 
         Coefficients are constrained non-negative (a negative fitted term is dropped and the
         rest refitted). Needs at least 3 samples with different shapes.
@@ -183,17 +202,28 @@ class CostModel:
 
         if len(samples) < 3:
             raise ValueError(f"fitting the cost model needs at least 3 samples, got {len(samples)}")
-        feats = np.array(
-            [[sum((c + s) ** 2 - c * c for c, s in x.slices), sum(s for _, s in x.slices), 1.0] for x in samples],
-            dtype=float,
-        )
+        rows = []
+        for x in samples:
+            tok = sum(s for _, s in x.slices)
+            pairs = sum((c + s) ** 2 - c * c for c, s in x.slices)
+            if dense_mask:
+                masked = _needs_mask(x.slices)
+                dense = tok * sum(c + s for c, s in x.slices)
+                rows.append([0.0 if masked else pairs, dense if masked else 0.0, tok, 1.0])
+            else:
+                rows.append([pairs, tok, 1.0])
+        feats = np.array(rows, dtype=float)
         fwd = np.array([x.fwd_time_s for x in samples], dtype=float)
         bwd = np.array([x.bwd_time_s for x in samples], dtype=float)
         coef = _nnls(feats, fwd)
         total = float(fwd.sum())
         bwd_factor = float(bwd.sum() / total) if total > 0 else self.bwd_factor
+        if dense_mask:
+            coef_attn, coef_mask, coef_tok, coef_beta = (float(v) for v in coef)
+        else:
+            (coef_attn, coef_tok, coef_beta), coef_mask = (float(v) for v in coef), self.alpha_mask
         changes: dict[str, Any] = dict(
-            alpha_attn=float(coef[0]), alpha_tok=float(coef[1]), beta=float(coef[2]),
+            alpha_attn=coef_attn, alpha_mask=coef_mask, alpha_tok=coef_tok, beta=coef_beta,
             bwd_factor=bwd_factor, source="fitted",
         )
         acts = [(sum(s for _, s in x.slices), x.act_bytes) for x in samples if x.act_bytes > 0]
@@ -205,7 +235,12 @@ class CostModel:
 
     # ------------------------------------------------------------------ time
     def layer_fwd_time(self, slices: Sequence[Slice]) -> float:
-        return self.alpha_attn * attn_pairs(slices) + self.alpha_tok * sum(s.length for s in slices) + self.beta
+        tok = sum(s.length for s in slices)
+        if self.alpha_mask and _needs_mask([(s.context, s.length) for s in slices]):
+            attn = self.alpha_mask * tok * sum(s.context + s.length for s in slices)
+        else:
+            attn = self.alpha_attn * attn_pairs(slices)
+        return attn + self.alpha_tok * tok + self.beta
 
     def fwd_time(self, layout: StageLayout, stage: int, chunk: Chunk) -> float:
         """Forward time of ``chunk`` on ``stage`` (its layers, plus embedding / head)."""
@@ -243,6 +278,16 @@ class CostModel:
         mem += recompute_layers * (self.ckpt_bytes_per_token * tok + self.kv_bytes_per_token * kv_tok)
         if layout.has_head(stage):
             mem += self.logits_bytes_per_token * tok
+        else:
+            mem += self.output_bytes_per_token * tok
+        if saved and self.context_bytes_per_token:
+            # keys attended to beyond the slice's own (its earlier slices'), and the own K/V a
+            # non-final slice keeps in the store besides that concatenated copy
+            ctx_tok = sum(s.context + (s.length if chunk.kind is ChunkKind.SPLIT else 0)
+                          for s in chunk.slices if s.context > 0)
+            mem += saved * self.context_bytes_per_token * ctx_tok
+        if self.mask_bytes_per_pair and _needs_mask([(s.context, s.length) for s in chunk.slices]):
+            mem += self.mask_bytes_per_pair * tok * sum(s.context + s.length for s in chunk.slices)
         return mem
 
     def kv_grad_memory(self, layout: StageLayout, stage: int, earlier_tokens: int) -> float:
@@ -274,6 +319,12 @@ class CostModel:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "CostModel":
         return cls(**d)
+
+
+def _needs_mask(slices: Sequence[tuple[int, int]]) -> bool:
+    """Whether a chunk of ``(context, length)`` slices needs an explicit attention mask: all
+    but one whole sequence (plain causal attention) do."""
+    return not (len(slices) == 1 and slices[0][0] == 0)
 
 
 def _nnls(a, y):
