@@ -7,7 +7,9 @@ tokens at context 0 (forward plus backward, no recompute)::
 
 The layout minimizing the slowest stage comes from an exact dynamic program over split points,
 ``best[k][j]`` = the smallest possible maximum stage time when the first ``k`` stages own the
-first ``j`` layers: ``O(p * L^2)`` (under a millisecond for 128 layers on 16 stages). Among
+first ``j`` layers. A stage's candidate starts are scanned from the right and the scan stops
+once the stage alone is slower than the best found, so a step costs about the layers of one
+stage: ``O(L^2)`` in all, a few ms for 128 layers on 64 stages in pure Python. Among
 optimal layouts the one giving later stages as many layers as possible is taken: in 1F1B the
 early stages hold the most chunks in flight, so moving a layer toward the end saves memory
 where it is scarcest at no cost in time.
@@ -77,11 +79,13 @@ def partition_layers(cost: CostModel, num_stages: int, num_layers: int | None = 
         for j in range(k, L - (p - k) + 1):
             row = best[k - 1]
             m = inf
-            for i in range(k - 1, j):
-                v = row[i]
-                if v >= m:
-                    continue
+            # the stage's own time grows as its start i moves left: once it alone reaches the
+            # best max so far, no earlier start can do better
+            for i in range(j - 1, k - 2, -1):
                 c = cost_of(k - 1, j - i)
+                if c >= m:
+                    break
+                v = row[i]
                 v = v if v > c else c
                 if v < m:
                     m = v

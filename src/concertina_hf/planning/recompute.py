@@ -101,8 +101,8 @@ def uniform_recompute(plan: Plan, layers_per_stage: int | Sequence[int]) -> Plan
 
 def fits(plan: Plan, cost: CostModel, budgets: Sequence[int]) -> bool:
     """Whether the simulated peak of every stage is within its budget (0 = unconstrained)."""
-    peaks = simulate(plan, cost).peak_memory_bytes
     _check_budgets(budgets, plan.num_stages)
+    peaks = simulate(plan, cost).peak_memory_bytes
     return all(b == 0 or pk <= b for pk, b in zip(peaks, budgets))
 
 
