@@ -23,9 +23,12 @@ unchanged from the decoder layer to the attention function. With it, for each la
      shared by all layers; a chunk that is one whole sequence needs none (``is_causal``).
 
 Costs: the CPU mask is ``T x S`` floats per chunk (``S = T + sum C``), kept until the chunk's
-backward; SDPA on CPU dispatches to its flash kernel, which saves ``q, k, v, out, logsumexp``. A slice with context ``C`` saves its
-concatenated keys (``C + s`` tokens per layer) until its backward; the earlier slices' own K/V
-stay alive (in the store) until their own backward.
+backward; SDPA on CPU dispatches to its flash kernel, which saves ``q, k, v, out, logsumexp``.
+The earlier slices' K/V stay alive (in the store) until their own backward. On CPU a chunk with
+context runs through :class:`_ContextAttentionCPU`, which saves those pieces rather than the
+concatenated keys; the flash-attn path (and CPU with attention dropout) goes through
+``torch.cat``, so autograd also keeps the concatenated ``C + s`` keys of each layer until the
+slice's backward (``O(n^2)`` K/V over a chain of ``n`` slices).
 
 Without a context (a plain ``model(...)`` call on a model set to ``"concertina"``) the function
 falls back to HF's SDPA path and the mask function registered under the same name is HF's SDPA
@@ -97,8 +100,8 @@ class KVStore:
         v_leaf = v.detach().requires_grad_(requires_grad)
         per_start[start] = _KVEntry(k, v, k_leaf, v_leaf)
 
-    def prefix(self, seq: int, context: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Leaves of the slices of ``seq`` before token ``context``, concatenated: [1, K, context, D]."""
+    def prefix_parts(self, seq: int, context: int, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Leaves ``(K, V)`` ([1, K, s, D]) of the slices of ``seq`` before token ``context``, in order."""
         per_start = self._kv.get(seq, {}).get(layer, {})
         parts = [per_start[s] for s in sorted(per_start) if s < context]
         have = sum(e.k_leaf.shape[2] for e in parts)
@@ -107,9 +110,14 @@ class KVStore:
                 f"K/V of sequence {seq} before token {context} on layer {layer} is incomplete "
                 f"({have} tokens stored): an earlier slice did not run forward on this stage first"
             )
+        return [(e.k_leaf, e.v_leaf) for e in parts]
+
+    def prefix(self, seq: int, context: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`prefix_parts` concatenated: [1, K, context, D] each."""
+        parts = self.prefix_parts(seq, context, layer)
         if len(parts) == 1:
-            return parts[0].k_leaf, parts[0].v_leaf
-        return torch.cat([e.k_leaf for e in parts], dim=2), torch.cat([e.v_leaf for e in parts], dim=2)
+            return parts[0]
+        return torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2)
 
     def entries(self, seq: int, start: int) -> list[_KVEntry]:
         """This slice's entries on every layer of the stage (layer order)."""
@@ -189,24 +197,33 @@ class ChunkAttentionContext:
         # one whole sequence from its first token: plain causal attention, no mask at all
         self.plain_causal = len(self.slices) == 1 and self.slices[0].start == 0
 
-    def keys(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this chunk's non-final slices' K/V and return the keys in the slice-by-slice
-        layout: [1, K, S, D] each."""
+    def store_own(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Keep this chunk's non-final slices' K/V (set-if-absent) for their later slices."""
         for s in self.slices:
             if not s.final:
                 self.store.put_if_absent(s.seq, s.start, layer, key[:, :, s.offset:s.offset + s.length],
                                          value[:, :, s.offset:s.offset + s.length], self.requires_grad)
-        if not self.has_context:
-            return key, value
-        ks, vs = [], []
+
+    def key_pieces(self, layer: int) -> tuple[tuple, list[torch.Tensor], list[torch.Tensor]]:
+        """The slice-by-slice key layout as pieces: ``("p", i)`` for the ``i``-th earlier-slice
+        leaf, ``("o", offset, length)`` for this chunk's own keys; plus the leaves (K, V)."""
+        layout, pk, pv = [], [], []
         for s in self.slices:
             if s.start > 0:
-                pk, pv = self.store.prefix(s.seq, s.start, layer)
-                ks.append(pk)
-                vs.append(pv)
-            ks.append(key[:, :, s.offset:s.offset + s.length])
-            vs.append(value[:, :, s.offset:s.offset + s.length])
-        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+                for k_leaf, v_leaf in self.store.prefix_parts(s.seq, s.start, layer):
+                    layout.append(("p", len(pk)))
+                    pk.append(k_leaf)
+                    pv.append(v_leaf)
+            layout.append(("o", s.offset, s.length))
+        return tuple(layout), pk, pv
+
+    def keys(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the own K/V and return the keys in the slice-by-slice layout: [1, K, S, D] each."""
+        self.store_own(layer, key, value)
+        if not self.has_context:
+            return key, value
+        layout, pk, pv = self.key_pieces(layer)
+        return _assemble(layout, key, pk), _assemble(layout, value, pv)
 
     def mask(self, window: int | None) -> torch.Tensor:
         """Boolean [1, 1, T, S]: True where the query may attend to the key."""
@@ -230,6 +247,59 @@ class ChunkAttentionContext:
             m.masked_fill_(~self.mask(window), float("-inf"))
             self._masks[(dtype, window)] = m
         return m
+
+
+def _assemble(layout: tuple, own: torch.Tensor, prefix: Sequence[torch.Tensor]) -> torch.Tensor:
+    parts = [prefix[p[1]] if p[0] == "p" else own[:, :, p[1]:p[1] + p[2]] for p in layout]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
+class _ContextAttentionCPU(torch.autograd.Function):
+    """SDPA (CPU flash kernel) over keys assembled from earlier slices' leaves and the chunk's
+    own keys, saving the pieces instead of the assembled copy.
+
+    Autograd through ``torch.cat`` + SDPA would keep the concatenated K/V (``C + s`` tokens per
+    layer) of every slice with context until its backward, although the pieces are alive
+    anyway (own keys in the graph, earlier slices' leaves in the store): with ``n`` slices in
+    flight that is ``O(n^2)`` extra K/V. Here the copy is rebuilt in backward, one layer at a
+    time, and the key gradient is split back into the pieces (the leaves' share accumulates in
+    their ``.grad``, which the runtime hands to the earlier slices' backward).
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, value, mask, scale, layout, *prefix):
+        n = len(prefix) // 2
+        k_S = _assemble(layout, key, prefix[:n])
+        v_S = _assemble(layout, value, prefix[n:])
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, k_S, v_S, 0.0, False, attn_mask=mask, scale=scale)
+        ctx.save_for_backward(query, key, value, out, lse, mask, *prefix)
+        ctx.layout, ctx.scale, ctx.n = layout, scale, n
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse, mask, *prefix = ctx.saved_tensors
+        n, layout = ctx.n, ctx.layout
+        k_S = _assemble(layout, key, prefix[:n])
+        v_S = _assemble(layout, value, prefix[n:])
+        dq, dk_S, dv_S = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out.contiguous(), query, k_S, v_S, out, lse, 0.0, False, attn_mask=mask, scale=ctx.scale)
+        dkey, dvalue = torch.zeros_like(key), torch.zeros_like(value)
+        dpk: list = [None] * n
+        dpv: list = [None] * n
+        pos = 0
+        for p in layout:
+            if p[0] == "p":
+                length = prefix[p[1]].shape[2]
+                dpk[p[1]] = dk_S[:, :, pos:pos + length]
+                dpv[p[1]] = dv_S[:, :, pos:pos + length]
+            else:
+                length = p[2]
+                dkey[:, :, p[1]:p[1] + length] = dk_S[:, :, pos:pos + length]
+                dvalue[:, :, p[1]:p[1] + length] = dv_S[:, :, pos:pos + length]
+            pos += length
+        return (dq, dkey, dvalue, None, None, None, *dpk, *dpv)
 
 
 def _cumsum(xs: Sequence[int]) -> list[int]:
@@ -307,8 +377,14 @@ def concertina_attention_forward(
     layer = getattr(module, "layer_idx", None)
     if layer is None:
         raise ValueError(f"{type(module).__name__} has no layer_idx; the concertina backend needs it to key K/V")
-    key_S, value_S = ctx.keys(layer, key, value)
     use_flash = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and flash_attn_available()
+    if not use_flash and ctx.has_context and query.device.type == "cpu" and dropout == 0.0:
+        ctx.store_own(layer, key, value)
+        layout, pk, pv = ctx.key_pieces(layer)
+        out = _ContextAttentionCPU.apply(query, key, value, ctx.additive_mask(sliding_window, query.dtype),
+                                         scaling, layout, *pk, *pv)
+        return out.transpose(1, 2).contiguous(), None
+    key_S, value_S = ctx.keys(layer, key, value)
     path = _flash_path if use_flash else _sdpa_path
     return path(module, query, key_S, value_S, ctx, dropout, scaling, sliding_window), None
 
