@@ -117,7 +117,7 @@ def _check_budgets(budgets: Sequence[int], p: int) -> None:
 # ---------------------------------------------------------------------------- the model
 @dataclass
 class _Moment:
-    action: object
+    action: Action
     in_flight: tuple[int, ...]
     backward: int  # -1 after a forward
     base0: float  # bytes with no recompute at all
