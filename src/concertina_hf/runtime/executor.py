@@ -165,107 +165,38 @@ class PipelineExecutor:
         if num_items_in_batch is None:
             num_items_in_batch = int(sum(int((lab[1:] != -100).sum()) for lab in labels))
         divisor = float(max(num_items_in_batch, 1))
-        w = self.wrapper
-        dev = self.device
-        st = self.stage
-        chunk_slices = [
-            [SliceSpec(s.seq, s.start, s.length, off, s.end == plan.seq_lens[s.seq])
-             for s, off in zip(c.slices, _offsets([s.length for s in c.slices]))]
-            for c in plan.chunks
-        ]
-        ids_dev = [t.to(dev) for t in input_ids] if w.is_first else None
-        lab_dev = [t.to(dev) for t in labels] if w.is_last else None
-        store = KVStore()
-        inputs: dict[int, torch.Tensor] = {}
-        outputs: dict[int, torch.Tensor] = {}
-        loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
-        times: list[tuple[Action, object, object]] = []
-        pending_sends: list = []
+        w, dev, st = self.wrapper, self.device, self.stage
+        step = _Step(self, plan, input_ids, labels, divisor, train)
         actions = [a for a in plan.schedule[st] if train or a.kind is ActionKind.FORWARD]
         meter = self.meter
         meter.release_all()
         meter.reset()
         clock = _Clock(dev)
-        wall0 = clock.t0
+        times: list[tuple[Action, object, object]] = []
+        pending_sends: list = []
         with meter, torch.set_grad_enabled(train):
             for action in actions:
                 try:
                     c = action.chunk
-                    shape = (1, plan.chunks[c].num_tokens, self.hidden_size)
-                    recvs, buf = [], None
+                    fwd = action.kind is ActionKind.FORWARD
+                    buf = None
                     if self.comm is not None:
-                        if action.kind is ActionKind.FORWARD and not w.is_first:
+                        # this action's input message, started together with the previous action's output
+                        recvs = []
+                        if fwd and not w.is_first or not fwd and not w.is_last:
+                            shape = (1, plan.chunks[c].num_tokens, self.hidden_size)
                             buf = torch.empty(shape, dtype=w.dtype, device=dev)
-                            recvs.append(self.comm.recv_op(buf, st - 1, activation_tag(c)))
-                        elif action.kind is ActionKind.BACKWARD and not w.is_last:
-                            buf = torch.empty(shape, dtype=w.dtype, device=dev)
-                            recvs.append(self.comm.recv_op(buf, st + 1, gradient_tag(c)))
+                            recvs.append(self.comm.recv_op(buf, st - 1, activation_tag(c)) if fwd
+                                         else self.comm.recv_op(buf, st + 1, gradient_tag(c)))
                         self.comm.exchange(pending_sends, recvs)
                         pending_sends = []
                     t_start = clock.mark()
-                    if action.kind is ActionKind.FORWARD:
-                        ctx = ChunkAttentionContext(chunk_slices[c], store, dev, requires_grad=train)
-                        if w.is_first:
-                            ids = torch.cat([ids_dev[s.seq][s.start:s.start + s.length] for s in chunk_slices[c]])
-                            x = w.embed(ids)
-                        else:
-                            x = buf.requires_grad_(train)
-                            inputs[c] = x
-                            meter.hold(("in", c), x)
-                        y = w.run_layers(x, ctx, plan.recompute[st][c] if train else 0)
-                        if w.is_last:
-                            targets = torch.cat([_targets(lab_dev[s.seq], s) for s in chunk_slices[c]])
-                            chunk_loss = w.head_loss_sum(y, targets)
-                            loss_sum += chunk_loss.detach()
-                            if train:
-                                outputs[c] = chunk_loss / divisor
-                        else:
-                            if train:
-                                outputs[c] = y
-                                meter.hold(("out", c), y)
-                            # the wire dtype is the model's (both sides derive it); autocast may differ
-                            pending_sends.append(self.comm.send_op(y.detach().to(w.dtype), st + 1, activation_tag(c)))
-                        for s in chunk_slices[c]:
-                            if not s.final:
-                                meter.hold(("kv", s.seq, s.start),
-                                           *[t for e in store.entries(s.seq, s.start) for t in (e.k, e.v)])
-                        if not train:
-                            for s in chunk_slices[c]:
-                                if s.final and s.start > 0:  # the sequence's last slice: its K/V is done
-                                    store.free_seq(s.seq)
-                                    for _, earlier in plan.slices_of(s.seq):
-                                        meter.release(("kv", s.seq, earlier.start))
-                    else:
-                        out = outputs.pop(c)
-                        tensors, grads = [out], [None if buf is None else buf.to(out.dtype)]
-                        if buf is not None:
-                            meter.hold(("gout", c), buf)
-                        for s in chunk_slices[c]:
-                            if s.final:
-                                continue
-                            for e in store.entries(s.seq, s.start):
-                                for t, leaf in ((e.k, e.k_leaf), (e.v, e.v_leaf)):
-                                    if leaf.grad is not None:
-                                        tensors.append(t)
-                                        grads.append(leaf.grad)
-                        torch.autograd.backward(tensors, grads)
-                        del tensors, grads, out
-                        for s in chunk_slices[c]:
-                            if not s.final:
-                                store.free_slice(s.seq, s.start)
-                                meter.release(("kv", s.seq, s.start))
-                                meter.release(("kvgrad", s.seq, s.start))
-                        meter.release(("out", c))
-                        # gradients this backward left on earlier slices' K/V live until their backward
-                        for s in chunk_slices[c]:
-                            for earlier, e in store.entries_before(s.seq, s.start):
-                                meter.hold(("kvgrad", s.seq, earlier), e.k_leaf.grad, e.v_leaf.grad)
-                        if not w.is_first:
-                            x = inputs.pop(c)
-                            meter.hold(("gout", c), x.grad)
-                            pending_sends.append(self.comm.send_op(x.grad.to(w.dtype), st - 1, gradient_tag(c)))
-                            meter.release(("in", c))
-                        meter.release(("gout", c))
+                    out = step.forward(c, buf) if fwd else step.backward(c, buf)
+                    if out is not None:
+                        to = st + 1 if fwd else st - 1
+                        tag = activation_tag(c) if fwd else gradient_tag(c)
+                        # the wire dtype is the model's (both sides derive it); autocast may differ
+                        pending_sends.append(self.comm.send_op(out.to(w.dtype), to, tag))
                     times.append((action, t_start, clock.mark()))
                 except Exception as exc:
                     logger.error("pipeline stage %d failed in action %s:\n%s", st, action, plan.grid(mark=action))
@@ -277,7 +208,7 @@ class PipelineExecutor:
             torch.cuda.synchronize(dev)  # the events of the action clock must have completed
         peak = meter.peak_bytes
         meter.release_all()
-        store.clear()
+        loss_sum = step.loss_sum
         if self.comm is not None:
             # the loss lives on the last stage; every rank reports it
             t = torch.stack([loss_sum, torch.tensor(float(num_items_in_batch), device=dev)])
@@ -290,8 +221,104 @@ class PipelineExecutor:
             num_items=int(num_items_in_batch),
             action_times=[(a, clock.seconds(s), clock.seconds(e)) for a, s, e in times],
             peak_activation_bytes=int(peak),
-            wall_time_s=time.perf_counter() - wall0,
+            wall_time_s=time.perf_counter() - clock.t0,
         )
+
+
+class _Step:
+    """The state of one step on one stage, and the two computations of an action.
+
+    ``forward`` / ``backward`` take the received message (``None`` where there is none) and
+    return the tensor to send on (``None`` where nothing is sent).
+    """
+
+    def __init__(self, ex: PipelineExecutor, plan: Plan, input_ids: Sequence[torch.Tensor],
+                 labels: Sequence[torch.Tensor], divisor: float, train: bool) -> None:
+        self.w = w = ex.wrapper
+        self.meter = ex.meter
+        self.plan = plan
+        self.train = train
+        self.divisor = divisor
+        self.device = dev = ex.device
+        self.recompute = plan.recompute[ex.stage]
+        self.slices = [
+            [SliceSpec(s.seq, s.start, s.length, off, s.end == plan.seq_lens[s.seq])
+             for s, off in zip(c.slices, _offsets([s.length for s in c.slices]))]
+            for c in plan.chunks
+        ]
+        self.ids = [t.to(dev) for t in input_ids] if w.is_first else None
+        self.labels = [t.to(dev) for t in labels] if w.is_last else None
+        self.store = KVStore()
+        self.inputs: dict[int, torch.Tensor] = {}  # received activations, for their gradient
+        self.outputs: dict[int, torch.Tensor] = {}  # stage outputs (last stage: loss), for backward
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
+
+    def forward(self, c: int, received: torch.Tensor | None) -> torch.Tensor | None:
+        w, meter, train, slices = self.w, self.meter, self.train, self.slices[c]
+        ctx = ChunkAttentionContext(slices, self.store, self.device, requires_grad=train)
+        if w.is_first:
+            x = w.embed(torch.cat([self.ids[s.seq][s.start:s.start + s.length] for s in slices]))
+        else:
+            x = received.requires_grad_(train)
+            if train:
+                self.inputs[c] = x
+                meter.hold(("in", c), x)
+        y = w.run_layers(x, ctx, self.recompute[c] if train else 0)
+        for s in slices:
+            if not s.final:
+                meter.hold(("kv", s.seq, s.start), *[t for e in self.store.entries(s.seq, s.start) for t in (e.k, e.v)])
+        if not train:
+            for s in slices:
+                if s.final and s.start > 0:  # the sequence's last slice: its K/V has served
+                    self.store.free_seq(s.seq)
+                    for _, earlier in self.plan.slices_of(s.seq):
+                        meter.release(("kv", s.seq, earlier.start))
+        if w.is_last:
+            targets = torch.cat([_targets(self.labels[s.seq], s) for s in slices])
+            chunk_loss = w.head_loss_sum(y, targets)
+            self.loss_sum += chunk_loss.detach()
+            if train:
+                self.outputs[c] = chunk_loss / self.divisor
+            return None
+        if train:
+            self.outputs[c] = y
+            meter.hold(("out", c), y)
+        return y.detach()
+
+    def backward(self, c: int, received: torch.Tensor | None) -> torch.Tensor | None:
+        w, meter, store, slices = self.w, self.meter, self.store, self.slices[c]
+        out = self.outputs.pop(c)
+        # the chunk's output, and the K/V of its non-final slices with what later slices sent them
+        tensors, grads = [out], [None if received is None else received.to(out.dtype)]
+        if received is not None:
+            meter.hold(("grad", c), received)
+        for s in slices:
+            if s.final:
+                continue
+            for e in store.entries(s.seq, s.start):
+                for t, leaf in ((e.k, e.k_leaf), (e.v, e.v_leaf)):
+                    if leaf.grad is not None:
+                        tensors.append(t)
+                        grads.append(leaf.grad)
+        torch.autograd.backward(tensors, grads)
+        del tensors, grads, out
+        for s in slices:
+            if not s.final:  # every later slice has run backward: this K/V is done
+                store.free_slice(s.seq, s.start)
+                meter.release(("kv", s.seq, s.start))
+                meter.release(("kvgrad", s.seq, s.start))
+        meter.release(("out", c))
+        # what this backward accumulated on earlier slices' K/V lives until their own backward
+        for s in slices:
+            for earlier, e in store.entries_before(s.seq, s.start):
+                meter.hold(("kvgrad", s.seq, earlier), e.k_leaf.grad, e.v_leaf.grad)
+        result = None
+        if not w.is_first:
+            x = self.inputs.pop(c)
+            result = x.grad
+            meter.release(("in", c))
+        meter.release(("grad", c))
+        return result
 
 
 def _offsets(lengths: Sequence[int]) -> list[int]:

@@ -46,7 +46,10 @@ class _Packed:
 
     def __del__(self) -> None:
         if self.key is not None:
-            self.meter._dec(self.key)
+            try:
+                self.meter._dec(self.key)
+            except Exception:  # interpreter shutdown
+                pass
 
 
 class SavedTensorMeter:
