@@ -132,7 +132,8 @@ def gpipe(plan: Plan) -> Plan:
     show the runtime follows whatever order the plan gives."""
     order = [c.index for c in plan.chunks]
     schedule = tuple(
-        tuple([Action(s, ActionKind.FORWARD, c) for c in order] + [Action(s, ActionKind.BACKWARD, c) for c in order[::-1]])
+        tuple([Action(s, ActionKind.FORWARD, c) for c in order]
+              + [Action(s, ActionKind.BACKWARD, c) for c in order[::-1]])
         for s in range(plan.num_stages)
     )
     return dataclasses.replace(plan, schedule=schedule, strategy="gpipe").validate()
