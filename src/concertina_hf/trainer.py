@@ -561,7 +561,9 @@ class ConcertinaTrainer(Trainer):
                 f"{self.topology.pipeline_size} (found: {found or 'none'}); resume with the same "
                 "concertina_pipeline_size the checkpoint was written with"
             )
-        self.optimizer.load_state_dict(torch.load(path, map_location=self.args.device, weights_only=True))
+        # "cpu:0" (the CPU device of distributed runs) is not a valid map_location
+        where = "cpu" if self.args.device.type == "cpu" else self.args.device
+        self.optimizer.load_state_dict(torch.load(path, map_location=where, weights_only=True))
         sched = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(sched):
             with warnings.catch_warnings():

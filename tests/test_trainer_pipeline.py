@@ -1,0 +1,219 @@
+"""ConcertinaTrainer across processes (gloo, CPU) against the plain HF Trainer on one process.
+
+Two launches, each checking many things:
+
+- **pp = 2** (2 ranks), for Llama and Qwen2 (grouped-query attention, q/k/v biases): per-step
+  logged loss within 1e-5 and every parameter within 1e-4 (relative) of ``Trainer`` after 4
+  steps of 6 sequences (2 micro-batches of 3), with sequences split into 16-token chunks and a
+  memory budget that forces recomputation; the global gradient norm (clipping at 0.5) matches;
+  evaluation through the pipeline gives Trainer's eval loss; the saved directory loads with
+  ``AutoModelForCausalLM.from_pretrained``; resuming from the step-2 checkpoint (one optimizer
+  shard per stage) ends on the same parameters. Qwen2 also runs with HF's own
+  ``DataCollatorWithFlattening`` instead of ``LengthAwareCollator``.
+- **pp = 2 x dp = 2** (4 ranks): two replicas, each reading its half of every step; equals one
+  ``Trainer`` process with twice the per-device batch size.
+
+The reference trainings run in the pytest process; the workers are this file run by torchrun
+(without ``use_cpu``: ConcertinaTrainingArguments must turn it on by itself).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ARCHS = ("llama", "qwen2")
+COMMON = dict(per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=4, learning_rate=2e-3,
+              logging_steps=1, report_to=[], disable_tqdm=True, seed=3, max_grad_norm=0.5,
+              per_device_eval_batch_size=4)
+BUDGET = "500KB"  # below the no-recompute peak (~0.53-0.67 MB per stage) of these steps, above full recompute
+
+
+def _config(arch: str):
+    from transformers import LlamaConfig, Qwen2Config
+
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, tie_word_embeddings=False)
+    return LlamaConfig(**kw) if arch == "llama" else Qwen2Config(**kw)
+
+
+def _model(arch: str):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    return AutoModelForCausalLM.from_config(_config(arch))
+
+
+def _dataset(n=24, seed=0):
+    import datasets
+
+    rng = random.Random(seed)
+    return datasets.Dataset.from_list(
+        [{"input_ids": [rng.randrange(64) for _ in range(rng.choice([5, 9, 17, 40, 70]))]} for _ in range(n)])
+
+
+def _summary(trainer) -> dict:
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return {"losses": [h["loss"] for h in logs], "grad_norms": [h["grad_norm"] for h in logs],
+            "recompute": [h.get("concertina/recompute_layers", 0.0) for h in logs],
+            "split_chunks": [h.get("concertina/chunks_split", 0.0) for h in logs]}
+
+
+# ---------------------------------------------------------------------------------- workers
+def _worker_pp2(out: str) -> None:
+    from transformers import DataCollatorWithFlattening
+
+    from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
+
+    for arch in ARCHS:
+        d = os.path.join(out, arch)
+        args = ConcertinaTrainingArguments(
+            output_dir=d, save_strategy="steps", save_steps=2, concertina_max_tokens_per_chunk=16,
+            concertina_memory_budget=BUDGET, **COMMON)
+        assert args.use_cpu and args.world_size == 2, (args.use_cpu, args.world_size)
+        collator = DataCollatorWithFlattening() if arch == "qwen2" else None
+        trainer = ConcertinaTrainer(model=_model(arch), args=args, train_dataset=_dataset(),
+                                    eval_dataset=_dataset(8, seed=1), data_collator=collator)
+        trainer.train()
+        info = _summary(trainer)
+        info["eval_loss"] = trainer.evaluate()["eval_loss"]
+        info["layer_ranges"] = [list(r) for r in trainer.layout.layer_ranges]
+        info["stage_params"] = sorted(n for n, _ in trainer.model.named_parameters())
+        trainer.save_model(os.path.join(d, "final"))
+
+        resumed = ConcertinaTrainer(
+            model=_model(arch), train_dataset=_dataset(), data_collator=collator,
+            args=ConcertinaTrainingArguments(output_dir=d + "-resumed", save_strategy="no",
+                                             concertina_max_tokens_per_chunk=16, concertina_memory_budget=BUDGET,
+                                             **{k: v for k, v in COMMON.items()}))
+        resumed.train(resume_from_checkpoint=os.path.join(d, "checkpoint-2"))
+        resumed.save_model(os.path.join(d, "resumed"))
+        info["resumed_losses"] = _summary(resumed)["losses"]
+        with open(os.path.join(d, f"info-rank{trainer.topology.rank}.json"), "w") as fh:
+            json.dump(info, fh)
+
+
+def _worker_dp2(out: str) -> None:
+    from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
+
+    args = ConcertinaTrainingArguments(output_dir=out, save_strategy="no", concertina_pipeline_size=2,
+                                       concertina_max_tokens_per_chunk=16, **COMMON)
+    trainer = ConcertinaTrainer(model=_model("llama"), args=args, train_dataset=_dataset())
+    t = trainer.topology
+    assert (t.pipeline_size, t.data_parallel_size) == (2, 2)
+    assert t.pp_ranks == (2 * t.replica, 2 * t.replica + 1) and t.dp_ranks == (t.stage, t.stage + 2)
+    trainer.train()
+    trainer.save_model(os.path.join(out, "final"))
+    info = _summary(trainer)
+    info["topology"] = [t.rank, t.stage, t.replica]
+    with open(os.path.join(out, f"info-rank{t.rank}.json"), "w") as fh:
+        json.dump(info, fh)
+
+
+# ---------------------------------------------------------------------------------- launching
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(nproc: int, mode: str, out) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled",
+               TOKENIZERS_PARALLELISM="false")
+    env.pop("ACCELERATE_USE_CPU", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), __file__, mode, str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
+    if proc.returncode != 0:
+        raise AssertionError(f"{mode} workers failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+
+
+def _reference(arch: str, out, **overrides) -> tuple[dict, dict]:
+    from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
+
+    kw = dict(COMMON, save_strategy="no", **overrides)
+    ref = Trainer(model=_model(arch), args=TrainingArguments(output_dir=str(out), **kw),
+                  train_dataset=_dataset(), eval_dataset=_dataset(8, seed=1),
+                  data_collator=DataCollatorWithFlattening())
+    ref.train()
+    info = _summary(ref)
+    info["eval_loss"] = ref.evaluate()["eval_loss"]
+    return info, {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
+
+
+def _load(path) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path))
+    assert model.config._attn_implementation != "concertina"
+    return model.state_dict()
+
+
+def _worst_rel(ref: dict, got: dict) -> tuple[float, str]:
+    """Largest relative difference over the parameters, leaving out key biases: adding a constant
+    to every key leaves softmax unchanged, so their true gradient is exactly 0 and Adam turns the
+    float rounding noise (different summation orders) into full-size steps. Those get 1e-2."""
+    assert set(ref) == set(got), set(ref) ^ set(got)
+    rel = {k: ((ref[k] - got[k]).norm() / ref[k].norm().clamp_min(1e-12)).item() for k in ref}
+    noisy = [k for k in rel if k.endswith("k_proj.bias")]
+    assert all(rel[k] < 1e-2 for k in noisy), {k: rel[k] for k in noisy}
+    return max((v, k) for k, v in rel.items() if k not in noisy)
+
+
+@pytest.mark.slow
+def test_pp2_matches_trainer_for_llama_and_qwen2(tmp_path):
+    _launch(2, "pp2", tmp_path)
+    for arch in ARCHS:
+        ref_info, ref_state = _reference(arch, tmp_path / f"ref-{arch}")
+        ranks = [json.loads((tmp_path / arch / f"info-rank{r}.json").read_text()) for r in (0, 1)]
+        info = ranks[0]
+        # both stages report the same global values
+        assert ranks[0]["losses"] == ranks[1]["losses"] and ranks[0]["grad_norms"] == ranks[1]["grad_norms"]
+        # each rank holds only its stage: disjoint parameter names covering the model
+        assert not set(ranks[0]["stage_params"]) & set(ranks[1]["stage_params"])
+        assert set(ranks[0]["stage_params"]) | set(ranks[1]["stage_params"]) == set(ref_state)
+        assert info["layer_ranges"][0][0] == 0 and info["layer_ranges"][-1][1] == 4
+        # the plans split sequences and recomputed under the budget
+        assert all(n > 0 for n in info["split_chunks"]), info["split_chunks"]
+        assert sum(info["recompute"]) > 0, f"{BUDGET} no longer forces recompute: {info['recompute']}"
+        # same training as Trainer on one process
+        assert len(info["losses"]) == len(ref_info["losses"]) == 4
+        diffs = [abs(a - b) for a, b in zip(info["losses"], ref_info["losses"])]
+        assert max(diffs) < 1e-5, (arch, diffs)
+        assert max(abs(a - b) / b for a, b in zip(info["grad_norms"], ref_info["grad_norms"])) < 1e-4
+        worst, name = _worst_rel(ref_state, _load(tmp_path / arch / "final"))
+        assert worst < 1e-4, (arch, name, worst)
+        assert abs(info["eval_loss"] - ref_info["eval_loss"]) < 1e-5
+        # checkpoints: standard model files plus one optimizer shard per stage; resume = same end
+        names = set(os.listdir(tmp_path / arch / "checkpoint-2"))
+        assert {"model.safetensors", "config.json", "optimizer.stage0-of-2.pt", "optimizer.stage1-of-2.pt",
+                "scheduler.pt", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth"} <= names
+        assert info["resumed_losses"] == pytest.approx(info["losses"], abs=1e-6)
+        worst, name = _worst_rel(_load(tmp_path / arch / "final"), _load(tmp_path / arch / "resumed"))
+        assert worst < 1e-6, (arch, "resume", name, worst)
+
+
+@pytest.mark.slow
+def test_pp2_dp2_matches_trainer_with_the_whole_global_batch(tmp_path):
+    _launch(4, "dp2", tmp_path)
+    # one process with both replicas' sequences per step: per_device_train_batch_size x 2 (24 rows: whole
+    # batches on both sides, so epochs end at the same step and no replica pads its last batch)
+    ref_info, ref_state = _reference("llama", tmp_path / "ref", per_device_train_batch_size=6)
+    ranks = [json.loads((tmp_path / f"info-rank{r}.json").read_text()) for r in range(4)]
+    assert sorted(tuple(r["topology"]) for r in ranks) == [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
+    assert all(r["losses"] == ranks[0]["losses"] for r in ranks)  # the global loss on every rank
+    diffs = [abs(a - b) for a, b in zip(ranks[0]["losses"], ref_info["losses"])]
+    assert len(diffs) == 4 and max(diffs) < 1e-5, diffs
+    worst, name = _worst_rel(ref_state, _load(tmp_path / "final"))
+    assert worst < 1e-4, (name, worst)
+
+
+if __name__ == "__main__":
+    {"pp2": _worker_pp2, "dp2": _worker_dp2}[sys.argv[1]](sys.argv[2])
