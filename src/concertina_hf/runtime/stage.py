@@ -86,8 +86,10 @@ class PipelineWrapper(nn.Module):
         if layout.num_stages > 1 and (tied or getattr(model.config, "tie_word_embeddings", False)):
             raise ValueError(
                 "tied input/output embeddings cannot be split across pipeline stages (the embedding is on "
-                "stage 0, the LM head on the last stage); load the model with tie_word_embeddings=False "
-                "(the LM head then starts as a copy of the embedding) or use a pipeline size of 1"
+                "stage 0, the LM head on the last stage). Untie them before wrapping: "
+                "model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone()) "
+                "and model.config.tie_word_embeddings = False (they then train as two matrices), or use a "
+                "pipeline size of 1"
             )
         self.layout = layout
         self.stage = stage
