@@ -169,7 +169,7 @@ def test_wrapper_refuses_tied_embeddings_and_bad_layouts():
 
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                       num_attention_heads=4, tie_word_embeddings=True)
-    with pytest.raises(ValueError, match="tie_word_embeddings=False"):
+    with pytest.raises(ValueError, match="tie_word_embeddings = False"):
         PipelineWrapper(AutoModelForCausalLM.from_config(cfg), StageLayout.even(4, 2), 0)
     with pytest.raises(ValueError, match="covers 8 decoder layers but the model has 4"):
         PipelineWrapper(AutoModelForCausalLM.from_config(cfg), StageLayout.even(8, 1), 0)
