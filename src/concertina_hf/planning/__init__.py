@@ -1,10 +1,18 @@
 """The pure step planner: sequence lengths in, :class:`Plan` out. No ``torch`` imports here."""
 
+from .chunking import Chunking, balanced_split, chunk_sequences, make_chunking, token_chunking
 from .cost import CostModel, DeviceSpec, ProfileSample
+from .partition import partition_layers
+from .recompute import InfeasiblePlanError, assign_recompute, fits, uniform_recompute
 from .schedule import backward_order, build_schedule
+from .simulate import SimResult, simulate
+from .strategies import STRATEGIES, ideal_step_time, plan_step
 from .types import Action, ActionKind, Chunk, ChunkKind, Plan, PlanError, PlanStats, Slice, StageLayout
 
 __all__ = [
-    "Action", "ActionKind", "Chunk", "ChunkKind", "CostModel", "DeviceSpec", "Plan", "PlanError",
-    "PlanStats", "ProfileSample", "Slice", "StageLayout", "backward_order", "build_schedule",
+    "Action", "ActionKind", "Chunk", "ChunkKind", "Chunking", "CostModel", "DeviceSpec", "InfeasiblePlanError",
+    "Plan", "PlanError", "PlanStats", "ProfileSample", "STRATEGIES", "SimResult", "Slice", "StageLayout",
+    "assign_recompute", "backward_order", "balanced_split", "build_schedule", "chunk_sequences", "fits",
+    "ideal_step_time", "make_chunking", "partition_layers", "plan_step", "simulate", "token_chunking",
+    "uniform_recompute",
 ]
