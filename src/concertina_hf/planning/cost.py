@@ -25,6 +25,11 @@ chunk is not one whole sequence, holds ``mask_bytes_per_pair * T * S`` bytes (``
 output until the backward (``output_bytes_per_token``). Backends that compute attention densely
 over ``T x S`` whenever a chunk needs a mask (SDPA on CPU) cost ``alpha_mask * T * S`` per layer
 instead of ``alpha_attn * pairs`` on such chunks (``alpha_mask = 0``: flash-attn's varlen kernel).
+During a chunk's backward the stage briefly holds more than its activations: the hidden-state
+gradients in and out (``2 * hidden_bytes_per_token``), or, when measured, the peak extra of a
+decoder layer's backward (``bwd_transient_bytes_per_token``: gradients of its intermediate
+activations) or of the head's (``head_bwd_transient_bytes_per_token``: the logits' gradient),
+whichever is largest, per token.
 
 Two constructors: :meth:`CostModel.from_hf_config` (FLOPs and bytes of the architecture at a
 device's rates) and :meth:`CostModel.fit` (least squares over measured samples, e.g. from
@@ -125,6 +130,8 @@ class CostModel:
     context_bytes_per_token: float = 0.0  # per saved layer and token of context attended to
     mask_bytes_per_pair: float = 0.0  # per chunk and (query, key) element of an explicit mask
     output_bytes_per_token: float = 0.0  # stage output kept until backward (not the last stage)
+    bwd_transient_bytes_per_token: float = 0.0  # peak extra during a decoder layer's backward
+    head_bwd_transient_bytes_per_token: float = 0.0  # peak extra during the head's backward
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -297,9 +304,11 @@ class CostModel:
 
     def transient_memory(self, layout: StageLayout, stage: int, chunk: Chunk, recompute_layers: int = 0) -> float:
         """Extra bytes during the chunk's backward: a recomputed layer's activations and the
-        incoming/outgoing hidden-state gradients."""
+        incoming/outgoing hidden-state gradients (or the measured peak of a layer's or the
+        head's backward, when larger)."""
         tok = chunk.num_tokens
-        mem = 2 * self.hidden_bytes_per_token * tok
+        head = self.head_bwd_transient_bytes_per_token if layout.has_head(stage) else 0.0
+        mem = max(2 * self.hidden_bytes_per_token, self.bwd_transient_bytes_per_token, head) * tok
         if recompute_layers:
             mem += self.act_bytes_per_token * tok
         return mem
