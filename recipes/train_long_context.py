@@ -20,7 +20,7 @@ every ``TrainingArguments`` field and every ``--concertina_*`` field. For exampl
     accelerate launch --config_file configs/accelerate/gpu8_pp8.yaml recipes/train_long_context.py \\
         --model_name_or_path Qwen/Qwen2.5-0.5B --dataset HuggingFaceFW/fineweb-edu \\
         --dataset_config sample-10BT --streaming --max_length 65536 --max_steps 1000 \\
-        --per_device_train_batch_size 64 --bf16 --concertina_memory_budget auto
+        --per_device_train_batch_size 64 --torch_dtype bfloat16 --concertina_memory_budget auto
 
 Besides the checkpoint, the main process writes ``run_info.json`` (world size, the pipeline and
 data-parallel sizes, the stage layout, per-step losses, the held-out loss) and ``heldout.json``

@@ -88,7 +88,7 @@ def test_same_model_as_trainer_and_standard_checkpoint(reference, tmp_path):
                 "concertina/peak_activation_stage0_bytes", "concertina/planning_time_s"):
         assert all(key in h for h in logs), key
     assert logs[-1]["concertina/cost_model_refits"] >= 1  # online refit every 2 steps
-    assert trainer.replan.cost_model.source == "fitted"
+    assert trainer.replan.cost_model.source == "online"
     assert os.path.getsize(tmp_path / "gantt" / "step-2.png") > 1000
     assert os.path.isfile(tmp_path / "gantt" / "step-4.png")
 
@@ -134,6 +134,9 @@ def test_constructor_refusals_name_the_argument(tmp_path):
     model = _model()
     with pytest.raises(ValueError, match="optimizer_cls_and_kwargs"):
         ConcertinaTrainer(model=model, args=args, optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None))
+    amp = ConcertinaTrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=True)
+    with pytest.raises(ValueError, match="dtype=torch.bfloat16"):
+        ConcertinaTrainer(model=_model(), args=amp)
     trainer = ConcertinaTrainer(model=_model(), args=args, callbacks=[ReplanCallback(max_samples=10)])
     assert trainer.replan.max_samples == 10  # a given ReplanCallback is used, not a second one
     assert sum(isinstance(c, ReplanCallback) for c in trainer.callback_handler.callbacks) == 1

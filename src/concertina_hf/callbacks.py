@@ -12,9 +12,11 @@ Planning service (used by :class:`~concertina_hf.trainer.ConcertinaTrainer`):
   a different point (a failed plan is broadcast as an error, so no rank waits forever).
 - :meth:`ReplanCallback.record` gathers each stage's measured action times, wall time and
   activation peak to the planner; from them it derives the step's statistics and, with
-  ``concertina_cost_model="online"``, per-layer time samples. Every
-  ``concertina_replan_interval`` steps the cost model is refitted by least squares
-  (:meth:`CostModel.fit`) on the latest samples and used by the plans submitted after that.
+  ``concertina_cost_model="online"``, time samples of every (stage, chunk). Every
+  ``concertina_replan_interval`` steps the cost model is refitted by least squares on the latest
+  samples (:func:`refit_cost_model`: decoder-layer coefficients and the embedding / head rate
+  together, then the backward factor; activation bytes raised if a stage measured more than
+  predicted) and used by the plans submitted after that.
 
 Per step, at the Trainer's logging cadence, its statistics join the step's entry of the Trainer's
 ``self.log`` (so they reach every ``report_to`` tracker in the same row as the loss), under
@@ -29,9 +31,9 @@ group; a refit is a least-squares fit over at most ``max_samples`` samples.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-import math
 import os
 import threading
 import time
@@ -44,17 +46,17 @@ from transformers import TrainerCallback
 from .planning import (
     Action,
     ActionKind,
+    Chunk,
     CostModel,
     DeviceSpec,
     Plan,
-    ProfileSample,
     StageLayout,
     partition_layers,
     plan_step,
     simulate,
 )
 
-__all__ = ["ReplanCallback", "StepStats"]
+__all__ = ["ActionSample", "ReplanCallback", "StepStats", "action_samples", "refit_cost_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +127,8 @@ class ReplanCallback(TrainerCallback):
         self.refits = 0
         self.last: StepStats | None = None
         self.history: list[StepStats] = []  # planner rank only; kept short (see record)
-        self._samples: list[ProfileSample] = []
+        self._samples: list[ActionSample] = []
+        self._memory_ratio = 1.0  # largest measured / predicted activation peak seen since the last refit
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._steps_recorded = 0
@@ -278,26 +281,26 @@ class ReplanCallback(TrainerCallback):
         self.last = stats
         self.history = (self.history + [stats])[-8:]
         if self.args.concertina_cost_model == "online":
-            self._samples = (self._samples + layer_samples(plan, self.cost_model, actions))[-self.max_samples:]
+            self._samples = (self._samples + action_samples(plan, actions))[-self.max_samples:]
+            if plan.predicted is not None:
+                for st, measured in enumerate(stats.peak_activation_bytes):
+                    predicted = plan.predicted.peak_memory_bytes[st] - self.cost_model.static_memory(plan.layout, st)
+                    if predicted > 0:
+                        self._memory_ratio = max(self._memory_ratio, measured / predicted)
             if self._steps_recorded % self.args.concertina_replan_interval == 0:
                 self.refit()
         return stats
 
     def refit(self) -> bool:
-        """Refit the cost model's time coefficients on the kept samples; False if they cannot
-        determine it (too few, or all of one shape)."""
-        if len({s.slices for s in self._samples}) < 3:
-            return False
-        try:
-            new = self.cost_model.fit(self._samples)
-        except Exception as e:  # a degenerate fit keeps the old model
-            logger.warning("cost-model refit failed (%s); keeping the previous coefficients", e)
-            return False
-        if not all(math.isfinite(v) for v in (new.alpha_attn, new.alpha_tok, new.beta, new.bwd_factor)) \
-                or new.bwd_factor <= 0:
+        """Refit the cost model on the kept samples (:func:`refit_cost_model`); raise the activation
+        memory coefficients when a stage measured more than predicted. False if the samples cannot
+        determine the time coefficients."""
+        new = refit_cost_model(self.cost_model, self.layout, self._samples, memory_scale=self._memory_ratio)
+        if new is None:
             return False
         with self._lock:
             self.cost_model = new
+        self._memory_ratio = 1.0
         self.refits += 1
         return True
 
@@ -354,29 +357,83 @@ class ReplanCallback(TrainerCallback):
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="concertina-plan")
 
 
-def layer_samples(plan: Plan, cost: CostModel, actions: Sequence[tuple[Action, float, float]]) -> list[ProfileSample]:
-    """Per-decoder-layer time samples of a measured step.
+@dataclass(frozen=True)
+class ActionSample:
+    """The measured forward and backward time of one chunk on one stage."""
 
-    A forward of chunk ``c`` on stage ``s`` (``n`` layers) took ``t_f``; the embedding / head part
-    predicted by ``cost`` is taken off and the rest divided by ``n``. Its backward ``t_b`` loses
-    the predicted embedding / head backward and the measured time of the ``r`` recomputed layer
-    forwards. Samples of chunks whose times are not both known are skipped.
-    """
+    stage: int
+    chunk: Chunk
+    recompute: int
+    fwd_s: float
+    bwd_s: float
+
+
+def action_samples(plan: Plan, actions: Sequence[tuple[Action, float, float]]) -> list[ActionSample]:
+    """Pair each chunk's measured forward and backward on each stage (chunks missing one are skipped)."""
     fwd: dict[tuple[int, int], float] = {}
     bwd: dict[tuple[int, int], float] = {}
     for a, t0, t1 in actions:
         (fwd if a.kind is ActionKind.FORWARD else bwd)[(a.stage, a.chunk)] = t1 - t0
-    layout = plan.layout
-    out: list[ProfileSample] = []
-    for (s, c), tf in fwd.items():
-        if (s, c) not in bwd:
-            continue
-        n = layout.num_stage_layers(s)
-        chunk = plan.chunks[c]
-        extra_f = max(0.0, cost.fwd_time(layout, s, chunk) - n * cost.layer_fwd_time(chunk.slices))
-        per_f = max(0.0, tf - extra_f) / n
-        r = plan.recompute[s][c]
-        per_b = max(0.0, bwd[(s, c)] - cost.bwd_factor * extra_f - r * per_f) / n
-        if per_f > 0:
-            out.append(ProfileSample(tuple((sl.context, sl.length) for sl in chunk.slices), per_f, per_b))
-    return out
+    return [ActionSample(s, plan.chunks[c], plan.recompute[s][c], tf, bwd[(s, c)])
+            for (s, c), tf in sorted(fwd.items()) if (s, c) in bwd]
+
+
+def refit_cost_model(cost: CostModel, layout: StageLayout, samples: Sequence[ActionSample],
+                     memory_scale: float = 1.0) -> CostModel | None:
+    """Least-squares time coefficients from measured actions; ``None`` when underdetermined.
+
+    A forward of a chunk (slices ``s_i`` at contexts ``C_i``, ``T`` tokens) on a stage of ``n``
+    layers is modelled as ``n * (alpha_attn * P + alpha_tok * T + beta) + k * (e * [first] + h *
+    [last]) * T`` with ``P = sum((C+s)^2 - C^2)`` and the analytic embedding / head rates ``e``,
+    ``h`` scaled by one fitted factor ``k`` (the head of a large vocabulary is a big share of the
+    last stage, so it must be fitted too). Coefficients are kept non-negative. The backward factor
+    is then ``sum(t_bwd - r * layer_fwd) / sum(t_fwd)`` over the samples. With
+    ``memory_scale > 1`` the activation byte coefficients are multiplied by it (never lowered: the
+    runtime's meter sees saved tensors only, not allocator slack). Cost: one ``lstsq`` on a
+    ``len(samples) x 4`` matrix.
+    """
+    import numpy as np
+
+    if len({(x.stage, x.chunk.slices) for x in samples}) < 4:
+        return None
+    e0, h0 = cost.embed_time_per_token, cost.head_time_per_token
+    if e0 + h0 <= 0:
+        e0 = h0 = 1e-9
+    rows, y = [], []
+    for x in samples:
+        n = layout.num_stage_layers(x.stage)
+        pairs = sum((sl.context + sl.length) ** 2 - sl.context ** 2 for sl in x.chunk.slices)
+        tok = x.chunk.num_tokens
+        extra = (e0 if layout.has_embedding(x.stage) else 0.0) + (h0 if layout.has_head(x.stage) else 0.0)
+        rows.append([n * pairs, n * tok, n, extra * tok])
+        y.append(x.fwd_s)
+    coef = _nonneg_lstsq(np.array(rows, dtype=float), np.array(y, dtype=float))
+    if coef is None or not np.isfinite(coef).all() or coef[:3].sum() <= 0:
+        return None
+    a, b, beta, k = (float(v) for v in coef)
+    new = dataclasses.replace(cost, alpha_attn=a, alpha_tok=b, beta=beta, embed_time_per_token=e0 * k,
+                              head_time_per_token=h0 * k, source="online")
+    fwd_pred = sum(new.fwd_time(layout, x.stage, x.chunk) for x in samples)
+    bwd_rest = sum(max(0.0, x.bwd_s - x.recompute * new.layer_fwd_time(x.chunk.slices)) for x in samples)
+    if fwd_pred <= 0 or bwd_rest <= 0:
+        return None
+    changes: dict[str, Any] = {"bwd_factor": bwd_rest / fwd_pred}
+    if memory_scale > 1.0:
+        for name in ("act_bytes_per_token", "ckpt_bytes_per_token", "kv_bytes_per_token", "logits_bytes_per_token"):
+            changes[name] = getattr(new, name) * memory_scale
+    return dataclasses.replace(new, **changes)
+
+
+def _nonneg_lstsq(a, y):
+    """Least squares with coefficients >= 0: drop the negative ones and solve again."""
+    import numpy as np
+
+    active = list(range(a.shape[1]))
+    while active:
+        sol, *_ = np.linalg.lstsq(a[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            out = np.zeros(a.shape[1])
+            out[active] = sol
+            return out
+        active = [i for i, v in zip(active, sol) if v > 0]
+    return None

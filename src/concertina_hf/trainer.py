@@ -199,8 +199,14 @@ class ConcertinaTrainer(Trainer):
                 "train_sampling_strategy='batch_rebalance' balances tokens across all processes, but pipeline ranks "
                 "must read the same batches; use 'random' (the planner balances the pipeline's chunks)"
             )
-        if args.bf16 and args.concertina_pipeline_size not in (None, 1):
-            logger.info("bf16=True: stages run under autocast; activations cross stages in float32")
+        if getattr(args, "mixed_precision", "no") not in ("no", None):
+            # The runtime's sliced attention does not follow autocast's dtype changes yet.
+            raise ValueError(
+                f"autocast mixed precision ({args.mixed_precision}, from bf16=True or the accelerate config's "
+                "mixed_precision) is not supported by ConcertinaTrainer: load the model in bfloat16 "
+                "(from_pretrained(..., dtype=torch.bfloat16); recipe flag --torch_dtype bfloat16), set bf16=False "
+                "and mixed_precision: \"no\" in the accelerate config"
+            )
 
         # The process group must exist before the model is split: the stage is the pipeline rank.
         _ = args.device
@@ -364,12 +370,6 @@ class ConcertinaTrainer(Trainer):
         self._reduce_gradients()
         self.replan.record(plan, result)
         return torch.tensor(self._global_loss(result, step), dtype=torch.float32, device=self.args.device)
-
-    def compute_loss_context_manager(self):
-        ctx = super().compute_loss_context_manager()
-        if self.args.bf16 or self.args.fp16:
-            ctx.enter_context(self.accelerator.autocast())
-        return ctx
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         raise NotImplementedError(
