@@ -307,11 +307,13 @@ class CostModel:
         incoming/outgoing hidden-state gradients (or the measured peak of a layer's or the
         head's backward, when larger)."""
         tok = chunk.num_tokens
-        head = self.head_bwd_transient_bytes_per_token if layout.has_head(stage) else 0.0
-        mem = max(2 * self.hidden_bytes_per_token, self.bwd_transient_bytes_per_token, head) * tok
+        # a layer's backward: its gradients in flight (at least the hidden-state gradients in
+        # and out), plus the activations it recomputes; the head's backward comes first, alone
+        layer = max(2 * self.hidden_bytes_per_token, self.bwd_transient_bytes_per_token)
         if recompute_layers:
-            mem += self.act_bytes_per_token * tok
-        return mem
+            layer += self.act_bytes_per_token
+        head = self.head_bwd_transient_bytes_per_token if layout.has_head(stage) else 0.0
+        return max(layer, head) * tok
 
     def static_memory(self, layout: StageLayout, stage: int) -> float:
         params = layout.num_stage_layers(stage) * self.layer_params
