@@ -63,6 +63,8 @@ __all__ = ["ConcertinaTrainer", "Topology"]
 logger = logging.getLogger(__name__)
 
 SCHEDULER_NAME = "scheduler.pt"
+# gradient all-reduce bucket: 32M elements (128 MB of float32) of extra memory at most
+_BUCKET_ELEMENTS = 32 * 2**20
 PLAN_META_NAME = "concertina.json"
 
 
@@ -392,7 +394,8 @@ class ConcertinaTrainer(Trainer):
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def _reduce_gradients(self) -> None:
-        """Sum (token-averaged loss) or average (per-replica loss) each stage's gradients over replicas."""
+        """Sum (token-averaged loss) or average (per-replica loss) each stage's gradients over replicas,
+        in flat buckets of at most ``_BUCKET_ELEMENTS`` (bounded extra memory, few collectives)."""
         dp = self.topology.data_parallel_size
         if dp == 1:
             return
@@ -404,35 +407,44 @@ class ConcertinaTrainer(Trainer):
         for p in params:
             by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
         for grads in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in grads]).to(self._comm_device)
-            dist.all_reduce(flat, group=self.topology.dp_group)
-            if not self.args.average_tokens_across_devices:
-                flat /= dp
-            offset = 0
-            for g in grads:
-                n = g.numel()
-                g.copy_(flat[offset:offset + n].view_as(g))
-                offset += n
+            bucket: list[torch.Tensor] = []
+            size = 0
+            for g in grads + [None]:
+                if g is not None and (size + g.numel() <= _BUCKET_ELEMENTS or not bucket):
+                    bucket.append(g)
+                    size += g.numel()
+                    continue
+                self._all_reduce_bucket(bucket)
+                bucket, size = ([g], g.numel()) if g is not None else ([], 0)
+
+    def _all_reduce_bucket(self, grads: list[torch.Tensor]) -> None:
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(self._comm_device)
+        dist.all_reduce(flat, group=self.topology.dp_group)
+        if not self.args.average_tokens_across_devices:
+            flat /= self.topology.data_parallel_size
+        offset = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[offset:offset + n].view_as(g))
+            offset += n
 
     # ------------------------------------------------------------------ clipping with the global norm
     def _global_grad_norm(self) -> torch.Tensor:
-        sq = torch.zeros((), dtype=torch.float32, device=self.args.device)
-        for p in self._stage_params():
-            if p.grad is not None:
-                sq += torch.linalg.vector_norm(p.grad.detach(), 2.0).float() ** 2
+        """2-norm of all stages' gradients: this stage's squared norm, summed over the pipeline."""
+        grads = [p.grad for p in self._stage_params() if p.grad is not None]
+        local = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
+        sq = local.float().reshape(1) ** 2
         if self.topology.pipeline_size > 1:
-            t = sq.reshape(1).to(self._comm_device)
-            dist.all_reduce(t, group=self.topology.pp_group)
-            sq = t.reshape(()).to(self.args.device)
-        return sq.sqrt()
+            sq = sq.to(self._comm_device)
+            dist.all_reduce(sq, group=self.topology.pp_group)
+        return sq.reshape(()).sqrt().to(self.args.device)
 
     def _clip_grad_norm(self, model):
         """Clip to ``max_grad_norm`` with the norm over all stages (``clip_grad_norm_``'s formula)."""
         total = self._global_grad_norm()
-        coef = torch.clamp(self.args.max_grad_norm / (total + 1e-6), max=1.0)
-        for p in self._stage_params():
-            if p.grad is not None:
-                p.grad.detach().mul_(coef.to(p.grad.dtype))
+        params = [p for p in self._stage_params() if p.grad is not None]
+        if params:
+            torch.nn.utils.clip_grads_with_norm_(params, self.args.max_grad_norm, total)
         return total
 
     def _get_grad_norm(self, model, grad_norm=None):
