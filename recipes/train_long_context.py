@@ -95,7 +95,7 @@ class DataArguments:
                                             "builder (json, text, parquet, csv) with --data_files. 'stdlib': the "
                                             "local Python standard library's sources."})
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration (subset) name."})
-    dataset_split: str = field(default="train", metadata={"help": "Split to read, e.g. train or train[:10%]."})
+    dataset_split: str = field(default="train", metadata={"help": "Split to read, e.g. train or train[:10%%]."})
     text_column: str = field(default="text", metadata={"help": "Column holding the documents."})
     data_files: str | None = field(default=None, metadata={"help": "Local file(s) for a packaged builder, comma "
                                                                    "separated."})

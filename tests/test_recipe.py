@@ -59,6 +59,8 @@ def test_no_arguments_mean_the_embedded_default():
     mod = _recipe_module()
     parser = HfArgumentParser((mod.ModelArguments, mod.DataArguments, ConcertinaTrainingArguments))
     parser.set_defaults(**mod.RECIPE_DEFAULTS)
+    text = parser.format_help()  # --help must render (argparse %-formats every help string)
+    assert "--concertina_memory_budget" in text and "--dataset_config" in text
     model_args, data_args, args = parser.parse_args_into_dataclasses(args=[])
     assert model_args.model_name_or_path is None and model_args.model_config is None
     assert data_args.dataset == "stdlib" and data_args.max_length == 1024

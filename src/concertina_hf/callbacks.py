@@ -191,8 +191,13 @@ class ReplanCallback(TrainerCallback):
                              max_tokens_per_chunk=args.concertina_max_tokens_per_chunk, solver=args.concertina_solver,
                              time_limit_s=args.concertina_solver_time_limit)
         except Exception as e:
-            raise type(e)(f"{e} [planning a step of {len(seq_lens)} sequences, longest {max(seq_lens)} tokens; "
-                          "see concertina_memory_budget, concertina_max_tokens_per_chunk, concertina_strategy]") from e
+            msg = (f"{e} [planning a step of {len(seq_lens)} sequences, longest {max(seq_lens, default=0)} tokens; "
+                   "see concertina_memory_budget, concertina_max_tokens_per_chunk, concertina_strategy]")
+            try:
+                wrapped = type(e)(msg)
+            except Exception:  # an exception type that does not take one message
+                wrapped = RuntimeError(msg)
+            raise wrapped from e
         if plan.predicted is None:
             plan = plan.with_predicted(simulate(plan, cost).stats())
         return plan.validate()
