@@ -132,6 +132,9 @@ class CostModel:
     output_bytes_per_token: float = 0.0  # stage output kept until backward (not the last stage)
     bwd_transient_bytes_per_token: float = 0.0  # peak extra during a decoder layer's backward
     head_bwd_transient_bytes_per_token: float = 0.0  # peak extra during the head's backward
+    # a recomputed layer's forward, relative to a plain one (non-reentrant checkpointing stops
+    # the replay once the tensors backward needs exist, so the last ops are skipped)
+    recompute_factor: float = 1.0
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -263,7 +266,7 @@ class CostModel:
         return self.bwd_factor * self.fwd_time(layout, stage, chunk) + self.recompute_time(chunk, recompute_layers)
 
     def recompute_time(self, chunk: Chunk, recompute_layers: int) -> float:
-        return recompute_layers * self.layer_fwd_time(chunk.slices)
+        return recompute_layers * self.recompute_factor * self.layer_fwd_time(chunk.slices)
 
     def p2p_time(self, chunk: Chunk) -> float:
         """Time to send one chunk's hidden states (or their gradient) to the next stage."""
