@@ -228,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
               if k in ("alpha_attn", "alpha_mask", "alpha_tok", "beta", "bwd_factor", "embed_time_per_token",
                        "head_time_per_token", "act_bytes_per_token", "ckpt_bytes_per_token", "kv_bytes_per_token",
                        "context_bytes_per_token", "mask_bytes_per_pair", "logits_bytes_per_token",
-                       "bwd_transient_bytes_per_token", "head_bwd_transient_bytes_per_token")}
+                       "bwd_transient_bytes_per_token", "head_bwd_transient_bytes_per_token",
+                       "recompute_factor")}
 
     lines = [
         "# Cost-model accuracy",

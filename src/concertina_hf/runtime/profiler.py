@@ -21,6 +21,9 @@ earlier slices of its sequence would have left them. Then:
   less the output (which the cost model counts separately, as the next layer's or the head's
   input). Measured with no recompute on every shape, and with every layer recomputed on a
   whole sequence and on a non-final slice;
+- **recompute**: the extra time of a chunk with every layer checkpointed, on three shapes,
+  relative to its plain forward (``recompute_factor``: non-reentrant checkpointing stops the
+  replay once the tensors backward needs exist);
 - **backward transients**: the peak a decoder layer's backward and the head's backward hold
   beyond the activations they free (every live tensor on CPU, :class:`LiveTensorMeter`; the
   allocator on CUDA), per token;
@@ -34,7 +37,8 @@ recompute: non-negative least squares of ``bytes = layers * (act * T + ctx * con
 mask * T * S`` over every shape -> ``act_bytes_per_token``, ``context_bytes_per_token``,
 ``mask_bytes_per_pair``; with full recompute -> ``ckpt_bytes_per_token`` and (the extra of the
 non-final slice) ``kv_bytes_per_token``; backward transients ->
-``bwd_transient_bytes_per_token``, ``head_bwd_transient_bytes_per_token``; head ->
+``bwd_transient_bytes_per_token``, ``head_bwd_transient_bytes_per_token``; recompute ->
+``recompute_factor``; head ->
 ``logits_bytes_per_token`` (everything the head saves per token) and ``head_time_per_token``;
 embedding -> ``embed_time_per_token``. The cost model applies ``bwd_factor`` to head and
 embedding too, so their per-token times are ``(forward + backward) / (1 + bwd_factor)``: the
@@ -659,6 +663,17 @@ def profile_cost_model(
         ckpt_final = _chunk_bytes(pr, ((0, size),), False, n)
         ckpt_split = _chunk_bytes(pr, ((0, size),), True, n)
         transients = [_bwd_transients(pr, tok) for tok in (max(16, size // 2), size)]
+        # recompute: the extra time of every layer checkpointed, on the largest whole sequence,
+        # packed chunk and slice with context
+        extra, plain_fwd = 0.0, 0.0
+        for pick in (lambda x: len(x) == 1 and x[0][0] == 0, lambda x: len(x) > 1, lambda x: x[0][0] > 0):
+            cands = [k for k, x in enumerate(shape_list) if pick(x)]
+            if not cands:
+                continue
+            k = max(cands, key=lambda k: sum(s for _, s in shape_list[k]))
+            f, b = _time_chunk(pr, shape_list[k], False, n, repeats, warmup)
+            extra += f + b - n * (samples[k].fwd_time_s + samples[k].bwd_time_s)
+            plain_fwd += n * samples[k].fwd_time_s
         heads = []
         if pr.has_head:
             for tok in sorted({max(16, longest // 4), max(16, longest)}):
@@ -694,6 +709,7 @@ def profile_cost_model(
         hidden_bytes_per_token=hidden_bytes,
         output_bytes_per_token=hidden_bytes,
         bwd_transient_bytes_per_token=max(t for t, _ in transients),
+        recompute_factor=min(1.5, max(0.0, extra / plain_fwd)) if plain_fwd > 0 else base.recompute_factor,
         layer_params=pr.layer_params,
         source="profiled",
     )
