@@ -42,7 +42,6 @@ def test_every_concertina_field_has_help_and_parses_from_the_command_line(tmp_pa
     (dict(concertina_solver="cplex"), "concertina_solver"),
     (dict(concertina_solver_time_limit=0.0), "concertina_solver_time_limit"),
     (dict(concertina_cost_model="measured"), "concertina_cost_model"),
-    (dict(concertina_cost_model="profiled"), "concertina_cost_model_path"),
     (dict(concertina_cost_model_path="/nonexistent/cost.json"), "concertina_cost_model_path"),
     (dict(concertina_cost_model="online", concertina_replan_interval=0), "concertina_replan_interval"),
     (dict(concertina_replan_interval=-1), "concertina_replan_interval"),

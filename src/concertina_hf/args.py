@@ -161,14 +161,16 @@ class ConcertinaTrainingArguments(TrainingArguments):
     concertina_cost_model: str = field(
         default="analytic",
         metadata={"help": "Source of the cost model's coefficients: 'analytic' (FLOPs and bytes of the "
-                          "architecture at the device's rates), 'profiled' (load a fitted model from "
-                          "concertina_cost_model_path), or 'online' (start analytic or from the file, then refit "
-                          "from measured stage times every concertina_replan_interval steps)."},
+                          "architecture at the device's rates), 'profiled' (measured on the real layers on this "
+                          "device at startup by rank 0, a few seconds; or loaded from concertina_cost_model_path), "
+                          "or 'online' (start analytic or from the file, then refit from measured stage times "
+                          "every concertina_replan_interval steps)."},
     )
     concertina_cost_model_path: str | None = field(
         default=None,
-        metadata={"help": "JSON file of a CostModel (CostModel.to_dict(), e.g. written by a profiling run) used "
-                          "by concertina_cost_model='profiled' and as the starting point of 'online'."},
+        metadata={"help": "JSON file of a CostModel (CostModel.to_dict(); a 'profiled' run writes one to "
+                          "<output_dir>/cost_model.json) to start from instead of the analytic model or a new "
+                          "profile."},
     )
     concertina_replan_interval: int = field(
         default=10,
@@ -222,11 +224,6 @@ class ConcertinaTrainingArguments(TrainingArguments):
         if self.concertina_cost_model not in COST_MODEL_SOURCES:
             raise ValueError(
                 f"concertina_cost_model={self.concertina_cost_model!r}: choose one of {', '.join(COST_MODEL_SOURCES)}"
-            )
-        if self.concertina_cost_model == "profiled" and not self.concertina_cost_model_path:
-            raise ValueError(
-                "concertina_cost_model='profiled' needs concertina_cost_model_path (a CostModel JSON file); set it, "
-                "or use concertina_cost_model='online' to fit the model from this run's measurements"
             )
         if self.concertina_cost_model_path and not os.path.isfile(self.concertina_cost_model_path):
             raise ValueError(f"concertina_cost_model_path={self.concertina_cost_model_path!r} is not a file")

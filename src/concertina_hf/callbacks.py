@@ -154,6 +154,20 @@ class ReplanCallback(TrainerCallback):
         return CostModel.from_hf_config(config, spec, dtype_bytes=dtype_bytes)
 
     @staticmethod
+    def profiled_cost_model(model, args, base: CostModel, device, pipeline_size: int) -> CostModel:
+        """Profile the real decoder layers, head and embedding on ``device``
+        (:func:`concertina_hf.runtime.profiler.profile_cost_model`), as many layers as a stage
+        holds, chunk shapes up to ``concertina_max_tokens_per_chunk`` (at least 32; the profiler's
+        device default without a cap); ``base`` keeps the rest."""
+        from .runtime.profiler import profile_cost_model
+
+        layers = -(-int(model.config.num_hidden_layers) // max(1, pipeline_size))
+        cap = args.concertina_max_tokens_per_chunk
+        # the profiler needs at least 32 tokens to make distinct shapes; None: its device default
+        return profile_cost_model(model, base=base, device=device, num_layers=layers,
+                                  max_tokens=None if cap is None else max(32, cap))
+
+    @staticmethod
     def layout_for(cost: CostModel, pipeline_size: int) -> StageLayout:
         """Decoder layers over stages, balanced by the cost model (deterministic on every rank)."""
         return partition_layers(cost, pipeline_size)

@@ -43,6 +43,7 @@ import glob
 import json
 import logging
 import os
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -218,6 +219,8 @@ class ConcertinaTrainer(Trainer):
         self._device_memory = _device_memory_bytes(args.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self.cost_model = ReplanCallback.initial_cost_model(args, model.config, args.device, dtype_bytes,
                                                             self._device_memory)
+        if args.concertina_cost_model == "profiled" and not args.concertina_cost_model_path:
+            self.cost_model = self._profile_once(model, args)
         self.layout = ReplanCallback.layout_for(self.cost_model, self.topology.pipeline_size)
         # The saved config must name an attention every HF install has, not the runtime's backend.
         self._saved_attn_implementation = getattr(model.config, "_attn_implementation", None) or "sdpa"
@@ -242,6 +245,27 @@ class ConcertinaTrainer(Trainer):
         )
         self.executor = PipelineExecutor(self.pipeline, pp_group=self.topology.pp_group, device=args.device)
         self.replan.bind(self)
+
+    def _profile_once(self, model: nn.Module, args: ConcertinaTrainingArguments):
+        """Rank 0 profiles the model before it is split; every rank gets the same cost model (the
+        layout and the plans derive from it). The main process keeps it in ``cost_model.json``."""
+        from .planning import CostModel
+
+        payload = None
+        if self.topology.rank == 0:
+            t0 = time.perf_counter()
+            cost = ReplanCallback.profiled_cost_model(model, args, self.cost_model, args.device,
+                                                      self.topology.pipeline_size)
+            logger.info("profiled the cost model in %.1fs", time.perf_counter() - t0)
+            payload = json.dumps(cost.to_dict())
+            os.makedirs(args.output_dir, exist_ok=True)
+            with open(os.path.join(args.output_dir, "cost_model.json"), "w") as fh:
+                fh.write(payload)
+        if self.topology.world_size > 1:
+            obj = [payload]
+            dist.broadcast_object_list(obj, src=0)
+            payload = obj[0]
+        return CostModel.from_dict(json.loads(payload))
 
     # ------------------------------------------------------------------ data
     def _get_dataloader(self, dataset, description: str, batch_size: int, sampler_fn=None, is_training: bool = False,
