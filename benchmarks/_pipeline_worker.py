@@ -1,0 +1,226 @@
+"""Worker of ``measured.py``: one process per pipeline stage, running planned steps for real.
+
+Every rank builds the same HF model from the config with the same seed (so both stages start
+from the weights the single-process Trainer starts from), keeps its stage
+(:class:`~concertina_hf.runtime.PipelineWrapper`) and runs *jobs* (a strategy with fixed knobs)
+through :class:`~concertina_hf.runtime.PipelineExecutor`, with an optimizer step after each
+pipeline step (the optimizer class and settings ``transformers.Trainer`` builds by default).
+
+Steps of the different jobs are interleaved round by round (round 0 is the untimed warm-up and
+memory round, rounds 1.. the timed steps), so a change of machine load hits every strategy
+alike. All jobs train the same weights: every strategy computes the same gradients for a batch
+(the runtime's equivalence with the HF model), so the interleaved run is one valid training run.
+
+Planning is overlapped as in ``ReplanCallback``: pipeline rank 0 plans the next step of the
+interleaved sequence in a background thread while the current step runs, and broadcasts the
+plan (JSON) at the start of the step. One timed step on every rank::
+
+    barrier | t0 | wait for the plan (rank 0: the planning thread; others: the broadcast) |
+    run_step | optimizer.step + zero_grad | t1
+
+The step time is the slowest rank's ``t1 - t0``; the planning time on the critical path is the
+wait for the plan (rank 0) plus its broadcast. The memory round runs ``run_step`` under an
+:class:`~_memtrack.AllocationTracker` (untimed) besides the runtime's own
+:class:`~concertina_hf.runtime.memory.SavedTensorMeter`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+__all__ = ["build_model", "run_profile", "run_worker", "trainer_optimizer_spec"]
+
+
+def build_model(config: dict, seed: int):
+    """The benchmark's HF causal LM, fp32, initialized from ``seed`` (identical on every process)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(**config)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float()
+
+
+def trainer_optimizer_spec() -> tuple[type, dict]:
+    """The optimizer class and settings ``transformers.Trainer`` uses with default
+    ``TrainingArguments`` on CPU (called before any process group exists)."""
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=os.devnull, use_cpu=True, report_to="none")
+    return Trainer.get_optimizer_cls_and_kwargs(args)
+
+
+def run_worker(rank: int, world: int, port: int, spec_path: str, out_path: str) -> None:
+    torch.set_num_threads(1)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set in this process
+        pass
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(minutes=30))
+    try:
+        with open(spec_path, "rb") as fh:
+            spec = pickle.load(fh)
+        result = _run(rank, world, spec)
+        if rank == 0:
+            with open(out_path, "w") as fh:
+                json.dump(result, fh)
+    except Exception:
+        with open(f"{out_path}.rank{rank}.error", "w") as fh:
+            fh.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_profile(rank: int, world: int, spec_path: str, out_path: str) -> None:
+    """Both processes profile the model at the same time (so each sees the CPU contention of a
+    pp=2 run); each writes its fitted cost model to ``out_path.rank<r>.json``."""
+    torch.set_num_threads(1)
+    try:
+        with open(spec_path, "rb") as fh:
+            spec = pickle.load(fh)
+        from concertina_hf.runtime.profiler import profile_cost_model
+
+        model = build_model(spec["config"], spec["seed"])
+        t0 = time.perf_counter()
+        cost = profile_cost_model(model, shapes=spec["shapes"], repeats=spec["repeats"], warmup=1,
+                                  num_layers=spec["num_layers"], max_tokens=spec["max_tokens"])
+        with open(f"{out_path}.rank{rank}.json", "w") as fh:
+            json.dump({"cost": cost.to_dict(), "seconds": time.perf_counter() - t0}, fh)
+    except Exception:
+        with open(f"{out_path}.rank{rank}.error", "w") as fh:
+            fh.write(traceback.format_exc())
+        raise
+
+
+def _plan_for(spec: dict, cost, layout, job: dict, lens: list[int]):
+    from concertina_hf.planning import plan_step, simulate
+
+    t0 = time.perf_counter()
+    plan = plan_step(lens, cost, layout, tuple(spec["budgets"]), job["strategy"], solver=spec["solver"],
+                     time_limit_s=spec["time_limit_s"], **job["knobs"])
+    if plan.predicted is None:
+        plan = plan.with_predicted(simulate(plan, cost).stats())
+    plan = plan.validate()
+    return plan, time.perf_counter() - t0
+
+
+def _run(rank: int, world: int, spec: dict) -> dict:
+    from _memtrack import AllocationTracker
+    from concertina_hf.planning import CostModel, Plan, StageLayout
+    from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
+
+    cost = CostModel.from_dict(spec["cost"])
+    layout = StageLayout(cost.num_layers, tuple(tuple(r) for r in spec["layer_ranges"]))
+    model = build_model(spec["config"], spec["seed"])
+    wrapper = PipelineWrapper(model, layout, rank)
+    wrapper.train()
+    params = [p for p in wrapper.parameters() if p.requires_grad]
+    executor = PipelineExecutor(wrapper)
+    opt_cls, opt_kwargs = spec["optimizer"]
+    opt = opt_cls(params, **opt_kwargs)
+
+    batches = [[torch.tensor(s, dtype=torch.long) for s in b] for b in spec["batches"]]
+    rounds = [spec["memory_batch"]] + list(spec["timed_batches"])
+    jobs = spec["jobs"]
+    steps = [(r, j) for r in range(len(rounds)) for j in range(len(jobs))]
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plan") if rank == 0 else None
+
+    def submit(i: int):
+        r, j = steps[i]
+        return pool.submit(_plan_for, spec, cost, layout, jobs[j], [len(s) for s in batches[rounds[r]]])
+
+    future = submit(0) if rank == 0 else None
+    if rank == 0:
+        future.result()  # the first plan is made before the warm-up round, off the clock
+    records: list[dict] = []
+    for i, (r, j) in enumerate(steps):
+        job, b = jobs[j], rounds[r]
+        ids = batches[b]
+        memory_round = r == 0
+        dist.barrier()
+        t0 = time.perf_counter()
+        payload = [None]
+        if rank == 0:
+            plan, plan_time = future.result()
+            payload = [plan.to_json()]
+            if i + 1 < len(steps):
+                future = submit(i + 1)
+        t_ready0 = time.perf_counter()
+        dist.broadcast_object_list(payload, src=0)
+        if rank != 0:
+            plan, plan_time = Plan.from_json(payload[0]), 0.0
+        t_ready = time.perf_counter()
+        tracker = None
+        if memory_round:
+            tracker = AllocationTracker()
+            tracker.__enter__()
+        t_call = time.perf_counter()
+        try:
+            res = executor.run_step(plan, ids)
+        finally:
+            if tracker is not None:
+                tracker.__exit__(None, None, None)
+        alloc_peak = tracker.peak_bytes(exclude=[p.grad for p in params]) if tracker is not None else None
+        del tracker
+        t_run = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t1 = time.perf_counter()
+        mine = {
+            "rank": rank, "step_s": t1 - t0, "wait_s": t_ready - t0, "wait_plan_s": t_ready0 - t0,
+            "run_s": t_run - t_call, "opt_s": t1 - t_run, "t_call": t_call, "loss": res.loss,
+            "meter_peak": res.peak_activation_bytes, "alloc_peak": alloc_peak,
+            "actions": [(str(a), s, e) for a, s, e in res.action_times],
+        }
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if rank == 0:
+            per = sorted(gathered, key=lambda m: m["rank"])
+            base = min(m["t_call"] for m in per)
+            rec = {
+                "job": job["name"], "strategy": job["strategy"], "round": r, "batch": b,
+                "memory_round": memory_round,
+                "tokens": sum(len(s) for s in ids), "num_seqs": len(ids), "longest": max(len(s) for s in ids),
+                "step_s": max(m["step_s"] for m in per),
+                "run_s": max(m["run_s"] for m in per),
+                "opt_s": max(m["opt_s"] for m in per),
+                "plan_wait_s": max(m["wait_s"] for m in per),
+                "plan_wait_rank0_s": per[0]["wait_plan_s"],
+                "plan_time_s": plan_time,
+                "predicted_step_s": plan.predicted.step_time_s,
+                "predicted_peak_bytes": list(plan.predicted.peak_memory_bytes),
+                "predicted_recompute_fraction": plan.predicted.recompute_fraction,
+                "predicted_bubble_fraction": plan.predicted.bubble_fraction,
+                "meter_peak_bytes": [m["meter_peak"] for m in per],
+                "alloc_peak_bytes": [m["alloc_peak"] for m in per] if memory_round else None,
+                "loss": per[-1]["loss"],
+                "knobs": [[k, v] for k, v in plan.knobs],
+                "chunks": plan.chunk_counts(),
+                "num_chunks": plan.num_chunks,
+                "recompute_layers": [sum(row) for row in plan.recompute],
+                # measured actions on one clock: each rank's times from its run_step call
+                "actions": {m["rank"]: [(a, s + m["t_call"] - base, e + m["t_call"] - base) for a, s, e in m["actions"]]
+                            for m in per},
+                "plan": plan.to_json() if job.get("keep_plans") else None,
+            }
+            records.append(rec)
+            print(f"[pp2] round {r} {job['name']:<22} {rec['tokens']:>6} tok  step {rec['step_s']:.2f}s "
+                  f"(pred {rec['predicted_step_s']:.2f}s)  plan wait {rec['plan_wait_s'] * 1e3:.1f}ms", flush=True)
+    if pool is not None:
+        pool.shutdown(wait=True)
+    return {"records": records, "loadavg_end": os.getloadavg()}

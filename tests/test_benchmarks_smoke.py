@@ -1,0 +1,57 @@
+"""Smoke test of the measured benchmark (benchmarks/measured.py) in its tiniest setting.
+
+One run (~30-60 s on 2 busy cores): a profiled cost model, two pipeline ranks on gloo running
+adaptive, packed and split, and plain ``transformers.Trainer`` with and without checkpointing,
+all on the same stdlib batches. Checks the files and fields the README and run_all.py promise,
+and one number that must hold whatever the machine: the pipeline's first-step loss equals the
+Trainer's (same weights, same batch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_measured_benchmark_tiny(tmp_path):
+    out = tmp_path / "measured_tiny"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "benchmarks/measured.py", "--tiny", "--out", str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name in ("measured_tiny.md", "measured_tiny.json", "measured_tiny.png", "gantt_measured_tiny.png"):
+        assert (tmp_path / name).is_file() and (tmp_path / name).stat().st_size > 0, name
+    res = json.loads((tmp_path / "measured_tiny.json").read_text())
+    assert res["cost_model"]["source"] == "profiled"
+    (ctx,) = res["contexts"]
+    assert ctx["max_len"] == 256
+    runs = ctx["runs"]
+    assert runs["adaptive"]["strategy"] == "adaptive"
+    assert set(ctx["best"]) == {"packed", "split"}
+    for name, r in runs.items():
+        assert r["tokens_per_s"]["min"] > 0, name
+        assert r["predicted_step_s"]["median"] > 0, name
+        assert len(r["meter_peak_bytes"]) == 2 and all(b > 0 for b in r["meter_peak_bytes"]), name
+        assert all(b > 0 for b in r["memory_batch_alloc_peak_bytes"]), name
+        assert r["plan_wait_s"]["max"] >= 0, name
+    assert set(ctx["trainer"]) == {"trainer", "trainer+ckpt"}
+    for r in ctx["trainer"].values():
+        assert r["tokens_per_s_stats"]["median"] > 0 and r["alloc_peak_bytes"] > 0
+    # checkpointing must lower the Trainer's allocated activation peak
+    assert ctx["trainer"]["trainer+ckpt"]["alloc_peak_bytes"] < ctx["trainer"]["trainer"]["alloc_peak_bytes"]
+    # same initial weights and batch: the pipeline's loss is the Trainer's
+    assert ctx["loss_check"]["rel_diff"] < 1e-4, ctx["loss_check"]
+    assert ctx["gantt"]["actions"] and ctx["gantt"]["plan"]
+    names = {t["target"] for t in res["targets"]}
+    assert any("best packed" in n for n in names) and any("Trainer" in n for n in names)
+    assert all(isinstance(t["met"], bool) for t in res["targets"])
+    md = (tmp_path / "measured_tiny.md").read_text()
+    assert "## Targets" in md and "## Context 256 tokens" in md
