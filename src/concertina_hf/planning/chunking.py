@@ -208,8 +208,8 @@ class Chunking:
         """Predicted step time (seconds) of this chunking and grouping; ``inf`` if some 1F1B
         in-flight window cannot fit its stage budget even with full recompute.
 
-        Per group: the busiest stage's compute plus ``(p - 1)`` mean chunk times of fill and
-        drain, plus on each stage the recompute that brings each window (a chain and the
+        Per group: the busiest stage's compute, plus the fill (the first chunk's forward through
+        the other stages) and the drain (the last backward through them), plus on each stage the recompute that brings each window (a chain and the
         ``p - s - 1`` chunks after it, or ``p - s`` chunks) under budget, charged as a uniform
         fraction of the window's layers. ``budgets`` (bytes per stage) ``None``: unconstrained.
         """
@@ -270,14 +270,25 @@ def _group_estimate(units: list[list[_ChunkInfo]], cost: CostModel, layout: Stag
     bf = 1.0 + cost.bwd_factor
     sum_work = sum(ci.work for ci in infos)
     sum_tok = sum(ci.tokens for ci in infos)
-    busy = []
+    busy, per_stage = [], []
     for s in range(p):
         e = (cost.embed_time_per_token if layout.has_embedding(s) else 0.0) + \
             (cost.head_time_per_token if layout.has_head(s) else 0.0)
+        per_stage.append((layout.num_stage_layers(s), e))
         busy.append(bf * (layout.num_stage_layers(s) * sum_work + e * sum_tok))
-    fill = (p - 1) * (sum(busy) / p) / n
+    # Fill and drain: the busiest stage waits while the first chunks go forward through the
+    # other stages, and they work off their last backwards after it ends; 1F1B keeps up to
+    # p - 1 chunks in that warm-up and cool-down, so the mean of the first and of the last
+    # p - 1 chunks prices them (a lone small last chunk does not shorten the drain much).
+    m = max(1, min(n, p - 1))
+    head_w, head_t = sum(ci.work for ci in infos[:m]) / m, sum(ci.tokens for ci in infos[:m]) / m
+    tail_w, tail_t = sum(ci.work for ci in infos[-m:]) / m, sum(ci.tokens for ci in infos[-m:]) / m
+    b = max(range(p), key=lambda q: busy[q])
+    fill = sum(nl * head_w + e * head_t + cost.bwd_factor * (nl * tail_w + e * tail_t)
+               for q, (nl, e) in enumerate(per_stage) if q != b)
     if p > 1:
-        fill += 2 * (p - 1) * (cost.p2p_latency_s + cost.hidden_bytes_per_token * sum_tok / n / cost.p2p_bandwidth)
+        fill += (p - 1) * (2 * cost.p2p_latency_s + cost.hidden_bytes_per_token * (head_t + tail_t)
+                           / cost.p2p_bandwidth)
     if budgets is None:
         return max(busy) + fill, False
     ptok, psplit = [0], [0]
@@ -527,15 +538,17 @@ def chunk_sequences(
 ) -> tuple[tuple[Chunk, ...], tuple[tuple[int, ...], ...]]:
     """Chunks of a step in global forward order, and its pipeline groups.
 
-    ``num_slices_longest`` (K) slices of the longest sequence set the time target (unless
+    Unlike :func:`make_chunking`, work is balanced on the stage of ``layout`` slowest on a
+    typical chunk: its per-token embedding or head time counts as per-token work (the LM head
+    of a large vocabulary is worth a sizeable part of a stage). ``num_slices_longest`` (K) slices of the longest sequence set the time target (unless
     ``time_target``, per-layer forward seconds of a chunk, is given); ``token_cap`` bounds the
     tokens of every chunk except a short sequence alone; sequences of at most
     ``split_threshold`` tokens are never cut. With ``max_groups > 1`` and a
     ``memory_budget_bytes`` (per stage, or one for all; 0 = unconstrained), the grouping DP
     picks up to that many pipeline groups; otherwise all chunks form one group.
     """
-    ch = make_chunking(seq_lens, cost, num_slices_longest=num_slices_longest, token_cap=token_cap,
-                       time_target=time_target, split_threshold=split_threshold)
+    ch = _Batch(seq_lens, cost, layout).balanced(num_slices_longest=num_slices_longest, token_cap=token_cap,
+                                                time_target=time_target, split_threshold=split_threshold)
     cuts: tuple[int, ...] = ()
     if max_groups > 1 and memory_budget_bytes is not None:
         p = layout.num_stages

@@ -137,87 +137,143 @@ def _describe_longest(lens: Sequence[int]) -> str:
 
 
 # ---------------------------------------------------------------------------------- adaptive
-def _adaptive_candidates(strategy: str, batch: _Batch, cost: CostModel, layout: StageLayout,
-                         budgets: tuple[int, ...], token_cap: int | None, knobs: dict[str, Any]):
-    """Chunking candidates ``(estimate, K, chunking, cuts, slicing)``, best estimate first (those
-    the proxy deems infeasible last, smallest chunks first).
+@dataclasses.dataclass
+class _Cand:
+    """One chunking of the adaptive search: ``slicing`` is ``"work"`` (workload-balanced,
+    :meth:`_Batch.balanced`), ``"tokens"`` (token-equal slices) or ``"whole"`` (whole
+    sequences under a token budget); ``key`` identifies it."""
 
-    ``K`` is searched coarse to fine: every other candidate first (0.25, 1, 3, 6, 12, ...), then
-    the skipped neighbours of the best (the proxy is close to unimodal in ``K``). Without a
-    user token cap, chunks are bounded by time only; when memory binds, every ``K`` also gets
-    variants capped at its longest slice and at the largest chunk that needs no recompute
-    (packed chunks of cheap short sequences otherwise hold more tokens, hence activations,
-    than any slice). Small steps (few chunks), where discrete fill and drain effects escape
-    the proxy and simulating is cheap, also get token-equal (Seq1F1B-like) slicings:
-    ``slicing`` is ``"work"`` or ``"tokens"``. The grouping DP runs for the two best
-    candidates only, and only when their single group needs recompute.
-    """
-    proxy = _proxy_budgets(budgets) if strategy == "adaptive" else None
-    max_groups = int(knobs.get("max_groups", 3))
-    if max_groups < 1:
-        raise PlanError(f"max_groups must be at least 1 (got {max_groups})")
-    ks = _k_candidates(batch.longest, knobs)
-    if knobs.get("time_target") is not None:
-        ks = ks[:1]  # K only matters through the time target
-    uncapped = token_cap if token_cap is not None else sum(batch.lens)
-    scored: dict[tuple[float, int, str], tuple[float, Chunking]] = {}
+    key: tuple[float, int, str]
+    est: float
+    chunking: Chunking
+    cuts: tuple[int, ...] = ()
 
-    def score(k: float, cap: int, slicing: str = "work") -> None:
-        if (k, cap, slicing) not in scored:
+    @property
+    def k(self) -> float:
+        return self.key[0]
+
+    @property
+    def slicing(self) -> str:
+        return self.key[2]
+
+    def order(self) -> tuple:
+        """Best estimate first; candidates the proxy deems infeasible last, smallest chunks first."""
+        if math.isinf(self.est):
+            return (1, -self.k, self.chunking.token_cap, self.slicing)
+        return (0, self.est, self.k, self.slicing)
+
+
+class _Search:
+    """The adaptive search space: chunkings by ``(K, token cap, slicing)``, scored by the proxy
+    :meth:`Chunking.estimate` (see :meth:`initial`)."""
+
+    def __init__(self, strategy: str, batch: _Batch, cost: CostModel, layout: StageLayout,
+                 budgets: tuple[int, ...], token_cap: int | None, knobs: dict[str, Any]):
+        self.strategy, self.batch, self.cost, self.layout, self.knobs = strategy, batch, cost, layout, knobs
+        self.budgets = budgets
+        # fixed recompute strategies are scored by simulation: rank them unconstrained
+        self.proxy = _proxy_budgets(budgets) if strategy == "adaptive" else None
+        self.max_groups = int(knobs.get("max_groups", 3))
+        if self.max_groups < 1:
+            raise PlanError(f"max_groups must be at least 1 (got {self.max_groups})")
+        self.ks = _k_candidates(batch.longest, knobs)
+        if knobs.get("time_target") is not None:
+            self.ks = self.ks[:1]  # K only matters through the time target
+        self.token_cap = token_cap
+        self.uncapped = token_cap if token_cap is not None else sum(batch.lens)
+        self.cands: dict[tuple[float, int, str], _Cand] = {}
+
+    def get(self, k: float, cap: int, slicing: str = "work") -> _Cand:
+        key = (k, cap, slicing)
+        if key not in self.cands:
             if slicing == "work":
-                ch = batch.balanced(num_slices_longest=k, token_cap=cap, time_target=knobs.get("time_target"),
-                                    split_threshold=knobs.get("split_threshold"))
+                ch = self.batch.balanced(num_slices_longest=k, token_cap=cap, time_target=self.knobs.get("time_target"),
+                                         split_threshold=self.knobs.get("split_threshold"))
             else:
-                ch = batch.by_tokens(cap, split=True)
-            # fixed recompute strategies are scored by simulation later: rank them unconstrained
-            scored[(k, cap, slicing)] = (ch.estimate(cost, layout, proxy), ch)
+                ch = self.batch.by_tokens(cap, split=(slicing == "tokens"))
+            self.cands[key] = _Cand(key, ch.estimate(self.cost, self.layout, self.proxy), ch)
+        return self.cands[key]
 
-    for k in ks[::2]:
-        score(k, uncapped)
-    finite = [key for key, (est, _) in scored.items() if not math.isinf(est)]
-    if finite:
-        best = min(finite, key=lambda key: (scored[key][0], key[0]))
-        at = ks.index(best[0])
-        for nb in (at - 1, at + 1):
-            if 0 <= nb < len(ks):
-                score(ks[nb], uncapped)
-    else:
-        for k in ks[1::2]:
-            score(k, uncapped)
-    if token_cap is None and (strategy != "adaptive" or proxy is not None):
-        ranked = sorted(scored, key=lambda key: (scored[key][0], key[0]))
-        lead = ranked[: 3 if not math.isinf(scored[ranked[0]][0]) else len(ranked)]
-        if strategy != "adaptive" or any(scored[key][1].needs_recompute(cost, layout, proxy) for key in lead):
-            no_rc = _no_recompute_cap(cost, layout, budgets)
-            # memory binds: the leaders and every K the proxy rejects (its memory view is
-            # rough) get capped variants
-            for k, cap, _ in [key for key in scored if key in lead or math.isinf(scored[key][0])]:
-                ch = scored[(k, cap, "work")][1]
-                first = ch.chains[0][0].tokens if ch.chains else batch.longest
-                for c in sorted({first, no_rc}):
-                    if 1 <= c < cap:
-                        score(k, c)
-    if strategy == "adaptive" and "num_slices_longest" not in knobs and knobs.get("time_target") is None:
-        leader = min(scored.values(), key=lambda v: v[0])[1]
-        if leader.num_chunks * layout.num_stages <= _SMALL_STEP:
-            for n in _N_CANDIDATES:
-                size = -(-batch.longest // n)
-                if n <= batch.longest and size <= uncapped:
-                    score(n, size, "tokens")
-    out = [(est, k, ch, (), slicing) for (k, _, slicing), (est, ch) in scored.items()]
+    def group(self, c: _Cand) -> _Cand:
+        """The candidate with the grouping DP's cuts, when it lowers the estimate."""
+        if self.strategy == "adaptive" and self.max_groups > 1 and not math.isinf(c.est) and not c.cuts:
+            cuts, est = c.chunking.best_group_cuts(self.cost, self.layout, self.proxy, max_groups=self.max_groups)
+            if est < c.est:
+                c.cuts, c.est = cuts, est
+        return c
 
-    def order(c):
-        return (math.isinf(c[0]), (-c[1], c[2].token_cap) if math.isinf(c[0]) else (c[0], c[1]), c[4])
+    def initial(self) -> list[_Cand]:
+        """Candidates, best first.
 
-    out.sort(key=order)
-    if strategy == "adaptive" and max_groups > 1:
-        for idx in range(min(2, len(out))):
-            est, k, ch, _, slicing = out[idx]
-            if not math.isinf(est):
-                cuts, est2 = ch.best_group_cuts(cost, layout, proxy, max_groups=max_groups)
-                out[idx] = (min(est, est2), k, ch, cuts if est2 < est else (), slicing)
-        out.sort(key=order)
-    return out
+        ``K`` is searched coarse to fine: every other candidate first (0.25, 1, 3, 6, 12, ...),
+        then the skipped neighbours of the best (the proxy is close to unimodal in ``K``).
+        Without a user token cap, chunks are bounded by time only; when memory binds, the
+        leaders and every ``K`` the proxy rejects (its memory view is rough) also get variants
+        capped at their longest slice and at the largest chunk that needs no recompute (packed
+        chunks of cheap short sequences otherwise hold more tokens, hence activations, than
+        any slice). Small steps (few chunks), where discrete fill and drain effects escape the
+        proxy and simulating is cheap, also get the baselines' chunkings: token-equal slices
+        (Seq1F1B-like) and whole sequences under a token budget (a taper of ever smaller chunks
+        at the end can beat equal chunks when there are only a few). The grouping DP runs for
+        the two best candidates only, and only when their single group needs recompute.
+        """
+        ks, uncapped = self.ks, self.uncapped
+        for k in ks[::2]:
+            self.get(k, uncapped)
+        finite = [c for c in self.cands.values() if not math.isinf(c.est)]
+        if finite:
+            at = ks.index(min(finite, key=_Cand.order).k)
+            for nb in (at - 1, at + 1):
+                if 0 <= nb < len(ks):
+                    self.get(ks[nb], uncapped)
+        else:
+            for k in ks[1::2]:
+                self.get(k, uncapped)
+        if self.token_cap is None and (self.strategy != "adaptive" or self.proxy is not None):
+            ranked = sorted(self.cands.values(), key=_Cand.order)
+            lead = ranked[:3] if not math.isinf(ranked[0].est) else ranked
+            if self.strategy != "adaptive" or any(c.chunking.needs_recompute(self.cost, self.layout, self.proxy)
+                                                  for c in lead):
+                no_rc = _no_recompute_cap(self.cost, self.layout, self.budgets)
+                for c in [c for c in ranked if c in lead or math.isinf(c.est)]:
+                    first = c.chunking.chains[0][0].tokens if c.chunking.chains else self.batch.longest
+                    for cap in sorted({first, no_rc}):
+                        if 1 <= cap < c.key[1]:
+                            self.get(c.k, cap)
+        fixed = "num_slices_longest" in self.knobs or self.knobs.get("time_target") is not None
+        if self.strategy == "adaptive" and not fixed:
+            leader = min(self.cands.values(), key=_Cand.order).chunking
+            if leader.num_chunks * self.layout.num_stages <= _SMALL_STEP:
+                longest = self.batch.longest
+                for n in _N_CANDIDATES:
+                    if n <= longest and -(-longest // n) <= uncapped:
+                        self.get(n, -(-longest // n), "tokens")
+                if longest <= uncapped:  # a whole sequence must fit the user's cap
+                    for size in _token_budget_candidates(longest, self.token_cap):
+                        self.get(1, size, "whole")
+        ranked = sorted(self.cands.values(), key=_Cand.order)
+        for c in ranked[:2]:
+            self.group(c)
+        return sorted(self.cands.values(), key=_Cand.order)
+
+    def neighbours(self, c: _Cand) -> list[_Cand]:
+        """The candidates next to ``c`` on its own ladder (``K`` for balanced chunkings, ``N``
+        for token-equal ones), same cap: the simulator's hill climb from the proxy's pick."""
+        k, cap, slicing = c.key
+        if slicing == "work":
+            ladder = self.ks
+            if k not in ladder:
+                return []
+            at = ladder.index(k)
+            return [self.group(self.get(ladder[i], cap)) for i in (at - 1, at + 1) if 0 <= i < len(ladder)]
+        if slicing == "tokens":
+            longest = self.batch.longest
+            ns = [n for n in _N_CANDIDATES if n <= longest and -(-longest // n) <= self.uncapped]
+            if k not in ns:
+                return []
+            at = ns.index(k)
+            return [self.get(ns[i], -(-longest // ns[i]), "tokens") for i in (at - 1, at + 1) if 0 <= i < len(ns)]
+        return []
 
 
 def _no_recompute_cap(cost: CostModel, layout: StageLayout, budgets: tuple[int, ...]) -> int:
@@ -236,9 +292,13 @@ def _no_recompute_cap(cost: CostModel, layout: StageLayout, budgets: tuple[int, 
     return 0 if cap <= 0 else (10**12 if math.isinf(cap) else int(cap))
 
 
-def _knobs_of(k: float, ch: Chunking, cuts: Sequence[int], slicing: str, extra: dict[str, Any]) -> dict[str, Any]:
-    return {"num_slices_longest": k, "slicing": slicing, "token_cap": ch.token_cap, "time_target_s": ch.time_target,
-            "num_groups": len(cuts) + 1, **extra}
+def _knobs_of(c: _Cand, extra: dict[str, Any]) -> dict[str, Any]:
+    ch = c.chunking
+    if c.slicing == "work":
+        out = {"slicing": "work", "num_slices_longest": c.k, "token_cap": ch.token_cap, "time_target_s": ch.time_target}
+    else:  # a baseline's chunking, found better on a small step
+        out = {"slicing": c.slicing, "num_slices_longest": c.k, "token_budget": ch.token_cap}
+    return {**out, "num_groups": len(c.cuts) + 1, **extra}
 
 
 def _with_recompute(plan: Plan, cost: CostModel, budgets: tuple[int, ...], likely_fits: bool) -> Plan:
@@ -251,79 +311,124 @@ def _with_recompute(plan: Plan, cost: CostModel, budgets: tuple[int, ...], likel
     return assign_recompute(plan, cost, budgets, method="greedy")
 
 
+def _search(search: _Search, evaluate: Callable[[_Cand], Plan | None], num_finalists: int,
+            sim_budget: float) -> tuple[_Cand, Plan] | None:
+    """Simulate candidates in the proxy's order until ``num_finalists`` fit and the budget of
+    simulated chunk-stages is spent, then hill-climb from the fastest along its ladder while
+    the budget lasts; the fastest ``(candidate, plan)`` or ``None`` when nothing fits."""
+    p = search.layout.num_stages
+    done: dict[tuple, tuple[float, int, _Cand, Plan] | None] = {}
+    spent = 0.0
+
+    def run(c: _Cand) -> None:
+        nonlocal spent
+        spent += c.chunking.num_chunks * p
+        plan = evaluate(c)
+        done[c.key] = None if plan is None else (plan.predicted.step_time_s, len(done), c, plan)
+
+    ranked = search.initial()
+    # the proxy's pick of each family is simulated whatever the budget (families differ in
+    # what the proxy misses); then the next picks with half the budget, the rest for the climb
+    leaders = {}
+    for c in ranked:
+        leaders.setdefault(c.slicing, c)
+    for c in leaders.values():
+        if not math.isinf(c.est) or c is ranked[0]:
+            run(c)
+    for c in ranked:
+        if c.key in done:
+            continue
+        if sum(1 for v in done.values() if v) >= num_finalists and spent + c.chunking.num_chunks * p > sim_budget / 2:
+            break
+        run(c)
+    while True:
+        ok = [v for v in done.values() if v]
+        if not ok:
+            return None
+        # climb each ladder (balanced K, token-equal N) from its fastest simulated member
+        fresh = []
+        for family in ("work", "tokens"):
+            members = [v for v in ok if v[2].slicing == family]
+            if members:
+                best = min(members, key=lambda v: (v[0], v[1]))
+                fresh += [nb for nb in search.neighbours(best[2])
+                          if nb.key not in done and spent + nb.chunking.num_chunks * p <= sim_budget]
+        if not fresh:
+            best = min(ok, key=lambda v: (v[0], v[1]))
+            return best[2], best[3]
+        for nb in fresh:
+            if nb.key not in done:
+                run(nb)
+
+
 def _plan_adaptive(lens, batch, cost, layout, budgets, token_cap, solver, time_limit_s, knobs) -> Plan:
-    cands = _adaptive_candidates("adaptive", batch, cost, layout, budgets, token_cap, knobs)
-    proxy = _proxy_budgets(budgets)
+    search = _Search("adaptive", batch, cost, layout, budgets, token_cap, knobs)
+    proxy = search.proxy
     # The greedy solver is the fast path: one simulated finalist (the proxy is within ~1% of
     # the simulator on many balanced chunks); the ILP path affords a second opinion. Small
-    # steps, where the proxy's smooth fill/drain term is least exact, simulate more candidates
-    # as long as the simulated chunks stay within a budget (simulation is linear in chunks).
+    # steps, where the proxy's smooth fill/drain view is least exact, simulate more candidates
+    # and hill-climb from the best while the simulated chunk-stages stay within a budget
+    # (simulation costs about 2 ms per 100 chunk-stages).
     num_finalists = max(1, int(knobs.get("num_finalists", 2 if solver == "ilp" else 1)))
-    sim_budget = 600 * num_finalists  # chunk-stages, about 2 ms of simulation each 100
-    scored: list[tuple[float, int, Plan, tuple]] = []
-    last_error: InfeasiblePlanError | None = None
-    simulated = 0
-    for rank, (est, k, ch, cuts, slicing) in enumerate(cands):
-        cells = ch.num_chunks * layout.num_stages
-        if len(scored) >= num_finalists and simulated + cells > sim_budget:
-            break
-        simulated += cells
-        likely_fits = proxy is None or (not cuts and not math.isinf(est) and not ch.needs_recompute(cost, layout, proxy))
+    errors: list[InfeasiblePlanError] = []
+
+    def evaluate(c: _Cand) -> Plan | None:
+        likely_fits = proxy is None or (not c.cuts and not math.isinf(c.est)
+                                        and not c.chunking.needs_recompute(cost, layout, proxy))
         try:
-            plan = _with_recompute(_plan("adaptive", ch, layout, cuts), cost, budgets, likely_fits)
+            return _with_recompute(_plan("adaptive", c.chunking, layout, c.cuts), cost, budgets, likely_fits)
         except InfeasiblePlanError as e:
-            # candidates the proxy rejects come smallest chunks first: the first error is the
-            # one closest to fitting
-            last_error = last_error or e
-            continue
-        scored.append((plan.predicted.step_time_s, rank, plan, (k, ch, cuts, slicing)))
-    scored.sort(key=lambda x: (x[0], x[1]))
-    if not scored:
+            errors.append(e)  # candidates the proxy rejects come smallest chunks first
+            return None
+
+    found = _search(search, evaluate, num_finalists, 600 * num_finalists)
+    if found is None:
+        tried = sorted({c.k for c in search.cands.values()})
         raise InfeasiblePlanError(
             f"adaptive: no chunking of this step fits the memory budgets {_fmt_budgets(budgets)} (tried "
-            f"K = {sorted({c[1] for c in cands})} slices of the longest, {_describe_longest(lens)}); "
-            f"the tightest attempt: {last_error}"
-        ) from last_error
-    best_time, _, best, (k, ch, cuts, slicing) = scored[0]
+            f"K = {tried} slices of the longest, {_describe_longest(lens)}); the closest attempt: {errors[0]}"
+        ) from errors[0]
+    cand, best = found
     used = "greedy" if any(any(row) for row in best.recompute) else "none"
     if solver == "ilp" and used == "greedy":
         try:
             ilp = assign_recompute(dataclasses.replace(best, predicted=None), cost, budgets, method="ilp",
                                    time_limit_s=time_limit_s)
-            if ilp.predicted.step_time_s < best_time:
+            if ilp.predicted.step_time_s < best.predicted.step_time_s:
                 best, used = ilp, "ilp"
         except InfeasiblePlanError:  # pragma: no cover - greedy found a plan, so one exists
             pass
-    return _finish(best, best.predicted, budgets, _knobs_of(k, ch, cuts, slicing, {"recompute_solver": used}))
+    return _finish(best, best.predicted, budgets, _knobs_of(cand, {"recompute_solver": used}))
 
 
 def _plan_fixed_recompute(strategy, lens, batch, cost, layout, budgets, token_cap, knobs) -> Plan:
-    cands = _adaptive_candidates(strategy, batch, cost, layout, budgets, token_cap, knobs)
-    best: tuple[float, int, Plan, SimResult, dict] | None = None
-    lowest: tuple[float, int, Any] | None = None  # the least over-budget attempt, for the error
-    for est, k, ch, cuts, slicing in cands:
-        plan = _plan(strategy, ch, layout, cuts)
+    search = _Search(strategy, batch, cost, layout, budgets, token_cap, knobs)
+    full = max(layout.num_stage_layers(s) for s in range(layout.num_stages))
+    closest: list[tuple[float, _Cand, SimResult]] = []  # the least over-budget attempt, for the error
+
+    def evaluate(c: _Cand) -> Plan | None:
+        plan = _plan(strategy, c.chunking, layout, c.cuts)
         if strategy == "full-recompute":
-            plan = uniform_recompute(plan, max(layout.num_stage_layers(s) for s in range(layout.num_stages)))
+            plan = uniform_recompute(plan, full)
         sim = simulate(plan, cost)
-        if not _fits(sim, budgets):
-            over = max(pk / b for pk, b in zip(sim.peak_memory_bytes, budgets) if b)
-            if lowest is None or over < lowest[0]:
-                lowest = (over, k, sim)
-            continue
-        if best is None or sim.step_time_s < best[0]:
-            best = (sim.step_time_s, k, plan, sim, _knobs_of(k, ch, cuts, slicing, {}))
-    if best is None:
-        over, k, sim = lowest
+        if _fits(sim, budgets):
+            return plan.with_predicted(sim.stats())
+        closest.append((max(pk / b for pk, b in zip(sim.peak_memory_bytes, budgets) if b), c, sim))
+        return None
+
+    # every candidate is simulated: there is no recompute to assign, only a fit to check
+    found = _search(search, evaluate, 1, math.inf)
+    if found is None:
+        _, c, sim = min(closest, key=lambda x: (x[0], x[1].order()))
         s = max(range(layout.num_stages), key=lambda q: sim.peak_memory_bytes[q] / budgets[q] if budgets[q] else 0)
         raise InfeasiblePlanError(
             f"{strategy}: no chunking fits stage {s}'s memory budget of {budgets[s]} bytes "
-            f"({budgets[s] / _GIB:.2f} GiB); the closest (K={k} slices of the longest, {_describe_longest(lens)}) "
+            f"({budgets[s] / _GIB:.2f} GiB); the closest (K={c.k} slices of the longest, {_describe_longest(lens)}) "
             f"peaks at {sim.peak_memory_bytes[s]} bytes ({sim.peak_memory_bytes[s] / _GIB:.2f} GiB). Raise "
             "memory_budget_bytes (concertina_memory_budget), lower max_tokens_per_chunk, or use the 'adaptive' strategy"
         )
-    _, _, plan, sim, kn = best
-    return _finish(plan, sim.stats(), budgets, kn)
+    cand, plan = found
+    return _finish(plan, plan.predicted, budgets, _knobs_of(cand, {}))
 
 
 # ---------------------------------------------------------------------------------- baselines
