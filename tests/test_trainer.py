@@ -8,6 +8,7 @@ split / hybrid chunks, K/V carried across slices and the one-step-per-optimizer-
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -119,6 +120,12 @@ def test_resume_from_checkpoint_continues_the_same_trajectory(tmp_path):
         args=ConcertinaTrainingArguments(output_dir=str(tmp_path / "b"), concertina_overlap_planning=False, **base))
     resumed.train(resume_from_checkpoint=str(ckpt))
     assert resumed.state.global_step == 4
+    # a trainer whose layers are split differently refuses the checkpoint, saying what to do
+    two = ConcertinaTrainer(model=_model(), train_dataset=_dataset(),
+                            args=ConcertinaTrainingArguments(output_dir=str(tmp_path / "c"), **base))
+    two.layout = dataclasses.replace(two.layout, layer_ranges=((0, 3), (3, 4)))
+    with pytest.raises(ValueError, match="layout_cost_model.json"):
+        two._load_from_checkpoint(str(ckpt))
     assert len(_losses(resumed)) == 4  # the first two come from the checkpoint's trainer state
     assert _losses(resumed) == pytest.approx(_losses(full), abs=1e-6)
     a, b = full.model.state_dict(), resumed.model.state_dict()

@@ -94,11 +94,16 @@ def _worker_pp2(out: str) -> None:
         info["cost_model"] = trainer.replan.cost_model.to_dict()
         trainer.save_model(os.path.join(d, "final"))
 
+        # a new profile would split the layers differently: the checkpoint given in the arguments
+        # restores its layout at construction (Llama: the analytic layout is reproducible anyway)
+        ckpt = os.path.join(d, "checkpoint-2")
         resumed = ConcertinaTrainer(
             model=_model(arch), train_dataset=_dataset(), data_collator=collator,
             args=ConcertinaTrainingArguments(output_dir=d + "-resumed", save_strategy="no",
-                                             concertina_max_tokens_per_chunk=16, **planning, **COMMON))
-        resumed.train(resume_from_checkpoint=os.path.join(d, "checkpoint-2"))
+                                             concertina_max_tokens_per_chunk=16, **planning, **COMMON,
+                                             resume_from_checkpoint=ckpt if arch == "qwen2" else None))
+        assert resumed.layout == trainer.layout
+        resumed.train(resume_from_checkpoint=ckpt)
         resumed.save_model(os.path.join(d, "resumed"))
         info["resumed_losses"] = _summary(resumed)["losses"]
         with open(os.path.join(d, f"info-rank{trainer.topology.rank}.json"), "w") as fh:
@@ -201,7 +206,8 @@ def test_pp2_matches_trainer_for_llama_and_qwen2(tmp_path):
         # checkpoints: standard model files plus one optimizer shard per stage; resume = same end
         names = set(os.listdir(tmp_path / arch / "checkpoint-2"))
         assert {"model.safetensors", "config.json", "optimizer.stage0-of-2.pt", "optimizer.stage1-of-2.pt",
-                "scheduler.pt", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth"} <= names
+                "scheduler.pt", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth", "concertina.json",
+                "layout_cost_model.json"} <= names
         assert info["resumed_losses"] == pytest.approx(info["losses"], abs=1e-6)
         worst, name = _worst_rel(_load(tmp_path / arch / "final"), _load(tmp_path / arch / "resumed"))
         assert worst < 1e-6, (arch, "resume", name, worst)

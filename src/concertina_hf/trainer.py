@@ -30,7 +30,11 @@ How a step runs (the Trainer's loop is kept; these are its override points in tr
    main process (``PipelineWrapper.full_state_dict``) and written by ``save_pretrained``, so
    ``AutoModelForCausalLM.from_pretrained`` loads them without this package. Each stage writes
    its own optimizer state shard (``optimizer.stage{s}-of-{p}.pt``); resuming loads the stage's
-   weights from the full checkpoint and its own shard.
+   weights from the full checkpoint and its own shard. ``concertina.json`` and
+   ``layout_cost_model.json`` record the stage layout and the cost models: a resumed run must
+   split the layers the same way (with ``resume_from_checkpoint`` in the arguments the trainer
+   takes the layout from the checkpoint at construction; a profiled cost model is not
+   reproducible otherwise).
 
 Ranks: ``rank = replica * pipeline_size + stage``. Costs per step beyond the pipeline itself: a
 plan broadcast and a statistics gather over the pipeline group (a few KB), one gradient
@@ -67,6 +71,7 @@ SCHEDULER_NAME = "scheduler.pt"
 # gradient all-reduce bucket: 32M elements (128 MB of float32) of extra memory at most
 _BUCKET_ELEMENTS = 32 * 2**20
 PLAN_META_NAME = "concertina.json"
+LAYOUT_COST_NAME = "layout_cost_model.json"
 
 
 def _optimizer_name(stage: int, num_stages: int) -> str:
@@ -217,10 +222,15 @@ class ConcertinaTrainer(Trainer):
 
         dtype_bytes = next(model.parameters()).element_size()
         self._device_memory = _device_memory_bytes(args.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        self.cost_model = ReplanCallback.initial_cost_model(args, model.config, args.device, dtype_bytes,
-                                                            self._device_memory)
-        if args.concertina_cost_model == "profiled" and not args.concertina_cost_model_path:
-            self.cost_model = self._profile_once(model, args)
+        resume_layout = _checkpoint_layout_cost(args.resume_from_checkpoint)
+        if resume_layout is not None:
+            # resuming: the stage layout must be the checkpoint's, so start from its cost model
+            self.cost_model = resume_layout
+        else:
+            self.cost_model = ReplanCallback.initial_cost_model(args, model.config, args.device, dtype_bytes,
+                                                                self._device_memory)
+            if args.concertina_cost_model == "profiled" and not args.concertina_cost_model_path:
+                self.cost_model = self._profile_once(model, args)
         self.layout = ReplanCallback.layout_for(self.cost_model, self.topology.pipeline_size)
         # The saved config must name an attention every HF install has, not the runtime's backend.
         self._saved_attn_implementation = getattr(model.config, "_attn_implementation", None) or "sdpa"
@@ -574,6 +584,9 @@ class ConcertinaTrainer(Trainer):
                        "data_parallel_size": self.topology.data_parallel_size,
                        "layer_ranges": [list(r) for r in self.layout.layer_ranges],
                        "cost_model": self.replan.cost_model.to_dict()}, fh, indent=1)
+        # the cost model the stage layout was made from: concertina_cost_model_path for a rerun
+        with open(os.path.join(output_dir, LAYOUT_COST_NAME), "w") as fh:
+            json.dump(self.cost_model.to_dict(), fh, indent=1)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Each stage of replica 0 writes its optimizer shard; the main process the scheduler."""
@@ -607,6 +620,25 @@ class ConcertinaTrainer(Trainer):
                 self.lr_scheduler.load_state_dict(torch.load(sched, map_location="cpu", weights_only=True))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """This stage's weights from the full checkpoint; the planner continues with the cost model
+        the checkpoint was planning with. The stage layout must be the checkpoint's."""
+        from .planning import CostModel
+
+        meta_path = os.path.join(resume_from_checkpoint, PLAN_META_NAME)
+        if os.path.isfile(meta_path):
+            with open(meta_path) as fh:
+                meta = json.load(fh)
+            ranges = [list(r) for r in self.layout.layer_ranges]
+            if meta.get("layer_ranges") != ranges:
+                raise ValueError(
+                    f"{resume_from_checkpoint} was trained with the decoder layers split {meta.get('layer_ranges')} "
+                    f"over the stages, this trainer splits them {ranges}. Build the trainer with "
+                    f"resume_from_checkpoint={resume_from_checkpoint!r} in its ConcertinaTrainingArguments (the "
+                    "layout is then restored at construction), or with concertina_cost_model_path="
+                    f"{os.path.join(resume_from_checkpoint, LAYOUT_COST_NAME)!r}, and the same concertina_pipeline_size"
+                )
+            if "cost_model" in meta:
+                self.replan.cost_model = CostModel.from_dict(meta["cost_model"])
         self._load_stage_weights(resume_from_checkpoint)
 
     def _load_best_model(self) -> None:
@@ -641,6 +673,16 @@ class ConcertinaTrainer(Trainer):
             raise ValueError(f"{checkpoint_dir} lacks {len(missing)} parameters of stage {self.topology.stage}, "
                              f"e.g. {missing[:3]}")
         self.model.load_state_dict(loaded, strict=False)
+
+
+def _checkpoint_layout_cost(checkpoint: str | None):
+    """The cost model a checkpoint's stage layout was made from (``None`` if not a concertina one)."""
+    from .planning import CostModel
+
+    if not isinstance(checkpoint, str) or not os.path.isfile(os.path.join(checkpoint, LAYOUT_COST_NAME)):
+        return None
+    with open(os.path.join(checkpoint, LAYOUT_COST_NAME)) as fh:
+        return CostModel.from_dict(json.load(fh))
 
 
 def _is_buffer_only(model: nn.Module, key: str) -> bool:
