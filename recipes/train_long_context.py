@@ -217,6 +217,9 @@ def main(argv: list[str] | None = None) -> dict:
                 json.dump([list(map(int, r["input_ids"])) for r in eval_ds], fh)
         logger.info("losses %s -> eval loss %s; checkpoint in %s", [round(x, 3) for x in info["losses"]],
                     info["eval_loss"], args.output_dir)
+    # finish the trackers and tear the process group down before exit (a live gloo group can abort
+    # the interpreter's shutdown)
+    trainer.end()
     return info
 
 

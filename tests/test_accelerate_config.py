@@ -72,6 +72,8 @@ with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as fh:
     json.dump({"env_world": int(os.environ["WORLD_SIZE"]), "args_world": args.world_size,
                "dist_world": dist.get_world_size(), "use_cpu": args.use_cpu, "sum": float(t.item()),
                "parallel_mode": str(args.parallel_mode)}, fh)
+dist.barrier()
+dist.destroy_process_group()
 '''
 
 

@@ -108,6 +108,7 @@ def _worker_pp2(out: str) -> None:
         info["resumed_losses"] = _summary(resumed)["losses"]
         with open(os.path.join(d, f"info-rank{trainer.topology.rank}.json"), "w") as fh:
             json.dump(info, fh)
+    resumed.end()  # destroys the process group: a live gloo group can abort the interpreter's exit
 
 
 def _worker_dp2(out: str) -> None:
@@ -125,6 +126,7 @@ def _worker_dp2(out: str) -> None:
     info["topology"] = [t.rank, t.stage, t.replica]
     with open(os.path.join(out, f"info-rank{t.rank}.json"), "w") as fh:
         json.dump(info, fh)
+    trainer.end()
 
 
 # ---------------------------------------------------------------------------------- launching

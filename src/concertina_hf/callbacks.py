@@ -367,6 +367,12 @@ class ReplanCallback(TrainerCallback):
                 pass
         return path
 
+    def close(self) -> None:
+        """Stop the planning thread (after the plan it is making, if any)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
     def on_train_end(self, args, state, control, **kwargs):
         if self._pool is not None:
             self._pool.shutdown(wait=True)

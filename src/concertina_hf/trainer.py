@@ -552,6 +552,14 @@ class ConcertinaTrainer(Trainer):
             result = self.executor.run_step(plan, seqs, labels, train=False)
         return torch.tensor(float(result.loss), device=self.args.device), None, None
 
+    def end(self) -> None:
+        """Finish the trackers and destroy the process group, once every rank got here (call it
+        last: a gloo group left alive can abort the interpreter's shutdown)."""
+        self.replan.close()
+        if self.topology.world_size > 1 and dist.is_initialized():
+            dist.barrier()
+        super().end()
+
     # ------------------------------------------------------------------ saving and loading
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write a standard HF model directory of the FULL model (collective over the pipeline)."""
