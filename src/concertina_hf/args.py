@@ -180,7 +180,8 @@ class ConcertinaTrainingArguments(TrainingArguments):
     concertina_overlap_planning: bool = field(
         default=True,
         metadata={"help": "Plan the next step in a background thread while the current step runs (the "
-                          "dataloader reads one step ahead). Planning is pure Python and deterministic."},
+                          "dataloader reads one step ahead). Pipeline rank 0 plans and broadcasts the plan, so "
+                          "every stage runs the same one."},
     )
     concertina_gantt_steps: int = field(
         default=0,
