@@ -85,3 +85,12 @@ def test_parallel_sizes_and_budgets():
 def test_strategies_are_the_planners(tmp_path):
     for s in STRATEGIES:
         assert _args(tmp_path, concertina_strategy=s).concertina_strategy == s
+
+
+def test_doctests_pass():
+    import doctest
+
+    from concertina_hf import args as args_module
+
+    result = doctest.testmod(args_module)
+    assert result.attempted >= 1 and result.failed == 0
