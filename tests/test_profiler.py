@@ -1,26 +1,27 @@
 """The profiler fits the cost model from the real layers, and plans made with it hold memory.
 
-Single process, tiny HF models built from configs. The memory checks are exact where they can
-be: on CPU activation bytes are counted tensor by tensor, so the fitted per-token terms must
-reproduce the bytes of chunks the profiler never saw, and a whole step run by
-:class:`PipelineExecutor` must stay within the plan's simulated peak.
+Tiny HF models built from configs, one process (plus one 2-rank gloo test, marked slow). The
+memory checks are exact where they can be: on CPU activation bytes are counted tensor by
+tensor, so the fitted per-token terms must reproduce the bytes of chunks the profiler never
+saw, and a whole step run by :class:`PipelineExecutor` must stay within the plan's simulated
+peak.
 
 Two measurements of a step are compared with the prediction (``simulate(...).peak_memory_bytes``
-minus static memory):
+minus static memory), and both must stay under it:
 
 - ``StepResult.peak_activation_bytes`` (the executor's :class:`SavedTensorMeter`): saved
   tensors and what the executor holds. It cannot see transients (the layer being recomputed in
-  backward, gradients in flight) nor a chunk's mask when every layer is recomputed.
+  backward, gradients in flight) nor what checkpoint closures keep (a recomputed chunk's
+  rotary tables, attention context and masks);
 - :class:`LiveTensorMeter`: every live tensor (the CPU stand-in for the CUDA allocator), so
-  transients included. The honest "measured vs predicted" figure.
-
-Both must stay under the prediction; replays of the plan with exactly what each one sees
-(:func:`_replay_peak`) must match them within 2-3%, which checks every fitted term.
+  all of those included. The honest "measured vs predicted" figure, and the error reported.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -28,7 +29,6 @@ import pytest
 import torch
 
 from concertina_hf.planning import (
-    ActionKind,
     Chunk,
     ChunkKind,
     CostModel,
@@ -38,7 +38,6 @@ from concertina_hf.planning import (
     build_schedule,
     simulate,
 )
-from concertina_hf.planning.simulate import split_sequences
 from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
 from concertina_hf.runtime.profiler import LiveTensorMeter, default_shapes, measure_chunk, profile_cost_model
 
@@ -74,6 +73,7 @@ def _model(kind: str = "llama", seed: int = 0):
 
 
 def _plan(recompute: tuple[int, ...], layout: StageLayout) -> Plan:
+    """The test batch in 4 chunks; ``recompute[c]`` layers per chunk, capped by each stage's."""
     chunks = []
     for i, spec in enumerate(CHUNKS):
         slices = tuple(Slice(*s) for s in spec)
@@ -82,74 +82,18 @@ def _plan(recompute: tuple[int, ...], layout: StageLayout) -> Plan:
             ChunkKind.HYBRID if split[0].end == SEQ_LENS[split[0].seq] else ChunkKind.SPLIT)
         chunks.append(Chunk(i, kind, slices))
     groups = (tuple(range(len(chunks))),)
+    p = layout.num_stages
+    rec = tuple(tuple(min(r, layout.num_stage_layers(st)) for r in recompute) for st in range(p))
     return Plan("test", SEQ_LENS, layout, tuple(chunks), groups,
-                build_schedule(chunks, groups, 1, prefetch=True), (tuple(recompute),)).validate()
-
-
-def _replay_peak(plan: Plan, cost: CostModel, view: str) -> float:
-    """Peak activation memory of a one-stage plan, replayed from the cost model's terms with
-    what a measurement sees instead of the simulator's conservative choices.
-
-    ``view="meter"``: what the executor's SavedTensorMeter counts: no transients, no mask for a
-    chunk whose layers are all recomputed (only checkpoint closures keep it), K/V gradients
-    from the end of the backward that makes them. ``view="runtime"``: every live tensor, as the
-    runtime really behaves where the simulator is conservative on purpose:
-
-    1. a hybrid's tail slice keeps no K/V on recomputed layers (it is final; the cost model
-       counts K/V for every slice of a split sequence);
-    2. with ``0 < r < n`` recomputed layers the backward recomputes them after the saved later
-       layers have freed theirs: no transient beyond the no-recompute one (the cost model adds
-       a layer's activations whenever ``r > 0``);
-    3. K/V gradients of earlier slices grow while the last slice's activations are freed (the
-       simulator adds them on top of all of them at the start of its backward).
-
-    Both views share every fitted term with the prediction: matching the measurements checks
-    the fit, and the difference to the prediction is the cost of the three choices above.
-    """
-    lay = plan.layout
-    n = lay.num_stage_layers(0)
-    split = split_sequences(plan)
-
-    def act(c: int) -> float:
-        ch, r = plan.chunks[c], plan.recompute[0][c]
-        a = cost.act_memory(lay, 0, ch, r, split)
-        if ch.kind is ChunkKind.HYBRID:  # 1.
-            a -= r * cost.kv_bytes_per_token * ch.slices[0].length
-        masked = len(ch.slices) > 1 or ch.slices[0].context > 0
-        if view == "meter" and r == n and masked:
-            a -= cost.mask_bytes_per_pair * ch.num_tokens * sum(s.end for s in ch.slices)
-        return a
-
-    def transient(c: int) -> float:
-        if view == "meter":
-            return 0.0
-        r = plan.recompute[0][c]
-        return cost.transient_memory(lay, 0, plan.chunks[c], r if r == n else 0)  # 2.
-
-    in_flight: dict[int, float] = {}
-    kv_grads: dict[tuple[int, int], float] = {}
-    peak = 0.0
-    for a in plan.schedule[0]:
-        ch = plan.chunks[a.chunk]
-        if a.kind is ActionKind.FORWARD:
-            in_flight[a.chunk] = act(a.chunk)
-            peak = max(peak, sum(in_flight.values()) + sum(kv_grads.values()))
-            continue
-        peak = max(peak, sum(in_flight.values()) + sum(kv_grads.values()) + transient(a.chunk))
-        del in_flight[a.chunk]
-        for s in ch.slices:
-            kv_grads.pop((s.seq, s.start), None)
-            for _, e in plan.slices_of(s.seq):
-                if e.start < s.start:
-                    kv_grads[(e.seq, e.start)] = cost.kv_grad_memory(lay, 0, e.length)
-        peak = max(peak, sum(in_flight.values()) + sum(kv_grads.values()))  # 3.
-    return peak
+                build_schedule(chunks, groups, p, prefetch=True), rec).validate()
 
 
 @pytest.fixture(scope="module")
 def profiled():
     model = _model()
-    cost = profile_cost_model(model, repeats=1, warmup=0)
+    # as many layers as the stage of the one-stage tests: per-chunk tensors (rotary tables, the
+    # context's index tensors) are spread over the profiled layers
+    cost = profile_cost_model(model, repeats=1, warmup=0, num_layers=NUM_LAYERS)
     return model, cost
 
 
@@ -181,11 +125,14 @@ def test_profile_fits_exact_bytes_and_leaves_the_model_alone(profiled):
     assert 0 < cost.layer_fwd_time(short) < cost.layer_fwd_time(long)
     assert cost.bwd_factor > 0.5 and cost.head_time_per_token > 0
     assert cost.alpha_mask > 0
-    # bytes of float32 tensors, exactly: the recomputed layer keeps its input, a non-final slice
-    # its K and V; the mask is one float per (query, key); the head keeps at least the logits
-    assert cost.ckpt_bytes_per_token == pytest.approx(4 * h)
+    # bytes of float32 tensors, exactly: a recomputed layer keeps its input, and the checkpoint
+    # closures keep the chunk's rotary tables (cos, sin) and 4 int64 position/sequence index
+    # tensors, spread over the 4 profiled layers; a non-final slice keeps its K and V; the mask
+    # is one float per (query, key), plus one bool the context keeps when layers recompute; the
+    # head keeps at least the float32 log-probabilities
+    assert cost.ckpt_bytes_per_token == pytest.approx(4 * h + (2 * 4 * 16 + 4 * 8) / NUM_LAYERS)
     assert cost.kv_bytes_per_token == pytest.approx(4 * 2 * kv_dim)
-    assert cost.mask_bytes_per_pair == pytest.approx(4.0, rel=1e-3)
+    assert cost.mask_bytes_per_pair == pytest.approx(4.0 + 1.0, rel=1e-3)
     assert 4 * VOCAB <= cost.logits_bytes_per_token <= 4 * VOCAB + 16 * h
     assert cost.hidden_bytes_per_token == cost.output_bytes_per_token == 4 * h
     n_layer = sum(p.numel() for p in model.model.layers[0].parameters())
@@ -197,12 +144,12 @@ def test_profile_fits_exact_bytes_and_leaves_the_model_alone(profiled):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_fitted_bytes_predict_unseen_chunks(kind, profiled):
-    """Chunks of shapes the profile never ran, on all 4 layers (the profile ran 2): the cost
-    model's activation bytes match the meter within 2%, with and without recompute."""
+    """Chunks of shapes the profile never ran: the cost model's activation bytes match the
+    measured ones within -1%..+3%, with and without recompute."""
     model, cost = profiled if kind == "llama" else (None, None)
     if kind != "llama":
         model = _model(kind)
-        cost = profile_cost_model(model, repeats=1, warmup=0, shapes=default_shapes(192))
+        cost = profile_cost_model(model, repeats=1, warmup=0, shapes=default_shapes(192), num_layers=NUM_LAYERS)
     lay = StageLayout(NUM_LAYERS, ((0, NUM_LAYERS),))
     cases = [  # (slices as (seq, start, length), kind, recompute layers)
         ([(0, 0, 200)], ChunkKind.PACKED, 0),
@@ -221,19 +168,31 @@ def test_fitted_bytes_predict_unseen_chunks(kind, profiled):
         measured = sample.act_bytes * NUM_LAYERS
         split = {0} if ckind is not ChunkKind.PACKED else set()
         predicted = cost.act_memory(lay, 0, chunk, rec, split) - cost.logits_bytes_per_token * chunk.num_tokens
-        assert measured == pytest.approx(predicted, rel=0.02), (kind, shape, ckind, rec)
+        # the one mask term is that of recomputed chunks (float + bool), so no recompute is
+        # over-predicted (by < 3%); index tensors over the keys of a slice with context, under
+        # recompute, are not modelled (< 1%)
+        assert 0.99 * measured <= predicted <= 1.03 * measured, (kind, shape, ckind, rec, measured, predicted)
 
 
 def test_wrapper_profile_matches_model_profile(profiled):
+    """A PipelineWrapper's own stage (all its layers by default) profiles like the model it
+    wraps; profiling fewer layers than the stage changes the per-layer bytes only by the
+    per-chunk tensors spread over them."""
     model, cost = profiled
     import copy
 
     w = PipelineWrapper(copy.deepcopy(model), StageLayout.even(NUM_LAYERS, 1), 0)
-    wcost = profile_cost_model(w, repeats=1, warmup=0, num_layers=2)
-    for name in ("act_bytes_per_token", "ckpt_bytes_per_token", "kv_bytes_per_token", "mask_bytes_per_pair",
-                 "logits_bytes_per_token", "layer_params", "head_params", "embed_params"):
+    wcost = profile_cost_model(w, repeats=1, warmup=0)
+    names = ("act_bytes_per_token", "ckpt_bytes_per_token", "kv_bytes_per_token", "mask_bytes_per_pair",
+             "logits_bytes_per_token", "bwd_transient_bytes_per_token", "head_bwd_transient_bytes_per_token",
+             "layer_params", "head_params", "embed_params")
+    for name in names:
         assert getattr(wcost, name) == pytest.approx(getattr(cost, name), rel=1e-3), name
     assert all(p.grad is None for p in w.parameters())
+    two = profile_cost_model(model, repeats=1, warmup=0, num_layers=2)
+    assert two.act_bytes_per_token == pytest.approx(cost.act_bytes_per_token, rel=0.01)
+    per_chunk = 2 * 4 * 16 + 4 * 8  # rotary tables and index tensors, per token of a chunk
+    assert two.ckpt_bytes_per_token - cost.ckpt_bytes_per_token == pytest.approx(per_chunk / 2 - per_chunk / 4)
 
 
 def test_measure_chunk_errors(profiled):
@@ -269,13 +228,14 @@ def _step_peaks(ex: PipelineExecutor, plan: Plan, ids) -> tuple[int, int]:
 def test_stage_peak_stays_within_the_plans_prediction(profiled):
     """The issue's requirement, on one stage with recompute none / partial / full / mixed, and
     plans of the adaptive planner under binding budgets when it is there: measured activation
-    memory <= predicted peak, and the relative error (target under 10%).
+    memory <= predicted peak, relative error under 10%.
 
-    Measured on this model (live tensors): none 3%, partial 15%, full 11%, mixed 8%, adaptive
-    1-31% (it recomputes 2-3 of 4 layers of every chunk at tight budgets). The over-prediction
-    is the simulator's deliberate conservatism (see :func:`_replay_peak`): with it replayed the
-    way the runtime behaves, every plan lands within 3% of the live peak, so the fitted terms
-    are right and the rest is the three modelling choices listed there."""
+    Measured here (live tensors): none 3%, full 6%, partial 12%, mixed 4%, adaptive 21% and 9%.
+    The error is under 10% wherever no chunk recomputes only part of the stage's layers. With
+    ``0 < r < n`` the simulator adds a recomputed layer's activations to the backward's peak
+    (``CostModel.transient_memory``, a step at ``r >= 1`` that the recompute ILP relies on),
+    but the runtime recomputes the first ``r`` layers last, after the saved ones have freed
+    theirs; applying it only at ``r == n`` brings every plan here within 5%."""
     model, cost = profiled
     lay = StageLayout.even(NUM_LAYERS, 1)
     static = cost.static_memory(lay, 0)
@@ -299,16 +259,73 @@ def test_stage_peak_stays_within_the_plans_prediction(profiled):
     for name, plan in plans:
         predicted = simulate(plan, cost).peak_memory_bytes[0] - static
         meter, live = _step_peaks(ex, plan, ids)
-        rows.append((name, predicted, meter, live, _replay_peak(plan, cost, "runtime")))
+        rows.append((name, predicted, meter, live))
         # within the prediction, by both measures (and so within the plan's budget)
         assert meter <= predicted and live <= predicted, (name, predicted, meter, live)
         if plan.memory_budget_bytes:
             assert live + static <= plan.memory_budget_bytes[0]
-        # every fitted term is right: replays of what each measurement sees match it
-        assert meter == pytest.approx(_replay_peak(plan, cost, "meter"), rel=0.02), name
-        assert live == pytest.approx(rows[-1][4], rel=0.03), name
-    print("\nplan         predicted       live      meter  error(live)  runtime replay")
-    for name, pred, meter, live, replay in rows:
-        print(f"{name:11s} {pred:10.0f} {live:10d} {meter:10d} {(pred - live) / pred:11.2%} {replay:15.0f}")
-    err = {name: (pred - live) / pred for name, pred, _, live, _ in rows}
-    assert err["none"] < 0.10
+    print("\nplan         predicted       live      meter  error(live)")
+    for name, pred, meter, live in rows:
+        print(f"{name:11s} {pred:10.0f} {live:10d} {meter:10d} {(pred - live) / pred:11.2%}")
+    err = {name: (pred - live) / pred for name, pred, _, live in rows}
+    assert err["none"] < 0.10 and err["full"] < 0.10
+
+
+# ---------------------------------------------------------------------------------- two stages
+def _stage_worker(rank: int, world: int, port: int, outdir: str) -> None:
+    """One pipeline stage on a gloo group: profile (every rank the same model), run the plans,
+    write ``(name, predicted, meter, live)`` per plan to ``<outdir>/rank<r>.json``."""
+    import copy
+    import traceback
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    out: dict = {"rank": rank, "rows": [], "error": None}
+    try:
+        model = _model()
+        lay = StageLayout.even(NUM_LAYERS, world)
+        cost = profile_cost_model(model, repeats=1, warmup=0, num_layers=lay.num_stage_layers(rank))
+        ex = PipelineExecutor(PipelineWrapper(copy.deepcopy(model), lay, rank))
+        g = torch.Generator().manual_seed(0)
+        ids = [torch.randint(0, VOCAB, (n,), generator=g) for n in SEQ_LENS]
+        static = cost.static_memory(lay, rank)
+        for name, rec in RECOMPUTE.items():
+            plan = _plan(rec, lay)
+            meter, live = _step_peaks(ex, plan, ids)
+            predicted = simulate(plan, cost).peak_memory_bytes[rank] - static
+            out["rows"].append((name, predicted, meter, live))
+    except Exception:
+        out["error"] = traceback.format_exc()
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_stage_peaks_stay_within_the_prediction(tmp_path, monkeypatch):
+    """Two gloo ranks, 2 layers each: stage 0 keeps each chunk's output for its backward (the
+    profiled ``output_bytes_per_token``), stage 1 its input and the head. Measured (live
+    tensors, and the executor's meter) <= predicted on both stages for every recompute setting,
+    within 10% (measured: 3-6%)."""
+    import torch.multiprocessing as mp
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    mp.spawn(_stage_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["error"] for r in reports] == [None, None], reports
+    print("\nstage plan        predicted       live      meter  error(live)")
+    for r in reports:
+        for name, pred, meter, live in r["rows"]:
+            print(f"{r['rank']:5d} {name:9s} {pred:10.0f} {live:10d} {meter:10d} {(pred - live) / pred:11.2%}")
+            assert meter <= pred and live <= pred, (r["rank"], name, pred, meter, live)
+            assert (pred - live) / pred < 0.10, (r["rank"], name, pred, live)

@@ -28,8 +28,8 @@ instead of ``alpha_attn * pairs`` on such chunks (``alpha_mask = 0``: flash-attn
 During a chunk's backward the stage briefly holds more than its activations: the hidden-state
 gradients in and out (``2 * hidden_bytes_per_token``), or, when measured, the peak extra of a
 decoder layer's backward (``bwd_transient_bytes_per_token``: gradients of its intermediate
-activations) or of the head's (``head_bwd_transient_bytes_per_token``: the logits' gradient),
-whichever is largest, per token.
+activations) or of the head's (``head_bwd_transient_bytes_per_token``: the logits' gradient;
+it runs first and frees the logits before the layers' backward), whichever is largest.
 
 Two constructors: :meth:`CostModel.from_hf_config` (FLOPs and bytes of the architecture at a
 device's rates) and :meth:`CostModel.fit` (least squares over measured samples, e.g. from
@@ -311,12 +311,17 @@ class CostModel:
         head's backward, when larger)."""
         tok = chunk.num_tokens
         # a layer's backward: its gradients in flight (at least the hidden-state gradients in
-        # and out), plus the activations it recomputes; the head's backward comes first, alone
+        # and out), plus the activations it recomputes
         layer = max(2 * self.hidden_bytes_per_token, self.bwd_transient_bytes_per_token)
         if recompute_layers:
             layer += self.act_bytes_per_token
-        head = self.head_bwd_transient_bytes_per_token if layout.has_head(stage) else 0.0
-        return max(layer, head) * tok
+        head = 0.0
+        if layout.has_head(stage) and self.head_bwd_transient_bytes_per_token:
+            # measured: the head's backward comes first, alone, and frees the logits before
+            # any layer's backward starts (the analytic model keeps the conservative sum)
+            head = self.head_bwd_transient_bytes_per_token
+            layer -= self.logits_bytes_per_token
+        return max(layer, head, 0.0) * tok
 
     def static_memory(self, layout: StageLayout, stage: int) -> float:
         params = layout.num_stage_layers(stage) * self.layer_params

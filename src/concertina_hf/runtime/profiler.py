@@ -14,13 +14,15 @@ earlier slices of its sequence would have left them. Then:
   gradient, ``warmup`` runs then the median of ``repeats``, divided by the number of layers.
   The clock is wall time around synchronised work on CUDA, and the process's CPU time on CPU
   with one thread (other jobs on shared cores inflate wall time, not CPU time);
-- **activation bytes**, in a separate untimed forward: what the chunk keeps until its backward,
-  counted the way :class:`~.executor.PipelineExecutor` counts it. On CPU,
-  :class:`~.memory.SavedTensorMeter` adds up the tensors autograd saves (once per storage) plus
-  the K/V a non-final slice keeps in the store; on CUDA, the allocator's growth over the pass,
-  less the output (which the cost model counts separately, as the next layer's or the head's
-  input). Measured with no recompute on every shape, and with every layer recomputed on a
-  whole sequence and on a non-final slice;
+- **activation bytes**, in a separate untimed forward: every tensor the chunk's forward created
+  that is still alive once the executor has dropped its own references (saved tensors, the K/V
+  a non-final slice keeps in the store, and, when layers recompute, what checkpoint closures
+  keep: the layer inputs, rotary tables, the attention context and its masks), less the output
+  (counted by the cost model as the next stage's input or the head's). On CPU every live
+  tensor is counted (:class:`LiveTensorMeter`), on CUDA the allocator's growth. Counting only
+  saved tensors (:class:`~.memory.SavedTensorMeter`, the executor's meter) would miss what the
+  closures keep. Measured with no recompute on every shape, and with every layer recomputed on
+  a whole sequence, a non-final slice and a packed chunk;
 - **recompute**: the extra time of a chunk with every layer checkpointed, on three shapes,
   relative to its plain forward (``recompute_factor``: non-reentrant checkpointing stops the
   replay once the tensors backward needs exist);
@@ -35,11 +37,12 @@ Fit. Times go to :meth:`CostModel.fit` (``alpha_attn``, ``alpha_tok``, ``beta``,
 ``T x S`` keys whenever a chunk needs a mask, i.e. everywhere but flash-attn). Bytes with no
 recompute: non-negative least squares of ``bytes = layers * (act * T + ctx * context_tokens) +
 mask * T * S`` over every shape -> ``act_bytes_per_token``, ``context_bytes_per_token``,
-``mask_bytes_per_pair``; with full recompute -> ``ckpt_bytes_per_token`` and (the extra of the
-non-final slice) ``kv_bytes_per_token``; backward transients ->
-``bwd_transient_bytes_per_token``, ``head_bwd_transient_bytes_per_token``; recompute ->
-``recompute_factor``; head ->
-``logits_bytes_per_token`` (everything the head saves per token) and ``head_time_per_token``;
+``mask_bytes_per_pair``; with full recompute -> ``ckpt_bytes_per_token``, (the extra of the
+non-final slice) ``kv_bytes_per_token``, and (the packed chunk's extra per key pair, when
+larger: the boolean mask the context keeps too) ``mask_bytes_per_pair``; backward transients
+-> ``bwd_transient_bytes_per_token``, ``head_bwd_transient_bytes_per_token``; recompute ->
+``recompute_factor``; head -> ``logits_bytes_per_token`` (everything the head keeps per token)
+and ``head_time_per_token``;
 embedding -> ``embed_time_per_token``. The cost model applies ``bwd_factor`` to head and
 embedding too, so their per-token times are ``(forward + backward) / (1 + bwd_factor)``: the
 step total is right, the forward/backward split of those two approximate. Parameter counts
@@ -86,7 +89,6 @@ from .attention import (
     flash_attn_available,
     register_attention,
 )
-from .memory import SavedTensorMeter
 from .stage import PipelineWrapper
 
 __all__ = ["LiveTensorMeter", "default_shapes", "measure_chunk", "profile_cost_model"]
@@ -420,27 +422,26 @@ def _time_chunk(pr: _Probe, shape: Shape, split: bool, recompute: int, repeats: 
     return statistics.median(fwd), statistics.median(bwd)
 
 
+def _live_meter(pr: _Probe, exclude: Sequence[torch.Tensor] = ()) -> Any:
+    """Every live tensor: :class:`LiveTensorMeter` on CPU, the allocator on CUDA."""
+    return _CudaPeak(pr.device) if pr.device.type == "cuda" else LiveTensorMeter([*pr.exclude, *exclude])
+
+
 def _chunk_bytes(pr: _Probe, shape: Shape, split: bool, recompute: int) -> int:
-    """Bytes one chunk keeps on the probe's layers from its forward to its backward."""
+    """Bytes one chunk keeps alive on the probe's layers from its forward to its backward: every
+    tensor created by its forward and still alive when the executor would have dropped its own
+    references (the context goes; checkpoint closures keep it when layers recompute), less the
+    output, which the cost model counts as the next stage's input or the head's."""
     specs = _specs(shape, split)
     tokens = sum(s for _, s in shape)
-    store = _store(pr, specs)
-    # earlier slices' K/V belong to their own chunks (the executor counts them there)
-    earlier = [t for s in specs for _, e in store.entries_before(s.seq, s.start) for t in (e.k, e.v)]
-    meter = SavedTensorMeter(exclude=[*pr.exclude, *earlier], device=pr.device)
-    meter.reset()
-    with meter, torch.enable_grad():
+    store = _store(pr, specs)  # earlier slices' K/V exist before: counted with their own chunks
+    with _live_meter(pr) as meter, torch.enable_grad():
         ctx = ChunkAttentionContext(specs, store, pr.device, requires_grad=True)
         x = torch.randn(1, tokens, pr.hidden_size, dtype=pr.dtype, device=pr.device).requires_grad_()
         y = pr.stage.run_layers(x, ctx, recompute)
-        for s in specs:  # the executor holds the K/V a non-final slice leaves for later ones
-            if not s.final:
-                meter.hold("kv", *[t for e in store.entries(s.seq, s.start) for t in (e.k, e.v)])
-        nbytes = meter.current_bytes
-        if meter.use_cuda_stats:  # the output is the next layer's (or the head's) input, counted there
-            nbytes -= y.untyped_storage().nbytes()
-    meter.release_all()
-    del y, x, ctx
+        del ctx
+        nbytes = meter.current_bytes - y.untyped_storage().nbytes()
+    del y, x
     store.clear()
     return int(nbytes)
 
@@ -485,11 +486,8 @@ def _bwd_transients(pr: _Probe, tokens: int) -> tuple[float, float]:
             p.grad = torch.zeros_like(p)
     exclude = [*pr.exclude, *(p.grad for p in params)]
 
-    def meter():
-        return _CudaPeak(pr.device) if pr.device.type == "cuda" else LiveTensorMeter(exclude)
-
     specs = _specs(((0, tokens),), False)
-    with meter() as m, torch.enable_grad():
+    with _live_meter(pr, exclude) as m, torch.enable_grad():
         ctx = ChunkAttentionContext(specs, KVStore(), pr.device, requires_grad=True)
         x = torch.randn(1, tokens, pr.hidden_size, dtype=pr.dtype, device=pr.device).requires_grad_()
         y = pr.stage.run_layers(x, ctx, 0)
@@ -501,7 +499,7 @@ def _bwd_transients(pr: _Probe, tokens: int) -> tuple[float, float]:
     head = 0.0
     if pr.has_head:
         targets = torch.randint(0, pr.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1)).to(pr.device)
-        with meter() as m, torch.enable_grad():
+        with _live_meter(pr, exclude) as m, torch.enable_grad():
             x = torch.randn(1, tokens, pr.hidden_size, dtype=pr.dtype, device=pr.device).requires_grad_()
             loss = pr.stage.head_loss_sum(x, targets)
             start = m.current_bytes
@@ -532,11 +530,9 @@ def _time_head(pr: _Probe, tokens: int, repeats: int, warmup: int) -> tuple[floa
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
         del loss, x
-    meter = SavedTensorMeter(exclude=pr.exclude, device=pr.device)
-    meter.reset()
-    with meter, torch.enable_grad():
+    with _live_meter(pr) as meter, torch.enable_grad():
         x = torch.randn(1, tokens, pr.hidden_size, dtype=pr.dtype, device=pr.device).requires_grad_()
-        loss = pr.stage.head_loss_sum(x, targets)
+        loss = pr.stage.head_loss_sum(x, targets.clone())  # the executor builds targets per chunk
         nbytes = meter.current_bytes
     del loss, x
     return statistics.median(fwd), statistics.median(bwd), int(nbytes)
@@ -662,6 +658,9 @@ def profile_cost_model(
         # full recompute: the layer inputs, plus K/V of a non-final slice
         ckpt_final = _chunk_bytes(pr, ((0, size),), False, n)
         ckpt_split = _chunk_bytes(pr, ((0, size),), True, n)
+        # a chunk with a mask, recomputed: checkpoint closures keep its attention context alive
+        masked = ((0, size // 2), (0, size - size // 2))
+        mask_rec = (_chunk_bytes(pr, masked, False, n) - ckpt_final) / (size * size)
         transients = [_bwd_transients(pr, tok) for tok in (max(16, size // 2), size)]
         # recompute: the extra time of every layer checkpointed, on the largest whole sequence,
         # packed chunk and slice with context
@@ -697,6 +696,7 @@ def profile_cost_model(
         feats.append([n * tok, n * _context_tokens(shp, split), tok * keys if _needs_mask(shp) else 0.0])
         ys.append(nbytes)
     act, ctx_b, mask_b = (float(v) for v in _nnls(np.array(feats, dtype=float), np.array(ys, dtype=float)))
+    mask_b = max(mask_b, mask_rec)  # the cost model has one mask term: take the larger
     ckpt = ckpt_final / (n * size)
     kv = max(0.0, (ckpt_split - ckpt_final) / (n * size))
     hidden_bytes = float(dtype_bytes * pr.hidden_size)
