@@ -11,7 +11,7 @@ runtime (SDPA attention on CPU).
    2 of the 4 layers.
 2. **Held-out chunks**: 12 shapes the fit never saw (packed, single slices with context as in a
    split sequence, hybrids). Each runs forward and backward through all 4 layers (one stage,
-   :func:`measure_chunk`, median of ``--repeats``) and is compared with the fitted model's
+   :func:`measure_chunk`, the minimum of ``--repeats`` CPU times) and is compared with the fitted model's
    ``4 * (1 + bwd_factor) * layer_fwd_time``; also with the analytic model
    (``CostModel.from_hf_config`` at ``DeviceSpec.cpu()`` rates), the planner's default before any
    profiling. Activation bytes are compared too (exact counts of saved tensors).
@@ -125,7 +125,7 @@ def _plans(m: int, layout: StageLayout) -> list[tuple[str, Plan]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--max-tokens", type=int, default=1024, help="largest chunk of the fit (and scale of held-out)")
-    ap.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (minimum)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--no-steps", action="store_true", help="skip the whole-step part")
     ap.add_argument("--out", type=pathlib.Path, default=RESULTS)
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             sim = simulate(plan, cost)
             steps.append({
                 "plan": name, "tokens": sum(plan.seq_lens), "chunks": plan.num_chunks,
-                "measured_s": statistics.median(walls), "predicted_s": sim.step_time_s,
+                "measured_s": min(walls), "predicted_s": sim.step_time_s,
                 "analytic_s": simulate(plan, analytic).step_time_s,
                 "live_peak_bytes": live.peak_bytes, "meter_peak_bytes": res.peak_activation_bytes,
                 "predicted_peak_bytes": sim.peak_memory_bytes[0] - static,
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{CONFIG['num_key_value_heads']} KV heads, intermediate {CONFIG['intermediate_size']}, vocab "
         f"{CONFIG['vocab_size']}, {NUM_LAYERS} layers, float32, CPU (SDPA). Fitted on `default_shapes({m})` "
         f"(16 shapes, 2 profiled layers); measured on held-out shapes through all {NUM_LAYERS} layers, "
-        f"forward + backward, median of {args.repeats} after {args.warmup} warm-up, CPU time of the "
+        f"forward + backward, minimum of {args.repeats} after {args.warmup} warm-up, CPU time of the "
         "process (one thread). Error = "
         "(predicted - measured) / measured. `analytic` is `CostModel.from_hf_config` at `DeviceSpec.cpu()` "
         "rates (the planner's default before profiling).",
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             "Memory: activation peak, every live tensor (`LiveTensorMeter`), against the simulated peak minus "
             "static memory; `meter` is the executor's own `StepResult.peak_activation_bytes` (saved tensors only).",
             "",
-            "Step time: CPU time of `run_step`, median of the repeats.",
+            "Step time: CPU time of `run_step`, minimum of the repeats.",
             "",
             "| recompute | measured s | predicted s | error | analytic s | analytic error | live peak MiB | "
             "meter peak MiB | predicted peak MiB | memory error |",

@@ -11,9 +11,10 @@ leaves of shape ``[1, kv_heads, C, head_dim]`` put in the :class:`~.attention.KV
 earlier slices of its sequence would have left them. Then:
 
 - **time**: forward (context construction included) and backward with a random output
-  gradient, ``warmup`` runs then the median of ``repeats``, divided by the number of layers.
-  The clock is wall time around synchronised work on CUDA, and the process's CPU time on CPU
-  with one thread (other jobs on shared cores inflate wall time, not CPU time);
+  gradient, ``warmup`` runs then ``repeats`` timed ones, divided by the number of layers. On
+  CUDA the median of wall times around synchronised work; on CPU with one thread the minimum
+  of the process's CPU times (other jobs on shared cores inflate wall time by preemption, and
+  CPU time only upwards, by contention);
 - **activation bytes**, in a separate untimed forward: every tensor the chunk's forward created
   that is still alive once the executor has dropped its own references (saved tensors, the K/V
   a non-final slice keeps in the store, and, when layers recompute, what checkpoint closures
@@ -363,12 +364,16 @@ def _sync(dev: torch.device) -> None:
 
 
 def _clock(dev: torch.device):
-    """The profiler's clock: wall time around synchronised CUDA work; on CPU with one thread,
-    the process's CPU time, which other jobs sharing the cores do not inflate (with several
-    threads, wall time: CPU time would add up the threads)."""
+    """The profiler's clock and how it summarises repeats.
+
+    CUDA: wall time around synchronised work, median. CPU with one thread: the process's CPU
+    time, which other jobs sharing the cores do not inflate by preemption, and the minimum,
+    since what they still add (cache and memory-bandwidth contention) only ever adds. CPU with
+    several threads: wall time (CPU time would add the threads up), median.
+    """
     if dev.type == "cpu" and torch.get_num_threads() == 1:
-        return time.process_time
-    return time.perf_counter
+        return time.process_time, min
+    return time.perf_counter, statistics.median
 
 
 def _specs(shape: Shape, split: bool) -> list[SliceSpec]:
@@ -395,8 +400,8 @@ def _store(pr: _Probe, specs: Sequence[SliceSpec]) -> KVStore:
 
 def _time_chunk(pr: _Probe, shape: Shape, split: bool, recompute: int, repeats: int,
                 warmup: int) -> tuple[float, float]:
-    """Median forward and backward seconds of the probe's layers on one chunk."""
-    clock = _clock(pr.device)
+    """Forward and backward seconds of the probe's layers on one chunk (see :func:`_clock`)."""
+    clock, summary = _clock(pr.device)
     specs = _specs(shape, split)
     tokens = sum(s for _, s in shape)
     fwd, bwd = [], []
@@ -419,7 +424,7 @@ def _time_chunk(pr: _Probe, shape: Shape, split: bool, recompute: int, repeats: 
             fwd.append(t1 - t0)
             bwd.append(t3 - t2)
         del y, x, grad, ctx, store
-    return statistics.median(fwd), statistics.median(bwd)
+    return summary(fwd), summary(bwd)
 
 
 def _live_meter(pr: _Probe, exclude: Sequence[torch.Tensor] = ()) -> Any:
@@ -512,7 +517,7 @@ def _bwd_transients(pr: _Probe, tokens: int) -> tuple[float, float]:
 
 def _time_head(pr: _Probe, tokens: int, repeats: int, warmup: int) -> tuple[float, float, int]:
     """Head (final norm, LM head, float32 CE): forward seconds, backward seconds, saved bytes."""
-    clock = _clock(pr.device)
+    clock, summary = _clock(pr.device)
     gen = torch.Generator().manual_seed(tokens)
     targets = torch.randint(0, pr.vocab_size, (tokens,), generator=gen).to(pr.device)
     fwd, bwd = [], []
@@ -535,12 +540,12 @@ def _time_head(pr: _Probe, tokens: int, repeats: int, warmup: int) -> tuple[floa
         loss = pr.stage.head_loss_sum(x, targets.clone())  # the executor builds targets per chunk
         nbytes = meter.current_bytes
     del loss, x
-    return statistics.median(fwd), statistics.median(bwd), int(nbytes)
+    return summary(fwd), summary(bwd), int(nbytes)
 
 
 def _time_embed(pr: _Probe, tokens: int, repeats: int, warmup: int) -> float:
     """Embedding forward + backward seconds."""
-    clock = _clock(pr.device)
+    clock, summary = _clock(pr.device)
     ids = torch.randint(0, pr.vocab_size, (tokens,), generator=torch.Generator().manual_seed(tokens)).to(pr.device)
     out = []
     for i in range(warmup + repeats):
@@ -553,7 +558,7 @@ def _time_embed(pr: _Probe, tokens: int, repeats: int, warmup: int) -> float:
         if i >= warmup:
             out.append(clock() - t0)
         del y, grad
-    return statistics.median(out)
+    return summary(out)
 
 
 def measure_chunk(model_or_wrapper: Any, shape: Sequence[Sequence[int]], *, split: bool = False,
@@ -567,8 +572,8 @@ def measure_chunk(model_or_wrapper: Any, shape: Sequence[Sequence[int]], *, spli
     ``model_or_wrapper``: an HF causal LM (``num_layers`` of its layers are copied, default 2)
     or a :class:`PipelineWrapper` (its own layers, default all of the stage).
 
-    Returns a :class:`ProfileSample` with forward and backward seconds **per layer** (median of
-    ``repeats`` after ``warmup``) and the activation bytes the chunk keeps until its backward
+    Returns a :class:`ProfileSample` with forward and backward seconds **per layer** (summary of
+    ``repeats`` after ``warmup``, see the module docstring) and the activation bytes the chunk keeps until its backward
     **per layer** (the chunk's total over the profiled layers, divided by their number; a
     chunk's mask is spread over its layers). ``repeats=0`` skips timing (times are 0).
     """
