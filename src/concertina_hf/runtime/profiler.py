@@ -76,6 +76,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -654,7 +655,7 @@ def profile_cost_model(
             mem_bytes.append(nbytes)
             say(f"{k + 1}/{len(shape_list)} {shp}: fwd {1e3 * f / n:.2f} ms, bwd {1e3 * b / n:.2f} ms per layer, "
                 f"{nbytes / n / 2**20:.2f} MiB per layer")
-        # a non-final slice with context keeps its own K/V besides the copy its attention saves
+        # non-final slices (with and without context): the K/V they keep for later slices
         longest = max((s for shp in shape_list for _, s in shp))
         size = max(16, min(longest, max_tokens // 2))
         for shp in (((size, size),), ((0, size),)):
@@ -671,13 +672,13 @@ def profile_cost_model(
         # packed chunk and slice with context
         extra, plain_fwd = 0.0, 0.0
         for pick in (lambda x: len(x) == 1 and x[0][0] == 0, lambda x: len(x) > 1, lambda x: x[0][0] > 0):
-            cands = [k for k, x in enumerate(shape_list) if pick(x)]
+            cands = [i for i, x in enumerate(shape_list) if pick(x)]
             if not cands:
                 continue
-            k = max(cands, key=lambda k: sum(s for _, s in shape_list[k]))
-            f, b = _time_chunk(pr, shape_list[k], False, n, repeats, warmup)
-            extra += f + b - n * (samples[k].fwd_time_s + samples[k].bwd_time_s)
-            plain_fwd += n * samples[k].fwd_time_s
+            i = max(cands, key=lambda j: sum(s for _, s in shape_list[j]))
+            f, b = _time_chunk(pr, shape_list[i], False, n, repeats, warmup)
+            extra += f + b - n * (samples[i].fwd_time_s + samples[i].bwd_time_s)
+            plain_fwd += n * samples[i].fwd_time_s
         heads = []
         if pr.has_head:
             for tok in sorted({max(16, longest // 4), max(16, longest)}):
@@ -692,8 +693,6 @@ def profile_cost_model(
         samples_out.extend(samples)
     timed = [dataclasses.replace(s, act_bytes=0.0) for s in samples]  # bytes are fitted below, with more terms
     cost = base.fit(timed, dense_mask=pr.dense_mask)
-    import numpy as np
-
     feats, ys = [], []
     for (shp, split), nbytes in zip(mem_rows, mem_bytes):
         tok = sum(s for _, s in shp)
