@@ -2,7 +2,8 @@
 
 Each rank builds the same tiny models, computes the single-process HF reference itself, runs
 every plan of :func:`_runtime_cases.plans_for` on its stage and compares the loss and its own
-stage's gradients; with 4 ranks it also runs two independent 2-stage pipelines on subgroups
+stage's gradients, a few of them also under bf16 autocast; a tied-embedding Llama checks the
+gradient sum of the two copies of its shared weight; with 4 ranks it also runs two independent 2-stage pipelines on subgroups
 (group rank != global rank). Results (failures, measured vs predicted memory) go to
 ``<outdir>/rank<r>.json``; the test asserts on them.
 """
@@ -25,11 +26,16 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from _runtime_cases import (  # noqa: E402
-    CHUNKINGS, SEQ_LENS, batch, compare_grads, make_plan, plans_for, reference, tiny_model,
+    CHUNKINGS, SEQ_LENS, batch, compare_grads, grad_error, make_plan, plans_for, reference, tied_model, tiny_model,
 )
 
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-4
+# bf16 autocast: see test_runtime.py (AMP_*) for why these tolerances
+AMP_LOSS_TOL = 1e-3
+AMP_GRAD_TOL = 5e-2
+AMP_CLOSER = 0.7
+AMP_PLANS = ("hybrid/partial", "split/full", "adaptive-tight")
 
 
 def _rel(a: float, b: float) -> float:
@@ -40,7 +46,7 @@ def worker(rank: int, world: int, port: int, outdir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=180))
-    report: dict = {"rank": rank, "failures": [], "cases": 0, "memory": []}
+    report: dict = {"rank": rank, "failures": [], "cases": 0, "memory": [], "amp": []}
     try:
         _run(rank, world, report)
     except Exception:
@@ -79,6 +85,20 @@ def _run(rank: int, world: int, report: dict) -> None:
             if kind == "llama":
                 predicted = simulate(plan, cost).peak_memory_bytes[rank] - cost.static_memory(layout, rank)
                 report["memory"].append((name, res.peak_activation_bytes, predicted))
+        # bf16 autocast (float32 weights): the same as HF under autocast, within bf16 tolerances
+        amp_loss, amp_grads = reference(model, ids, labels, autocast=torch.bfloat16)
+        for name, plan in plans_for(layout):
+            if name not in AMP_PLANS:
+                continue
+            w.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                res = ex.run_step(plan, ids, labels)
+            report["cases"] += 1
+            err, err_fp32 = grad_error(w, amp_grads), grad_error(w, ref_grads)
+            report["amp"].append((kind, name, rank, _rel(res.loss, amp_loss), err, err_fp32))
+            if not (_rel(res.loss, amp_loss) < AMP_LOSS_TOL and err < AMP_GRAD_TOL and err < AMP_CLOSER * err_fp32):
+                fail.append(f"{kind} {name} autocast stage {rank}: loss {res.loss} vs {amp_loss}, "
+                            f"grad err {err:.2e} (vs fp32 reference {err_fp32:.2e})")
         # evaluation: forward only, same loss on every rank, no gradients
         w.zero_grad(set_to_none=True)
         res = ex.run_step(make_plan(SEQ_LENS, CHUNKINGS["hybrid"], layout, "full"), ids, labels, train=False)
@@ -104,8 +124,50 @@ def _run(rank: int, world: int, report: dict) -> None:
     except PlanError as e:
         if "different orders" not in str(e):
             fail.append(f"wrong error for mismatched orders: {e}")
+    _tied(rank, world, report, ids, labels)
     if world == 4:
         _subgroups(rank, report, ids, labels)
+
+
+def _tied(rank: int, world: int, report: dict, ids, labels) -> None:
+    """Tied input/output embeddings: the first stage's embedding and the last stage's head are
+    copies; each gets its share of the gradient, ``sync_tied_gradients`` sums them (the
+    single-process gradient of the shared weight), bit-identical on both stages."""
+    from concertina_hf.planning import StageLayout
+    from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
+
+    fail = report["failures"]
+    layout = StageLayout.even(8, world)
+    model = tied_model()
+    ref_loss, ref_grads = reference(model, ids, labels)
+    w = PipelineWrapper(copy.deepcopy(model), layout, rank)
+    ex = PipelineExecutor(w)
+    tied = w.tied_weight
+    if (tied is not None) != (rank in (0, world - 1)):
+        fail.append(f"tied: stage {rank} has tied_weight={tied is not None}")
+    for name in ("hybrid/partial", "split/full", "hybrid-2groups/partial"):
+        plan = dict(plans_for(layout))[name]
+        w.zero_grad(set_to_none=True)
+        res = ex.run_step(plan, ids, labels)
+        report["cases"] += 1
+        if not _rel(res.loss, ref_loss) < LOSS_TOL:
+            fail.append(f"tied {name}: loss {res.loss} vs {ref_loss}")
+        if tied is not None:  # one share only before the sum
+            share = float((tied.grad - ref_grads["lm_head.weight"]).norm() / ref_grads["lm_head.weight"].norm())
+            if not share > 1e-2:
+                fail.append(f"tied {name} stage {rank}: the copy's gradient is already the total before the sum")
+        ex.sync_tied_gradients()
+        fail.extend(f"tied {name} stage {rank}: {b}" for b in compare_grads(w, ref_grads, GRAD_TOL))
+        # both copies hold the same bits
+        first = tied.grad.clone() if rank == 0 else torch.empty_like(model.lm_head.weight)
+        dist.broadcast(first, src=0)
+        if rank == world - 1 and not torch.equal(first, tied.grad):
+            fail.append(f"tied {name}: the two copies' gradients differ after the sum")
+    sd = w.full_state_dict()
+    if rank == 0:
+        want = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # HF tied checkpoint
+        if set(sd) != set(want) or not all(torch.equal(sd[k], want[k]) for k in want):
+            fail.append(f"tied: full_state_dict keys {sorted(set(sd) ^ set(want))} or values differ")
 
 
 def _subgroups(rank: int, report: dict, ids, labels) -> None:

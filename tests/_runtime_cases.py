@@ -161,17 +161,51 @@ def adaptive_plans(layout: StageLayout, seq_lens: Sequence[int]) -> list[tuple[s
     return [("adaptive", free), ("adaptive-tight", tight)]
 
 
-def reference(model, ids, labels) -> tuple[float, dict[str, torch.Tensor]]:
-    """HF on one process: each sequence separately, ``num_items_in_batch`` = the batch total."""
+def reference(model, ids, labels, autocast: torch.dtype | None = None) -> tuple[float, dict[str, torch.Tensor]]:
+    """HF on one process: each sequence separately, ``num_items_in_batch`` = the batch total.
+
+    ``autocast``: run the forward under ``torch.autocast("cpu", dtype=autocast)`` and the
+    backward outside it, as ``Trainer(bf16=True)`` does. With tied embeddings the gradient of
+    the shared weight is also given under ``lm_head.weight`` (the last stage's copy)."""
     ref = copy.deepcopy(model)
     ref.zero_grad(set_to_none=True)
     n = int(sum(int((lab[1:] != -100).sum()) for lab in labels))
     total = 0.0
     for t, lab in zip(ids, labels):
-        loss = ref(input_ids=t[None], labels=lab[None], num_items_in_batch=n).loss
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            loss = ref(input_ids=t[None], labels=lab[None], num_items_in_batch=n).loss
         loss.backward()
         total += float(loss.detach())
-    return total, {k: p.grad.detach().clone() for k, p in ref.named_parameters() if p.grad is not None}
+    grads = {k: p.grad.detach().clone() for k, p in ref.named_parameters() if p.grad is not None}
+    if ref.lm_head.weight is ref.model.embed_tokens.weight:
+        grads["lm_head.weight"] = grads["model.embed_tokens.weight"]
+    return total, grads
+
+
+def grad_error(wrapper, ref_grads: dict[str, torch.Tensor]) -> float:
+    """Relative error of this stage's gradients taken as one vector: ``|g - ref| / |ref|``."""
+    num = den = 0.0
+    for k, p in wrapper.named_parameters():
+        assert p.grad is not None, f"{k}: no grad"
+        num += float((p.grad.float() - ref_grads[k].float()).square().sum())
+        den += float(ref_grads[k].float().square().sum())
+    return (num / max(den, 1e-30)) ** 0.5
+
+
+def tied_model(seed: int = 0, num_layers: int = 8):
+    """A tiny Llama whose input and output embeddings are one parameter (``tie_word_embeddings``)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config("llama", num_layers)
+    cfg.tie_word_embeddings = True
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    return model.float()
 
 
 def compare_grads(wrapper, ref_grads: dict[str, torch.Tensor], tol: float = 1e-4) -> list[str]:

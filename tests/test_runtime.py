@@ -25,7 +25,9 @@ from _runtime_cases import (
     compare_grads,
     make_plan,
     plans_for,
+    grad_error,
     reference,
+    tied_model,
     tiny_model,
 )
 from concertina_hf.planning import CostModel, PlanError, StageLayout
@@ -164,17 +166,48 @@ def test_wrapper_partitions_with_original_names():
     assert seen == full
 
 
-def test_wrapper_refuses_tied_embeddings_and_bad_layouts():
+def test_wrapper_refuses_bad_layouts_and_inconsistent_ties():
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                       num_attention_heads=4, tie_word_embeddings=True)
-    with pytest.raises(ValueError, match="tie_word_embeddings = False"):
-        PipelineWrapper(AutoModelForCausalLM.from_config(cfg), StageLayout.even(4, 2), 0)
+    untied = AutoModelForCausalLM.from_config(cfg)
+    untied.lm_head.weight = torch.nn.Parameter(untied.model.embed_tokens.weight.detach().clone())
+    with pytest.raises(ValueError, match="tie_word_embeddings = False"):  # the config says tied, the weights are not
+        PipelineWrapper(untied, StageLayout.even(4, 2), 1)
     with pytest.raises(ValueError, match="covers 8 decoder layers but the model has 4"):
         PipelineWrapper(AutoModelForCausalLM.from_config(cfg), StageLayout.even(8, 1), 0)
     with pytest.raises(ValueError, match="has no `model.embed_tokens`"):
         PipelineWrapper(torch.nn.Linear(2, 2), StageLayout.even(4, 1), 0)
+
+
+def test_tied_embeddings_split_over_stages(tmp_path):
+    """First stage: the embedding; last stage: the head with its own copy of the same tensor;
+    middle stages: neither. One stage: one parameter, saved once, reloaded tied."""
+    from transformers import AutoModelForCausalLM
+
+    model = tied_model(num_layers=3)
+    weight = model.model.embed_tokens.weight.detach().clone()
+    layout = StageLayout.even(3, 3)
+    first, middle, last = (PipelineWrapper(copy.deepcopy(model), layout, s) for s in range(3))
+    assert first.tied_weight is first.model.model.embed_tokens.weight
+    assert middle.tied_weight is None and middle.tied_embeddings
+    assert last.tied_weight is last.model.lm_head.weight and torch.equal(last.tied_weight, weight)
+    assert {k for k, _ in last.named_parameters()} >= {"lm_head.weight"}
+    assert "model.embed_tokens.weight" not in dict(last.named_parameters())
+    # an HF tied state dict (no lm_head.weight) loads into the head's copy
+    tied_sd = {k: v + 1 for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    last.load_state_dict(tied_sd, strict=True)
+    assert torch.equal(last.model.lm_head.weight, weight + 1)
+
+    one = PipelineWrapper(copy.deepcopy(model), StageLayout.even(3, 1), 0)
+    assert one.tied_weight is None and one.model.lm_head.weight is one.model.model.embed_tokens.weight
+    sd = one.full_state_dict()
+    assert "lm_head.weight" not in sd and torch.equal(sd["model.embed_tokens.weight"], weight)
+    one.config._attn_implementation = "sdpa"
+    one.model.save_pretrained(tmp_path, state_dict=sd)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight and torch.equal(loaded.lm_head.weight, weight)
 
 
 def test_tied_embeddings_one_stage_exact():
@@ -278,6 +311,69 @@ def test_other_architectures(arch):
         res = ex.run_step(make_plan(SEQ_LENS, CHUNKINGS["hybrid"], layout, rec), ids, labels)
         assert _rel(res.loss, ref_loss) < LOSS_TOL, rec
         assert compare_grads(w, ref_grads, GRAD_TOL) == [], rec
+
+
+# ---------------------------------------------------------------------------- mixed precision
+# bf16 keeps 8 significant bits (unit roundoff 2**-8 = 3.9e-3). The pipeline rounds at other
+# places than HF on whole sequences (matmuls over packed chunks, attention over [prefix, own]
+# keys, weight gradients summed per chunk in bf16 and then in float32), so its results differ
+# from HF under the same autocast by a few roundoffs, amplified through the layers. Measured with
+# these large-init models: up to 3e-4 on the loss and 2.5e-2 on the gradients (relative, all of a
+# stage's gradients as one vector; largest on the first stage, whose gradients went through every
+# layer's backward), while bf16 autocast itself moves the gradients 2.5e-2 to 7e-2 away from
+# float32. Tolerances: twice the measured worst; and the result must be clearly closer to HF under
+# autocast than to HF in float32 (at most 0.7 times that distance; measured 0.37 to 0.5), which a
+# pipeline that ignored autocast would fail.
+AMP_LOSS_TOL = 1e-3
+AMP_GRAD_TOL = 5e-2
+AMP_CLOSER = 0.7
+
+
+def test_one_stage_under_autocast_matches_hf_under_autocast(model_and_ref):
+    kind, model, ids, labels, ref_loss, ref_grads = model_and_ref
+    amp_loss, amp_grads = reference(model, ids, labels, autocast=torch.bfloat16)
+    layout = StageLayout.even(8, 1)
+    w = PipelineWrapper(copy.deepcopy(model), layout, 0)
+    ex = PipelineExecutor(w)
+    assert ex.wire_dtype(torch.bfloat16) == torch.float32  # float32 weights: float32 residual stream
+    failures = []
+    for name, plan in plans_for(layout):
+        w.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            res = ex.run_step(plan, ids, labels)
+        err, err_fp32 = grad_error(w, amp_grads), grad_error(w, ref_grads)
+        if not (_rel(res.loss, amp_loss) < AMP_LOSS_TOL and err < AMP_GRAD_TOL and err < AMP_CLOSER * err_fp32):
+            failures.append(f"{kind} {name}: loss {res.loss} vs {amp_loss}, grad err {err:.2e} (fp32 {err_fp32:.2e})")
+    assert failures == []
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # evaluation under autocast too
+        res = ex.run_step(make_plan(SEQ_LENS, CHUNKINGS["hybrid"], layout, "none"), ids, labels, train=False)
+    assert _rel(res.loss, amp_loss) < AMP_LOSS_TOL
+    # bfloat16 weights: the residual stream and the messages between stages are bfloat16
+    w16 = PipelineWrapper(copy.deepcopy(model).to(torch.bfloat16), layout, 0)
+    assert PipelineExecutor(w16).wire_dtype(torch.bfloat16) == PipelineExecutor(w16).wire_dtype() == torch.bfloat16
+
+
+def test_autocast_stores_kv_in_the_autocast_dtype(monkeypatch):
+    """Stored K/V of split sequences (what later slices read) are in the autocast dtype, also
+    when every layer is recomputed; without autocast they stay float32."""
+    model = tiny_model("llama", num_layers=2)
+    ids, labels = batch()
+    layout = StageLayout.even(2, 1)
+    ex = PipelineExecutor(PipelineWrapper(copy.deepcopy(model), layout, 0))
+    seen = []
+    put = KVStore.put_if_absent
+
+    def recording_put(self, seq, start, layer, k, v, requires_grad):
+        seen.append((k.dtype, v.dtype))
+        return put(self, seq, start, layer, k, v, requires_grad)
+
+    monkeypatch.setattr(KVStore, "put_if_absent", recording_put)
+    for amp in (True, False):
+        seen.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            ex.run_step(make_plan(SEQ_LENS, CHUNKINGS["split"], layout, "full"), ids, labels)
+        want = torch.bfloat16 if amp else torch.float32
+        assert seen and set(seen) == {(want, want)}, (amp, set(seen))
 
 
 # ---------------------------------------------------------------------------- errors

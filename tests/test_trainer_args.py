@@ -60,6 +60,17 @@ def test_invalid_settings_fail_at_construction_naming_the_field(tmp_path, kw, fi
         _args(tmp_path, **kw)
 
 
+def test_precision_bf16_accepted_fp16_refused(tmp_path, monkeypatch):
+    assert _args(tmp_path, use_cpu=True, bf16=True).mixed_precision == "bf16"
+    with pytest.raises(ValueError, match="fp16"):
+        _args(tmp_path, fp16=True)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")  # what an accelerate config's mixed_precision sets
+    with pytest.raises(ValueError, match="mixed_precision: bf16"):
+        _args(tmp_path)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    assert _args(tmp_path, use_cpu=True).mixed_precision == "bf16"
+
+
 def test_world_size_checks_against_the_launcher(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ValueError, match="concertina_pipeline_size=3 does not divide"):

@@ -115,6 +115,11 @@ class ConcertinaTrainingArguments(TrainingArguments):
     x gradient_accumulation_steps`` sequences per pipeline replica, so ``x
     concertina_data_parallel_size`` in all. All the step's sequences of a replica are planned
     and run as one pipeline step (gradient accumulation is a batch size, not a loop).
+
+    Precision as in ``Trainer``: ``bf16=True`` (or ``mixed_precision: bf16`` in the accelerate
+    config) keeps float32 master weights and runs the forward under bfloat16 autocast; a model
+    loaded in bfloat16 trains in bfloat16. fp16 (which needs a loss scale shared by all stages)
+    is refused.
     """
 
     concertina_pipeline_size: int | None = field(
@@ -196,10 +201,11 @@ class ConcertinaTrainingArguments(TrainingArguments):
             logger.info("WORLD_SIZE > 1 and no GPU visible: setting use_cpu=True so the ranks form one job")
             self.use_cpu = True
         super().__post_init__()
-        if self.fp16:
+        if self.fp16 or getattr(self, "mixed_precision", "no") == "fp16":
             raise ValueError(
-                "fp16=True is not supported by ConcertinaTrainer (a dynamic loss scale would have to be shared by "
-                "all pipeline stages); set fp16=False and use bf16=True or load the model in bfloat16"
+                "fp16 mixed precision (fp16=True, or mixed_precision: fp16 in the accelerate config) is not supported "
+                "by ConcertinaTrainer (a dynamic loss scale would have to be shared by all pipeline stages); use "
+                "bf16=True (mixed_precision: bf16) or load the model in bfloat16"
             )
         if self.activation_checkpointing:
             raise ValueError(

@@ -49,7 +49,7 @@ import logging
 import os
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -207,15 +207,6 @@ class ConcertinaTrainer(Trainer):
                 "train_sampling_strategy='batch_rebalance' balances tokens across all processes, but pipeline ranks "
                 "must read the same batches; use 'random' (the planner balances the pipeline's chunks)"
             )
-        if getattr(args, "mixed_precision", "no") not in ("no", None):
-            # The runtime's sliced attention does not follow autocast's dtype changes yet.
-            raise ValueError(
-                f"autocast mixed precision ({args.mixed_precision}, from bf16=True or the accelerate config's "
-                "mixed_precision) is not supported by ConcertinaTrainer: load the model in bfloat16 "
-                "(from_pretrained(..., dtype=torch.bfloat16); recipe flag --torch_dtype bfloat16), set bf16=False "
-                "and mixed_precision: \"no\" in the accelerate config"
-            )
-
         # The process group must exist before the model is split: the stage is the pipeline rank.
         _ = args.device
         self.topology = Topology.build(args)
@@ -231,6 +222,8 @@ class ConcertinaTrainer(Trainer):
                                                                 self._device_memory)
             if args.concertina_cost_model == "profiled" and not args.concertina_cost_model_path:
                 self.cost_model = self._profile_once(model, args)
+        if self.topology.pipeline_size > 1 and _ties_embeddings(model):
+            self.cost_model = _count_head_copy(self.cost_model)
         self.layout = ReplanCallback.layout_for(self.cost_model, self.topology.pipeline_size)
         # The saved config must name an attention every HF install has, not the runtime's backend.
         self._saved_attn_implementation = getattr(model.config, "_attn_implementation", None) or "sdpa"
@@ -400,10 +393,14 @@ class ConcertinaTrainer(Trainer):
             self.optimizer.train()
         plan = self.replan.plan(step.ticket)
         norm = step.num_items_total if self.args.average_tokens_across_devices else step.num_items_local
-        with self.compute_loss_context_manager():
+        # accelerate's autocast (bf16=True / mixed_precision), which Trainer puts around the model's
+        # forward: the executor runs forwards under it and backwards outside it, like Trainer
+        with self.compute_loss_context_manager(), self.accelerator.autocast():
             result = self.executor.run_step(plan, step.input_ids, step.labels,
                                             num_items_in_batch=max(1, norm), train=True)
         self._reduce_gradients()
+        # after the replicas' reduction: both copies of tied embeddings then get the same bits
+        self.executor.sync_tied_gradients()
         self.replan.record(plan, result)
         return torch.tensor(self._global_loss(result, step), dtype=torch.float32, device=self.args.device)
 
@@ -464,8 +461,10 @@ class ConcertinaTrainer(Trainer):
 
     # ------------------------------------------------------------------ clipping with the global norm
     def _global_grad_norm(self) -> torch.Tensor:
-        """2-norm of all stages' gradients: this stage's squared norm, summed over the pipeline."""
-        grads = [p.grad for p in self._stage_params() if p.grad is not None]
+        """2-norm of all stages' gradients: this stage's squared norm, summed over the pipeline
+        (tied embeddings counted once: on the first stage, not on the last stage's copy)."""
+        copy = self.pipeline.tied_weight if self.pipeline.is_last else None
+        grads = [p.grad for p in self._stage_params() if p.grad is not None and p is not copy]
         local = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
         sq = local.float().reshape(1) ** 2
         if self.topology.pipeline_size > 1:
@@ -548,7 +547,7 @@ class ConcertinaTrainer(Trainer):
         seqs, labels = split_sequences(inputs)
         ticket = self.replan.submit([int(s.numel()) for s in seqs], background=False)
         plan = self.replan.plan(ticket)
-        with torch.no_grad(), self.compute_loss_context_manager():
+        with torch.no_grad(), self.compute_loss_context_manager(), self.accelerator.autocast():
             result = self.executor.run_step(plan, seqs, labels, train=False)
         return torch.tensor(float(result.loss), device=self.args.device), None, None
 
@@ -654,8 +653,11 @@ class ConcertinaTrainer(Trainer):
         self._load_stage_weights(self.state.best_model_checkpoint)
 
     def _load_stage_weights(self, checkpoint_dir: str) -> None:
-        """Load this stage's parameters out of a full HF checkpoint (single or sharded safetensors)."""
+        """Load this stage's parameters out of a full HF checkpoint (single or sharded safetensors).
+        Tied embeddings are stored once (``model.embed_tokens.weight``): the head's copy loads from it."""
         from safetensors import safe_open
+
+        from .runtime.stage import EMBED_WEIGHT, HEAD_WEIGHT
 
         own = self.model.state_dict()
         index = os.path.join(checkpoint_dir, "model.safetensors.index.json")
@@ -663,19 +665,23 @@ class ConcertinaTrainer(Trainer):
         if os.path.isfile(index):
             with open(index) as fh:
                 weight_map = json.load(fh)["weight_map"]
-            files: dict[str, list[str]] = {}
-            for k, f in weight_map.items():
-                if k in own:
-                    files.setdefault(f, []).append(k)
         elif os.path.isfile(single):
-            files = {"model.safetensors": None}  # type: ignore[dict-item]
+            with safe_open(single, framework="pt", device="cpu") as fh:
+                weight_map = {k: "model.safetensors" for k in fh.keys()}
         else:
             raise ValueError(f"no model.safetensors (or its index) in {checkpoint_dir}: not a checkpoint to resume from")
+        source = {k: k for k in own if k in weight_map}  # stage key -> checkpoint key
+        if (self.pipeline.tied_embeddings and HEAD_WEIGHT in own and HEAD_WEIGHT not in weight_map
+                and EMBED_WEIGHT in weight_map):
+            source[HEAD_WEIGHT] = EMBED_WEIGHT
+        files: dict[str, list[str]] = {}
+        for k, src in source.items():
+            files.setdefault(weight_map[src], []).append(k)
         loaded: dict[str, torch.Tensor] = {}
         for fname, keys in files.items():
             with safe_open(os.path.join(checkpoint_dir, fname), framework="pt", device="cpu") as fh:
-                for k in keys if keys is not None else [k for k in fh.keys() if k in own]:
-                    loaded[k] = fh.get_tensor(k)
+                for k in keys:
+                    loaded[k] = fh.get_tensor(source[k])
         missing = [k for k, v in own.items() if k not in loaded and not _is_buffer_only(self.model, k)]
         if missing:
             raise ValueError(f"{checkpoint_dir} lacks {len(missing)} parameters of stage {self.topology.stage}, "
@@ -691,6 +697,22 @@ def _checkpoint_layout_cost(checkpoint: str | None):
         return None
     with open(os.path.join(checkpoint, LAYOUT_COST_NAME)) as fh:
         return CostModel.from_dict(json.load(fh))
+
+
+def _ties_embeddings(model: nn.Module) -> bool:
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    embed = getattr(getattr(getattr(model, "model", None), "embed_tokens", None), "weight", None)
+    return head is not None and head is embed
+
+
+def _count_head_copy(cost):
+    """The cost model with the last stage's copy of tied embeddings in its static memory: the
+    analytic and profiled models count the shared weight once, on the embedding's stage, which
+    is right for one stage; with several, the last stage holds its own copy (weight, gradient,
+    optimizer state)."""
+    if cost.head_params >= cost.embed_params:  # already counted (e.g. a checkpoint's layout model)
+        return cost
+    return replace(cost, head_params=cost.head_params + cost.embed_params)
 
 
 def _is_buffer_only(model: nn.Module, key: str) -> bool:

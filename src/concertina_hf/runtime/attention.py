@@ -22,6 +22,13 @@ unchanged from the decoder layer to the attention function. With it, for each la
      sliding-window attention). The mask is built once per chunk, as an additive float mask
      shared by all layers; a chunk that is one whole sequence needs none (``is_causal``).
 
+Under autocast (``torch.autocast``, e.g. ``bf16=True``), query, key and value are first cast to the
+autocast dtype, as SDPA (an autocast op) would cast them in HF's own path: post-rotary query and
+key are often float32 (rotary tables in the parameters' dtype) while value is already bfloat16.
+Casting before the own K/V are stored gives stored K/V, later slices' leaves, the mask and every
+attention path one dtype (and halves the stored K/V of float32 models); the replay of a
+checkpointed layer runs under the same autocast state (``torch.utils.checkpoint`` restores it).
+
 Costs: the CPU mask is ``T x S`` floats per chunk (``S = T + sum C``), kept until the chunk's
 backward; SDPA on CPU dispatches to its flash kernel, which saves ``q, k, v, out, logsumexp``.
 The earlier slices' K/V stay alive (in the store) until their own backward. On CPU a chunk with
@@ -51,6 +58,7 @@ __all__ = [
     "ChunkAttentionContext",
     "KVStore",
     "SliceSpec",
+    "autocast_dtype",
     "concertina_attention_forward",
     "flash_attn_available",
     "register_attention",
@@ -377,6 +385,12 @@ def concertina_attention_forward(
     layer = getattr(module, "layer_idx", None)
     if layer is None:
         raise ValueError(f"{type(module).__name__} has no layer_idx; the concertina backend needs it to key K/V")
+    amp = autocast_dtype(query.device.type)
+    if amp is not None:
+        # Under autocast, SDPA would run in the autocast dtype whatever its inputs are (post-rotary
+        # query/key are often float32, value already bfloat16). Cast here, before the own K/V are
+        # stored, so that stored K/V, later slices and every attention path share one dtype.
+        query, key, value = (_autocast_cast(t, amp) for t in (query, key, value))
     use_flash = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and flash_attn_available()
     if not use_flash and ctx.has_context and query.device.type == "cpu" and dropout == 0.0:
         ctx.store_own(layer, key, value)
@@ -387,6 +401,20 @@ def concertina_attention_forward(
     key_S, value_S = ctx.keys(layer, key, value)
     path = _flash_path if use_flash else _sdpa_path
     return path(module, query, key_S, value_S, ctx, dropout, scaling, sliding_window), None
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The autocast dtype active for ``device_type`` (``None`` when autocast is off)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def _autocast_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # autocast's own rule for its lower-precision ops: floating tensors except float64
+    if t.is_floating_point() and t.dtype != torch.float64 and t.dtype != dtype:
+        return t.to(dtype)
+    return t
 
 
 _REGISTERED = False

@@ -15,8 +15,20 @@ Gradients accumulate into ``.grad`` of the stage's parameters (never zeroed here
 those of the HF model on one device over the same sequences with the same ``num_items_in_batch``
 (token-weighted loss), whatever the chunking, schedule and recompute.
 
+Mixed precision: ``run_step`` follows the caller's autocast (``torch.autocast``, which
+``ConcertinaTrainer`` enters as accelerate does for ``Trainer``): forward actions run under it,
+backward actions outside it (as HF's ``loss.backward()``; a checkpointed layer's replay restores
+the forward's autocast state itself), and the attention casts query, key and value to the autocast
+dtype (:mod:`.attention`), so stored K/V have one dtype. Messages between stages use
+:meth:`PipelineExecutor.wire_dtype`, derived from the parameters' dtype and the autocast dtype on
+both sides (float32 for float32 weights under bfloat16 autocast), never negotiated.
+
+Tied input/output embeddings over several stages: each copy gets its own share of the gradient
+here; :meth:`PipelineExecutor.sync_tied_gradients` sums them once per optimizer step.
+
 Per step costs beyond compute: one P2P message per chunk and direction between neighbouring
-stages (``[1, tokens, hidden]`` in the model dtype), and one 2-float broadcast of the loss.
+stages (``[1, tokens, hidden]`` in :meth:`PipelineExecutor.wire_dtype`), and one 2-float
+broadcast of the loss.
 Failures inside an action are logged with the plan grid, the failing action marked.
 """
 
@@ -31,9 +43,9 @@ import torch
 import torch.distributed as dist
 
 from ..planning.types import Action, ActionKind, Plan, PlanError
-from .attention import ChunkAttentionContext, KVStore, SliceSpec
+from .attention import ChunkAttentionContext, KVStore, SliceSpec, autocast_dtype
 from .memory import SavedTensorMeter
-from .p2p import StageComm, activation_tag, gradient_tag
+from .p2p import TIED_GRAD_TAG, StageComm, activation_tag, gradient_tag
 from .stage import PipelineWrapper
 
 __all__ = ["PipelineExecutor", "StepResult"]
@@ -120,6 +132,43 @@ class PipelineExecutor:
         excluded = [p for p in wrapper.parameters()] + [b for b in wrapper.buffers()]
         self.meter = SavedTensorMeter(exclude=excluded, device=self.device)
 
+    def wire_dtype(self, amp: torch.dtype | None = None) -> torch.dtype:
+        """The dtype of the hidden states and their gradients between stages, derived on both
+        sides without a handshake: the parameters' dtype, promoted with the autocast dtype
+        ``amp`` (``None``: autocast off).
+
+        The residual stream of a decoder starts as the embedding's output (parameter dtype) and
+        adds the outputs of matmuls (autocast dtype under autocast), so it is the promotion of the
+        two: float32 for float32 weights under bfloat16 autocast, bfloat16 for bfloat16 weights.
+        A stage output of another dtype is cast to this one before it is sent (lossless when
+        it is narrower).
+        """
+        base = self.wrapper.dtype
+        return base if amp is None else torch.promote_types(base, amp)
+
+    def sync_tied_gradients(self) -> None:
+        """Sum the gradients of the two copies of tied input/output embeddings (first and last
+        stage, see :class:`~concertina_hf.runtime.stage.PipelineWrapper`), so that both copies
+        take the same optimizer step.
+
+        Call it once per optimizer step, after the step's last :meth:`run_step` (and after any
+        data-parallel reduction) and before clipping: ``run_step`` leaves each copy with its own
+        share, and summing twice would double count. Every pipeline rank may call it; only the
+        first and the last stage exchange their gradient (one ``vocab x hidden`` message each
+        way), and each adds the other's to its own, so the two sums are equal bit for bit.
+        """
+        weight = self.wrapper.tied_weight
+        if weight is None or self.comm is None:
+            return
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        other = self.num_stages - 1 if self.stage == 0 else 0
+        theirs = torch.empty_like(weight.grad)
+        self.comm.exchange([self.comm.send_op(weight.grad, other, TIED_GRAD_TAG)],
+                           [self.comm.recv_op(theirs, other, TIED_GRAD_TAG)])
+        self.comm.drain()  # the send reads weight.grad, which the sum below overwrites
+        weight.grad.add_(theirs)
+
     # ------------------------------------------------------------------ checks
     def _check(self, plan: Plan, input_ids: Sequence[torch.Tensor], labels: Sequence[torch.Tensor] | None) -> None:
         if plan is not self._checked_plan:
@@ -166,6 +215,11 @@ class PipelineExecutor:
             num_items_in_batch = int(sum(int((lab[1:] != -100).sum()) for lab in labels))
         divisor = float(max(num_items_in_batch, 1))
         w, dev, st = self.wrapper, self.device, self.stage
+        # The caller's autocast state (Trainer: accelerator.autocast()) is the forward's; backward
+        # actions run outside autocast, like HF's loss.backward() (checkpoint replays restore the
+        # forward's state themselves).
+        amp = autocast_dtype(dev.type)
+        wire_dtype = self.wire_dtype(amp)
         step = _Step(self, plan, input_ids, labels, divisor, train)
         actions = [a for a in plan.schedule[st] if train or a.kind is ActionKind.FORWARD]
         meter = self.meter
@@ -185,18 +239,23 @@ class PipelineExecutor:
                         recvs = []
                         if fwd and not w.is_first or not fwd and not w.is_last:
                             shape = (1, plan.chunks[c].num_tokens, self.hidden_size)
-                            buf = torch.empty(shape, dtype=w.dtype, device=dev)
+                            buf = torch.empty(shape, dtype=wire_dtype, device=dev)
                             recvs.append(self.comm.recv_op(buf, st - 1, activation_tag(c)) if fwd
                                          else self.comm.recv_op(buf, st + 1, gradient_tag(c)))
                         self.comm.exchange(pending_sends, recvs)
                         pending_sends = []
                     t_start = clock.mark()
-                    out = step.forward(c, buf) if fwd else step.backward(c, buf)
+                    if fwd:
+                        out = step.forward(c, buf)
+                    elif amp is None:
+                        out = step.backward(c, buf)
+                    else:
+                        with torch.autocast(dev.type, enabled=False):
+                            out = step.backward(c, buf)
                     if out is not None:
                         to = st + 1 if fwd else st - 1
                         tag = activation_tag(c) if fwd else gradient_tag(c)
-                        # the wire dtype is the model's (both sides derive it); autocast may differ
-                        pending_sends.append(self.comm.send_op(out.to(w.dtype), to, tag))
+                        pending_sends.append(self.comm.send_op(out.to(wire_dtype), to, tag))
                     times.append((action, t_start, clock.mark()))
                 except Exception as exc:
                     logger.error("pipeline stage %d failed in action %s:\n%s", st, action, plan.grid(mark=action))

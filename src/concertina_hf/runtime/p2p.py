@@ -1,7 +1,10 @@
 """Point-to-point transfers between neighbouring pipeline stages.
 
-Shapes are never negotiated: both sides derive ``[1, chunk.num_tokens, hidden]`` from the plan.
-Messages carry a tag (``2 * chunk`` for activations, ``2 * chunk + 1`` for gradients) so that
+Shapes and dtypes are never negotiated: both sides derive ``[1, chunk.num_tokens, hidden]`` from
+the plan and the dtype from the parameters and the autocast state
+(:meth:`~concertina_hf.runtime.executor.PipelineExecutor.wire_dtype`).
+Messages carry a tag (``2 * chunk`` for activations, ``2 * chunk + 1`` for gradients,
+:data:`TIED_GRAD_TAG` for the gradient of tied embeddings between the first and last stage) so that
 gloo matches them even if two stages ordered them differently; NCCL ignores tags and matches in
 issue order, which is why the executor checks that neighbouring stages forward (and backward)
 the chunks in the same order.
@@ -17,7 +20,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["StageComm", "activation_tag", "gradient_tag"]
+__all__ = ["TIED_GRAD_TAG", "StageComm", "activation_tag", "gradient_tag"]
+
+# the gradient of tied embeddings between the first and the last stage (after a step, so it never
+# meets an activation or gradient message; kept far above their tags anyway)
+TIED_GRAD_TAG = 2**30
 
 
 def activation_tag(chunk: int) -> int:

@@ -8,6 +8,17 @@ the LM head on the last stage only; the rotary embedding (buffers only) stays ev
 model is switched to the ``"concertina"`` attention backend (:mod:`.attention`) and HF's own
 gradient checkpointing is turned off (the plan decides recompute per chunk).
 
+Tied input/output embeddings (``tie_word_embeddings``, e.g. Qwen2-0.5B, Llama-3.2-1B): with one
+stage the model is untouched (one shared parameter). With several, the first stage keeps the
+embedding and the last stage keeps the LM head, whose weight is then its own copy, initialized
+from the same tensor; :meth:`PipelineExecutor.sync_tied_gradients
+<concertina_hf.runtime.executor.PipelineExecutor.sync_tied_gradients>` sums the two copies'
+gradients once per optimizer step, so both take the same update and stay equal (bit for bit:
+``a + b == b + a``). :attr:`PipelineWrapper.tied_weight` is the stage's copy; a global gradient
+norm must count it once. :meth:`PipelineWrapper.full_state_dict` writes the weight once, under
+``model.embed_tokens.weight`` (an HF tied checkpoint: ``from_pretrained`` ties ``lm_head.weight``
+to it), and :meth:`PipelineWrapper.load_state_dict` takes the head's copy from that key.
+
 Supported models: decoder-only HF causal LMs laid out as ``model.model.embed_tokens``,
 ``.layers``, ``.norm``, ``.rotary_emb`` and ``model.lm_head`` whose decoder layers take
 ``(hidden, attention_mask=, position_ids=, position_embeddings=(cos, sin), **kwargs)`` and whose
@@ -16,7 +27,9 @@ that scale embeddings or logits inside ``forward`` (Gemma's normalizer, logit so
 not reproduced.
 
 Cost: pruning frees the other stages' parameters (after the caller drops its own references);
-:meth:`PipelineWrapper.full_state_dict` moves every parameter once to pipeline rank 0.
+:meth:`PipelineWrapper.full_state_dict` moves every parameter once to pipeline rank 0. Tied
+embeddings over several stages cost the last stage one more ``vocab x hidden`` matrix (weight,
+gradient, optimizer state) and one exchange of its gradient with the first stage per step.
 """
 
 from __future__ import annotations
@@ -33,7 +46,10 @@ from torch.utils.checkpoint import checkpoint
 from ..planning.types import StageLayout
 from .attention import ChunkAttentionContext, register_attention
 
-__all__ = ["PipelineWrapper"]
+__all__ = ["EMBED_WEIGHT", "HEAD_WEIGHT", "PipelineWrapper"]
+
+EMBED_WEIGHT = "model.embed_tokens.weight"
+HEAD_WEIGHT = "lm_head.weight"  # with tied embeddings: a copy of EMBED_WEIGHT, saved under that name
 
 
 class _Placeholder(nn.Module):
@@ -82,15 +98,17 @@ class PipelineWrapper(nn.Module):
             )
         if not 0 <= stage < layout.num_stages:
             raise ValueError(f"stage {stage} outside 0..{layout.num_stages - 1}")
-        tied = model.lm_head.weight is model.model.embed_tokens.weight
-        if layout.num_stages > 1 and (tied or getattr(model.config, "tie_word_embeddings", False)):
+        embed_weight = getattr(model.model.embed_tokens, "weight", None)
+        tied = embed_weight is not None and getattr(model.lm_head, "weight", None) is embed_weight
+        if layout.num_stages > 1 and not tied and getattr(model.config, "tie_word_embeddings", False):
             raise ValueError(
-                "tied input/output embeddings cannot be split across pipeline stages (the embedding is on "
-                "stage 0, the LM head on the last stage). Untie them before wrapping: "
-                "model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone()) "
-                "and model.config.tie_word_embeddings = False (they then train as two matrices), or use a "
-                "pipeline size of 1"
+                "model.config.tie_word_embeddings is True but lm_head.weight is not model.embed_tokens.weight, so "
+                "the saved checkpoint would be reloaded with the wrong LM head. Tie them (model.tie_weights()) or "
+                "set model.config.tie_word_embeddings = False to train two matrices"
             )
+        #: the input and output embeddings are one tensor (one parameter with one stage; a copy on
+        #: the first and on the last stage with several, kept equal by sync_tied_gradients)
+        self.tied_embeddings = bool(tied)
         self.layout = layout
         self.stage = stage
         self.is_first = layout.has_embedding(stage)
@@ -106,6 +124,11 @@ class PipelineWrapper(nn.Module):
             last = f"stage {layout.num_stages - 1}"
             model.model.norm = _Placeholder("model.norm", last)
             model.lm_head = _Placeholder("lm_head", last)
+        elif tied and not self.is_first:
+            # the head's own copy of the shared weight (the embedding module is gone from this
+            # rank); a new Parameter on the same tensor: no copy, no link to the old module
+            shared = model.lm_head.weight
+            model.lm_head.weight = nn.Parameter(shared.detach(), requires_grad=shared.requires_grad)
         for mod in model.modules():  # HF's checkpointing would wrap every layer; the plan decides
             if getattr(mod, "gradient_checkpointing", False) is True:
                 mod.gradient_checkpointing = False
@@ -137,7 +160,22 @@ class PipelineWrapper(nn.Module):
         ``strict``, every parameter of this stage must be present."""
         own = self.model.state_dict()
         sub = {k: v for k, v in state_dict.items() if k in own}
+        if self.tied_embeddings and HEAD_WEIGHT in own and HEAD_WEIGHT not in sub and EMBED_WEIGHT in state_dict:
+            sub[HEAD_WEIGHT] = state_dict[EMBED_WEIGHT]  # an HF tied checkpoint keeps the weight once
         return self.model.load_state_dict(sub, strict=strict, assign=assign)
+
+    @property
+    def tied_weight(self) -> nn.Parameter | None:
+        """This stage's copy of tied input/output embeddings when the tie spans stages (first
+        stage: the embedding's weight, last stage: the LM head's); ``None`` otherwise (untied,
+        one stage, or a middle stage)."""
+        if not self.tied_embeddings or self.layout.num_stages == 1:
+            return None
+        if self.is_first:
+            return self.model.model.embed_tokens.weight
+        if self.is_last:
+            return self.model.lm_head.weight
+        return None
 
     @property
     def decoder_layers(self) -> list[nn.Module]:
@@ -183,8 +221,10 @@ class PipelineWrapper(nn.Module):
     def full_state_dict(self, pp_group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor] | None:
         """All stages' parameters and persistent buffers gathered on pipeline rank 0 (CPU
         tensors; ``None`` on other ranks): a full HF state dict. Collective over ``pp_group``
-        (``None``: the default group, or no group at all with one stage)."""
-        own = {k: v.detach() for k, v in self.model.state_dict().items()}
+        (``None``: the default group, or no group at all with one stage). Tied embeddings appear
+        once, as ``model.embed_tokens.weight`` (HF's tied checkpoint format)."""
+        own = {k: v.detach() for k, v in self.model.state_dict().items()
+               if not (self.tied_embeddings and k == HEAD_WEIGHT)}
         if self.layout.num_stages == 1:
             return {k: v.cpu().clone() for k, v in own.items()}
         if not dist.is_initialized():
