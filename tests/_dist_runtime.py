@@ -3,9 +3,10 @@
 Each rank builds the same tiny models, computes the single-process HF reference itself, runs
 every plan of :func:`_runtime_cases.plans_for` on its stage and compares the loss and its own
 stage's gradients, a few of them also under bf16 autocast; a tied-embedding Llama checks the
-gradient sum of the two copies of its shared weight; with 4 ranks it also runs two independent 2-stage pipelines on subgroups
-(group rank != global rank). Results (failures, measured vs predicted memory) go to
-``<outdir>/rank<r>.json``; the test asserts on them.
+gradient sum of the two copies of its shared weight (first and last stage); with 4 ranks it also
+runs two independent 2-stage pipelines on subgroups (group rank != global rank). Results
+(failures, measured vs predicted memory, autocast errors) go to ``<outdir>/rank<r>.json``; the
+test asserts on them.
 """
 
 from __future__ import annotations

@@ -376,6 +376,37 @@ def test_autocast_stores_kv_in_the_autocast_dtype(monkeypatch):
         assert seen and set(seen) == {(want, want)}, (amp, set(seen))
 
 
+def test_autocast_attention_casts_leaves_stored_in_another_dtype():
+    """Earlier slices' K/V stored as float32 (e.g. profiling with random leaves) and attended to
+    under bf16 autocast: cast on the way in, exactly as if stored in bf16, and the gradient still
+    reaches the float32 leaves (CPU fused path and the concatenating path with dropout)."""
+    from concertina_hf.runtime.attention import concertina_attention_forward
+
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    H, K, D, C, s = 4, 2, 8, 12, 5
+    k0, v0 = torch.randn(1, K, C, D), torch.randn(1, K, C, D)
+    q, k, v = torch.randn(1, H, s, D), torch.randn(1, K, s, D), torch.randn(1, K, s, D)
+    for dropout in (0.0, 1e-9):  # a (negligible) dropout takes the torch.cat + SDPA path
+        outs, leaf_grads = [], []
+        for stored in (torch.float32, torch.bfloat16):
+            store = KVStore()
+            store.put_if_absent(0, 0, 0, k0.to(stored), v0.to(stored), requires_grad=True)
+            ctx = ChunkAttentionContext([SliceSpec(0, C, s, 0, True)], store, "cpu", True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out, _ = concertina_attention_forward(module, q, k, v, None, dropout=dropout, scaling=D ** -0.5,
+                                                      concertina_ctx=ctx)
+            assert out.dtype == torch.bfloat16
+            out.float().square().sum().backward()
+            (e,) = store.entries(0, 0)
+            assert e.k_leaf.grad is not None and e.k_leaf.grad.dtype == stored
+            outs.append(out)
+            leaf_grads.append(e.k_leaf.grad.float())
+        if dropout == 0.0:
+            assert torch.equal(outs[0], outs[1]) and torch.equal(leaf_grads[0], leaf_grads[1])
+
+
 # ---------------------------------------------------------------------------- errors
 def test_errors_name_the_problem(caplog):
     model = tiny_model("llama", num_layers=2)

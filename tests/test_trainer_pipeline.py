@@ -11,6 +11,12 @@ Two launches, each checking many things:
   shard per stage) ends on the same parameters. Qwen2 also runs with HF's own
   ``DataCollatorWithFlattening`` instead of ``LengthAwareCollator``, plans with a cost model
   profiled at startup, and recomputes every layer (``full-recompute``).
+- **pp = 2, tied embeddings** (same launch): a Llama whose input and output embeddings are one
+  matrix; stage 0 trains the embedding, stage 1 its own copy in the head, their gradients summed
+  every step: Trainer's losses, gradient norms (the shared weight counted once) and final model,
+  the two copies bit-identical after 4 steps, saved once as an HF tied checkpoint.
+- **pp = 2, bf16=True** (same launch): autocast mixed precision with float32 master weights,
+  against ``Trainer(bf16=True)`` within bf16 tolerances.
 - **pp = 2 x dp = 2** (4 ranks): two replicas, each reading its half of every step; equals one
   ``Trainer`` process with twice the per-device batch size.
 
@@ -41,8 +47,8 @@ def _config(arch: str):
     from transformers import LlamaConfig, Qwen2Config
 
     kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, tie_word_embeddings=False)
-    return LlamaConfig(**kw) if arch == "llama" else Qwen2Config(**kw)
+              num_key_value_heads=2, tie_word_embeddings=arch == "llama-tied")
+    return Qwen2Config(**kw) if arch == "qwen2" else LlamaConfig(**kw)
 
 
 def _model(arch: str):
@@ -108,7 +114,29 @@ def _worker_pp2(out: str) -> None:
         info["resumed_losses"] = _summary(resumed)["losses"]
         with open(os.path.join(d, f"info-rank{trainer.topology.rank}.json"), "w") as fh:
             json.dump(info, fh)
-    resumed.end()  # destroys the process group: a live gloo group can abort the interpreter's exit
+
+    # tied input/output embeddings (float32) and bf16 autocast: 4 steps each, no checkpoints
+    for name, arch, extra in (("tied", "llama-tied", {}), ("bf16", "llama", dict(bf16=True))):
+        d = os.path.join(out, name)
+        args = ConcertinaTrainingArguments(output_dir=d, save_strategy="no", concertina_max_tokens_per_chunk=16,
+                                           **COMMON, **extra)
+        trainer = ConcertinaTrainer(model=_model(arch), args=args, train_dataset=_dataset())
+        trainer.train()
+        info = _summary(trainer)
+        info["stage_params"] = sorted(n for n, _ in trainer.model.named_parameters())
+        if name == "tied":
+            tied = trainer.pipeline.tied_weight
+            torch.save(tied.detach().clone(), os.path.join(d, f"tied-rank{trainer.topology.rank}.pt"))
+            trainer.save_model(os.path.join(d, "final"))
+            # resuming loads each stage's copy from the one saved tensor
+            saved = tied.detach().clone()
+            with torch.no_grad():
+                tied.add_(1.0)
+            trainer._load_stage_weights(os.path.join(d, "final"))
+            info["reloaded_tied_copy"] = torch.equal(tied.detach(), saved)
+        with open(os.path.join(d, f"info-rank{trainer.topology.rank}.json"), "w") as fh:
+            json.dump(info, fh)
+    trainer.end()  # destroys the process group: a live gloo group can abort the interpreter's exit
 
 
 def _worker_dp2(out: str) -> None:
@@ -213,6 +241,31 @@ def test_pp2_matches_trainer_for_llama_and_qwen2(tmp_path):
         assert info["resumed_losses"] == pytest.approx(info["losses"], abs=1e-6)
         worst, name = _worst_rel(_load(tmp_path / arch / "final"), _load(tmp_path / arch / "resumed"))
         assert worst < 1e-6, (arch, "resume", name, worst)
+
+
+    # tied embeddings: Trainer's training, the two copies equal, one tensor in the checkpoint
+    from safetensors import safe_open
+
+    ref_info, ref_state = _reference("llama-tied", tmp_path / "ref-tied")
+    ranks = [json.loads((tmp_path / "tied" / f"info-rank{r}.json").read_text()) for r in (0, 1)]
+    assert "model.embed_tokens.weight" in ranks[0]["stage_params"] and "lm_head.weight" in ranks[1]["stage_params"]
+    assert ranks[0]["reloaded_tied_copy"] and ranks[1]["reloaded_tied_copy"]
+    assert max(abs(a - b) for a, b in zip(ranks[0]["losses"], ref_info["losses"])) < 1e-5
+    assert max(abs(a - b) / b for a, b in zip(ranks[0]["grad_norms"], ref_info["grad_norms"])) < 1e-4
+    first, last = (torch.load(tmp_path / "tied" / f"tied-rank{r}.pt") for r in (0, 1))
+    assert torch.equal(first, last)  # same gradients, same optimizer steps: the same bits
+    with safe_open(str(tmp_path / "tied" / "final" / "model.safetensors"), framework="pt") as fh:
+        assert "lm_head.weight" not in set(fh.keys())
+    loaded = _load(tmp_path / "tied" / "final")  # tie_word_embeddings: lm_head.weight is the embedding
+    assert torch.equal(loaded["lm_head.weight"], first) and torch.equal(loaded["model.embed_tokens.weight"], first)
+    worst, name = _worst_rel(ref_state, loaded)
+    assert worst < 1e-4, ("tied", name, worst)
+
+    # bf16 autocast: within bf16 tolerances of Trainer(bf16=True) (see test_trainer.py)
+    ref_info, _ = _reference("llama", tmp_path / "ref-bf16", bf16=True, use_cpu=True)
+    info = json.loads((tmp_path / "bf16" / "info-rank0.json").read_text())
+    assert max(abs(a - b) / b for a, b in zip(info["losses"], ref_info["losses"])) < 2e-4
+    assert max(abs(a - b) / b for a, b in zip(info["grad_norms"], ref_info["grad_norms"])) < 5e-3
 
 
 @pytest.mark.slow

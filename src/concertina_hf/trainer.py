@@ -21,24 +21,35 @@ How a step runs (the Trainer's loop is kept; these are its override points in tr
    accumulate, equal to the gradient of ``sum CE / num_items``) and returns 0 for the others, so
    the Trainer's loss bookkeeping sums to the step's loss.
 3. **Replicas.** No DDP: after the step, each stage all-reduces its gradients with the same stage
-   of the other replicas (one flat buffer per dtype). Clipping uses the global norm: squared norms
-   all-reduced over the pipeline. The logged loss is the global value on every rank.
+   of the other replicas (one flat buffer per dtype). Tied input/output embeddings split over
+   stages (the embedding on the first, a copy in the LM head on the last) then sum their two
+   gradients (``PipelineExecutor.sync_tied_gradients``), so both copies take the same step and
+   stay equal. Clipping uses the global norm: squared norms all-reduced over the pipeline, the
+   tied weight counted once. The logged loss is the global value on every rank.
 4. **Optimizer and scheduler** are the Trainer's, built over the stage's parameters (original HF
    names, so weight-decay groups are the same).
 5. **Evaluation** runs through the pipeline (``train=False``), one planned step per eval batch.
 6. **Checkpoints** are standard HF model directories: the full state dict is gathered to the
    main process (``PipelineWrapper.full_state_dict``) and written by ``save_pretrained``, so
-   ``AutoModelForCausalLM.from_pretrained`` loads them without this package. Each stage writes
+   ``AutoModelForCausalLM.from_pretrained`` loads them without this package (tied embeddings are
+   written once, as HF does, and the last stage's copy is loaded from them). Each stage writes
    its own optimizer state shard (``optimizer.stage{s}-of-{p}.pt``); resuming loads the stage's
    weights from the full checkpoint and its own shard. ``concertina.json`` and
    ``layout_cost_model.json`` record the stage layout and the cost models: a resumed run must
    split the layers the same way (with ``resume_from_checkpoint`` in the arguments the trainer
    takes the layout from the checkpoint at construction; a profiled cost model is not
    reproducible otherwise).
+7. **Precision.** ``bf16=True`` (or an accelerate config's ``mixed_precision: bf16``) runs the
+   pipeline's forwards (training and evaluation) under accelerate's autocast, as ``Trainer`` runs
+   the model's forward, and its backwards outside it; weights, gradients and optimizer state keep
+   the model's dtype (float32 master weights for a float32 model). fp16 is refused.
 
 Ranks: ``rank = replica * pipeline_size + stage``. Costs per step beyond the pipeline itself: a
 plan broadcast and a statistics gather over the pipeline group (a few KB), one gradient
-all-reduce over each data-parallel group, one scalar all-reduce for the norm.
+all-reduce over each data-parallel group, one scalar all-reduce for the norm; with tied embeddings
+over several stages, one ``vocab x hidden`` gradient exchange between the first and the last stage
+(and that copy's weight, gradient and optimizer state on the last stage, which the trainer adds to
+the cost model's static memory of the last stage).
 """
 
 from __future__ import annotations

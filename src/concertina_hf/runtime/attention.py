@@ -212,13 +212,20 @@ class ChunkAttentionContext:
                 self.store.put_if_absent(s.seq, s.start, layer, key[:, :, s.offset:s.offset + s.length],
                                          value[:, :, s.offset:s.offset + s.length], self.requires_grad)
 
-    def key_pieces(self, layer: int) -> tuple[tuple, list[torch.Tensor], list[torch.Tensor]]:
+    def key_pieces(self, layer: int, dtype: torch.dtype | None = None
+                   ) -> tuple[tuple, list[torch.Tensor], list[torch.Tensor]]:
         """The slice-by-slice key layout as pieces: ``("p", i)`` for the ``i``-th earlier-slice
-        leaf, ``("o", offset, length)`` for this chunk's own keys; plus the leaves (K, V)."""
+        leaf, ``("o", offset, length)`` for this chunk's own keys; plus the leaves (K, V).
+
+        ``dtype``: the dtype of this chunk's own keys. Leaves stored in another dtype (earlier
+        slices run under another autocast state; the runtime never does that within a step) are
+        cast to it, through autograd, so their gradient still reaches the leaf."""
         layout, pk, pv = [], [], []
         for s in self.slices:
             if s.start > 0:
                 for k_leaf, v_leaf in self.store.prefix_parts(s.seq, s.start, layer):
+                    if dtype is not None and k_leaf.dtype != dtype:
+                        k_leaf, v_leaf = k_leaf.to(dtype), v_leaf.to(dtype)
                     layout.append(("p", len(pk)))
                     pk.append(k_leaf)
                     pv.append(v_leaf)
@@ -230,7 +237,7 @@ class ChunkAttentionContext:
         self.store_own(layer, key, value)
         if not self.has_context:
             return key, value
-        layout, pk, pv = self.key_pieces(layer)
+        layout, pk, pv = self.key_pieces(layer, key.dtype)
         return _assemble(layout, key, pk), _assemble(layout, value, pv)
 
     def mask(self, window: int | None) -> torch.Tensor:
@@ -394,7 +401,7 @@ def concertina_attention_forward(
     use_flash = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and flash_attn_available()
     if not use_flash and ctx.has_context and query.device.type == "cpu" and dropout == 0.0:
         ctx.store_own(layer, key, value)
-        layout, pk, pv = ctx.key_pieces(layer)
+        layout, pk, pv = ctx.key_pieces(layer, key.dtype)
         out = _ContextAttentionCPU.apply(query, key, value, ctx.additive_mask(sliding_window, query.dtype),
                                          scaling, layout, *pk, *pv)
         return out.transpose(1, 2).contiguous(), None
