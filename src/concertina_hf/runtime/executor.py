@@ -158,7 +158,7 @@ class PipelineExecutor:
         way), and each adds the other's to its own, so the two sums are equal bit for bit.
         """
         weight = self.wrapper.tied_weight
-        if weight is None or self.comm is None:
+        if weight is None or self.comm is None or not weight.requires_grad:  # frozen: same on both stages
             return
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
