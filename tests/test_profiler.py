@@ -49,6 +49,9 @@ SEQ_LENS = (300, 90, 60, 40, 30, 20)
 # the long sequence in 3 slices (the tail in a hybrid chunk), the short ones packed
 CHUNKS = [[(0, 0, 120)], [(0, 120, 100)], [(0, 220, 80), (1, 0, 90)], [(2, 0, 60), (3, 0, 40), (4, 0, 30), (5, 0, 20)]]
 RECOMPUTE = {"none": (0, 0, 0, 0), "partial": (2, 1, 3, 0), "full": (4, 4, 4, 4), "mixed": (4, 0, 4, 2)}
+# the executor's per-chunk loss scalars (a few 4-byte tensors alive in the head's backward) are
+# not in the cost model; a prediction that is exact otherwise may be under by that much
+SCALAR_BYTES = 64
 
 
 def _config(kind: str = "llama"):
@@ -126,11 +129,13 @@ def test_profile_fits_exact_bytes_and_leaves_the_model_alone(profiled):
     assert cost.bwd_factor > 0.5 and cost.head_time_per_token > 0
     assert cost.alpha_mask > 0
     # bytes of float32 tensors, exactly: a recomputed layer keeps its input, and the checkpoint
-    # closures keep the chunk's rotary tables (cos, sin) and 4 int64 position/sequence index
-    # tensors, spread over the 4 profiled layers; a non-final slice keeps its K and V; the mask
-    # is one float per (query, key), plus one bool the context keeps when layers recompute; the
-    # head keeps at least the float32 log-probabilities
-    assert cost.ckpt_bytes_per_token == pytest.approx(4 * h + (2 * 4 * 16 + 4 * 8) / NUM_LAYERS)
+    # closures keep the chunk's rotary tables (cos, sin; saved layers keep them too: spread over
+    # the 4 profiled layers) and, once per chunk with any recompute, 4 int64 position/sequence
+    # index tensors; a non-final slice keeps its K and V; the mask is one float per (query, key),
+    # plus one bool the context keeps when layers recompute; the head keeps at least the float32
+    # log-probabilities
+    assert cost.ckpt_bytes_per_token == pytest.approx(4 * h + 2 * 4 * 16 / NUM_LAYERS)
+    assert cost.ckpt_chunk_bytes_per_token == pytest.approx(4 * 8)
     assert cost.kv_bytes_per_token == pytest.approx(4 * 2 * kv_dim)
     assert cost.mask_bytes_per_pair == pytest.approx(4.0 + 1.0, rel=1e-3)
     assert 4 * VOCAB <= cost.logits_bytes_per_token <= 4 * VOCAB + 16 * h
@@ -183,7 +188,8 @@ def test_wrapper_profile_matches_model_profile(profiled):
 
     w = PipelineWrapper(copy.deepcopy(model), StageLayout.even(NUM_LAYERS, 1), 0)
     wcost = profile_cost_model(w, repeats=1, warmup=0)
-    names = ("act_bytes_per_token", "ckpt_bytes_per_token", "kv_bytes_per_token", "mask_bytes_per_pair",
+    names = ("act_bytes_per_token", "ckpt_bytes_per_token", "ckpt_chunk_bytes_per_token", "kv_bytes_per_token",
+             "mask_bytes_per_pair",
              "logits_bytes_per_token", "bwd_transient_bytes_per_token", "head_bwd_transient_bytes_per_token",
              "layer_params", "head_params", "embed_params")
     for name in names:
@@ -191,8 +197,9 @@ def test_wrapper_profile_matches_model_profile(profiled):
     assert all(p.grad is None for p in w.parameters())
     two = profile_cost_model(model, repeats=1, warmup=0, num_layers=2)
     assert two.act_bytes_per_token == pytest.approx(cost.act_bytes_per_token, rel=0.01)
-    per_chunk = 2 * 4 * 16 + 4 * 8  # rotary tables and index tensors, per token of a chunk
+    per_chunk = 2 * 4 * 16  # rotary tables, per token of a chunk (index tensors: once per chunk)
     assert two.ckpt_bytes_per_token - cost.ckpt_bytes_per_token == pytest.approx(per_chunk / 2 - per_chunk / 4)
+    assert two.ckpt_chunk_bytes_per_token == cost.ckpt_chunk_bytes_per_token
 
 
 def test_measure_chunk_errors(profiled):
@@ -230,12 +237,11 @@ def test_stage_peak_stays_within_the_plans_prediction(profiled):
     plans of the adaptive planner under binding budgets when it is there: measured activation
     memory <= predicted peak, relative error under 10%.
 
-    Measured here (live tensors): none 3%, full 6%, partial 12%, mixed 4%, adaptive 21% and 9%.
-    The error is under 10% wherever no chunk recomputes only part of the stage's layers. With
-    ``0 < r < n`` the simulator adds a recomputed layer's activations to the backward's peak
-    (``CostModel.transient_memory``, a step at ``r >= 1`` that the recompute ILP relies on),
-    but the runtime recomputes the first ``r`` layers last, after the saved ones have freed
-    theirs; applying it only at ``r == n`` brings every plan here within 5%."""
+    Measured here (live tensors), error of the prediction: none 3%, partial 4%, full 6%, mixed
+    4%, adaptive 4-5%. (Before the simulator added a recomputed layer's activations to the
+    backward's peak only when every layer of the stage recomputes, as the runtime behaves: it
+    recomputes the first ``r`` layers last, after the saved ones freed theirs, partial was 12%
+    and adaptive 21%.)"""
     model, cost = profiled
     lay = StageLayout.even(NUM_LAYERS, 1)
     static = cost.static_memory(lay, 0)
@@ -260,15 +266,17 @@ def test_stage_peak_stays_within_the_plans_prediction(profiled):
         predicted = simulate(plan, cost).peak_memory_bytes[0] - static
         meter, live = _step_peaks(ex, plan, ids)
         rows.append((name, predicted, meter, live))
-        # within the prediction, by both measures (and so within the plan's budget)
-        assert meter <= predicted and live <= predicted, (name, predicted, meter, live)
+        # within the prediction, by both measures (and so within the plan's budget), but for a
+        # few bytes of the executor's loss scalars during the head's backward (not modelled)
+        assert meter <= predicted + SCALAR_BYTES and live <= predicted + SCALAR_BYTES, (name, predicted, meter, live)
         if plan.memory_budget_bytes:
-            assert live + static <= plan.memory_budget_bytes[0]
+            assert live + static <= plan.memory_budget_bytes[0] + SCALAR_BYTES
     print("\nplan         predicted       live      meter  error(live)")
     for name, pred, meter, live in rows:
         print(f"{name:11s} {pred:10.0f} {live:10d} {meter:10d} {(pred - live) / pred:11.2%}")
-    err = {name: (pred - live) / pred for name, pred, _, live in rows}
-    assert err["none"] < 0.10 and err["full"] < 0.10
+    for name, pred, _, live in rows:
+        assert (pred - live) / pred < 0.10, (name, pred, live)
+    assert len(rows) == len(RECOMPUTE) + (2 if plan_step is not None else 0)
 
 
 # ---------------------------------------------------------------------------------- two stages
@@ -327,5 +335,5 @@ def test_two_stage_peaks_stay_within_the_prediction(tmp_path, monkeypatch):
     for r in reports:
         for name, pred, meter, live in r["rows"]:
             print(f"{r['rank']:5d} {name:9s} {pred:10.0f} {live:10d} {meter:10d} {(pred - live) / pred:11.2%}")
-            assert meter <= pred and live <= pred, (r["rank"], name, pred, meter, live)
+            assert meter <= pred + SCALAR_BYTES and live <= pred + SCALAR_BYTES, (r["rank"], name, pred, meter, live)
             assert (pred - live) / pred < 0.10, (r["rank"], name, pred, live)

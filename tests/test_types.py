@@ -100,8 +100,15 @@ def test_analytic_cost_model_terms():
     # recompute trades activation bytes for time; the head stage keeps logits
     assert cost.act_memory(lay, 0, short, 2) < cost.act_memory(lay, 0, short, 0)
     assert cost.act_memory(lay, 1, short) > cost.act_memory(lay, 0, short)
-    # a recomputed slice of a split sequence still keeps its K/V
-    assert cost.act_memory(lay, 0, late, 2, split_seqs={1}) > cost.act_memory(lay, 0, late, 2)
+    # a recomputed non-final slice (split chunk) still keeps its K/V; a final one (hybrid) does not
+    early = Chunk(2, ChunkKind.SPLIT, (Slice(1, 800, 100),))
+    assert cost.act_memory(lay, 0, early, 2) == pytest.approx(
+        cost.act_memory(lay, 0, late, 2) + 2 * cost.kv_bytes_per_token * 100)
+    assert cost.act_memory(lay, 0, late, 2, split_seqs={1}) == cost.act_memory(lay, 0, late, 2)
+    # recomputing all of a stage's layers re-materializes one in backward; fewer do not raise it
+    assert cost.transient_memory(lay, 0, short, 1) == cost.transient_memory(lay, 0, short, 0)
+    assert cost.transient_memory(lay, 0, short, 2) == pytest.approx(
+        cost.transient_memory(lay, 0, short, 0) + cost.act_bytes_per_token * 100)
     assert cost.static_memory(lay, 0) > 0 and CostModel.from_dict(cost.to_dict()) == cost
 
 

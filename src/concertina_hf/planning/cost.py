@@ -8,9 +8,11 @@ Per decoder layer, for a chunk whose slices have lengths ``s_i`` and contexts ``
 The attention term counts (query, key) pairs under the causal mask, so a late slice of a long
 sequence costs more than an early one of the same length. Activation memory per layer is
 ``act_bytes_per_token * tokens`` when the layer saves its activations and
-``ckpt_bytes_per_token * tokens`` when it is recomputed (only its input is kept); slices of split
-sequences additionally keep their K/V (``kv_bytes_per_token`` per layer) for later slices, freed
-with the chunk's backward. While a split sequence runs backward (reverse slice order), the
+``ckpt_bytes_per_token * tokens`` when it is recomputed (only its input is kept); a split chunk (a
+non-final slice of a split sequence) additionally keeps its K/V (``kv_bytes_per_token`` per
+recomputed layer) for later slices, freed with the chunk's backward. A hybrid chunk's tail slice
+is final: it keeps no K/V of its own (the earlier slices' K/V it attends to are counted with their
+chunks). While a split sequence runs backward (reverse slice order), the
 gradient buffers of its earlier slices' K/V are alive too. The last stage keeps the chunk's
 logits (``logits_bytes_per_token``) until its backward. Static memory is parameters, gradients
 and optimizer state: ``static_bytes_per_param`` per parameter of the stage.
@@ -22,14 +24,21 @@ layer and context token; a non-final slice with context also keeps its own K/V i
 counted with the same coefficient); an explicit attention mask, built once per chunk when the
 chunk is not one whole sequence, holds ``mask_bytes_per_pair * T * S`` bytes (``T`` tokens,
 ``S = T + sum C`` keys; SDPA backends, not flash-attn); a stage other than the last keeps its
-output until the backward (``output_bytes_per_token``). Backends that compute attention densely
+output until the backward (``output_bytes_per_token``); a chunk with any recomputed layer keeps,
+once, what the checkpoint closures hold beyond the layers' inputs and what saved layers keep too
+(``ckpt_chunk_bytes_per_token``: the attention context's index tensors), a step at ``r >= 1`` that
+the recompute planner's linear model over-approximates by ``(r - 1)`` times it (conservative). Backends that compute attention densely
 over ``T x S`` whenever a chunk needs a mask (SDPA on CPU) cost ``alpha_mask * T * S`` per layer
 instead of ``alpha_attn * pairs`` on such chunks (``alpha_mask = 0``: flash-attn's varlen kernel).
 During a chunk's backward the stage briefly holds more than its activations: the hidden-state
 gradients in and out (``2 * hidden_bytes_per_token``), or, when measured, the peak extra of a
 decoder layer's backward (``bwd_transient_bytes_per_token``: gradients of its intermediate
 activations) or of the head's (``head_bwd_transient_bytes_per_token``: the logits' gradient;
-it runs first and frees the logits before the layers' backward), whichever is largest.
+it runs first and frees the logits before the layers' backward), whichever is largest. A
+recomputed layer re-materializes its activations in backward, but the runtime recomputes the
+*first* ``r`` layers of a stage, which run backward last, after every saved layer has freed its
+own (at least as many bytes): so this raises the backward's peak only when all the stage's layers
+recompute (``r == n``), by ``act_bytes_per_token`` per token.
 
 Two constructors: :meth:`CostModel.from_hf_config` (FLOPs and bytes of the architecture at a
 device's rates) and :meth:`CostModel.fit` (least squares over measured samples, e.g. from
@@ -132,6 +141,7 @@ class CostModel:
     output_bytes_per_token: float = 0.0  # stage output kept until backward (not the last stage)
     bwd_transient_bytes_per_token: float = 0.0  # peak extra during a decoder layer's backward
     head_bwd_transient_bytes_per_token: float = 0.0  # peak extra during the head's backward
+    ckpt_chunk_bytes_per_token: float = 0.0  # per chunk with any recomputed layer (closures keep it)
     # a recomputed layer's forward, relative to a plain one (non-reentrant checkpointing stops
     # the replay once the tensors backward needs exist, so the last ops are skipped)
     recompute_factor: float = 1.0
@@ -277,15 +287,20 @@ class CostModel:
                    split_seqs: frozenset[int] | set[int] = frozenset()) -> float:
         """Bytes a chunk holds on ``stage`` from its forward until its backward.
 
-        ``split_seqs``: sequences that are split into several slices in this plan; their slices
-        keep K/V on recomputed layers too (later slices attend to it).
+        A split chunk keeps its K/V on recomputed layers too (later slices attend to it); what
+        is split comes from ``chunk.kind``. ``split_seqs`` is accepted for compatibility and
+        ignored (it used to select those slices, which also counted hybrid tails: they are final
+        and keep no K/V of their own).
         """
+        del split_seqs  # the chunk kind says it (see the docstring)
         n = layout.num_stage_layers(stage)
         tok = chunk.num_tokens
-        kv_tok = sum(s.length for s in chunk.slices if s.seq in split_seqs)
+        kv_tok = tok if chunk.kind is ChunkKind.SPLIT else 0
         saved = n - recompute_layers
         mem = saved * self.act_bytes_per_token * tok
         mem += recompute_layers * (self.ckpt_bytes_per_token * tok + self.kv_bytes_per_token * kv_tok)
+        if recompute_layers and self.ckpt_chunk_bytes_per_token:
+            mem += self.ckpt_chunk_bytes_per_token * tok
         if layout.has_head(stage):
             mem += self.logits_bytes_per_token * tok
         else:
@@ -306,14 +321,16 @@ class CostModel:
         return layout.num_stage_layers(stage) * self.kv_bytes_per_token * earlier_tokens
 
     def transient_memory(self, layout: StageLayout, stage: int, chunk: Chunk, recompute_layers: int = 0) -> float:
-        """Extra bytes during the chunk's backward: a recomputed layer's activations and the
-        incoming/outgoing hidden-state gradients (or the measured peak of a layer's or the
-        head's backward, when larger)."""
+        """Extra bytes during the chunk's backward: the incoming/outgoing hidden-state gradients
+        (or the measured peak of a layer's or the head's backward, when larger), plus a
+        recomputed layer's activations when every layer of the stage recomputes (see the module
+        docstring: with ``recompute_layers < n`` the saved layers' backwards free more first)."""
         tok = chunk.num_tokens
+        n = layout.num_stage_layers(stage)
         # a layer's backward: its gradients in flight (at least the hidden-state gradients in
-        # and out), plus the activations it recomputes
+        # and out), plus the activations it recomputes when no saved layer freed room first
         layer = max(2 * self.hidden_bytes_per_token, self.bwd_transient_bytes_per_token)
-        if recompute_layers:
+        if n and recompute_layers >= n:
             layer += self.act_bytes_per_token
         head = 0.0
         if layout.has_head(stage) and self.head_bwd_transient_bytes_per_token:

@@ -7,9 +7,10 @@ budget at every moment of the schedule.
 Memory. A stage's memory only depends on its own action order (see
 :mod:`concertina_hf.planning.simulate`), and it is linear in the recompute row: a chunk in
 flight holds ``A0[c] - r[c] * D[c]`` bytes (``D``: a layer's saved activations minus what a
-recomputed layer keeps: its input, plus K/V for slices of split sequences), and during its own
-backward a recomputed chunk re-materializes one layer (``X[c]``, the step of
-``transient_memory`` from 0 to 1 recomputed layers). The local maxima are right after each
+recomputed layer keeps: its input, plus K/V for split chunks), and during its own backward a
+chunk that recomputes *every* layer of the stage re-materializes one layer (``X[c]``, the step of
+``transient_memory`` from 0 to ``n`` recomputed layers; with fewer, the runtime recomputes the
+first layers, which run backward after the saved ones have freed more than that). The local maxima are right after each
 forward and during each backward (:func:`~concertina_hf.planning.simulate.memory_moments`);
 only moments that can exceed the budget at all are kept, and a forward's moment is dropped when
 the backward after it holds a superset (the 1F1B steady state), so the model has about one
@@ -28,9 +29,9 @@ on all 30 tiny random instances we enumerated. ``1e-3`` times the total recomput
 ties towards less work.
 
 Variables. One integer per cell (only cells that appear in a kept constraint and whose recompute
-saves memory), one continuous max per diagonal, and a binary "recomputes at all" per cell whose
-own backward is constrained (the ``X`` term). We chose per-cell integers over one integer per
-diagonal scaled by layer counts: memory pressure differs per stage (stage ``s`` holds
+saves memory), one continuous max per diagonal, and a binary "recomputes every layer" per cell
+whose own backward is constrained (the ``X`` term; ``y >= r - (n - 1)``, the convex hull). We
+chose per-cell integers over one integer per diagonal scaled by layer counts: memory pressure differs per stage (stage ``s`` holds
 ``p - s - 1 + n`` chunks in flight) and per chunk (long slices carry K/V), and slack differs per
 cell, so one integer per diagonal would recompute on cells that neither need it nor can hide it.
 The per-diagonal max keeps the diagonal structure in the objective. For ~100 chunks on 4 stages
@@ -151,7 +152,7 @@ class _Model:
             if row[c]:
                 v -= row[c] * D[c]
         b = m.backward
-        if b >= 0 and row[b]:
+        if b >= 0 and row[b] >= self.layers[s]:
             v += self.X[s][b]
         return v
 
@@ -174,7 +175,7 @@ def _build_model(plan: Plan, cost: CostModel, budgets: Sequence[int]) -> _Model:
             a0[i] = cost.act_memory(lay, s, c, 0, split)
             d[i] = a0[i] - cost.act_memory(lay, s, c, 1, split)
             t0[i] = cost.transient_memory(lay, s, c, 0)
-            x[i] = cost.transient_memory(lay, s, c, 1) - t0[i]
+            x[i] = cost.transient_memory(lay, s, c, layers[s]) - t0[i]
         A0.append(a0)
         D.append(d)
         X.append(x)
@@ -365,16 +366,18 @@ def _greedy(model: _Model, start: list[list[int]] | None = None) -> list[list[in
                     rc = row[c]
                     if rc >= L or D[c] <= 0:
                         continue
-                    # the first recomputed layer re-materializes X during the chunk's own backward
-                    first = X[c] if (c == m.backward and rc == 0) else 0.0
-                    k_need = min(L - rc, math.ceil((excess + first) / D[c]))
+                    # recomputing every layer re-materializes X during the chunk's own backward
+                    own = c == m.backward
+                    k_need = min(L - rc, math.ceil(excess / D[c]))
                     ks = [k_need]
+                    if own and rc + k_need >= L and L - 1 - rc > 0:
+                        ks.append(L - 1 - rc)  # all but one layer: no X
                     if t[c] > 0:  # layers hidden by slack or by the diagonal's delay: free
                         k_free = min(L - rc, int((zmax[diag[c]] + slack[c]) / t[c] + 1e-9) - rc)
                         if 0 < k_free < k_need:
                             ks.append(k_free)
                     for k in ks:
-                        saving = k * D[c] - first
+                        saving = k * D[c] - (X[c] if own and rc + k >= L else 0.0)
                         if saving <= 0:
                             continue
                         added = max(0.0, model.delay(s, c, rc + k) - zmax[diag[c]]) + _EPS_TOTAL * k * t[c]
@@ -443,9 +446,9 @@ def _ilp(model: _Model, time_limit_s: float, start: list[list[int]] | None = Non
             if (s, b) not in y:
                 yb = y[(s, b)] = new_var(f"y_{s}_{b}", 0, 1, cat="Integer")
                 rb = rv(s, b)
-                # y = [r > 0]: r <= L y is the convex hull's facet, r >= y removes y = 1, r = 0
-                prob += _le([(rb, 1.0), (yb, -float(model.layers[s]))], 0.0, f"link_{s}_{b}")
-                prob += _le([(yb, 1.0), (rb, -1.0)], 0.0, f"linkl_{s}_{b}")
+                # y >= [r == L]: r - y <= L - 1 is the convex hull's facet; y only tightens the
+                # memory rows, so the solver keeps it at 0 whenever r < L
+                prob += _le([(rb, 1.0), (yb, -1.0)], float(model.layers[s] - 1), f"link_{s}_{b}")
             terms.append((y[(s, b)], model.X[s][b] / _GIB))
         prob += _le(terms, (model.budgets[s] - m.base0) / _GIB, f"mem_{k}")
     z: dict[int, pulp.LpVariable] = {}
@@ -464,7 +467,7 @@ def _ilp(model: _Model, time_limit_s: float, start: list[list[int]] | None = Non
             d = model.diag[s][c]
             zs[d] = max(zs.get(d, 0.0), 1e3 * model.delay(s, c, start[s][c]))
         for (s, b), var in y.items():
-            var.setInitialValue(1 if start[s][b] > 0 else 0)
+            var.setInitialValue(1 if start[s][b] >= model.layers[s] else 0)
         for d, var in z.items():
             var.setInitialValue(zs.get(d, 0.0))
     try:

@@ -38,8 +38,9 @@ Fit. Times go to :meth:`CostModel.fit` (``alpha_attn``, ``alpha_tok``, ``beta``,
 ``T x S`` keys whenever a chunk needs a mask, i.e. everywhere but flash-attn). Bytes with no
 recompute: non-negative least squares of ``bytes = layers * (act * T + ctx * context_tokens) +
 mask * T * S`` over every shape -> ``act_bytes_per_token``, ``context_bytes_per_token``,
-``mask_bytes_per_pair``; with full recompute -> ``ckpt_bytes_per_token``, (the extra of the
-non-final slice) ``kv_bytes_per_token``, and (the packed chunk's extra per key pair, when
+``mask_bytes_per_pair``; with full recompute and with one recomputed layer (whole sequence) ->
+``ckpt_bytes_per_token`` and ``ckpt_chunk_bytes_per_token`` (what closures keep once per chunk
+beyond the saved layers: index tensors), (the extra of the non-final slice) ``kv_bytes_per_token``, and (the packed chunk's extra per key pair, when
 larger: the boolean mask the context keeps too) ``mask_bytes_per_pair``; backward transients
 -> ``bwd_transient_bytes_per_token``, ``head_bwd_transient_bytes_per_token``; recompute ->
 ``recompute_factor``; head -> ``logits_bytes_per_token`` (everything the head keeps per token)
@@ -663,6 +664,13 @@ def profile_cost_model(
             mem_bytes.append(_chunk_bytes(pr, shp, True, 0))
         # full recompute: the layer inputs, plus K/V of a non-final slice
         ckpt_final = _chunk_bytes(pr, ((0, size),), False, n)
+        # one recomputed layer of n: what closures keep once per chunk beyond what the saved
+        # layers keep too (e), from b0 = n A, b1 = (n - 1) A + K + e, bn = n K + e
+        chunk_extra = 0.0
+        if n >= 2:
+            b0 = _chunk_bytes(pr, ((0, size),), False, 0)
+            b1 = _chunk_bytes(pr, ((0, size),), False, 1)
+            chunk_extra = max(0.0, (n * (b1 - b0) + b0 - ckpt_final) / (n - 1))
         ckpt_split = _chunk_bytes(pr, ((0, size),), True, n)
         # a chunk with a mask, recomputed: checkpoint closures keep its attention context alive
         masked = ((0, size // 2), (0, size - size // 2))
@@ -701,7 +709,7 @@ def profile_cost_model(
         ys.append(nbytes)
     act, ctx_b, mask_b = (float(v) for v in _nnls(np.array(feats, dtype=float), np.array(ys, dtype=float)))
     mask_b = max(mask_b, mask_rec)  # the cost model has one mask term: take the larger
-    ckpt = ckpt_final / (n * size)
+    ckpt = (ckpt_final - chunk_extra) / (n * size)
     kv = max(0.0, (ckpt_split - ckpt_final) / (n * size))
     hidden_bytes = float(dtype_bytes * pr.hidden_size)
     changes: dict[str, Any] = dict(
@@ -709,6 +717,7 @@ def profile_cost_model(
         context_bytes_per_token=ctx_b,
         mask_bytes_per_pair=mask_b,
         ckpt_bytes_per_token=ckpt,
+        ckpt_chunk_bytes_per_token=chunk_extra / size,
         kv_bytes_per_token=kv,
         hidden_bytes_per_token=hidden_bytes,
         output_bytes_per_token=hidden_bytes,
