@@ -7,13 +7,14 @@ through :class:`~concertina_hf.runtime.PipelineExecutor`, with an optimizer step
 pipeline step (the optimizer class and settings ``transformers.Trainer`` builds by default).
 
 Steps of the different jobs are interleaved round by round (round 0 is the untimed warm-up and
-memory round, rounds 1.. the timed steps), so a change of machine load hits every strategy
-alike. All jobs train the same weights: every strategy computes the same gradients for a batch
+memory round, rounds 1.. the timed steps; round ``r`` runs the jobs rotated by ``r``), so a
+change of machine load hits every strategy alike. All jobs train the same weights: every strategy computes the same gradients for a batch
 (the runtime's equivalence with the HF model), so the interleaved run is one valid training run.
 
-Planning is overlapped as in ``ReplanCallback``: pipeline rank 0 plans the next step of the
-interleaved sequence in a background thread while the current step runs, and broadcasts the
-plan (JSON) at the start of the step. One timed step on every rank::
+Planning is overlapped as in ``ReplanCallback``: pipeline rank 0 plans a job's next step in a
+background thread while the job's current step runs (so the planning of one strategy never
+competes with another strategy's step), and broadcasts the plan (JSON) at the start of the
+step. One timed step on every rank::
 
     barrier | t0 | wait for the plan (rank 0: the planning thread; others: the broadcast) |
     run_step | optimizer.step + zero_grad | t1
@@ -137,16 +138,20 @@ def _run(rank: int, world: int, spec: dict) -> dict:
     batches = [[torch.tensor(s, dtype=torch.long) for s in b] for b in spec["batches"]]
     rounds = [spec["memory_batch"]] + list(spec["timed_batches"])
     jobs = spec["jobs"]
-    steps = [(r, j) for r in range(len(rounds)) for j in range(len(jobs))]
+    # round r runs the jobs rotated by r, so no job always follows the same one
+    steps = [(r, (j + r) % len(jobs)) for r in range(len(rounds)) for j in range(len(jobs))]
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plan") if rank == 0 else None
+    futures: dict[tuple[int, int], object] = {}
 
-    def submit(i: int):
-        r, j = steps[i]
-        return pool.submit(_plan_for, spec, cost, layout, jobs[j], [len(s) for s in batches[rounds[r]]])
+    def submit(r: int, j: int) -> None:
+        futures[(r, j)] = pool.submit(_plan_for, spec, cost, layout, jobs[j], [len(s) for s in batches[rounds[r]]])
 
-    future = submit(0) if rank == 0 else None
     if rank == 0:
-        future.result()  # the first plan is made before the warm-up round, off the clock
+        # the warm-up round's plans are made before it, off the clock
+        for j in range(len(jobs)):
+            submit(0, j)
+        for f in list(futures.values()):
+            f.result()
     records: list[dict] = []
     for i, (r, j) in enumerate(steps):
         job, b = jobs[j], rounds[r]
@@ -156,10 +161,11 @@ def _run(rank: int, world: int, spec: dict) -> dict:
         t0 = time.perf_counter()
         payload = [None]
         if rank == 0:
-            plan, plan_time = future.result()
+            plan, plan_time = futures.pop((r, j)).result()
             payload = [plan.to_json()]
-            if i + 1 < len(steps):
-                future = submit(i + 1)
+            if r + 1 < len(rounds):
+                # the job's next step is planned while this one runs, as in a single-strategy run
+                submit(r + 1, j)
         t_ready0 = time.perf_counter()
         dist.broadcast_object_list(payload, src=0)
         if rank != 0:

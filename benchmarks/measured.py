@@ -14,9 +14,9 @@ What runs (everything on CPU, one thread per process, fp32):
    ``--steps`` timed batches. Every run sees exactly these sequences.
 2. **Cost model.** :func:`concertina_hf.runtime.profiler.profile_cost_model` on this machine,
    in two processes at once with one thread each (the CPU contention of the pp=2 runs; time
-   coefficients averaged), on half the decoder layers (a stage's worth), default shapes up to
-   ``--profile-max-tokens`` plus whole sequences of ``L/2`` and ``L`` and a slice with ``L/2``
-   context (the longest context). Planner, baselines and predictions all use this model; the
+   coefficients averaged), on about a stage's worth of decoder layers, the profiler's default
+   shapes up to 1K tokens plus whole sequences of ``L/2`` and ``L`` and an ``L/4`` slice with
+   ``L/2`` context (``L``: the longest context length). Planner, baselines and predictions all use this model; the
    layer split over the two stages is :func:`~concertina_hf.planning.partition_layers` of it.
 3. **Budget.** One activation budget for every stage: the peak activation memory the cost model
    predicts for one whole ``L``-token sequence run alone (backward transients included),
@@ -84,20 +84,23 @@ PRESETS: dict[str, dict[str, Any]] = {
     "full": dict(
         model=dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=8,
                    intermediate_size=688),
-        contexts=(2048, 4096, 8192), tokens_per_step=8192, steps=3, tune="measured", tune_candidates=3,
-        profile_max_tokens=2048, profile_repeats=3, profile_procs=2, max_files=None, paper_settings=3,
+        contexts=(2048, 4096, 8192), tokens_per_step=8192, steps=3, tune="measured", tune_candidates=2,
+        profile_max_tokens=1024, profile_repeats=2, profile_layers=3, profile_procs=2, max_files=None,
+        paper_settings=3,
     ),
     "quick": dict(
         model=dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=8,
                    intermediate_size=352),
         contexts=(1024, 2048), tokens_per_step=4096, steps=2, tune="simulated", tune_candidates=1,
-        profile_max_tokens=512, profile_repeats=2, profile_procs=2, max_files=None, paper_settings=1,
+        profile_max_tokens=512, profile_repeats=2, profile_layers=2, profile_procs=2, max_files=None,
+        paper_settings=1,
     ),
     "tiny": dict(
         model=dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=4,
                    intermediate_size=176),
         contexts=(256,), tokens_per_step=1024, steps=1, tune="simulated", tune_candidates=1,
-        profile_max_tokens=128, profile_repeats=2, profile_procs=1, max_files=80, paper_settings=0,
+        profile_max_tokens=128, profile_repeats=2, profile_layers=2, profile_procs=1, max_files=80,
+        paper_settings=0,
     ),
 }
 TARGETS = dict(vs_baseline=1.15, vs_trainer=1.6, memory_fraction=0.60, prediction_error=0.15, planning_fraction=0.02)
@@ -187,11 +190,11 @@ def profile(config: dict, seed: int, preset: dict, max_len: int, log) -> tuple[A
 
     m = preset["profile_max_tokens"]
     shapes = list(default_shapes(m))
-    for extra in (((0, max_len // 2),), ((0, max_len),), ((max_len // 2, max_len // 2),)):
+    for extra in (((0, max_len // 2),), ((0, max_len),), ((max_len // 2, max_len // 4),)):
         if extra not in shapes:
             shapes.append(extra)
     spec = {"config": config, "seed": seed, "shapes": shapes, "repeats": preset["profile_repeats"],
-            "num_layers": max(1, config["num_hidden_layers"] // 2), "max_tokens": m}
+            "num_layers": preset["profile_layers"], "max_tokens": m}
     t0 = time.perf_counter()
     if preset["profile_procs"] == 1:  # in this process (the smoke test's setting: no spawn)
         from _pipeline_worker import build_model
@@ -332,16 +335,42 @@ def _stats(xs: Sequence[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
+def online_refit_predictions(records: list[dict], cost, layout) -> None:
+    """Add ``predicted_online_s`` to every timed record: the step's plan simulated under the cost
+    model refitted from measured actions (``callbacks.refit_cost_model``, what ``ReplanCallback``
+    does online) of the *other* timed rounds, all runs pooled (leave one round out, so no step
+    predicts itself; the warm-up round is left out, its steps run under the allocation tracker)."""
+    from concertina_hf.callbacks import action_samples, refit_cost_model
+    from concertina_hf.planning import Action, Plan, simulate
+
+    plans = {id(r): Plan.from_json(r["plan"]) for r in records if r.get("plan")}
+    samples: dict[int, list] = {}
+    for r in records:
+        if r["memory_round"] or id(r) not in plans:
+            continue
+        acts = [(Action.parse(a), t0, t1) for stage in r["actions"].values() for a, t0, t1 in stage]
+        samples.setdefault(r["round"], []).extend(action_samples(plans[id(r)], acts))
+    fitted = {}
+    for rnd in samples:
+        pool = [x for k, v in samples.items() if k != rnd for x in v]
+        fitted[rnd] = refit_cost_model(cost, layout, pool) if pool else None
+    for r in records:
+        model = fitted.get(r["round"]) if not r["memory_round"] else None
+        r["predicted_online_s"] = simulate(plans[id(r)], model).step_time_s if model and id(r) in plans else None
+
+
 def summarize_job(records: list[dict], act_budget: float, static: Sequence[float]) -> dict[str, Any]:
     """Figures of one pp=2 run from its step records (timed steps; memory from every step)."""
-    timed = [r for r in records if not r["memory_round"]]
+    timed = sorted((r for r in records if not r["memory_round"]), key=lambda r: r["round"])
     mem = next(r for r in records if r["memory_round"])
     tps = [r["tokens"] / r["step_s"] for r in timed]
     err = [(r["predicted_step_s"] - r["run_s"]) / r["run_s"] for r in timed]
+    online = [(r["predicted_online_s"] - r["run_s"]) / r["run_s"] for r in timed if r.get("predicted_online_s")]
     meter = [max(r["meter_peak_bytes"][s] for r in records) for s in range(len(static))]
     predicted_act = [max(r["predicted_peak_bytes"][s] for r in records) - static[s] for s in range(len(static))]
     return {
         "tokens_per_s": _stats(tps),
+        "tokens_per_s_by_step": tps,  # timed steps in batch order (the same batches for every run)
         "tokens_per_s_total": sum(r["tokens"] for r in timed) / sum(r["step_s"] for r in timed),
         "step_s": _stats([r["step_s"] for r in timed]),
         "pipeline_s": _stats([r["run_s"] for r in timed]),
@@ -349,6 +378,8 @@ def summarize_job(records: list[dict], act_budget: float, static: Sequence[float
         "predicted_step_s": _stats([r["predicted_step_s"] for r in timed]),
         "prediction_error": _stats(err),
         "prediction_abs_error_median": statistics.median(abs(e) for e in err),
+        "online_prediction_error": _stats(online) if online else None,
+        "online_prediction_abs_error_median": statistics.median(abs(e) for e in online) if online else None,
         "plan_time_s": _stats([r["plan_time_s"] for r in timed]),
         "plan_wait_s": _stats([r["plan_wait_s"] for r in timed]),
         "plan_wait_fraction": _stats([r["plan_wait_s"] / r["step_s"] for r in timed]),
@@ -387,7 +418,7 @@ def run_context(max_len: int, corpus, config: dict, cost, layout, preset: dict, 
             log(f"L={max_len}: no {strategy} setting fits the budget; it is left out")
         for r in chosen:
             jobs.append({"name": f"{strategy}[{r['knob']}={r['value']}]", "strategy": strategy,
-                         "knobs": {r["knob"]: r["value"]}, "keep_plans": False})
+                         "knobs": {r["knob"]: r["value"]}, "keep_plans": True})
     log(f"L={max_len}: {len(batches)} batches, memory batch {memory_batch} "
         f"(longest {max(map(len, batches[memory_batch]))}), activation budget {act_budget / MIB:.0f} MiB per stage, "
         f"jobs {[j['name'] for j in jobs]}")
@@ -399,6 +430,7 @@ def run_context(max_len: int, corpus, config: dict, cost, layout, preset: dict, 
             "time_limit_s": args.time_limit}
     load0 = os.getloadavg()
     out = run_pipeline(spec, log)
+    online_refit_predictions(out["records"], cost, layout)
     runs = {}
     for job in jobs:
         recs = [r for r in out["records"] if r["job"] == job["name"]]
@@ -473,17 +505,25 @@ def ratios(ctx: dict) -> dict[str, Any]:
     ad = runs["adaptive"]
     out: dict[str, Any] = {}
     med = lambda r: r["tokens_per_s"]["median"]  # noqa: E731
+    def paired(a: Sequence[float], b: Sequence[float]) -> float:
+        # step by step on the same batch, steps of both runs close in time: less exposed to load drift
+        return statistics.median(x / y for x, y in zip(a, b))
+
     for strategy in ("packed", "split"):
         if strategy in best:
-            out[f"adaptive_over_{strategy}"] = med(ad) / med(runs[best[strategy]])
+            other = runs[best[strategy]]
+            out[f"adaptive_over_{strategy}"] = med(ad) / med(other)
+            out[f"adaptive_over_{strategy}_paired"] = paired(ad["tokens_per_s_by_step"], other["tokens_per_s_by_step"])
     if "trainer" in tr:
         out["adaptive_over_trainer"] = med(ad) / tr["trainer"]["tokens_per_s_stats"]["median"]
+        out["adaptive_over_trainer_paired"] = paired(ad["tokens_per_s_by_step"], tr["trainer"]["tokens_per_s"])
         base_meter, base_alloc = tr["trainer"]["meter_peak_bytes"], tr["trainer"]["alloc_peak_bytes"]
         out["stage_memory_over_trainer_meter"] = [m / base_meter for m in ad["memory_batch_meter_peak_bytes"]]
         out["stage_memory_over_trainer_alloc"] = [m / base_alloc for m in ad["memory_batch_alloc_peak_bytes"]]
     if "trainer+ckpt" in tr:
         out["adaptive_over_trainer_ckpt"] = med(ad) / tr["trainer+ckpt"]["tokens_per_s_stats"]["median"]
     out["adaptive_prediction_abs_error"] = ad["prediction_abs_error_median"]
+    out["adaptive_online_prediction_abs_error"] = ad["online_prediction_abs_error_median"]
     out["adaptive_plan_wait_fraction"] = ad["plan_wait_fraction"]["median"]
     out["adaptive_plan_wait_fraction_max"] = ad["plan_wait_fraction"]["max"]
     return out
@@ -502,11 +542,11 @@ def targets(contexts: list[dict]) -> list[dict[str, Any]]:
             v = r.get(f"adaptive_over_{s}")
             if v is not None:
                 add(f"adaptive / best {s} tokens/s", c, v, f">= {TARGETS['vs_baseline']}", v >= TARGETS["vs_baseline"],
-                    f"{v:.3f}x")
+                    f"{v:.3f}x (paired {r[f'adaptive_over_{s}_paired']:.3f}x)")
         v = r.get("adaptive_over_trainer")
         if v is not None:
             add("adaptive pp=2 / Trainer tokens/s", c, v, f">= {TARGETS['vs_trainer']}", v >= TARGETS["vs_trainer"],
-                f"{v:.3f}x")
+                f"{v:.3f}x (paired {r['adaptive_over_trainer_paired']:.3f}x)")
             for kind in ("meter", "alloc"):
                 m = max(r[f"stage_memory_over_trainer_{kind}"])
                 add(f"max stage peak activation / Trainer ({'saved tensors' if kind == 'meter' else 'allocated'})",
@@ -514,9 +554,13 @@ def targets(contexts: list[dict]) -> list[dict[str, Any]]:
         v = r["adaptive_prediction_abs_error"]
         add("adaptive |predicted - measured| / measured step (median)", c, v, f"<= {TARGETS['prediction_error']:.0%}",
             v <= TARGETS["prediction_error"], f"{v:.1%}")
-        v = r["adaptive_plan_wait_fraction_max"]
-        add("planning on the critical path / step time (max over steps)", c, v,
-            f"< {TARGETS['planning_fraction']:.0%}", v < TARGETS["planning_fraction"], f"{v:.2%}")
+        v = r.get("adaptive_online_prediction_abs_error")
+        if v is not None:
+            add("same, cost model refitted online from the other timed steps", c, v,
+                f"<= {TARGETS['prediction_error']:.0%}", v <= TARGETS["prediction_error"], f"{v:.1%}")
+        v, vmax = r["adaptive_plan_wait_fraction"], r["adaptive_plan_wait_fraction_max"]
+        add("planning on the critical path / step time (median over steps)", c, v,
+            f"< {TARGETS['planning_fraction']:.0%}", v < TARGETS["planning_fraction"], f"{v:.2%} (max {vmax:.2%})")
     return rows
 
 
@@ -628,20 +672,25 @@ def to_markdown(res: dict[str, Any]) -> str:
               "The planner benchmark's paper setting, planned and simulated with the analytic cost model and with "
               "the coefficients that transfer from this machine's profile (backward/forward ratio, measured/analytic "
               "ratio of each activation-memory coefficient; times stay analytic at A800 rates, no dense-mask terms). "
-              "Ratios are step-time ratios (below 1: adaptive faster).", "",
-              "| setting | cost model | adaptive / packed | adaptive / split | adaptive / ideal | adaptive plan ms |",
+              "Speedups are step-time ratios baseline / adaptive (above 1: adaptive faster), comparable with the "
+              "tokens/s ratios above.", "",
+              "| setting | cost model | speedup over packed | speedup over split | ideal / adaptive | adaptive plan ms |",
               "|---|---|---|---|---|---|"]
         for r in res["paper_scale"]:
-            f = lambda x: "does not fit" if x is None else f"{x:.3f}"  # noqa: E731
+            f = lambda x: "does not fit" if not x else f"{1 / x:.3f}"  # noqa: E731
             pt = r.get("plan_time_ilp_s")
             L.append(f"| {r['setting']} | {r['cost_model']} | {f(r['adaptive_over_packed'])} | "
                      f"{f(r['adaptive_over_split'])} | {f(r['adaptive_over_ideal'])} | "
                      f"{'n/a' if pt is None else f'{pt * 1e3:.0f}'} |")
     L += ["", "## How to read this", "",
           "- tokens/s: tokens of the step's batch over the step's wall time (slowest rank: plan wait, pipeline, "
-          "optimizer; Trainer: between consecutive `on_step_end`), median over the timed steps [min..max].",
+          "optimizer; Trainer: between consecutive `on_step_end`), median over the timed steps [min..max]. Target "
+          "ratios are ratios of these medians; *paired*: the median over batches of the per-batch ratio (both runs' "
+          "steps on the same batch, close in time), less exposed to load changes.",
           "- predicted: the simulator's step time for the plan under the profiled cost model, against the measured "
-          "pipeline time (`run_step`, slowest rank; the optimizer step is not in the plan).",
+          "pipeline time (`run_step`, slowest rank; the optimizer step is not in the plan). *Refitted online*: the "
+          "same plans simulated under the cost model `ReplanCallback` would refit from measured actions "
+          "(`callbacks.refit_cost_model`), fitted on the other timed rounds of all runs (leave one round out).",
           "- peak activation, saved tensors: the runtime's `SavedTensorMeter` (what autograd saves plus what the "
           "runtime holds: stage inputs/outputs, K/V of earlier slices); the Trainer is measured by the same meter "
           "around its `training_step`. With HF gradient checkpointing the meter does not see what checkpointing "
@@ -674,8 +723,8 @@ def _context_markdown(c: dict) -> list[str]:
          f"{' / '.join(_mib(x) for x in c['whole_sequence_activation_bytes'])} MiB on stages 0 / 1 with nothing "
          f"recomputed, {' / '.join(_mib(x) for x in c['whole_sequence_recomputed_activation_bytes'])} MiB with every layer "
          f"recomputed; the budget is {c['budget_frac']:.2f} of the way between them).", "",
-         "| run | tokens/s median [min..max] | step s | pipeline s | predicted s (error) | peak act. MiB per stage, "
-         "saved / allocated | predicted act. MiB | recompute | plan ms (wait ms) | fits |",
+         "| run | tokens/s median [min..max] | step s | pipeline s | predicted s (error; refitted online) | peak act. "
+         "MiB per stage, saved / allocated | predicted act. MiB | recompute | plan ms (wait ms) | fits |",
          "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in c["runs"].items():
         t = r["tokens_per_s"]
@@ -683,7 +732,8 @@ def _context_markdown(c: dict) -> list[str]:
         L.append(
             f"| {name}{best} | {t['median']:.0f} [{t['min']:.0f}..{t['max']:.0f}] | {r['step_s']['median']:.2f} | "
             f"{r['pipeline_s']['median']:.2f} | {r['predicted_step_s']['median']:.2f} "
-            f"({r['prediction_error']['median']:+.0%}) | "
+            f"({r['prediction_error']['median']:+.0%}; "
+            f"{'n/a' if not r.get('online_prediction_error') else format(r['online_prediction_error']['median'], '+.0%')}) | "
             f"{'/'.join(_mib(x) for x in r['meter_peak_bytes'])} / "
             f"{'/'.join(_mib(x) for x in r['memory_batch_alloc_peak_bytes'])} | "
             f"{'/'.join(_mib(x) for x in r['predicted_activation_peak_bytes'])} | "
