@@ -131,13 +131,14 @@ def test_profile_fits_exact_bytes_and_leaves_the_model_alone(profiled):
     # bytes of float32 tensors, exactly: a recomputed layer keeps its input, and the checkpoint
     # closures keep the chunk's rotary tables (cos, sin; saved layers keep them too: spread over
     # the 4 profiled layers) and, once per chunk with any recompute, 4 int64 position/sequence
-    # index tensors; a non-final slice keeps its K and V; the mask is one float per (query, key),
-    # plus one bool the context keeps when layers recompute; the head keeps at least the float32
+    # index tensors; a non-final slice keeps its K and V; the mask is one float per (query, key)
+    # (the context does not keep the boolean mask it is built from, even when layers recompute
+    # and checkpoint closures keep the context); the head keeps at least the float32
     # log-probabilities
     assert cost.ckpt_bytes_per_token == pytest.approx(4 * h + 2 * 4 * 16 / NUM_LAYERS)
     assert cost.ckpt_chunk_bytes_per_token == pytest.approx(4 * 8)
     assert cost.kv_bytes_per_token == pytest.approx(4 * 2 * kv_dim)
-    assert cost.mask_bytes_per_pair == pytest.approx(4.0 + 1.0, rel=1e-3)
+    assert cost.mask_bytes_per_pair == pytest.approx(4.0, rel=1e-3)
     assert 4 * VOCAB <= cost.logits_bytes_per_token <= 4 * VOCAB + 16 * h
     assert cost.hidden_bytes_per_token == cost.output_bytes_per_token == 4 * h
     n_layer = sum(p.numel() for p in model.model.layers[0].parameters())
@@ -173,8 +174,7 @@ def test_fitted_bytes_predict_unseen_chunks(kind, profiled):
         measured = sample.act_bytes * NUM_LAYERS
         split = {0} if ckind is not ChunkKind.PACKED else set()
         predicted = cost.act_memory(lay, 0, chunk, rec, split) - cost.logits_bytes_per_token * chunk.num_tokens
-        # the one mask term is that of recomputed chunks (float + bool), so no recompute is
-        # over-predicted (by < 3%); index tensors over the keys of a slice with context, under
+        # one float mask with or without recompute; index tensors over the keys of a slice with context, under
         # recompute, are not modelled (< 1%)
         assert 0.99 * measured <= predicted <= 1.03 * measured, (kind, shape, ckind, rec, measured, predicted)
 

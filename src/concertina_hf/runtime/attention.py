@@ -241,16 +241,14 @@ class ChunkAttentionContext:
         return _assemble(layout, key, pk), _assemble(layout, value, pv)
 
     def mask(self, window: int | None) -> torch.Tensor:
-        """Boolean [1, 1, T, S]: True where the query may attend to the key."""
-        m = self._masks.get(("bool", window))
-        if m is None:
-            q_seq, q_pos = self.q_seq_T[:, None], self.q_pos_T[:, None]
-            m = (q_seq == self.k_seq_S[None, :]) & (self.k_pos_S[None, :] <= q_pos)
-            if window is not None:
-                m &= (q_pos - self.k_pos_S[None, :]) < window
-            m = m[None, None]
-            self._masks[("bool", window)] = m
-        return m
+        """Boolean [1, 1, T, S]: True where the query may attend to the key. Built on each call
+        and not kept: the context (which checkpoint closures keep alive until backward when
+        layers recompute) holds only the additive mask, not ``T * S`` more bytes beside it."""
+        q_seq, q_pos = self.q_seq_T[:, None], self.q_pos_T[:, None]
+        m = (q_seq == self.k_seq_S[None, :]) & (self.k_pos_S[None, :] <= q_pos)
+        if window is not None:
+            m &= (q_pos - self.k_pos_S[None, :]) < window
+        return m[None, None]
 
     def additive_mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
         """:meth:`mask` as 0 / -inf in ``dtype``, built once per chunk: SDPA would otherwise
@@ -258,8 +256,10 @@ class ChunkAttentionContext:
         backward (``4 * T * S`` bytes per layer); this one is shared by all layers."""
         m = self._masks.get((dtype, window))
         if m is None:
-            m = torch.zeros(self.mask(window).shape, dtype=dtype, device=self.device)
-            m.masked_fill_(~self.mask(window), float("-inf"))
+            allowed = self.mask(window)
+            m = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
+            m.masked_fill_(~allowed, float("-inf"))
+            del allowed  # only the additive mask stays with the context
             self._masks[(dtype, window)] = m
         return m
 

@@ -40,8 +40,9 @@ recompute: non-negative least squares of ``bytes = layers * (act * T + ctx * con
 mask * T * S`` over every shape -> ``act_bytes_per_token``, ``context_bytes_per_token``,
 ``mask_bytes_per_pair``; with full recompute and with one recomputed layer (whole sequence) ->
 ``ckpt_bytes_per_token`` and ``ckpt_chunk_bytes_per_token`` (what closures keep once per chunk
-beyond the saved layers: index tensors), (the extra of the non-final slice) ``kv_bytes_per_token``, and (the packed chunk's extra per key pair, when
-larger: the boolean mask the context keeps too) ``mask_bytes_per_pair``; backward transients
+beyond the saved layers: index tensors), (the extra of the non-final slice)
+``kv_bytes_per_token``, and (the packed chunk's extra per key pair, when larger: what the
+context keeps of its mask under recompute) ``mask_bytes_per_pair``; backward transients
 -> ``bwd_transient_bytes_per_token``, ``head_bwd_transient_bytes_per_token``; recompute ->
 ``recompute_factor``; head -> ``logits_bytes_per_token`` (everything the head keeps per token)
 and ``head_time_per_token``;
