@@ -108,6 +108,35 @@ def run_profile(rank: int, world: int, spec_path: str, out_path: str) -> None:
         raise
 
 
+def _capacity_probe(rank: int, world: int, iters: int = 150) -> float | None:
+    """How many cores the ranks really get: a fixed matmul workload timed on each rank alone
+    (the others wait in a barrier, which sleeps), then on all ranks at once. Returns
+    ``sum(alone) / max(together)`` on rank 0: ``world`` on an idle machine, about 1 when the
+    ranks share one core's worth of CPU (then pipeline bubbles cost nothing and finer pipelines
+    only add overhead)."""
+    a = torch.randn(256, 256)
+
+    def work() -> float:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            torch.mm(a, a)
+        return time.perf_counter() - t0
+
+    work()
+    alone = 0.0
+    for r in range(world):
+        dist.barrier()
+        t = work() if rank == r else 0.0
+        alone += t
+        dist.barrier()
+    dist.barrier()
+    together = torch.tensor([work()])
+    total = torch.tensor([alone])
+    dist.all_reduce(together, op=dist.ReduceOp.MAX)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return float(total) / float(together) if rank == 0 else None
+
+
 def _plan_for(spec: dict, cost, layout, job: dict, lens: list[int]):
     from concertina_hf.planning import plan_step, simulate
 
@@ -152,6 +181,7 @@ def _run(rank: int, world: int, spec: dict) -> dict:
             submit(0, j)
         for f in list(futures.values()):
             f.result()
+    capacity = [_capacity_probe(rank, world)]
     records: list[dict] = []
     for i, (r, j) in enumerate(steps):
         job, b = jobs[j], rounds[r]
@@ -229,4 +259,5 @@ def _run(rank: int, world: int, spec: dict) -> dict:
                   f"(pred {rec['predicted_step_s']:.2f}s)  plan wait {rec['plan_wait_s'] * 1e3:.1f}ms", flush=True)
     if pool is not None:
         pool.shutdown(wait=True)
-    return {"records": records, "loadavg_end": os.getloadavg()}
+    capacity.append(_capacity_probe(rank, world))
+    return {"records": records, "loadavg_end": os.getloadavg(), "capacity": capacity}

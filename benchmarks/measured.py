@@ -496,6 +496,7 @@ def run_context(max_len: int, corpus, config: dict, cost, layout, preset: dict, 
         "loadavg": {"before_pp": load0, "after_pp": out.get("loadavg_end"), "before_trainer": load1,
                     "after_trainer": os.getloadavg()},
         "pp_wall_s": out["wall_s"],
+        "parallel_capacity": out.get("capacity"),
     }
 
 
@@ -722,7 +723,9 @@ def _context_markdown(c: dict) -> list[str]:
          f"(one whole {c['max_len']}-token sequence alone peaks at "
          f"{' / '.join(_mib(x) for x in c['whole_sequence_activation_bytes'])} MiB on stages 0 / 1 with nothing "
          f"recomputed, {' / '.join(_mib(x) for x in c['whole_sequence_recomputed_activation_bytes'])} MiB with every layer "
-         f"recomputed; the budget is {c['budget_frac']:.2f} of the way between them).", "",
+         f"recomputed; the budget is {c['budget_frac']:.2f} of the way between them). Cores the two ranks really "
+         f"had (a fixed matmul load alone vs both at once; 2.0 on an idle machine): "
+         f"{' then '.join(f'{x:.2f}' for x in c['parallel_capacity'] or [])} (before / after the pp=2 runs).", "",
          "| run | tokens/s median [min..max] | step s | pipeline s | predicted s (error; refitted online) | peak act. "
          "MiB per stage, saved / allocated | predicted act. MiB | recompute | plan ms (wait ms) | fits |",
          "|---|---|---|---|---|---|---|---|---|---|"]
