@@ -8,13 +8,14 @@
 
 from .attention import ATTN_IMPLEMENTATION, ChunkAttentionContext, KVStore, SliceSpec, register_attention
 from .executor import PipelineExecutor, StepResult
-from .memory import SavedTensorMeter
+from .memory import LiveTensorMeter, SavedTensorMeter
 from .stage import PipelineWrapper
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "ChunkAttentionContext",
     "KVStore",
+    "LiveTensorMeter",
     "PipelineExecutor",
     "PipelineWrapper",
     "SavedTensorMeter",

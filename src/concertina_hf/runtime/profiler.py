@@ -73,7 +73,6 @@ import dataclasses
 import statistics
 import sys
 import time
-import weakref
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Sequence
@@ -81,8 +80,6 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from ..planning.cost import CostModel, DeviceSpec, ProfileSample, _needs_mask, _nnls
 from .attention import (
@@ -93,75 +90,12 @@ from .attention import (
     flash_attn_available,
     register_attention,
 )
+from .memory import LiveTensorMeter
 from .stage import PipelineWrapper
 
 __all__ = ["LiveTensorMeter", "default_shapes", "measure_chunk", "profile_cost_model"]
 
 Shape = tuple[tuple[int, int], ...]
-
-
-# ---------------------------------------------------------------------------------- true memory
-class LiveTensorMeter(TorchDispatchMode):
-    """Peak bytes of all tensor storages created while it is active and still alive: on CPU,
-    the stand-in for the CUDA allocator's peak (which :class:`~.memory.SavedTensorMeter` is not:
-    it sees only tensors saved for backward outside checkpointed regions and those the executor
-    holds).
-
-    Every op's outputs are intercepted (a ``TorchDispatchMode``, forward and backward alike); a
-    storage not seen before and not aliasing an input of the op is counted from its creation
-    until it is freed (a ``weakref.finalize`` on the storage). Storages that existed before (and
-    ``exclude``: parameters, their ``.grad``, buffers) are never counted, nor are views of them.
-    So transients count too: the activations of a layer recomputed in backward, gradients in
-    flight, temporaries inside an op's decomposition (not a fused kernel's own workspace).
-
-    Cost: a Python call per op (a few microseconds): fine for tests and tiny models, not for
-    timing.
-
-    >>> import torch
-    >>> x = torch.ones(256)
-    >>> with LiveTensorMeter() as live:
-    ...     y = x * 2           # 1 KiB
-    ...     z = (y + 1).sum()   # a 1 KiB temporary, alive until the 4-byte sum exists
-    ...     del y
-    >>> live.current_bytes, live.peak_bytes
-    (4, 2052)
-    """
-
-    def __init__(self, exclude: Sequence[torch.Tensor] = ()) -> None:
-        super().__init__()
-        self._excluded = {_storage_ptr(t) for t in exclude if t is not None}
-        self._live: dict[int, int] = {}
-        self.current_bytes = 0
-        self.peak_bytes = 0
-
-    def reset(self) -> None:
-        """Start a new peak from the current live total."""
-        self.peak_bytes = self.current_bytes
-
-    def _free(self, key: int) -> None:
-        self.current_bytes -= self._live.pop(key, 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {_storage_ptr(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
-            st = t.untyped_storage()
-            key = st.data_ptr()
-            nbytes = st.nbytes()
-            if nbytes == 0 or key in self._live or key in self._excluded or key in inputs:
-                continue
-            self._live[key] = nbytes
-            self.current_bytes += nbytes
-            weakref.finalize(st, self._free, key)
-            if self.current_bytes > self.peak_bytes:
-                self.peak_bytes = self.current_bytes
-        return out
-
-
-def _storage_ptr(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
 
 
 # ---------------------------------------------------------------------------------- shapes
