@@ -50,7 +50,9 @@ _GIB = 2**30
 # below 1: chunks of up to 1/K times the longest sequence's work (see Chunking / _Batch)
 _K_CANDIDATES = (0.25, 0.5, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # chunk-stages under which a step counts as small (see _adaptive_candidates)
-_SMALL_STEP = 160
+_SMALL_STEP = 320
+# chunk-stages the adaptive search may simulate on a small step (about 40 ms)
+_SMALL_STEP_SIM_BUDGET = 2400
 # split baseline: slices of the longest
 _N_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # knobs each strategy accepts (beyond the explicit arguments of plan_step)
@@ -258,7 +260,8 @@ class _Search:
 
     def neighbours(self, c: _Cand) -> list[_Cand]:
         """The candidates next to ``c`` on its own ladder (``K`` for balanced chunkings, ``N``
-        for token-equal ones), same cap: the simulator's hill climb from the proxy's pick."""
+        for token-equal ones, the token budget for whole sequences), same cap otherwise: the
+        simulator's hill climb from the proxy's pick."""
         k, cap, slicing = c.key
         if slicing == "work":
             ladder = self.ks
@@ -273,7 +276,11 @@ class _Search:
                 return []
             at = ns.index(k)
             return [self.get(ns[i], -(-longest // ns[i]), "tokens") for i in (at - 1, at + 1) if 0 <= i < len(ns)]
-        return []
+        sizes = _token_budget_candidates(self.batch.longest, self.token_cap)
+        if cap not in sizes:
+            return []
+        at = sizes.index(cap)
+        return [self.get(1, sizes[i], "whole") for i in (at - 1, at + 1) if 0 <= i < len(sizes)]
 
 
 def _no_recompute_cap(cost: CostModel, layout: StageLayout, budgets: tuple[int, ...]) -> int:
@@ -327,6 +334,8 @@ def _search(search: _Search, evaluate: Callable[[_Cand], Plan | None], num_final
         done[c.key] = None if plan is None else (plan.predicted.step_time_s, len(done), c, plan)
 
     ranked = search.initial()
+    if ranked[0].chunking.num_chunks * p <= _SMALL_STEP:
+        sim_budget = max(sim_budget, _SMALL_STEP_SIM_BUDGET)  # each simulation is cheap there
     # the proxy's pick of each family is simulated whatever the budget (families differ in
     # what the proxy misses); then the next picks with half the budget, the rest for the climb
     leaders = {}
@@ -345,9 +354,9 @@ def _search(search: _Search, evaluate: Callable[[_Cand], Plan | None], num_final
         ok = [v for v in done.values() if v]
         if not ok:
             return None
-        # climb each ladder (balanced K, token-equal N) from its fastest simulated member
+        # climb each ladder (balanced K, token-equal N, token budget) from its fastest member
         fresh = []
-        for family in ("work", "tokens"):
+        for family in ("work", "tokens", "whole"):
             members = [v for v in ok if v[2].slicing == family]
             if members:
                 best = min(members, key=lambda v: (v[0], v[1]))
