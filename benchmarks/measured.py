@@ -787,7 +787,8 @@ def plot(res: dict[str, Any], path: pathlib.Path) -> None:
     ax1.set_xlabel("context length (tokens)")
     ax1.set_ylabel("tokens / s (median, min-max)")
     ax1.set_title("throughput", fontsize=10)
-    ax1.legend(fontsize=7)
+    ax1.set_ylim(0, ax1.get_ylim()[1] * 1.3)
+    ax1.legend(fontsize=7, loc="upper left", ncol=2)
     # peak activation memory: max over stages for pp=2, whole model for the Trainer
     for k, (n, col) in enumerate(zip(names, colors)):
         xs, ys = [], []
@@ -810,7 +811,8 @@ def plot(res: dict[str, Any], path: pathlib.Path) -> None:
     ax2.set_xlabel("context length (tokens)")
     ax2.set_ylabel("MiB (allocated, memory batch)")
     ax2.set_title("peak activation memory (pp=2: worst stage)", fontsize=10)
-    ax2.legend(fontsize=7)
+    ax2.set_ylim(0, ax2.get_ylim()[1] * 1.45)  # room for the legend above the bars
+    ax2.legend(fontsize=7, loc="upper left", ncol=2)
     allv = []
     for c in ctxs:
         for n, r in c["runs"].items():
@@ -824,6 +826,9 @@ def plot(res: dict[str, Any], path: pathlib.Path) -> None:
         ax3.plot([0, hi], [0, hi * 0.85], color="grey", linewidth=0.6, linestyle=":")
         ax3.set_xlim(0, hi)
         ax3.set_ylim(0, hi)
+    for n, col in zip(("adaptive", "packed", "split"), colors[:3]):
+        ax3.scatter([], [], color=col, s=18, label=n)
+    ax3.legend(fontsize=7, loc="upper left")
     ax3.set_xlabel("measured pipeline step (s, median)")
     ax3.set_ylabel("predicted (s, median)")
     ax3.set_title("predicted vs measured (dotted: +-15%)", fontsize=10)
