@@ -179,6 +179,41 @@ def test_fitted_bytes_predict_unseen_chunks(kind, profiled):
         assert 0.99 * measured <= predicted <= 1.03 * measured, (kind, shape, ckind, rec, measured, predicted)
 
 
+def test_profile_under_bf16_autocast(profiled):
+    """A mixed-precision run (float32 weights, ``bf16=True``: the executor's forwards under bf16
+    autocast) is profiled under the caller's autocast: bf16 matmul outputs, K/V and mask, so
+    fewer activation bytes per token than in float32; the weight copies autocast keeps for the
+    step go to static memory, not to the first chunk measured. The fitted bytes predict a chunk
+    the profile never ran, measured under the same autocast, exactly."""
+    model, cost32 = profiled
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cost = profile_cost_model(model, repeats=1, warmup=0, num_layers=NUM_LAYERS)
+    # without the caller's autocast, the argument asks for it
+    explicit = profile_cost_model(model, repeats=1, warmup=0, num_layers=NUM_LAYERS, autocast_dtype=torch.bfloat16)
+    assert explicit.act_bytes_per_token == cost.act_bytes_per_token
+    assert cost.act_bytes_per_token < 0.8 * cost32.act_bytes_per_token
+    assert cost.kv_bytes_per_token == pytest.approx(cost32.kv_bytes_per_token / 2)
+    assert cost.mask_bytes_per_pair == pytest.approx(2.0, rel=1e-3)
+    assert cost.static_bytes_per_param > cost32.static_bytes_per_param
+    assert all(p.grad is None for p in model.parameters())
+    lay = StageLayout(NUM_LAYERS, ((0, NUM_LAYERS),))
+    for spec, ckind, rec in (([(0, 0, 200)], ChunkKind.PACKED, 0),
+                             ([(0, 300, 60), (1, 0, 40), (2, 0, 40)], ChunkKind.HYBRID, 0),
+                             ([(0, 0, 150)], ChunkKind.SPLIT, NUM_LAYERS),
+                             ([(0, 0, 70), (1, 0, 50)], ChunkKind.PACKED, 1)):
+        chunk = Chunk(0, ckind, tuple(Slice(*x) for x in spec))
+        shape = tuple((x.context, x.length) for x in chunk.slices)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            sample = measure_chunk(model, shape, split=ckind is ChunkKind.SPLIT, recompute_layers=rec,
+                                   repeats=0, num_layers=NUM_LAYERS)
+        measured = sample.act_bytes * NUM_LAYERS
+        predicted = cost.act_memory(lay, 0, chunk, rec) - cost.logits_bytes_per_token * chunk.num_tokens
+        assert predicted == pytest.approx(measured, rel=0.01), (shape, rec, measured, predicted)
+        plain = measure_chunk(model, shape, split=ckind is ChunkKind.SPLIT, recompute_layers=rec, repeats=0,
+                              num_layers=NUM_LAYERS)
+        assert sample.act_bytes < plain.act_bytes
+
+
 def test_wrapper_profile_matches_model_profile(profiled):
     """A PipelineWrapper's own stage (all its layers by default) profiles like the model it
     wraps; profiling fewer layers than the stage changes the per-layer bytes only by the

@@ -33,6 +33,12 @@ earlier slices of its sequence would have left them. Then:
 - **head** (final norm, LM head, float32 summed cross-entropy) and **embedding**: time and bytes
   on a few token counts.
 
+Mixed precision: every forward runs under the autocast state the executor's would (the
+caller's, or ``autocast_dtype``), backwards outside it, with stored K/V in the autocast dtype;
+so a ``bf16=True`` run (float32 weights) is profiled with bf16 activations, K/V and mask. The
+weight copies autocast casts once and keeps for the whole step are made before anything is
+measured and added to ``static_bytes_per_param`` (spread over the profiled parameters).
+
 Fit. Times go to :meth:`CostModel.fit` (``alpha_attn``, ``alpha_tok``, ``beta``,
 ``bwd_factor``; plus ``alpha_mask`` on SDPA backends, which compute attention densely over
 ``T x S`` keys whenever a chunk needs a mask, i.e. everywhere but flash-attn). Bytes with no
@@ -68,6 +74,7 @@ Shape legend: ``T`` tokens of a chunk, ``S`` keys (``T`` plus the contexts).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import statistics
@@ -87,6 +94,7 @@ from .attention import (
     ChunkAttentionContext,
     KVStore,
     SliceSpec,
+    autocast_dtype as _caller_autocast,
     flash_attn_available,
     register_attention,
 )
@@ -165,10 +173,55 @@ class _Probe:
     layer_params: int
     embed_params: int
     head_params: int
+    amp: torch.dtype | None = None  # autocast dtype of the forwards (None: autocast off)
 
     @property
     def num_layers(self) -> int:
         return len(self.layer_ids)
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype of stored K/V: the attention casts them to the autocast dtype."""
+        return self.amp if self.amp is not None and self.dtype != torch.float64 else self.dtype
+
+
+def _with_amp(pr: _Probe, amp: torch.dtype | str | None) -> _Probe:
+    """``pr`` with the autocast dtype its forwards run under: ``amp``, or (``"caller"``) the
+    caller's autocast state on the probe's device."""
+    if amp == "caller":
+        amp = _caller_autocast(pr.device.type)
+    return dataclasses.replace(pr, amp=amp)
+
+
+def _fwd(pr: _Probe):
+    """A forward under the run's autocast state, as the executor runs it; backwards run
+    outside autocast (as in the executor), and so does everything else here."""
+    if pr.amp is None:
+        return contextlib.nullcontext()
+    return torch.autocast(pr.device.type, dtype=pr.amp)
+
+
+def _no_amp(pr: _Probe):
+    return torch.autocast(pr.device.type, enabled=False)
+
+
+def _warm_amp_cache(pr: _Probe) -> int:
+    """Under autocast the first forward casts the weights, and autocast keeps those copies until
+    the outermost autocast context exits: in the executor, the whole step (static memory of the
+    step, not a chunk's). Cast them before anything is measured (the caller holds an autocast
+    context open, :func:`_no_amp`) and return their bytes."""
+    if pr.amp is None:
+        return 0
+    with _live_meter(pr) as meter, torch.no_grad(), _fwd(pr):
+        specs = _specs(((0, 16),), False)
+        x = torch.zeros(1, 16, pr.hidden_size, dtype=pr.dtype, device=pr.device)
+        y = pr.stage.run_layers(x, ChunkAttentionContext(specs, KVStore(), pr.device, requires_grad=False), 0)
+        if pr.has_head:
+            pr.stage.head_loss_sum(y, torch.zeros(16, dtype=torch.long, device=pr.device))
+        if pr.has_embed:
+            pr.stage.embed(torch.zeros(16, dtype=torch.long, device=pr.device))
+        del x, y
+        return int(meter.current_bytes)
 
 
 def _layer_idx(layer: nn.Module) -> int:
@@ -329,7 +382,7 @@ def _store(pr: _Probe, specs: Sequence[SliceSpec]) -> KVStore:
     for s in specs:
         if s.start > 0:
             for layer in pr.layer_ids:
-                k = torch.randn(1, pr.num_kv_heads, s.start, pr.head_dim, dtype=pr.dtype, device=pr.device)
+                k = torch.randn(1, pr.num_kv_heads, s.start, pr.head_dim, dtype=pr.kv_dtype, device=pr.device)
                 v = torch.randn_like(k)
                 store.put_if_absent(s.seq, 0, layer, k, v, requires_grad=True)
     return store
@@ -347,8 +400,9 @@ def _time_chunk(pr: _Probe, shape: Shape, split: bool, recompute: int, repeats: 
         x = torch.randn(1, tokens, pr.hidden_size, dtype=pr.dtype, device=pr.device).requires_grad_()
         _sync(pr.device)
         t0 = clock()
-        ctx = ChunkAttentionContext(specs, store, pr.device, requires_grad=True)
-        y = pr.stage.run_layers(x, ctx, recompute)
+        with _fwd(pr):
+            ctx = ChunkAttentionContext(specs, store, pr.device, requires_grad=True)
+            y = pr.stage.run_layers(x, ctx, recompute)
         _sync(pr.device)
         t1 = clock()
         grad = torch.randn_like(y)
@@ -378,9 +432,10 @@ def _chunk_bytes(pr: _Probe, shape: Shape, split: bool, recompute: int) -> int:
     tokens = sum(s for _, s in shape)
     store = _store(pr, specs)  # earlier slices' K/V exist before: counted with their own chunks
     with _live_meter(pr) as meter, torch.enable_grad():
-        ctx = ChunkAttentionContext(specs, store, pr.device, requires_grad=True)
         x = torch.randn(1, tokens, pr.hidden_size, dtype=pr.dtype, device=pr.device).requires_grad_()
-        y = pr.stage.run_layers(x, ctx, recompute)
+        with _fwd(pr):
+            ctx = ChunkAttentionContext(specs, store, pr.device, requires_grad=True)
+            y = pr.stage.run_layers(x, ctx, recompute)
         del ctx
         nbytes = meter.current_bytes - y.untyped_storage().nbytes()
     del y, x
@@ -432,7 +487,8 @@ def _bwd_transients(pr: _Probe, tokens: int) -> tuple[float, float]:
     with _live_meter(pr, exclude) as m, torch.enable_grad():
         ctx = ChunkAttentionContext(specs, KVStore(), pr.device, requires_grad=True)
         x = torch.randn(1, tokens, pr.hidden_size, dtype=pr.dtype, device=pr.device).requires_grad_()
-        y = pr.stage.run_layers(x, ctx, 0)
+        with _fwd(pr):
+            y = pr.stage.run_layers(x, ctx, 0)
         start = m.current_bytes
         m.reset()
         torch.autograd.backward(y, torch.randn_like(y))
@@ -443,7 +499,8 @@ def _bwd_transients(pr: _Probe, tokens: int) -> tuple[float, float]:
         targets = torch.randint(0, pr.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1)).to(pr.device)
         with _live_meter(pr, exclude) as m, torch.enable_grad():
             x = torch.randn(1, tokens, pr.hidden_size, dtype=pr.dtype, device=pr.device).requires_grad_()
-            loss = pr.stage.head_loss_sum(x, targets)
+            with _fwd(pr):
+                loss = pr.stage.head_loss_sum(x, targets)
             start = m.current_bytes
             m.reset()
             loss.backward()
@@ -462,7 +519,8 @@ def _time_head(pr: _Probe, tokens: int, repeats: int, warmup: int) -> tuple[floa
         x = torch.randn(1, tokens, pr.hidden_size, dtype=pr.dtype, device=pr.device).requires_grad_()
         _sync(pr.device)
         t0 = clock()
-        loss = pr.stage.head_loss_sum(x, targets)
+        with _fwd(pr):
+            loss = pr.stage.head_loss_sum(x, targets)
         _sync(pr.device)
         t1 = clock()
         loss.backward()
@@ -474,7 +532,8 @@ def _time_head(pr: _Probe, tokens: int, repeats: int, warmup: int) -> tuple[floa
         del loss, x
     with _live_meter(pr) as meter, torch.enable_grad():
         x = torch.randn(1, tokens, pr.hidden_size, dtype=pr.dtype, device=pr.device).requires_grad_()
-        loss = pr.stage.head_loss_sum(x, targets.clone())  # the executor builds targets per chunk
+        with _fwd(pr):
+            loss = pr.stage.head_loss_sum(x, targets.clone())  # the executor builds targets per chunk
         nbytes = meter.current_bytes
     del loss, x
     return summary(fwd), summary(bwd), int(nbytes)
@@ -488,7 +547,8 @@ def _time_embed(pr: _Probe, tokens: int, repeats: int, warmup: int) -> float:
     for i in range(warmup + repeats):
         _sync(pr.device)
         t0 = clock()
-        y = pr.stage.embed(ids)
+        with _fwd(pr):
+            y = pr.stage.embed(ids)
         grad = torch.ones_like(y)
         y.backward(grad)
         _sync(pr.device)
@@ -500,7 +560,7 @@ def _time_embed(pr: _Probe, tokens: int, repeats: int, warmup: int) -> float:
 
 def measure_chunk(model_or_wrapper: Any, shape: Sequence[Sequence[int]], *, split: bool = False,
                   recompute_layers: int = 0, repeats: int = 3, warmup: int = 1, num_layers: int | None = None,
-                  device: Any = None) -> ProfileSample:
+                  device: Any = None, autocast_dtype: torch.dtype | str | None = "caller") -> ProfileSample:
     """Profile one chunk shape on real decoder layers (see the module docstring).
 
     ``shape``: ``(context, length)`` per slice; every slice is the last of its sequence unless
@@ -510,15 +570,17 @@ def measure_chunk(model_or_wrapper: Any, shape: Sequence[Sequence[int]], *, spli
     or a :class:`PipelineWrapper` (its own layers, default all of the stage).
 
     Returns a :class:`ProfileSample` with forward and backward seconds **per layer** (summary of
-    ``repeats`` after ``warmup``, see the module docstring) and the activation bytes the chunk keeps until its backward
-    **per layer** (the chunk's total over the profiled layers, divided by their number; a
-    chunk's mask is spread over its layers). ``repeats=0`` skips timing (times are 0).
+    ``repeats`` after ``warmup``, see the module docstring) and the activation bytes the chunk
+    keeps until its backward **per layer** (the chunk's total over the profiled layers, divided
+    by their number; a chunk's mask is spread over its layers). ``repeats=0`` skips timing
+    (times are 0). ``autocast_dtype``: see :func:`profile_cost_model`.
     """
     shp = _check_shape(shape)
-    pr = _probe(model_or_wrapper, num_layers, device)
+    pr = _with_amp(_probe(model_or_wrapper, num_layers, device), autocast_dtype)
     if not 0 <= recompute_layers <= pr.num_layers:
         raise ValueError(f"recompute_layers={recompute_layers} outside 0..{pr.num_layers} (the profiled layers)")
-    with _GradsKept(pr.own_params):
+    with _GradsKept(pr.own_params), _no_amp(pr):
+        _warm_amp_cache(pr)
         f = b = 0.0
         if repeats > 0:
             f, b = _time_chunk(pr, shp, split, recompute_layers, repeats, warmup)
@@ -551,6 +613,7 @@ def profile_cost_model(
     num_layers: int | None = None,
     max_tokens: int | None = None,
     samples_out: list[ProfileSample] | None = None,
+    autocast_dtype: torch.dtype | str | None = "caller",
 ) -> CostModel:
     """Profile ``model`` (an HF causal LM or a :class:`PipelineWrapper`) on ``device`` and return
     the fitted :class:`CostModel` (``source="profiled"``); see the module docstring.
@@ -561,10 +624,14 @@ def profile_cost_model(
     :class:`PipelineWrapper` stage without the head (or embedding) keeps ``base``'s terms for it.
     ``num_layers``: layers profiled (default 2 of a model, all of a wrapper's stage).
     ``samples_out``: a list that receives the per-shape :class:`ProfileSample` measurements.
+    ``autocast_dtype``: the dtype the forwards run under ``torch.autocast`` (mixed precision,
+    e.g. ``bf16=True``: float32 weights, bf16 matmuls and stored K/V), as the executor runs
+    them; ``"caller"`` (default) takes the caller's autocast state on the device, ``None``
+    profiles without autocast. Backwards run outside autocast, as in the executor.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0 (got {repeats}, {warmup})")
-    pr = _probe(model, num_layers, device)
+    pr = _with_amp(_probe(model, num_layers, device), autocast_dtype)
     if max_tokens is None:
         max_tokens = 8192 if pr.device.type == "cuda" else 512
     shape_list = [_check_shape(s) for s in (shapes if shapes is not None else default_shapes(max_tokens))]
@@ -582,7 +649,8 @@ def profile_cost_model(
 
     samples, mem_rows, mem_bytes = [], [], []
     t_start = time.perf_counter()
-    with _GradsKept(pr.own_params):
+    with _GradsKept(pr.own_params), _no_amp(pr):
+        cast_bytes = _warm_amp_cache(pr)
         for k, shp in enumerate(shape_list):
             f, b = _time_chunk(pr, shp, False, 0, repeats, warmup)
             nbytes = _chunk_bytes(pr, shp, False, 0)
@@ -661,6 +729,11 @@ def profile_cost_model(
         layer_params=pr.layer_params,
         source="profiled",
     )
+    if cast_bytes:
+        # autocast's weight copies live for the step: spread over the profiled parameters
+        profiled_params = n * pr.layer_params + (pr.head_params if pr.has_head else 0) + (
+            pr.embed_params if pr.has_embed else 0)
+        changes["static_bytes_per_param"] = base.static_bytes_per_param + cast_bytes / max(1, profiled_params)
     per_tok = 1.0 + cost.bwd_factor
     if heads:
         toks = [h[0] for h in heads]
