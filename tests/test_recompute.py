@@ -88,6 +88,23 @@ def test_ilp_matches_exhaustive_optimum_on_tiny_instances():
     assert checked >= 15
 
 
+def test_per_chunk_recompute_term_is_handled_conservatively():
+    """A profiled model keeps ``ckpt_chunk_bytes_per_token`` once per recomputed chunk (a step at
+    ``r = 1``): the linear model over-approximates larger ``r``, so plans still fit, and a budget
+    exactly at the full-recompute peak is feasible (the infeasibility check is exact)."""
+    cost = llama_cost(ckpt_chunk_bytes_per_token=20000.0)
+    for seed in range(4):
+        rng = random.Random(seed)
+        plan = make_plan(skewed_lengths(rng, 24, max_len=65536, scale=2048), 2, 8192, num_layers=8)
+        full = simulate(uniform_recompute(plan, 10**6), cost).peak_memory_bytes
+        for frac in (0.0, 0.3, 0.7):
+            budgets = _budgets_between(plan, cost, frac)
+            for method in ("greedy", "ilp"):
+                out = assign_recompute(plan, cost, budgets, method=method)
+                assert fits(out, cost, budgets)
+        assert fits(assign_recompute(plan, cost, list(full), method="greedy"), cost, list(full))
+
+
 def test_loose_and_unconstrained_budgets_need_no_recompute():
     cost = llama_cost()
     plan = make_plan(skewed_lengths(random.Random(1), 40), 4, 8192)

@@ -10,7 +10,11 @@ flight holds ``A0[c] - r[c] * D[c]`` bytes (``D``: a layer's saved activations m
 recomputed layer keeps: its input, plus K/V for split chunks), and during its own backward a
 chunk that recomputes *every* layer of the stage re-materializes one layer (``X[c]``, the step of
 ``transient_memory`` from 0 to ``n`` recomputed layers; with fewer, the runtime recomputes the
-first layers, which run backward after the saved ones have freed more than that). The local maxima are right after each
+first layers, which run backward after the saved ones have freed more than that). A profiled
+model's per-chunk term ``ckpt_chunk_bytes_per_token`` (kept once by any recomputed chunk) adds a
+step at ``r = 1`` to the line; ``D`` is taken from ``r = 0`` and ``1``, so the model
+over-approximates a chunk at ``r > 1`` by ``(r - 1)`` times that term (a few bytes per token;
+conservative: plans it accepts fit in simulation). The local maxima are right after each
 forward and during each backward (:func:`~concertina_hf.planning.simulate.memory_moments`);
 only moments that can exceed the budget at all are kept, and a forward's moment is dropped when
 the backward after it holds a superset (the 1F1B steady state), so the model has about one
@@ -139,6 +143,7 @@ class _Model:
     num_diags: int
     moments: list[list[_Moment]]
     slack: list[list[float]]  # seconds B(s, c) can slip without delaying the step
+    F: list[list[float]] = dataclasses.field(default_factory=list)  # exact saving of full recompute
 
     def delay(self, s: int, c: int, r: int) -> float:
         """First-order step-time cost of ``r`` recomputed layers on cell (s, c)."""
@@ -156,28 +161,37 @@ class _Model:
             v += self.X[s][b]
         return v
 
+    def value_full(self, s: int, m: _Moment) -> float:
+        """The moment with every layer of the stage recomputed, exactly (the linear model may
+        over-approximate it, see the module docstring)."""
+        F = self.F[s]
+        v = m.base0 - sum(F[c] for c in m.in_flight)
+        return v + (self.X[s][m.backward] if m.backward >= 0 else 0.0)
+
 
 def _build_model(plan: Plan, cost: CostModel, budgets: Sequence[int]) -> _Model:
     p, n = plan.num_stages, plan.num_chunks
     lay = plan.layout
     split = split_sequences(plan)
     layers = [lay.num_stage_layers(s) for s in range(p)]
-    A0, D, X, T0 = [], [], [], []
+    A0, D, X, T0, F = [], [], [], [], []
     rep = _stage_representatives(plan, cost)
     for s in range(p):
         if rep[s] != s:  # same shape as an earlier stage: same terms (lists are read-only)
-            for lst in (A0, D, X, T0):
+            for lst in (A0, D, X, T0, F):
                 lst.append(lst[rep[s]])
             continue
-        a0, d, x, t0 = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
+        a0, d, x, t0, f = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
         for c in plan.chunks:
             i = c.index
             a0[i] = cost.act_memory(lay, s, c, 0, split)
             d[i] = a0[i] - cost.act_memory(lay, s, c, 1, split)
+            f[i] = a0[i] - cost.act_memory(lay, s, c, layers[s], split)
             t0[i] = cost.transient_memory(lay, s, c, 0)
             x[i] = cost.transient_memory(lay, s, c, layers[s]) - t0[i]
         A0.append(a0)
         D.append(d)
+        F.append(f)
         X.append(x)
         T0.append(t0)
     t = [cost.recompute_time(c, 1) for c in plan.chunks]
@@ -208,7 +222,7 @@ def _build_model(plan: Plan, cost: CostModel, budgets: Sequence[int]) -> _Model:
             row.append(_Moment(mo.action, mo.in_flight, b, base))
         moments.append(row)
     slack = [[0.0] * n for _ in range(p)]
-    return _Model(p, layers, list(budgets), A0, D, X, t, diag, len(diag_id), moments, slack)
+    return _Model(p, layers, list(budgets), A0, D, X, t, diag, len(diag_id), moments, slack, F)
 
 
 def _over(model: _Model, s: int, m: _Moment) -> bool:
@@ -223,13 +237,8 @@ def _over(model: _Model, s: int, m: _Moment) -> bool:
     return worst > b
 
 
-def _full_row(model: _Model, s: int, n: int) -> list[int]:
-    return [model.layers[s]] * n
-
-
 def _infeasible(plan: Plan, model: _Model, cost: CostModel) -> None:
     """Raise :class:`InfeasiblePlanError` if full recompute does not fit some stage."""
-    n = plan.num_chunks
     worst = None
     for s in range(model.p):
         budget = model.budgets[s]
@@ -242,11 +251,10 @@ def _infeasible(plan: Plan, model: _Model, cost: CostModel) -> None:
                 f"({static / _GIB:.2f} GiB), over its memory budget of {budget} bytes ({budget / _GIB:.2f} GiB); "
                 "raise concertina_memory_budget or use a larger concertina_pipeline_size (fewer layers per stage)"
             )
-        full = _full_row(model, s, n)
         for m in model.moments[s]:
             if not _over(model, s, m):
                 continue
-            v = model.value(s, m, full)
+            v = model.value_full(s, m)
             if v > budget and (worst is None or v - budget > worst[0] - model.budgets[worst[1]]):
                 worst = (v, s, m)
     if worst is None:
