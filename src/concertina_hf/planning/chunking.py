@@ -220,7 +220,7 @@ class Chunking:
         return _group_estimate(self.layout_groups()[0], cost, layout, budgets)[1]
 
     def best_group_cuts(self, cost: CostModel, layout: StageLayout, budgets: Sequence[float] | None,
-                        max_groups: int = 3) -> tuple[tuple[int, ...], float]:
+                        max_groups: int = 2) -> tuple[tuple[int, ...], float]:
         """The grouping (cuts into :attr:`chains`, at most ``max_groups`` groups) with the lowest
         :meth:`estimate`, by dynamic programming over the cut points where the chain length
         changes; ``(cuts, estimate)``. Grouping only pays off against recompute, so a single

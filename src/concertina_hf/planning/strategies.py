@@ -3,29 +3,36 @@
 Every strategy turns a step's sequence lengths into a :class:`~.types.Plan` scored by the same
 simulator (:func:`~.simulate.simulate`), so comparisons are like for like:
 
-- ``adaptive`` (the method, DESIGN.md 4): workload-balanced chunking (:mod:`.chunking`) for
-  each candidate ``K`` (slices of the longest sequence: 1, 2, 3, 4, 6, 8, 12, ...), grouping
-  by the chunking's dynamic program, all scored by the analytic proxy
-  :meth:`~.chunking.Chunking.estimate`; the best ``num_finalists`` candidates get a real
-  recompute assignment (greedy) and a simulation; when the winner recomputes anything and
-  ``solver="ilp"``, the ILP refines it (kept only if it simulates faster). Cost for 512
-  sequences on 4 stages: about 1 ms of chunking and a fraction of a ms of proxy per candidate,
-  then a few ms per finalist (greedy and simulation) and the ILP when recompute is needed.
+- ``adaptive`` (the method, DESIGN.md 4). Candidates are workload-balanced chunkings
+  (:mod:`.chunking`) for ``K`` slices of the longest sequence (0.25, 0.5, 1, 2, 3, 4, 6, 8,
+  ..., 64; below 1: chunks of up to ``1/K`` times its work), searched coarse to fine with the
+  analytic proxy :meth:`~.chunking.Chunking.estimate`; when memory binds, token-capped variants
+  (at the longest slice, and at the largest chunk needing no recompute); on small steps, the
+  baselines' chunkings too. The grouping DP refines the best. Then the simulator decides: the
+  proxy's pick of each family gets a greedy recompute assignment and a simulation, then the
+  next picks, then a hill climb along each family's ladder from its fastest member, within a
+  budget of simulated chunk-stages (600, or 1200 with the ILP; 2400 on small steps). When the
+  winner recomputes anything and ``solver="ilp"``, the ILP re-solves its recompute (kept if it
+  simulates faster). Cost for 512 sequences on 4 stages with roomy memory: about ten
+  chunkings (0.5 ms each), their proxies (0.1 ms each) and one or two simulations (4 ms per
+  150 chunks): 15-30 ms; when memory binds, the recompute assignment adds tens of ms, the
+  ILP up to ``time_limit_s``.
 - ``packed`` (batch-level PP): whole sequences best-fit decreasing into micro-batches of a fixed
   token budget (a longer sequence gets a micro-batch of its own; tokens are never dropped),
   uniform recompute (the same number of layers on every stage and chunk). Tuned: the budget
-  over powers of two and 1.5x between, from the longest sequence down, and for each the fewest
-  uniform recompute layers that fit (binary search; step time grows with recompute).
+  over powers of two and 1.5x between, from the longest sequence down to 1/64 of it, and for
+  each the fewest uniform recompute layers that fit (binary search; time grows with recompute).
 - ``split`` (token-level PP, Seq1F1B-like): sequences longer than ``S = ceil(longest / N)``
   tokens cut into ``ceil(len / S)`` equal-length slices (the longest into ``N``), short ones
-  packed up to ``S`` tokens; uniform recompute. Tuned: ``N`` and recompute as for packed.
-- ``no-recompute`` / ``full-recompute``: the adaptive chunking and grouping search with
-  recompute fixed at none / every layer (ablations of adaptive checkpointing).
+  packed up to ``S`` tokens; uniform recompute. Tuned: ``N`` (1 .. 64) and recompute as above.
+- ``no-recompute`` / ``full-recompute``: the adaptive chunking search with recompute fixed at
+  none / every layer, every candidate simulated (ablations of adaptive checkpointing).
 
 All strategies use the same order (longest first, packed chunks spread behind the split chains)
 and the same 1F1B schedule (:func:`~.schedule.build_schedule` with ``prefetch=True``). A
 strategy that finds nothing fitting raises :class:`~.recompute.InfeasiblePlanError` naming the
-budget, the offending sequence and the setting to change.
+budget, the offending sequence and the setting to change. Planning is deterministic, except
+that the ILP's result can depend on where CBC's time limit cuts it off.
 """
 
 from __future__ import annotations
@@ -175,7 +182,7 @@ class _Search:
         self.budgets = budgets
         # fixed recompute strategies are scored by simulation: rank them unconstrained
         self.proxy = _proxy_budgets(budgets) if strategy == "adaptive" else None
-        self.max_groups = int(knobs.get("max_groups", 3))
+        self.max_groups = int(knobs.get("max_groups", 2))
         if self.max_groups < 1:
             raise PlanError(f"max_groups must be at least 1 (got {self.max_groups})")
         self.ks = _k_candidates(batch.longest, knobs)
@@ -217,7 +224,7 @@ class _Search:
         proxy and simulating is cheap, also get the baselines' chunkings: token-equal slices
         (Seq1F1B-like) and whole sequences under a token budget (a taper of ever smaller chunks
         at the end can beat equal chunks when there are only a few). The grouping DP runs for
-        the two best candidates only, and only when their single group needs recompute.
+        the best candidate and the climb's, and only when a single group needs recompute.
         """
         ks, uncapped = self.ks, self.uncapped
         for k in ks[::2]:
@@ -254,7 +261,7 @@ class _Search:
                     for size in _token_budget_candidates(longest, self.token_cap):
                         self.get(1, size, "whole")
         ranked = sorted(self.cands.values(), key=_Cand.order)
-        for c in ranked[:2]:
+        for c in ranked[:1]:
             self.group(c)
         return sorted(self.cands.values(), key=_Cand.order)
 
@@ -318,11 +325,14 @@ def _with_recompute(plan: Plan, cost: CostModel, budgets: tuple[int, ...], likel
     return assign_recompute(plan, cost, budgets, method="greedy")
 
 
-def _search(search: _Search, evaluate: Callable[[_Cand], Plan | None], num_finalists: int,
-            sim_budget: float) -> tuple[_Cand, Plan] | None:
-    """Simulate candidates in the proxy's order until ``num_finalists`` fit and the budget of
-    simulated chunk-stages is spent, then hill-climb from the fastest along its ladder while
-    the budget lasts; the fastest ``(candidate, plan)`` or ``None`` when nothing fits."""
+def _search(search: _Search, evaluate: Callable[[_Cand], Plan | None],
+            phases: Sequence[tuple[int, float]]) -> tuple[_Cand, Plan] | None:
+    """Simulate candidates and return the fastest ``(candidate, plan)`` (``None`` when nothing
+    fits). Per phase ``(num_finalists, sim_budget)``: the proxy's pick of each family (they
+    differ in what the proxy misses), then the next picks in the proxy's order until
+    ``num_finalists`` fit and half the budget of simulated chunk-stages is spent, then a hill
+    climb along each family's ladder from its fastest member while the budget lasts. A later
+    phase continues where the previous one stopped, so it can only find a faster plan."""
     p = search.layout.num_stages
     done: dict[tuple, tuple[float, int, _Cand, Plan] | None] = {}
     spent = 0.0
@@ -334,51 +344,56 @@ def _search(search: _Search, evaluate: Callable[[_Cand], Plan | None], num_final
         done[c.key] = None if plan is None else (plan.predicted.step_time_s, len(done), c, plan)
 
     ranked = search.initial()
-    if ranked[0].chunking.num_chunks * p <= _SMALL_STEP:
-        sim_budget = max(sim_budget, _SMALL_STEP_SIM_BUDGET)  # each simulation is cheap there
-    # the proxy's pick of each family is simulated whatever the budget (families differ in
-    # what the proxy misses); then the next picks with half the budget, the rest for the climb
-    leaders = {}
+    small = ranked[0].chunking.num_chunks * p <= _SMALL_STEP
+    leaders: dict[str, _Cand] = {}
     for c in ranked:
         leaders.setdefault(c.slicing, c)
     for c in leaders.values():
         if not math.isinf(c.est) or c is ranked[0]:
             run(c)
-    for c in ranked:
-        if c.key in done:
-            continue
-        if sum(1 for v in done.values() if v) >= num_finalists and spent + c.chunking.num_chunks * p > sim_budget / 2:
-            break
-        run(c)
-    while True:
-        ok = [v for v in done.values() if v]
-        if not ok:
-            return None
-        # climb each ladder (balanced K, token-equal N, token budget) from its fastest member
-        fresh = []
-        for family in ("work", "tokens", "whole"):
-            members = [v for v in ok if v[2].slicing == family]
-            if members:
-                best = min(members, key=lambda v: (v[0], v[1]))
-                fresh += [nb for nb in search.neighbours(best[2])
-                          if nb.key not in done and spent + nb.chunking.num_chunks * p <= sim_budget]
-        if not fresh:
-            best = min(ok, key=lambda v: (v[0], v[1]))
-            return best[2], best[3]
-        for nb in fresh:
-            if nb.key not in done:
-                run(nb)
+    for num_finalists, sim_budget in phases:
+        if small:
+            sim_budget = max(sim_budget, _SMALL_STEP_SIM_BUDGET)  # each simulation is cheap there
+        for c in ranked:
+            if c.key in done:
+                continue
+            if sum(1 for v in done.values() if v) >= num_finalists and spent + c.chunking.num_chunks * p > sim_budget / 2:
+                break
+            run(c)
+        while True:
+            ok = [v for v in done.values() if v]
+            fresh: list[_Cand] = []
+            for family in ("work", "tokens", "whole"):  # K, N and token-budget ladders
+                members = [v for v in ok if v[2].slicing == family]
+                if members:
+                    best = min(members, key=lambda v: (v[0], v[1]))
+                    fresh += [nb for nb in search.neighbours(best[2])
+                              if nb.key not in done and spent + nb.chunking.num_chunks * p <= sim_budget]
+            if not fresh:
+                break
+            for nb in fresh:
+                if nb.key not in done:
+                    run(nb)
+    ok = [v for v in done.values() if v]
+    if not ok:
+        return None
+    best = min(ok, key=lambda v: (v[0], v[1]))
+    return best[2], best[3]
 
 
 def _plan_adaptive(lens, batch, cost, layout, budgets, token_cap, solver, time_limit_s, knobs) -> Plan:
     search = _Search("adaptive", batch, cost, layout, budgets, token_cap, knobs)
     proxy = search.proxy
-    # The greedy solver is the fast path: one simulated finalist (the proxy is within ~1% of
-    # the simulator on many balanced chunks); the ILP path affords a second opinion. Small
-    # steps, where the proxy's smooth fill/drain view is least exact, simulate more candidates
-    # and hill-climb from the best while the simulated chunk-stages stay within a budget
-    # (simulation costs about 2 ms per 100 chunk-stages).
-    num_finalists = max(1, int(knobs.get("num_finalists", 2 if solver == "ilp" else 1)))
+    # The greedy solver is the fast path: one finalist and 600 simulated chunk-stages (about
+    # 12 ms; the proxy is within ~1% of the simulator on many balanced chunks); the ILP path
+    # continues that search with a second finalist and twice the budget, so it never ends
+    # slower. Small steps, where the proxy's smooth fill/drain view is least exact, simulate
+    # more (see _search).
+    phases = [(1, 600.0)]
+    if solver == "ilp":
+        phases.append((2, 1200.0))
+    if "num_finalists" in knobs:
+        phases = [(max(1, int(knobs["num_finalists"])), 600.0 * max(1, int(knobs["num_finalists"])))]
     errors: list[InfeasiblePlanError] = []
 
     def evaluate(c: _Cand) -> Plan | None:
@@ -390,7 +405,7 @@ def _plan_adaptive(lens, batch, cost, layout, budgets, token_cap, solver, time_l
             errors.append(e)  # candidates the proxy rejects come smallest chunks first
             return None
 
-    found = _search(search, evaluate, num_finalists, 600 * num_finalists)
+    found = _search(search, evaluate, phases)
     if found is None:
         tried = sorted({c.k for c in search.cands.values()})
         raise InfeasiblePlanError(
@@ -426,7 +441,7 @@ def _plan_fixed_recompute(strategy, lens, batch, cost, layout, budgets, token_ca
         return None
 
     # every candidate is simulated: there is no recompute to assign, only a fit to check
-    found = _search(search, evaluate, 1, math.inf)
+    found = _search(search, evaluate, [(1, math.inf)])
     if found is None:
         _, c, sim = min(closest, key=lambda x: (x[0], x[1].order()))
         s = max(range(layout.num_stages), key=lambda q: sim.peak_memory_bytes[q] / budgets[q] if budgets[q] else 0)
