@@ -161,9 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                                num_layers=NUM_LAYERS)
         measured = NUM_LAYERS * (sample.fwd_time_s + sample.bwd_time_s)
         chunk = _chunk(shape, split)
-        split_seqs = {0} if chunk.kind is not ChunkKind.PACKED else set()
-        pred_bytes = (cost.act_memory(layout, 0, chunk, 0, split_seqs)
-                      - cost.logits_bytes_per_token * chunk.num_tokens)
+        pred_bytes = cost.act_memory(layout, 0, chunk, 0) - cost.logits_bytes_per_token * chunk.num_tokens
         rows.append({
             "kind": kind, "shape": [list(x) for x in shape], "tokens": chunk.num_tokens,
             "measured_ms": 1e3 * measured, "predicted_ms": 1e3 * _stage_time(cost, shape),
@@ -226,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd = "python benchmarks/cost_model_accuracy.py " + " ".join(sys.argv[1:])
     fitted = {k: v for k, v in cost.to_dict().items()
               if k in ("alpha_attn", "alpha_mask", "alpha_tok", "beta", "bwd_factor", "embed_time_per_token",
-                       "head_time_per_token", "act_bytes_per_token", "ckpt_bytes_per_token", "kv_bytes_per_token",
+                       "head_time_per_token", "act_bytes_per_token", "ckpt_bytes_per_token", "ckpt_chunk_bytes_per_token",
+                       "kv_bytes_per_token",
                        "context_bytes_per_token", "mask_bytes_per_pair", "logits_bytes_per_token",
                        "bwd_transient_bytes_per_token", "head_bwd_transient_bytes_per_token",
                        "recompute_factor")}
