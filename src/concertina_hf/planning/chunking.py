@@ -2,7 +2,9 @@
 
 Work is measured per decoder layer and forward, as in :mod:`.cost`: a slice of length ``s``
 with context ``C`` costs ``alpha_attn * ((C+s)^2 - C^2) + alpha_tok * s`` and a chunk adds
-``beta``. The work of the first ``x`` tokens of a sequence, ``W(x) = alpha_attn x^2 +
+``beta``. Given a stage layout (:func:`chunk_sequences`, the planner), the per-token time of
+the embedding or LM head on the stage slowest for a typical chunk is added to ``alpha_tok``
+(spread over its layers), so chunks are balanced where the pipeline is slowest. The work of the first ``x`` tokens of a sequence, ``W(x) = alpha_attn x^2 +
 alpha_tok x``, is convex, so equal-work slices get shorter towards the end of the sequence
 (:func:`balanced_split` inverts ``W`` in closed form).
 
