@@ -256,3 +256,24 @@ def test_ideal_step_time_is_total_compute_over_stages():
     # per sequence of n tokens: 3 * (4 * (2 n^2 + 3 n) + 12 n), beta excluded
     expected = sum(3 * (4 * (2 * n * n + 3 * n) + 12 * n) for n in (1, 10)) / 2
     assert ideal_step_time([1, 10], cost, layout) == pytest.approx(expected)
+
+
+def test_adaptive_fits_whenever_a_baseline_fits():
+    """Regression on a real batch (256 stdlib files, longest 32K tokens) and a tight budget where
+    splitting never fits (every slice of a sequence stays in flight, plus its K/V) but packing
+    whole sequences does: adaptive must fall back to the baselines' chunkings (it can emulate
+    them) instead of reporting that nothing fits."""
+    import json
+    import pathlib
+
+    from concertina_hf.cli import MODEL_PRESETS
+    from concertina_hf.planning import partition_layers
+
+    lens = json.loads((pathlib.Path(__file__).parent / "data" / "stdlib_256_lengths.json").read_text())["lengths"]
+    cost = CostModel.from_hf_config(MODEL_PRESETS["tiny-llama"], DeviceSpec.cpu())
+    layout = partition_layers(cost, 2)
+    budget = 2 * 2**30
+    packed = plan_step(lens, cost, layout, budget, strategy="packed", solver="greedy")
+    adaptive = plan_step(lens, cost, layout, budget, strategy="adaptive", solver="greedy").validate()
+    assert max(adaptive.predicted.peak_memory_bytes) <= budget
+    assert adaptive.predicted.step_time_s <= packed.predicted.step_time_s * (1 + TOLERANCE)

@@ -160,8 +160,14 @@ def test_bf16_autocast_matches_trainer_bf16(tmp_path):
     ref.train()
     trainer = ConcertinaTrainer(
         model=_model(), train_dataset=_dataset(), eval_dataset=_dataset(8, seed=1),
-        args=ConcertinaTrainingArguments(output_dir=str(tmp_path / "c"), concertina_max_tokens_per_chunk=16, **kw))
+        args=ConcertinaTrainingArguments(output_dir=str(tmp_path / "c"), concertina_max_tokens_per_chunk=16,
+                                         concertina_cost_model="profiled", **kw))
     assert trainer.args.mixed_precision == "bf16"
+    # profiled in the precision it trains in: K and V of a layer kept in bfloat16 (2 bytes each)
+    cfg = trainer.model.config
+    kv_dim = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    assert trainer.cost_model.source == "profiled"
+    assert trainer.cost_model.kv_bytes_per_token == pytest.approx(2 * 2 * kv_dim, rel=0.05)
     dtypes = set()  # the dtype of a projection's output: bfloat16 only if autocast really ran
     trainer.model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o: dtypes.add(o.dtype))
     trainer.train()

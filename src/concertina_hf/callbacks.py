@@ -159,13 +159,17 @@ class ReplanCallback(TrainerCallback):
         (:func:`concertina_hf.runtime.profiler.profile_cost_model`), as many layers as a stage
         holds, chunk shapes up to ``concertina_max_tokens_per_chunk`` (at least 32; the profiler's
         device default without a cap); ``base`` keeps the rest."""
+        import torch
+
         from .runtime.profiler import profile_cost_model
 
         layers = -(-int(model.config.num_hidden_layers) // max(1, pipeline_size))
         cap = args.concertina_max_tokens_per_chunk
         # the profiler needs at least 32 tokens to make distinct shapes; None: its device default
+        # profile in the precision the run trains in (bf16 autocast halves activations and K/V)
+        amp = torch.bfloat16 if args.bf16 else None
         return profile_cost_model(model, base=base, device=device, num_layers=layers,
-                                  max_tokens=None if cap is None else max(32, cap))
+                                  max_tokens=None if cap is None else max(32, cap), autocast_dtype=amp)
 
     @staticmethod
     def layout_for(cost: CostModel, pipeline_size: int) -> StageLayout:

@@ -253,17 +253,21 @@ class _Search:
         if self.strategy == "adaptive" and not fixed:
             leader = min(self.cands.values(), key=_Cand.order).chunking
             if leader.num_chunks * self.layout.num_stages <= _SMALL_STEP:
-                longest = self.batch.longest
-                for n in _N_CANDIDATES:
-                    if n <= longest and -(-longest // n) <= uncapped:
-                        self.get(n, -(-longest // n), "tokens")
-                if longest <= uncapped:  # a whole sequence must fit the user's cap
-                    for size in _token_budget_candidates(longest, self.token_cap):
-                        self.get(1, size, "whole")
+                self.baseline_candidates()
         ranked = sorted(self.cands.values(), key=_Cand.order)
         for c in ranked[:1]:
             self.group(c)
         return sorted(self.cands.values(), key=_Cand.order)
+
+    def baseline_candidates(self) -> list[_Cand]:
+        """The baselines' chunkings (token-equal slices of the longest, Seq1F1B-like; whole
+        sequences under a token budget), best estimate first: adaptive can always emulate them."""
+        longest, uncapped = self.batch.longest, self.uncapped
+        out = [self.get(n, -(-longest // n), "tokens") for n in _N_CANDIDATES
+               if n <= longest and -(-longest // n) <= uncapped]
+        if longest <= uncapped:  # a whole sequence must fit the user's cap
+            out += [self.get(1, size, "whole") for size in _token_budget_candidates(longest, self.token_cap)]
+        return sorted(out, key=_Cand.order)
 
     def neighbours(self, c: _Cand) -> list[_Cand]:
         """The candidates next to ``c`` on its own ladder (``K`` for balanced chunkings, ``N``
@@ -406,6 +410,13 @@ def _plan_adaptive(lens, batch, cost, layout, budgets, token_cap, solver, time_l
             return None
 
     found = _search(search, evaluate, phases)
+    if found is None and "num_slices_longest" not in knobs:
+        # Splitting keeps every slice of a sequence in flight (plus its K/V), so when memory is
+        # tight a baseline's chunking can fit where no balanced one does: the fastest that fits.
+        fitting = [(plan.predicted.step_time_s, i, c, plan) for i, c in enumerate(search.baseline_candidates())
+                   if (plan := evaluate(c)) is not None]
+        if fitting:
+            found = min(fitting, key=lambda v: v[:2])[2:]
     if found is None:
         tried = sorted({c.k for c in search.cands.values()})
         raise InfeasiblePlanError(
