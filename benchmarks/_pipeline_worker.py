@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import statistics
 import sys
 import time
 import traceback
@@ -87,10 +88,14 @@ def run_worker(rank: int, world: int, port: int, spec_path: str, out_path: str) 
         dist.destroy_process_group()
 
 
-def run_profile(rank: int, world: int, spec_path: str, out_path: str) -> None:
+def run_profile(rank: int, world: int, port: int, spec_path: str, out_path: str) -> None:
     """Both processes profile the model at the same time (so each sees the CPU contention of a
-    pp=2 run); each writes its fitted cost model to ``out_path.rank<r>.json``."""
+    pp=2 run); each writes its fitted cost model to ``out_path.rank<r>.json``. Then rank 0 and 1
+    time P2P messages both ways through the runtime's :class:`~concertina_hf.runtime.p2p.StageComm`
+    (the stage-to-stage link the cost model's ``p2p_latency_s`` / ``p2p_bandwidth`` describe)."""
     torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(minutes=30))
     try:
         with open(spec_path, "rb") as fh:
             spec = pickle.load(fh)
@@ -100,12 +105,40 @@ def run_profile(rank: int, world: int, spec_path: str, out_path: str) -> None:
         t0 = time.perf_counter()
         cost = profile_cost_model(model, shapes=spec["shapes"], repeats=spec["repeats"], warmup=1,
                                   num_layers=spec["num_layers"], max_tokens=spec["max_tokens"])
+        took = time.perf_counter() - t0
+        p2p = _p2p_probe(rank, int(spec["config"]["hidden_size"]), spec["p2p_tokens"])
         with open(f"{out_path}.rank{rank}.json", "w") as fh:
-            json.dump({"cost": cost.to_dict(), "seconds": time.perf_counter() - t0}, fh)
+            json.dump({"cost": cost.to_dict(), "seconds": took, "p2p": p2p}, fh)
     except Exception:
         with open(f"{out_path}.rank{rank}.error", "w") as fh:
             fh.write(traceback.format_exc())
         raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _p2p_probe(rank: int, hidden: int, tokens: list[int], repeats: int = 20) -> list[tuple[int, float]]:
+    """``(bytes, one-way seconds)`` of a ``[1, T, hidden]`` fp32 message between rank 0 and 1:
+    half the median round trip (a send and a receive of the same size each way)."""
+    from concertina_hf.runtime.p2p import StageComm
+
+    comm = StageComm(None, rank, 2)
+    out = []
+    for t in tokens:
+        buf = torch.zeros(1, t, hidden)
+        trips = []
+        for _ in range(repeats + 2):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                comm.exchange([comm.send_op(buf, 1, 0)], [comm.recv_op(buf, 1, 1)])
+            else:
+                comm.exchange([], [comm.recv_op(buf, 0, 0)])
+                comm.exchange([comm.send_op(buf, 0, 1)], [])
+            comm.drain()
+            trips.append(time.perf_counter() - t0)
+        out.append((buf.numel() * 4, statistics.median(trips[2:]) / 2))
+    return out
 
 
 def _capacity_probe(rank: int, world: int, iters: int = 150) -> float:

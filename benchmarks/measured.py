@@ -15,8 +15,10 @@ What runs (everything on CPU, one thread per process, fp32):
 2. **Cost model.** :func:`concertina_hf.runtime.profiler.profile_cost_model` on this machine,
    in two processes at once with one thread each (the CPU contention of the pp=2 runs; time
    coefficients averaged), on about a stage's worth of decoder layers, the profiler's default
-   shapes up to 1K tokens plus whole sequences of ``L/2`` and ``L`` and an ``L/4`` slice with
-   ``L/2`` context (``L``: the longest context length). Planner, baselines and predictions all use this model; the
+   shapes up to 1K tokens plus small chunks (16 to 64 tokens: they pin the per-call constant,
+   which decides how finely a plan may cut), a whole ``L/2`` sequence and an ``L/4`` slice with
+   ``L/2`` context (``L``: the longest context length). The P2P latency and bandwidth are timed
+   between the two processes through the runtime's ``StageComm``. Planner, baselines and predictions all use this model; the
    layer split over the two stages is :func:`~concertina_hf.planning.partition_layers` of it.
 3. **Budget.** One activation budget for every stage: the peak activation memory the cost model
    predicts for one whole ``L``-token sequence run alone (backward transients included),
@@ -191,11 +193,15 @@ def profile(config: dict, seed: int, preset: dict, max_len: int, log) -> tuple[A
 
     m = preset["profile_max_tokens"]
     shapes = list(default_shapes(m))
-    for extra in (((0, max_len // 2),), ((0, max_len),), ((max_len // 2, max_len // 4),)):
+    # small chunks pin the per-call constant (beta), which decides how fine a plan may cut; a whole
+    # sequence and a slice with context at the longest lengths pin the attention terms. The
+    # whole longest sequence itself is left out: least squares on seconds would fit it alone.
+    for extra in (((0, 16),), ((0, 32),), ((0, 64),), ((0, 32),) * 4, ((m, 32),),
+                  ((0, max_len // 2),), ((max_len // 2, max_len // 4),)):
         if extra not in shapes:
             shapes.append(extra)
     spec = {"config": config, "seed": seed, "shapes": shapes, "repeats": preset["profile_repeats"],
-            "num_layers": preset["profile_layers"], "max_tokens": m}
+            "num_layers": preset["profile_layers"], "max_tokens": m, "p2p_tokens": [16, 1024, max_len]}
     t0 = time.perf_counter()
     if preset["profile_procs"] == 1:  # in this process (the smoke test's setting: no spawn)
         from _pipeline_worker import build_model
@@ -211,7 +217,7 @@ def profile(config: dict, seed: int, preset: dict, max_len: int, log) -> tuple[A
         with open(spec_path, "wb") as fh:
             pickle.dump(spec, fh)
         try:
-            mp.spawn(run_profile, args=(2, spec_path, out_path), nprocs=2, join=True)
+            mp.spawn(run_profile, args=(2, _free_port(), spec_path, out_path), nprocs=2, join=True)
         except Exception as e:
             errors = [open(os.path.join(tmp, f)).read() for f in sorted(os.listdir(tmp)) if f.endswith(".error")]
             raise RuntimeError(f"profiling failed: {e}\n" + "\n".join(errors)) from e
@@ -219,10 +225,15 @@ def profile(config: dict, seed: int, preset: dict, max_len: int, log) -> tuple[A
     took = time.perf_counter() - t0
     costs = [CostModel.from_dict(f["cost"]) for f in fits]
     avg = {k: statistics.mean(getattr(c, k) for c in costs) for k in _TIME_FIELDS}
+    # the P2P link: latency and bandwidth through the smallest and the largest message
+    (b0, t0_), *_, (b1, t1_) = fits[0]["p2p"]
+    bandwidth = (b1 - b0) / max(t1_ - t0_, 1e-9)
+    avg.update(p2p_latency_s=max(0.0, t0_ - b0 / bandwidth), p2p_bandwidth=bandwidth)
     cost = dataclasses.replace(costs[0], **avg)
     log(f"profiled the cost model in {took:.0f} s (two processes at once): alpha_tok {cost.alpha_tok:.3g}, "
         f"alpha_attn {cost.alpha_attn:.3g}, alpha_mask {cost.alpha_mask:.3g}, beta {cost.beta:.3g}, "
-        f"bwd {cost.bwd_factor:.2f}, act {cost.act_bytes_per_token:.0f} B/tok/layer "
+        f"bwd {cost.bwd_factor:.2f}, act {cost.act_bytes_per_token:.0f} B/tok/layer, P2P "
+        f"{cost.p2p_latency_s * 1e3:.2f} ms + {cost.p2p_bandwidth / 1e9:.2f} GB/s "
         f"(the two fits' alpha_tok: {costs[0].alpha_tok:.3g} / {costs[1].alpha_tok:.3g})")
     return cost, took
 
