@@ -636,8 +636,9 @@ def to_markdown(res: dict[str, Any]) -> str:
         "",
         f"Made by `{res['command']}` on {res['date']} ({res['machine']}), {res['elapsed_s'] / 60:.1f} min. "
         f"Load average (1 min) during the runs: {res['load_range'][0]:.1f} to {res['load_range'][1]:.1f} on "
-        f"{os.cpu_count()} cores: the machine was shared, so timings carry that noise (steps of all pp=2 runs are "
-        "interleaved so that it hits every strategy alike; Trainer runs follow the pp=2 runs of the same context).",
+        f"{os.cpu_count()} cores (other jobs may share the machine: steps of all pp=2 runs are interleaved so that "
+        "load changes hit every strategy alike, and each context section gives the cores the two ranks really "
+        "had; Trainer runs follow the pp=2 runs of the same context).",
         "",
         f"Model: Llama, hidden {res['config']['hidden_size']}, {res['config']['num_hidden_layers']} layers, "
         f"{res['config']['num_attention_heads']} heads ({res['config']['num_key_value_heads']} K/V), MLP "
