@@ -294,7 +294,7 @@ def _run(rank: int, world: int, spec: dict) -> dict:
                 # measured actions on one clock: each rank's times from its run_step call
                 "actions": {m["rank"]: [(a, s + m["t_call"] - base, e + m["t_call"] - base) for a, s, e in m["actions"]]
                             for m in per},
-                "plan": plan.to_json() if job.get("keep_plans") else None,
+                "plan": plan.to_json(),  # for the online refit and the Gantt chart; not written out
             }
             records.append(rec)
             print(f"[pp2] round {r} {job['name']:<22} {rec['tokens']:>6} tok  step {rec['step_s']:.2f}s "

@@ -419,7 +419,7 @@ def run_context(max_len: int, corpus, config: dict, cost, layout, preset: dict, 
     budgets = [int(static[s] + act_budget) for s in range(p)]
     check_adaptive(batches, cost, layout, budgets, args)
     tune_on = [batches[i] for i in sorted(set(timed) | {memory_batch})]
-    jobs: list[dict[str, Any]] = [{"name": "adaptive", "strategy": "adaptive", "knobs": {}, "keep_plans": True}]
+    jobs: list[dict[str, Any]] = [{"name": "adaptive", "strategy": "adaptive", "knobs": {}}]
     tuning = {}
     for strategy in ("packed", "split"):
         ranked = tune_baseline(strategy, tune_on, cost, layout, budgets)
@@ -430,7 +430,7 @@ def run_context(max_len: int, corpus, config: dict, cost, layout, preset: dict, 
             log(f"L={max_len}: no {strategy} setting fits the budget; it is left out")
         for r in chosen:
             jobs.append({"name": f"{strategy}[{r['knob']}={r['value']}]", "strategy": strategy,
-                         "knobs": {r["knob"]: r["value"]}, "keep_plans": True})
+                         "knobs": {r["knob"]: r["value"]}})
     log(f"L={max_len}: {len(batches)} batches, memory batch {memory_batch} "
         f"(longest {max(map(len, batches[memory_batch]))}), activation budget {act_budget / MIB:.0f} MiB per stage, "
         f"jobs {[j['name'] for j in jobs]}")

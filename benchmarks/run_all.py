@@ -28,6 +28,8 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 
+__all__ = ["main"]
+
 
 def _run(cmd: list[str]) -> None:
     print(f"[run_all] {' '.join(cmd)}", flush=True)
