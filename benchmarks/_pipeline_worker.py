@@ -8,8 +8,9 @@ pipeline step (the optimizer class and settings ``transformers.Trainer`` builds 
 
 Steps of the different jobs are interleaved round by round (round 0 is the untimed warm-up and
 memory round, rounds 1.. the timed steps; round ``r`` runs the jobs rotated by ``r``), so a
-change of machine load hits every strategy alike. All jobs train the same weights: every strategy computes the same gradients for a batch
-(the runtime's equivalence with the HF model), so the interleaved run is one valid training run.
+change of machine load hits every strategy alike. All jobs train the same weights: every
+strategy computes the same gradients for a batch (the runtime's equivalence with the HF model),
+so the interleaved run is one valid training run.
 
 Planning is overlapped as in ``ReplanCallback``: pipeline rank 0 plans a job's next step in a
 background thread while the job's current step runs (so the planning of one strategy never

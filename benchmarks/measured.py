@@ -18,8 +18,9 @@ What runs (everything on CPU, one thread per process, fp32):
    shapes up to 1K tokens plus small chunks (16 to 64 tokens: they pin the per-call constant,
    which decides how finely a plan may cut), a whole ``L/2`` sequence and an ``L/4`` slice with
    ``L/2`` context (``L``: the longest context length). The P2P latency and bandwidth are timed
-   between the two processes through the runtime's ``StageComm``. Planner, baselines and predictions all use this model; the
-   layer split over the two stages is :func:`~concertina_hf.planning.partition_layers` of it.
+   between the two processes through the runtime's ``StageComm``. Planner, baselines and
+   predictions all use this model; the layer split over the two stages is
+   :func:`~concertina_hf.planning.partition_layers` of it.
 3. **Budget.** One activation budget for every stage: the peak activation memory the cost model
    predicts for one whole ``L``-token sequence run alone (backward transients included),
    ``--budget-frac`` of the way from every layer recomputed (0) to nothing recomputed (1), on
@@ -657,7 +658,9 @@ def to_markdown(res: dict[str, Any]) -> str:
         f"Static memory (weights, gradients, AdamW state; 16 B/parameter) per stage: "
         f"{' / '.join(_mib(b) for b in res['contexts'][0]['static_bytes'])} MiB; single process: "
         f"{_mib(res['num_params'] * 16)} MiB. Budgets below are on activation memory, on top of that.",
-        f"Baseline tuning: {res['settings']['tune']} ({'the best ' + str(res['settings']['tune_candidates']) + ' settings by simulation run for real, the fastest measured one that fits kept' if res['settings']['tune'] == 'measured' else 'the best setting by simulation'}).",
+        f"Baseline tuning: {res['settings']['tune']} ("
+        + (f"the best {res['settings']['tune_candidates']} settings by simulation run for real, the fastest measured "
+           "one that fits kept" if res['settings']['tune'] == 'measured' else "the best setting by simulation") + ").",
         "",
         "## Targets",
         "",
