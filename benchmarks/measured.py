@@ -350,10 +350,10 @@ def _stats(xs: Sequence[float]) -> dict[str, float]:
 
 def online_refit_predictions(records: list[dict], cost, layout) -> None:
     """Add ``predicted_online_s`` to every timed record: the step's plan simulated under the cost
-    model refitted from measured actions (``callbacks.refit_cost_model``, what ``ReplanCallback``
+    model refitted from measured actions (``planning.fit.refit_cost_model``, what ``ReplanCallback``
     does online) of the *other* timed rounds, all runs pooled (leave one round out, so no step
     predicts itself; the warm-up round is left out, its steps run under the allocation tracker)."""
-    from concertina_hf.callbacks import action_samples, refit_cost_model
+    from concertina_hf.planning.fit import action_samples, refit_cost_model
     from concertina_hf.planning import Action, Plan, simulate
 
     plans = {id(r): Plan.from_json(r["plan"]) for r in records if r.get("plan")}
@@ -714,7 +714,7 @@ def to_markdown(res: dict[str, Any]) -> str:
           "- predicted: the simulator's step time for the plan under the profiled cost model, against the measured "
           "pipeline time (`run_step`, slowest rank; the optimizer step is not in the plan). *Refitted online*: the "
           "same plans simulated under the cost model `ReplanCallback` would refit from measured actions "
-          "(`callbacks.refit_cost_model`), fitted on the other timed rounds of all runs (leave one round out).",
+          "(`planning.fit.refit_cost_model`), fitted on the other timed rounds of all runs (leave one round out).",
           "- peak activation, saved tensors: the runtime's `SavedTensorMeter` (what autograd saves plus what the "
           "runtime holds: stage inputs/outputs, K/V of earlier slices); the Trainer is measured by the same meter "
           "around its `training_step`. With HF gradient checkpointing the meter does not see what checkpointing "

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
-from concertina_hf.callbacks import ActionSample, action_samples, refit_cost_model
+from concertina_hf.planning.fit import ActionSample, action_samples, refit_cost_model
 from concertina_hf.planning import (
     Action,
     ActionKind,

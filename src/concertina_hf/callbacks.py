@@ -31,7 +31,6 @@ group; a refit is a least-squares fit over at most ``max_samples`` samples.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -39,14 +38,12 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 from transformers import TrainerCallback
 
 from .planning import (
     Action,
-    ActionKind,
-    Chunk,
     CostModel,
     DeviceSpec,
     Plan,
@@ -55,8 +52,9 @@ from .planning import (
     plan_step,
     simulate,
 )
+from .planning.fit import ActionSample, action_samples, refit_cost_model
 
-__all__ = ["ActionSample", "ReplanCallback", "StepStats", "action_samples", "refit_cost_model"]
+__all__ = ["ReplanCallback", "StepStats"]
 
 logger = logging.getLogger(__name__)
 
@@ -384,85 +382,3 @@ class ReplanCallback(TrainerCallback):
             if self.topology.is_planner and args.concertina_overlap_planning:
                 # a later train() call (e.g. resuming) plans in the background again
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="concertina-plan")
-
-
-@dataclass(frozen=True)
-class ActionSample:
-    """The measured forward and backward time of one chunk on one stage."""
-
-    stage: int
-    chunk: Chunk
-    recompute: int
-    fwd_s: float
-    bwd_s: float
-
-
-def action_samples(plan: Plan, actions: Sequence[tuple[Action, float, float]]) -> list[ActionSample]:
-    """Pair each chunk's measured forward and backward on each stage (chunks missing one are skipped)."""
-    fwd: dict[tuple[int, int], float] = {}
-    bwd: dict[tuple[int, int], float] = {}
-    for a, t0, t1 in actions:
-        (fwd if a.kind is ActionKind.FORWARD else bwd)[(a.stage, a.chunk)] = t1 - t0
-    return [ActionSample(s, plan.chunks[c], plan.recompute[s][c], tf, bwd[(s, c)])
-            for (s, c), tf in sorted(fwd.items()) if (s, c) in bwd]
-
-
-def refit_cost_model(cost: CostModel, layout: StageLayout, samples: Sequence[ActionSample],
-                     memory_scale: float = 1.0) -> CostModel | None:
-    """Least-squares time coefficients from measured actions; ``None`` when underdetermined.
-
-    A forward of a chunk (slices ``s_i`` at contexts ``C_i``, ``T`` tokens) on a stage of ``n``
-    layers is modelled as ``n * (alpha_attn * P + alpha_tok * T + beta) + k * (e * [first] + h *
-    [last]) * T`` with ``P = sum((C+s)^2 - C^2)`` and the analytic embedding / head rates ``e``,
-    ``h`` scaled by one fitted factor ``k`` (the head of a large vocabulary is a big share of the
-    last stage, so it must be fitted too). Coefficients are kept non-negative. The backward factor
-    is then ``sum(t_bwd - r * layer_fwd) / sum(t_fwd)`` over the samples. With
-    ``memory_scale > 1`` the activation byte coefficients are multiplied by it (never lowered: the
-    runtime's meter sees saved tensors only, not allocator slack). Cost: one ``lstsq`` on a
-    ``len(samples) x 4`` matrix.
-    """
-    import numpy as np
-
-    if len({(x.stage, x.chunk.slices) for x in samples}) < 4:
-        return None
-    e0, h0 = cost.embed_time_per_token, cost.head_time_per_token
-    if e0 + h0 <= 0:
-        e0 = h0 = 1e-9
-    rows, y = [], []
-    for x in samples:
-        n = layout.num_stage_layers(x.stage)
-        pairs = sum((sl.context + sl.length) ** 2 - sl.context ** 2 for sl in x.chunk.slices)
-        tok = x.chunk.num_tokens
-        extra = (e0 if layout.has_embedding(x.stage) else 0.0) + (h0 if layout.has_head(x.stage) else 0.0)
-        rows.append([n * pairs, n * tok, n, extra * tok])
-        y.append(x.fwd_s)
-    coef = _nonneg_lstsq(np.array(rows, dtype=float), np.array(y, dtype=float))
-    if coef is None or not np.isfinite(coef).all() or coef[:3].sum() <= 0:
-        return None
-    a, b, beta, k = (float(v) for v in coef)
-    new = dataclasses.replace(cost, alpha_attn=a, alpha_tok=b, beta=beta, embed_time_per_token=e0 * k,
-                              head_time_per_token=h0 * k, source="online")
-    fwd_pred = sum(new.fwd_time(layout, x.stage, x.chunk) for x in samples)
-    bwd_rest = sum(max(0.0, x.bwd_s - x.recompute * new.layer_fwd_time(x.chunk.slices)) for x in samples)
-    if fwd_pred <= 0 or bwd_rest <= 0:
-        return None
-    changes: dict[str, Any] = {"bwd_factor": bwd_rest / fwd_pred}
-    if memory_scale > 1.0:
-        for name in ("act_bytes_per_token", "ckpt_bytes_per_token", "kv_bytes_per_token", "logits_bytes_per_token"):
-            changes[name] = getattr(new, name) * memory_scale
-    return dataclasses.replace(new, **changes)
-
-
-def _nonneg_lstsq(a, y):
-    """Least squares with coefficients >= 0: drop the negative ones and solve again."""
-    import numpy as np
-
-    active = list(range(a.shape[1]))
-    while active:
-        sol, *_ = np.linalg.lstsq(a[:, active], y, rcond=None)
-        if (sol >= 0).all():
-            out = np.zeros(a.shape[1])
-            out[active] = sol
-            return out
-        active = [i for i, v in zip(active, sol) if v > 0]
-    return None
