@@ -22,7 +22,7 @@ step. One timed step on every rank::
 
 The step time is the slowest rank's ``t1 - t0``; the planning time on the critical path is the
 wait for the plan (rank 0) plus its broadcast. The memory round runs ``run_step`` under an
-:class:`~_memtrack.AllocationTracker` (untimed) besides the runtime's own
+:class:`~concertina_hf.runtime.memory.AllocationTracker` (untimed) besides the runtime's own
 :class:`~concertina_hf.runtime.memory.SavedTensorMeter`.
 """
 
@@ -184,9 +184,9 @@ def _plan_for(spec: dict, cost, layout, job: dict, lens: list[int]):
 
 
 def _run(rank: int, world: int, spec: dict) -> dict:
-    from _memtrack import AllocationTracker
     from concertina_hf.planning import CostModel, Plan, StageLayout
     from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
+    from concertina_hf.runtime.memory import AllocationTracker
 
     cost = CostModel.from_dict(spec["cost"])
     layout = StageLayout(cost.num_layers, tuple(tuple(r) for r in spec["layer_ranges"]))

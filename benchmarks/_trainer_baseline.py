@@ -10,9 +10,9 @@ computes:
   memory batch first as warm-up, then the timed batches), so the Trainer sees exactly the
   sequences the pipeline sees;
 - the first ``training_step`` (forward and backward of the memory batch) runs under the
-  runtime's :class:`~concertina_hf.runtime.memory.SavedTensorMeter` and the
-  :class:`~_memtrack.AllocationTracker`, so activation memory is counted the same way as on the
-  pipeline stages.
+  runtime's :class:`~concertina_hf.runtime.memory.SavedTensorMeter` and
+  :class:`~concertina_hf.runtime.memory.AllocationTracker`, so activation memory is counted the
+  same way as on the pipeline stages.
 
 Gradient clipping is off (``max_grad_norm=0``) as in the pipeline runs, so both do the same work
 per step. A step's time is the time between consecutive ``on_step_end`` callbacks (data,
@@ -53,9 +53,8 @@ def run_trainer(config: dict, seed: int, batches: Sequence[Sequence[Sequence[int
     from torch.utils.data import DataLoader, Dataset
     from transformers import DataCollatorWithFlattening, Trainer, TrainerCallback, TrainingArguments
 
-    from _memtrack import AllocationTracker
     from _pipeline_worker import build_model
-    from concertina_hf.runtime.memory import SavedTensorMeter
+    from concertina_hf.runtime.memory import AllocationTracker, SavedTensorMeter
 
     order = [memory_batch] + list(timed_batches)
     flat: list[dict] = []
