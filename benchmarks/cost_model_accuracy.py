@@ -56,12 +56,8 @@ from concertina_hf.planning import (  # noqa: E402
     simulate,
 )
 from concertina_hf.runtime import PipelineExecutor, PipelineWrapper  # noqa: E402
-from concertina_hf.runtime.profiler import (  # noqa: E402
-    LiveTensorMeter,
-    default_shapes,
-    measure_chunk,
-    profile_cost_model,
-)
+from concertina_hf.runtime.memory import LiveTensorMeter  # noqa: E402
+from concertina_hf.runtime.profiler import default_shapes, measure_chunk, profile_cost_model  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 NUM_LAYERS = 4

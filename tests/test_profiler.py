@@ -39,7 +39,8 @@ from concertina_hf.planning import (
     simulate,
 )
 from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
-from concertina_hf.runtime.profiler import LiveTensorMeter, default_shapes, measure_chunk, profile_cost_model
+from concertina_hf.runtime.memory import LiveTensorMeter
+from concertina_hf.runtime.profiler import default_shapes, measure_chunk, profile_cost_model
 
 torch.set_num_threads(1)
 

@@ -42,7 +42,8 @@ recompute (``r == n``), by ``act_bytes_per_token`` per token.
 
 Two constructors: :meth:`CostModel.from_hf_config` (FLOPs and bytes of the architecture at a
 device's rates) and :meth:`CostModel.fit` (least squares over measured samples, e.g. from
-:mod:`concertina_hf.runtime.profiler`). Pure Python (numpy for the fit); no torch.
+:mod:`concertina_hf.runtime.profiler`; the fitting code is :mod:`concertina_hf.planning.fit`).
+Pure Python; no torch.
 """
 
 from __future__ import annotations
@@ -53,7 +54,10 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from .types import Chunk, ChunkKind, Slice, StageLayout
 
-__all__ = ["CostModel", "DeviceSpec", "ProfileSample", "attn_pairs"]
+__all__ = ["ChunkShape", "CostModel", "DeviceSpec", "ProfileSample", "attn_pairs", "needs_mask"]
+
+ChunkShape = tuple[tuple[int, int], ...]
+"""A chunk as measured by the profiler: its slices as ``(context, length)`` pairs."""
 
 
 def attn_pairs(slices: Iterable[Slice]) -> int:
@@ -103,7 +107,7 @@ class ProfileSample:
     """One measurement of a decoder layer on a chunk shape: ``slices`` as ``(context, length)``
     pairs, times in seconds per layer, saved activation bytes per layer."""
 
-    slices: tuple[tuple[int, int], ...]
+    slices: ChunkShape
     fwd_time_s: float
     bwd_time_s: float
     act_bytes: float = 0.0
@@ -209,54 +213,16 @@ class CostModel:
         )
 
     def fit(self, samples: Sequence[ProfileSample], *, dense_mask: bool = False) -> "CostModel":
-        """Refit ``alpha_attn``, ``alpha_tok``, ``beta``, ``bwd_factor`` (and the activation
-        bytes per token when samples carry them) by least squares; other fields are kept.
+        """This model with its decoder-layer time coefficients (and activation bytes per token)
+        fitted to ``samples``: :func:`concertina_hf.planning.fit.fit_profile`."""
+        from .fit import fit_profile  # fit.py builds on this module
 
-        ``dense_mask``: the samples come from a backend that attends densely over ``T x S`` when
-        a chunk needs a mask (SDPA on CPU); ``alpha_mask`` is fitted too, on those chunks only.
-
-        Coefficients are constrained non-negative (a negative fitted term is dropped and the
-        rest refitted). Needs at least 3 samples with different shapes.
-        """
-        import numpy as np
-
-        if len(samples) < 3:
-            raise ValueError(f"fitting the cost model needs at least 3 samples, got {len(samples)}")
-        rows = []
-        for x in samples:
-            tok = sum(s for _, s in x.slices)
-            pairs = sum((c + s) ** 2 - c * c for c, s in x.slices)
-            if dense_mask:
-                masked = _needs_mask(x.slices)
-                dense = tok * sum(c + s for c, s in x.slices)
-                rows.append([0.0 if masked else pairs, dense if masked else 0.0, tok, 1.0])
-            else:
-                rows.append([pairs, tok, 1.0])
-        feats = np.array(rows, dtype=float)
-        fwd = np.array([x.fwd_time_s for x in samples], dtype=float)
-        bwd = np.array([x.bwd_time_s for x in samples], dtype=float)
-        coef = _nnls(feats, fwd)
-        total = float(fwd.sum())
-        bwd_factor = float(bwd.sum() / total) if total > 0 else self.bwd_factor
-        if dense_mask:
-            coef_attn, coef_mask, coef_tok, coef_beta = (float(v) for v in coef)
-        else:
-            (coef_attn, coef_tok, coef_beta), coef_mask = (float(v) for v in coef), self.alpha_mask
-        changes: dict[str, Any] = dict(
-            alpha_attn=coef_attn, alpha_mask=coef_mask, alpha_tok=coef_tok, beta=coef_beta,
-            bwd_factor=bwd_factor, source="fitted",
-        )
-        acts = [(sum(s for _, s in x.slices), x.act_bytes) for x in samples if x.act_bytes > 0]
-        if acts:
-            tok = np.array([a for a, _ in acts], dtype=float)
-            byt = np.array([b for _, b in acts], dtype=float)
-            changes["act_bytes_per_token"] = float((tok @ byt) / (tok @ tok))
-        return dataclasses.replace(self, **changes)
+        return fit_profile(self, samples, dense_mask=dense_mask)
 
     # ------------------------------------------------------------------ time
     def layer_fwd_time(self, slices: Sequence[Slice]) -> float:
         tok = sum(s.length for s in slices)
-        if self.alpha_mask and _needs_mask([(s.context, s.length) for s in slices]):
+        if self.alpha_mask and needs_mask([(s.context, s.length) for s in slices]):
             attn = self.alpha_mask * tok * sum(s.context + s.length for s in slices)
         else:
             attn = self.alpha_attn * attn_pairs(slices)
@@ -311,7 +277,7 @@ class CostModel:
             ctx_tok = sum(s.context + (s.length if chunk.kind is ChunkKind.SPLIT else 0)
                           for s in chunk.slices if s.context > 0)
             mem += saved * self.context_bytes_per_token * ctx_tok
-        if self.mask_bytes_per_pair and _needs_mask([(s.context, s.length) for s in chunk.slices]):
+        if self.mask_bytes_per_pair and needs_mask([(s.context, s.length) for s in chunk.slices]):
             mem += self.mask_bytes_per_pair * tok * sum(s.context + s.length for s in chunk.slices)
         return mem
 
@@ -357,23 +323,11 @@ class CostModel:
         return cls(**d)
 
 
-def _needs_mask(slices: Sequence[tuple[int, int]]) -> bool:
+def needs_mask(slices: Sequence[tuple[int, int]]) -> bool:
     """Whether a chunk of ``(context, length)`` slices needs an explicit attention mask: all
-    but one whole sequence (plain causal attention) do."""
+    but one whole sequence (plain causal attention) do.
+
+    >>> needs_mask([(0, 128)]), needs_mask([(0, 64), (0, 64)]), needs_mask([(512, 128)])
+    (False, True, True)
+    """
     return not (len(slices) == 1 and slices[0][0] == 0)
-
-
-def _nnls(a, y):
-    """Least squares with non-negative coefficients (active-set by dropping negatives)."""
-    import numpy as np
-
-    active = list(range(a.shape[1]))
-    coef = np.zeros(a.shape[1])
-    while active:
-        sol, *_ = np.linalg.lstsq(a[:, active], y, rcond=None)
-        if (sol >= 0).all():
-            coef[:] = 0
-            coef[active] = sol
-            return coef
-        active = [i for i, v in zip(active, sol) if v > 0] if (sol > 0).any() else []
-    return coef

@@ -1,12 +1,22 @@
 """Fitting the cost model to measurements: the only least-squares code of the project.
 
 - :func:`nonneg_lstsq`: least squares with non-negative coefficients (active set: drop the
-  negative coefficients and solve again). Every fit below and in
-  :meth:`~concertina_hf.planning.cost.CostModel.fit` and the profiler uses it.
+  negative coefficients and solve again); :func:`through_origin`: the one-coefficient fit
+  ``y = k * x``. Every fit below uses one of them.
+- :func:`fit_profile`: decoder-layer time coefficients (and activation bytes per token) from
+  profiled :class:`~concertina_hf.planning.cost.ProfileSample` s; what
+  :meth:`CostModel.fit <concertina_hf.planning.cost.CostModel.fit>` does.
+- :func:`fit_activation_bytes`: the per-token, per-context-token and per-mask-element bytes of
+  chunks measured without recompute (the profiler's byte fit).
 - :class:`ActionSample` / :func:`action_samples`: a chunk's measured forward and backward on a
   stage, paired from a step's measured actions.
 - :func:`refit_cost_model`: the online refit (time coefficients from measured actions; activation
   bytes raised when a stage measured more than predicted).
+
+The measurements come from :mod:`concertina_hf.runtime.profiler` (chunks run on the device) and
+from the executor's timed actions (:class:`~concertina_hf.callbacks.ReplanCallback`). Each fit is
+one ``lstsq`` per active set on a ``samples x features`` matrix (at most 4 features): negligible
+next to measuring the samples.
 
 Pure Python and numpy; no torch.
 """
@@ -17,10 +27,96 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .cost import CostModel
+from .cost import ChunkShape, CostModel, ProfileSample, needs_mask
 from .types import Action, ActionKind, Chunk, Plan, StageLayout
 
-__all__ = ["ActionSample", "action_samples", "nonneg_lstsq", "refit_cost_model"]
+__all__ = [
+    "ActionSample", "action_samples", "fit_activation_bytes", "fit_profile", "nonneg_lstsq", "refit_cost_model",
+    "through_origin",
+]
+
+def fit_profile(cost: CostModel, samples: Sequence[ProfileSample], *, dense_mask: bool = False) -> CostModel:
+    """``cost`` with ``alpha_attn``, ``alpha_tok``, ``beta``, ``bwd_factor`` (and the activation
+    bytes per token when samples carry them) fitted by least squares; other fields are kept.
+
+    ``dense_mask``: the samples come from a backend that attends densely over ``T x S`` when
+    a chunk needs a mask (SDPA on CPU); ``alpha_mask`` is fitted too, on those chunks only.
+
+    Coefficients are constrained non-negative (:func:`nonneg_lstsq`; all 0 when none stays
+    positive). ``bwd_factor`` is ``sum(bwd) / sum(fwd)``; the activation bytes per token a fit
+    through the origin. Needs at least 3 samples with different shapes.
+    """
+    import numpy as np
+
+    if len(samples) < 3:
+        raise ValueError(f"fitting the cost model needs at least 3 samples, got {len(samples)}")
+    rows = []
+    for x in samples:
+        tok = sum(s for _, s in x.slices)
+        pairs = sum((c + s) ** 2 - c * c for c, s in x.slices)
+        if dense_mask:
+            masked = needs_mask(x.slices)
+            dense = tok * sum(c + s for c, s in x.slices)
+            rows.append([0.0 if masked else pairs, dense if masked else 0.0, tok, 1.0])
+        else:
+            rows.append([pairs, tok, 1.0])
+    feats = np.array(rows, dtype=float)
+    fwd = np.array([x.fwd_time_s for x in samples], dtype=float)
+    bwd = np.array([x.bwd_time_s for x in samples], dtype=float)
+    coef = nonneg_lstsq(feats, fwd)
+    if coef is None:
+        coef = np.zeros(feats.shape[1])
+    total = float(fwd.sum())
+    bwd_factor = float(bwd.sum() / total) if total > 0 else cost.bwd_factor
+    if dense_mask:
+        coef_attn, coef_mask, coef_tok, coef_beta = (float(v) for v in coef)
+    else:
+        (coef_attn, coef_tok, coef_beta), coef_mask = (float(v) for v in coef), cost.alpha_mask
+    changes: dict[str, Any] = dict(
+        alpha_attn=coef_attn, alpha_mask=coef_mask, alpha_tok=coef_tok, beta=coef_beta,
+        bwd_factor=bwd_factor, source="fitted",
+    )
+    acts = [(sum(s for _, s in x.slices), x.act_bytes) for x in samples if x.act_bytes > 0]
+    if acts:
+        changes["act_bytes_per_token"] = through_origin([t for t, _ in acts], [b for _, b in acts])
+    return dataclasses.replace(cost, **changes)
+
+
+def fit_activation_bytes(chunks: Sequence[tuple[ChunkShape, bool]], nbytes: Sequence[float],
+                         num_layers: int) -> tuple[float, float, float]:
+    """``(act_bytes_per_token, context_bytes_per_token, mask_bytes_per_pair)`` from the bytes
+    ``nbytes[i]`` that chunk ``chunks[i]`` (its shape, and whether it is a non-final slice of a
+    split sequence) keeps on ``num_layers`` layers with no recompute.
+
+    Non-negative least squares of ``bytes = layers * (act * T + ctx * context_tokens) + mask * T
+    * S`` (``T`` tokens, ``S`` keys; the mask term only on chunks that need a mask; the context
+    tokens are the keys a saved layer holds beyond the chunk's own: its contexts, plus a split
+    slice's own K/V kept in the store). All 0 when no coefficient stays positive.
+    """
+    import numpy as np
+
+    feats = []
+    for shape, split in chunks:
+        tok = sum(s for _, s in shape)
+        keys = sum(c + s for c, s in shape)
+        ctx = sum(c + (s if split else 0) for c, s in shape if c > 0)
+        feats.append([num_layers * tok, num_layers * ctx, tok * keys if needs_mask(shape) else 0.0])
+    a = np.array(feats, dtype=float)
+    coef = nonneg_lstsq(a, np.array(nbytes, dtype=float))
+    if coef is None:
+        coef = np.zeros(a.shape[1])
+    act, ctx_b, mask_b = (float(v) for v in coef)
+    return act, ctx_b, mask_b
+
+
+def through_origin(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Least-squares slope ``k`` of ``y = k * x`` (no intercept); 0 when every ``x`` is 0.
+
+    >>> through_origin([1, 2], [2, 4])
+    2.0
+    """
+    den = sum(x * x for x in xs)
+    return sum(x * y for x, y in zip(xs, ys)) / den if den else 0.0
 
 
 @dataclass(frozen=True)

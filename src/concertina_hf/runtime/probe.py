@@ -1,0 +1,490 @@
+"""Probing a model's layers on a device: the measurements the profiler fits the cost model to.
+
+:func:`build_probe` takes an HF causal LM (copies of ``num_layers`` of its decoder layers,
+switched to the concertina attention backend; the model is untouched) or a
+:class:`~.stage.PipelineWrapper` (its own layers) and returns a :class:`Probe`: the layers, the
+head and embedding when present, the device, dtypes and sizes. The probe runs them through
+:meth:`PipelineWrapper.run_layers <concertina_hf.runtime.stage.PipelineWrapper.run_layers>`
+itself (the runtime's code, called on a view of the profiled modules) with a real
+:class:`~.attention.ChunkAttentionContext`: a slice with context ``C`` attends to random K/V
+leaves of shape ``[1, kv_heads, C, head_dim]`` put in the :class:`~.attention.KVStore`, as the
+earlier slices of its sequence would have left them. What it measures, inside
+:meth:`Probe.measuring`:
+
+- **time** (:meth:`Probe.time_chunk`): forward (context construction included) and backward
+  with a random output gradient, ``warmup`` runs then ``repeats`` timed ones. On CUDA the
+  median of wall times around synchronised work; on CPU with one thread the minimum of the
+  process's CPU times (other jobs on shared cores inflate wall time by preemption, and CPU time
+  only upwards, by contention);
+- **activation bytes** (:meth:`Probe.chunk_bytes`), in an untimed forward: every tensor the
+  chunk's forward created that is still alive once the executor has dropped its own references
+  (saved tensors, the K/V a non-final slice keeps in the store, and, when layers recompute, what
+  checkpoint closures keep: the layer inputs, rotary tables, the attention context and its
+  masks), less the output (counted by the cost model as the next stage's input or the head's).
+  On CPU every live tensor is counted (:class:`~.memory.LiveTensorMeter`), on CUDA the
+  allocator's growth (:class:`~.memory.CudaPeakMeter`). Counting only saved tensors
+  (:class:`~.memory.SavedTensorMeter`, the executor's meter) would miss what the closures keep;
+- **backward transients** (:meth:`Probe.bwd_transients`): the peak a decoder layer's backward
+  and the head's backward hold beyond the activations they free, per token;
+- **head** (final norm, LM head, float32 summed cross-entropy, :meth:`Probe.time_head`) and
+  **embedding** (:meth:`Probe.time_embed`): time, and the bytes the head keeps.
+
+Mixed precision: every forward runs under the autocast state the executor's would (the
+caller's, or ``autocast_dtype``), backwards outside it, with stored K/V in the autocast dtype;
+so a ``bf16=True`` run (float32 weights) is measured with bf16 activations, K/V and mask. The
+weight copies autocast casts once and keeps for the whole step are made when
+:meth:`Probe.measuring` starts, before anything is measured; it returns their bytes.
+
+Profiling runs backward through the caller's own modules where they are used in place (a
+wrapper's, or a model's head and embedding already on the device): their ``.grad`` are put
+back as found when :meth:`Probe.measuring` ends.
+
+Cost: each measurement is ``warmup + repeats`` (timed) or one (bytes) forward and backward of
+the probe's layers on one chunk; the meters add a Python call per op on CPU.
+
+Shape legend: ``T`` tokens of a chunk, ``S`` keys (``T`` plus the contexts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from ..planning.cost import ChunkShape
+from .attention import (
+    ATTN_IMPLEMENTATION,
+    ChunkAttentionContext,
+    KVStore,
+    SliceSpec,
+    autocast_dtype as _caller_autocast,
+    flash_attn_available,
+    register_attention,
+)
+from .memory import CudaPeakMeter, LiveTensorMeter
+from .stage import PipelineWrapper
+
+__all__ = ["Probe", "build_probe"]
+
+
+class _StageView:
+    """Duck-typed stage holding the profiled modules, so the runtime's own
+    :class:`PipelineWrapper` methods run them (same layer loop, checkpointing and head)."""
+
+    run_layers = PipelineWrapper.run_layers
+    head_loss_sum = PipelineWrapper.head_loss_sum
+    embed = PipelineWrapper.embed
+
+    def __init__(self, layers: Sequence[nn.Module], rotary: nn.Module, norm: nn.Module | None,
+                 lm_head: nn.Module | None, embed_tokens: nn.Module | None) -> None:
+        self.decoder_layers = list(layers)
+        self.model = SimpleNamespace(model=SimpleNamespace(rotary_emb=rotary, norm=norm, embed_tokens=embed_tokens),
+                                     lm_head=lm_head)
+
+
+@dataclass
+class Probe:
+    """The profiled modules on a device and what can be measured on them (module docstring).
+
+    Build it with :func:`build_probe`; measure inside ``with probe.measuring():``.
+    """
+
+    stage: Any  # a PipelineWrapper or a _StageView
+    layer_ids: list[int]
+    has_head: bool
+    has_embed: bool
+    device: torch.device
+    dtype: torch.dtype
+    hidden_size: int
+    vocab_size: int
+    num_kv_heads: int
+    head_dim: int
+    dense_mask: bool  # attention is dense over T x S on chunks that need a mask (not flash-attn)
+    config: Any
+    own_params: list[nn.Parameter]  # parameters of the caller's modules used in place
+    exclude: list[torch.Tensor]  # parameters and buffers: never counted as activation bytes
+    layer_params: int
+    embed_params: int
+    head_params: int
+    amp: torch.dtype | None = None  # autocast dtype of the forwards (None: autocast off)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_ids)
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype of stored K/V: the attention casts them to the autocast dtype."""
+        return self.amp if self.amp is not None and self.dtype != torch.float64 else self.dtype
+
+    @property
+    def profiled_params(self) -> int:
+        """Parameters of the profiled modules (the layers, and the head and embedding when present)."""
+        return self.num_layers * self.layer_params + (self.head_params if self.has_head else 0) + (
+            self.embed_params if self.has_embed else 0)
+
+    # ------------------------------------------------------------------ session
+    @contextlib.contextmanager
+    def measuring(self) -> Iterator[int]:
+        """The context every measurement runs in: the caller's ``.grad`` put back on exit, the
+        caller's autocast context suspended (each forward enters the probe's own), autocast's
+        weight copies made first. Yields their bytes (0 without autocast)."""
+        with _GradsKept(self.own_params), torch.autocast(self.device.type, enabled=False):
+            yield self._warm_amp_cache()
+
+    def _fwd(self):
+        """A forward under the run's autocast state, as the executor runs it; backwards run
+        outside autocast (as in the executor), and so does everything else here."""
+        if self.amp is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp)
+
+    def _warm_amp_cache(self) -> int:
+        """Under autocast the first forward casts the weights, and autocast keeps those copies
+        until the outermost autocast context exits: in the executor, the whole step (static
+        memory of the step, not a chunk's). Cast them before anything is measured (inside
+        :meth:`measuring`'s open autocast context) and return their bytes."""
+        if self.amp is None:
+            return 0
+        with self._live_meter() as meter, torch.no_grad(), self._fwd():
+            specs = _specs(((0, 16),), False)
+            x = torch.zeros(1, 16, self.hidden_size, dtype=self.dtype, device=self.device)
+            y = self.stage.run_layers(x, ChunkAttentionContext(specs, KVStore(), self.device, requires_grad=False), 0)
+            if self.has_head:
+                self.stage.head_loss_sum(y, torch.zeros(16, dtype=torch.long, device=self.device))
+            if self.has_embed:
+                self.stage.embed(torch.zeros(16, dtype=torch.long, device=self.device))
+            del x, y
+            return int(meter.current_bytes)
+
+    def _live_meter(self, exclude: Sequence[torch.Tensor] = ()) -> Any:
+        """Every live tensor: :class:`LiveTensorMeter` on CPU, the allocator on CUDA."""
+        if self.device.type == "cuda":
+            return CudaPeakMeter(self.device)
+        return LiveTensorMeter([*self.exclude, *exclude])
+
+    def _store(self, specs: Sequence[SliceSpec]) -> KVStore:
+        """A store holding, for every slice with context, random K/V of its earlier tokens."""
+        store = KVStore()
+        for s in specs:
+            if s.start > 0:
+                for layer in self.layer_ids:
+                    k = torch.randn(1, self.num_kv_heads, s.start, self.head_dim, dtype=self.kv_dtype,
+                                    device=self.device)
+                    v = torch.randn_like(k)
+                    store.put_if_absent(s.seq, 0, layer, k, v, requires_grad=True)
+        return store
+
+    # ------------------------------------------------------------------ one chunk
+    def time_chunk(self, shape: ChunkShape, split: bool, recompute: int, repeats: int,
+                   warmup: int) -> tuple[float, float]:
+        """Forward and backward seconds of the probe's layers (all of them, with the first
+        ``recompute`` checkpointed) on one chunk of ``shape``; ``split``: one non-final slice."""
+        clock, summary = _clock(self.device)
+        specs = _specs(shape, split)
+        tokens = sum(s for _, s in shape)
+        fwd, bwd = [], []
+        for i in range(warmup + repeats):
+            store = self._store(specs)
+            x = torch.randn(1, tokens, self.hidden_size, dtype=self.dtype, device=self.device).requires_grad_()
+            _sync(self.device)
+            t0 = clock()
+            with self._fwd():
+                ctx = ChunkAttentionContext(specs, store, self.device, requires_grad=True)
+                y = self.stage.run_layers(x, ctx, recompute)
+            _sync(self.device)
+            t1 = clock()
+            grad = torch.randn_like(y)
+            _sync(self.device)
+            t2 = clock()
+            torch.autograd.backward(y, grad)
+            _sync(self.device)
+            t3 = clock()
+            if i >= warmup:
+                fwd.append(t1 - t0)
+                bwd.append(t3 - t2)
+            del y, x, grad, ctx, store
+        return summary(fwd), summary(bwd)
+
+    def chunk_bytes(self, shape: ChunkShape, split: bool, recompute: int) -> int:
+        """Bytes one chunk keeps alive on the probe's layers from its forward to its backward:
+        every tensor created by its forward and still alive when the executor would have
+        dropped its own references (the context goes; checkpoint closures keep it when layers
+        recompute), less the output, which the cost model counts as the next stage's input or
+        the head's."""
+        specs = _specs(shape, split)
+        tokens = sum(s for _, s in shape)
+        store = self._store(specs)  # earlier slices' K/V exist before: counted with their own chunks
+        with self._live_meter() as meter, torch.enable_grad():
+            x = torch.randn(1, tokens, self.hidden_size, dtype=self.dtype, device=self.device).requires_grad_()
+            with self._fwd():
+                ctx = ChunkAttentionContext(specs, store, self.device, requires_grad=True)
+                y = self.stage.run_layers(x, ctx, recompute)
+            del ctx
+            nbytes = meter.current_bytes - y.untyped_storage().nbytes()
+        del y, x
+        store.clear()
+        return int(nbytes)
+
+    def bwd_transients(self, tokens: int) -> tuple[float, float]:
+        """Peak bytes per token that the backward of a decoder layer and of the head hold beyond
+        the activations they free (gradients of intermediate activations, the logits' gradient),
+        on a whole sequence of ``tokens`` with no recompute: every live tensor on CPU, the
+        allocator on CUDA. The incoming gradient is allocated inside the measurement, as the
+        executor receives it."""
+        params = [p for m in self.stage.decoder_layers for p in m.parameters()]
+        if self.has_head:
+            params += [*self.stage.model.model.norm.parameters(), *self.stage.model.lm_head.parameters()]
+        for p in params:  # gradients are static memory; accumulating into them is not a transient
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        exclude = [*self.exclude, *(p.grad for p in params)]
+
+        specs = _specs(((0, tokens),), False)
+        with self._live_meter(exclude) as m, torch.enable_grad():
+            ctx = ChunkAttentionContext(specs, KVStore(), self.device, requires_grad=True)
+            x = torch.randn(1, tokens, self.hidden_size, dtype=self.dtype, device=self.device).requires_grad_()
+            with self._fwd():
+                y = self.stage.run_layers(x, ctx, 0)
+            start = m.current_bytes
+            m.reset()
+            torch.autograd.backward(y, torch.randn_like(y))
+            layers = (m.peak_bytes - start) / tokens
+        del x, y, ctx
+        head = 0.0
+        if self.has_head:
+            targets = torch.randint(0, self.vocab_size, (tokens,),
+                                    generator=torch.Generator().manual_seed(1)).to(self.device)
+            with self._live_meter(exclude) as m, torch.enable_grad():
+                x = torch.randn(1, tokens, self.hidden_size, dtype=self.dtype, device=self.device).requires_grad_()
+                with self._fwd():
+                    loss = self.stage.head_loss_sum(x, targets)
+                start = m.current_bytes
+                m.reset()
+                loss.backward()
+                head = (m.peak_bytes - start) / tokens
+            del x, loss
+        return max(0.0, layers), max(0.0, head)
+
+    def time_head(self, tokens: int, repeats: int, warmup: int) -> tuple[float, float, int]:
+        """Head (final norm, LM head, float32 CE): forward seconds, backward seconds, saved bytes."""
+        clock, summary = _clock(self.device)
+        gen = torch.Generator().manual_seed(tokens)
+        targets = torch.randint(0, self.vocab_size, (tokens,), generator=gen).to(self.device)
+        fwd, bwd = [], []
+        for i in range(warmup + repeats):
+            x = torch.randn(1, tokens, self.hidden_size, dtype=self.dtype, device=self.device).requires_grad_()
+            _sync(self.device)
+            t0 = clock()
+            with self._fwd():
+                loss = self.stage.head_loss_sum(x, targets)
+            _sync(self.device)
+            t1 = clock()
+            loss.backward()
+            _sync(self.device)
+            t2 = clock()
+            if i >= warmup:
+                fwd.append(t1 - t0)
+                bwd.append(t2 - t1)
+            del loss, x
+        with self._live_meter() as meter, torch.enable_grad():
+            x = torch.randn(1, tokens, self.hidden_size, dtype=self.dtype, device=self.device).requires_grad_()
+            with self._fwd():
+                loss = self.stage.head_loss_sum(x, targets.clone())  # the executor builds targets per chunk
+            nbytes = meter.current_bytes
+        del loss, x
+        return summary(fwd), summary(bwd), int(nbytes)
+
+    def time_embed(self, tokens: int, repeats: int, warmup: int) -> float:
+        """Embedding forward + backward seconds."""
+        clock, summary = _clock(self.device)
+        ids = torch.randint(0, self.vocab_size, (tokens,),
+                            generator=torch.Generator().manual_seed(tokens)).to(self.device)
+        out = []
+        for i in range(warmup + repeats):
+            _sync(self.device)
+            t0 = clock()
+            with self._fwd():
+                y = self.stage.embed(ids)
+            grad = torch.ones_like(y)
+            y.backward(grad)
+            _sync(self.device)
+            if i >= warmup:
+                out.append(clock() - t0)
+            del y, grad
+        return summary(out)
+
+
+def build_probe(model_or_wrapper: Any, num_layers: int | None = None, device: Any = None,
+                autocast_dtype: torch.dtype | str | None = "caller") -> Probe:
+    """A :class:`Probe` of an HF causal LM (copies of ``num_layers`` of its decoder layers,
+    default 2, on ``device``, default the model's; head and embedding included) or of a
+    :class:`PipelineWrapper` (its own first ``num_layers`` layers, default all, and its head or
+    embedding when it holds them). ``autocast_dtype``: the dtype the forwards run under
+    ``torch.autocast``; ``"caller"`` takes the caller's autocast state on the device, ``None``
+    none. A :class:`Probe` is returned as is, with that autocast dtype.
+    """
+    if isinstance(model_or_wrapper, Probe):
+        pr = model_or_wrapper
+    else:
+        pr = _probe(model_or_wrapper, num_layers, device)
+    if autocast_dtype == "caller":
+        autocast_dtype = _caller_autocast(pr.device.type)
+    return dataclasses.replace(pr, amp=autocast_dtype)
+
+
+def _layer_idx(layer: nn.Module) -> int:
+    for m in layer.modules():
+        idx = getattr(m, "layer_idx", None)
+        if isinstance(idx, int):
+            return idx
+    raise ValueError(f"{type(layer).__name__} has no layer_idx; the concertina attention backend needs it")
+
+
+def _on(module: nn.Module, device: torch.device) -> tuple[nn.Module, bool]:
+    """``module`` itself when its parameters are on ``device`` (used in place), else a copy there."""
+    params = list(module.parameters())
+    if all(p.device == device for p in params):
+        return module, True
+    return copy.deepcopy(module).to(device), False
+
+
+def _probe(model_or_wrapper: Any, num_layers: int | None, device: Any) -> Probe:
+    register_attention()
+    if isinstance(model_or_wrapper, PipelineWrapper):
+        w = model_or_wrapper
+        dev = w.device
+        if device is not None and torch.device(device) != dev:
+            raise ValueError(f"the PipelineWrapper lives on {dev}; move it to {device} before profiling "
+                             "(or pass device=None)")
+        all_layers = w.decoder_layers
+        n = len(all_layers) if num_layers is None else int(num_layers)
+        if not 1 <= n <= len(all_layers):
+            raise ValueError(f"num_layers={num_layers}: the stage has {len(all_layers)} decoder layers")
+        layers = all_layers[:n]
+        stage: Any = _StageView(layers, w.model.model.rotary_emb,
+                                w.model.model.norm if w.is_last else None, w.model.lm_head if w.is_last else None,
+                                w.model.model.embed_tokens if w.is_first else None)
+        has_head, has_embed = w.is_last, w.is_first
+        config = w.config
+        own = list(w.parameters())
+        head = [w.model.model.norm, w.model.lm_head] if has_head else []
+        embed = [w.model.model.embed_tokens] if has_embed else []
+    else:
+        model = model_or_wrapper
+        for path in ("model", "lm_head"):
+            if not hasattr(model, path):
+                raise ValueError(f"{type(model).__name__} is not an HF causal LM with model.layers and lm_head; "
+                                 "pass such a model or a PipelineWrapper")
+        inner = model.model
+        for path in ("embed_tokens", "layers", "norm", "rotary_emb"):
+            if not hasattr(inner, path):
+                raise ValueError(f"{type(model).__name__}.model has no `{path}`; the profiler supports HF causal LMs "
+                                 "with model.embed_tokens / .layers / .norm / .rotary_emb and lm_head")
+        dev = torch.device(device) if device is not None else next(model.parameters()).device
+        total = len(inner.layers)
+        n = min(2, total) if num_layers is None else int(num_layers)
+        if not 1 <= n <= total:
+            raise ValueError(f"num_layers={num_layers}: the model has {total} decoder layers")
+        # copies of the profiled layers, switched to the concertina backend: the model is untouched
+        copies = copy.deepcopy(nn.ModuleList([*inner.layers[:n], inner.rotary_emb])).to(dev)
+        for m in copies.modules():
+            cfg = getattr(m, "config", None)
+            if cfg is not None and hasattr(cfg, "_attn_implementation"):
+                cfg._attn_implementation = ATTN_IMPLEMENTATION
+            if getattr(m, "gradient_checkpointing", False) is True:  # the plan decides recompute
+                m.gradient_checkpointing = False
+        layers = list(copies[:n])
+        norm, norm_own = _on(inner.norm, dev)
+        lm_head, head_own = _on(model.lm_head, dev)
+        embed_tokens, embed_own = _on(inner.embed_tokens, dev)
+        stage = _StageView(layers, copies[n], norm, lm_head, embed_tokens)
+        has_head = has_embed = True
+        config = model.config
+        own = [p for m, o in ((norm, norm_own), (lm_head, head_own), (embed_tokens, embed_own)) if o
+               for p in m.parameters()]
+        head, embed = [norm, lm_head], [embed_tokens]
+    dtype = next(layers[0].parameters()).dtype
+    c = config
+    heads = int(c.num_attention_heads)
+    kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
+    mods = [*layers, *head, *embed]
+    exclude = [t for m in mods for t in (*m.parameters(), *m.buffers())]
+    exclude += list(stage.model.model.rotary_emb.buffers())
+    head_params = sum(p.numel() for m in head for p in m.parameters())
+    if head and head[1].weight is (embed[0].weight if embed else None):  # tied: counted with the embedding
+        head_params -= head[1].weight.numel()
+    return Probe(
+        stage=stage,
+        layer_ids=[_layer_idx(layer) for layer in layers],
+        has_head=has_head,
+        has_embed=has_embed,
+        device=dev,
+        dtype=dtype,
+        hidden_size=int(c.hidden_size),
+        vocab_size=int(c.vocab_size),
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        # the runtime takes flash-attn's varlen kernel only on CUDA in half precision
+        dense_mask=not (dev.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flash_attn_available()),
+        config=c,
+        own_params=own,
+        exclude=exclude,
+        layer_params=sum(p.numel() for p in layers[0].parameters()),
+        embed_params=sum(p.numel() for m in embed for p in m.parameters()),
+        head_params=head_params,
+    )
+
+
+class _GradsKept:
+    """Profiling runs backward through the caller's own modules: keep their ``.grad`` as found."""
+
+    def __init__(self, params: Sequence[nn.Parameter]) -> None:
+        self.params = list(params)
+
+    def __enter__(self) -> "_GradsKept":
+        self.saved = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p, g in zip(self.params, self.saved):
+            p.grad = g
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _clock(dev: torch.device):
+    """The probe's clock and how it summarises repeats.
+
+    CUDA: wall time around synchronised work, median. CPU with one thread: the process's CPU
+    time, which other jobs sharing the cores do not inflate by preemption, and the minimum,
+    since what they still add (cache and memory-bandwidth contention) only ever adds. CPU with
+    several threads: wall time (CPU time would add the threads up), median.
+    """
+    if dev.type == "cpu" and torch.get_num_threads() == 1:
+        return time.process_time, min
+    return time.perf_counter, statistics.median
+
+
+def _specs(shape: ChunkShape, split: bool) -> list[SliceSpec]:
+    if split and len(shape) != 1:
+        raise ValueError(f"a split (non-final) chunk holds exactly one slice, got shape {shape}")
+    out, off = [], 0
+    for i, (c, s) in enumerate(shape):
+        out.append(SliceSpec(seq=i, start=c, length=s, offset=off, final=not split))
+        off += s
+    return out
