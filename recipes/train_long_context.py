@@ -23,8 +23,7 @@ every ``TrainingArguments`` field and every ``--concertina_*`` field. For exampl
         --per_device_train_batch_size 64 --torch_dtype bfloat16 --concertina_memory_budget auto
 
 Besides the checkpoint, the main process writes ``run_info.json`` (world size, the pipeline and
-data-parallel sizes, the stage layout, per-step losses, the held-out loss) and ``heldout.json``
-(the held-out token ids), which the end-to-end test uses to check the checkpoint.
+data-parallel sizes, the stage layout, per-step losses, the held-out loss).
 """
 
 from __future__ import annotations
@@ -183,10 +182,6 @@ def main(argv: list[str] | None = None) -> dict:
         train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
     )
     topo = trainer.topology
-    ones = torch.ones(1)
-    if dist.is_initialized():
-        ones = ones.to(trainer._comm_device)
-        dist.all_reduce(ones)  # proves the ranks share one process group
     logger.info("world size %d = %d pipeline stages x %d replicas; layers per stage %s; %.2fM parameters",
                 topo.world_size, topo.pipeline_size, topo.data_parallel_size, list(trainer.layout.layer_ranges),
                 n_params / 1e6)
@@ -200,7 +195,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     info = {
         "world_size": topo.world_size,
-        "all_reduce_ones": float(ones.item()),
         "pipeline_size": topo.pipeline_size,
         "data_parallel_size": topo.data_parallel_size,
         "layer_ranges": [list(r) for r in trainer.layout.layer_ranges],
@@ -212,9 +206,6 @@ def main(argv: list[str] | None = None) -> dict:
     if trainer.args.should_save:
         with open(os.path.join(args.output_dir, "run_info.json"), "w") as fh:
             json.dump(info, fh, indent=1)
-        if eval_ds is not None:
-            with open(os.path.join(args.output_dir, "heldout.json"), "w") as fh:
-                json.dump([list(map(int, r["input_ids"])) for r in eval_ds], fh)
         logger.info("losses %s -> eval loss %s; checkpoint in %s", [round(x, 3) for x in info["losses"]],
                     info["eval_loss"], args.output_dir)
     # finish the trackers and tear the process group down before exit (a live gloo group can abort

@@ -25,6 +25,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "train_long_context.py"
 CONFIG = ROOT / "configs" / "accelerate" / "cpu_2proc.yaml"
+LAUNCH = ROOT / "tests" / "_recipe_launch.py"  # the recipe, plus a check that the ranks share one group
 
 
 def _recipe_module():
@@ -35,7 +36,22 @@ def _recipe_module():
     return mod
 
 
-def _heldout_loss(model_dir: pathlib.Path) -> float:
+def _heldout_ids(argv: list[str]) -> list[list[int]]:
+    """The token ids of the documents the recipe holds out with these arguments (its own loader)."""
+    from transformers import AutoTokenizer, HfArgumentParser
+
+    from concertina_hf import ConcertinaTrainingArguments
+    from concertina_hf.data import bundled_tokenizer_path
+
+    mod = _recipe_module()
+    parser = HfArgumentParser((mod.ModelArguments, mod.DataArguments, ConcertinaTrainingArguments))
+    parser.set_defaults(**mod.RECIPE_DEFAULTS)
+    _, data_args, _ = parser.parse_args_into_dataclasses(args=argv)
+    _, eval_ds = mod.load_data(data_args, AutoTokenizer.from_pretrained(bundled_tokenizer_path()))
+    return [list(map(int, r["input_ids"])) for r in eval_ds]
+
+
+def _heldout_loss(model_dir: pathlib.Path, heldout: list[list[int]]) -> float:
     """Token-mean loss of the held-out documents with the plain HF model from the directory."""
     from transformers import AutoModelForCausalLM
 
@@ -43,7 +59,7 @@ def _heldout_loss(model_dir: pathlib.Path) -> float:
     model.eval()
     total, count = 0.0, 0
     with torch.no_grad():
-        for ids in json.loads((model_dir / "heldout.json").read_text()):
+        for ids in heldout:
             x = torch.tensor([ids])
             logits = model(x, use_cache=False).logits[0, :-1].float()
             total += torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum").item()
@@ -74,31 +90,31 @@ def test_single_process_with_a_local_file_through_load_dataset(tmp_path, monkeyp
     docs.write_text("\n".join(lines) + "\n")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "run"
-    info = _recipe_module().main([
-        "--output_dir", str(out), "--dataset", "json", "--data_files", str(docs), "--text_column", "content",
-        "--max_steps", "3", "--per_device_train_batch_size", "4", "--max_length", "64", "--eval_samples", "4",
-        "--concertina_max_tokens_per_chunk", "32", "--disable_tqdm", "true",
-    ])
+    argv = ["--output_dir", str(out), "--dataset", "json", "--data_files", str(docs), "--text_column", "content",
+            "--max_steps", "3", "--per_device_train_batch_size", "4", "--max_length", "64", "--eval_samples", "4",
+            "--concertina_max_tokens_per_chunk", "32", "--disable_tqdm", "true"]
+    info = _recipe_module().main(argv)
     assert info["world_size"] == 1 and info["pipeline_size"] == 1
     assert len(info["losses"]) == 3
-    assert abs(_heldout_loss(out) - info["eval_loss"]) < 1e-5
+    assert abs(_heldout_loss(out, _heldout_ids(argv)) - info["eval_loss"]) < 1e-5
 
 
 @pytest.mark.slow
-def test_accelerate_launch_cpu_2proc_default_recipe(tmp_path):
+def test_accelerate_launch_cpu_2proc_default_recipe(tmp_path, monkeypatch):
     out = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled",
                HF_DATASETS_CACHE=str(tmp_path / "cache"), TOKENIZERS_PARALLELISM="false")
     env.pop("ACCELERATE_USE_CPU", None)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG), str(RECIPE),
-           "--output_dir", str(out), "--max_steps", "6", "--max_files", "100", "--max_length", "256",
-           "--per_device_train_batch_size", "4", "--eval_samples", "4", "--concertina_max_tokens_per_chunk", "128",
-           "--concertina_gantt_steps", "3"]
+    argv = ["--output_dir", str(out), "--max_steps", "6", "--max_files", "100", "--max_length", "256",
+            "--per_device_train_batch_size", "4", "--eval_samples", "4", "--concertina_max_tokens_per_chunk", "128",
+            "--concertina_gantt_steps", "3"]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG), str(LAUNCH)] + argv
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500, cwd=str(tmp_path))
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     info = json.loads((out / "run_info.json").read_text())
     # really two ranks, in one process group, as one 2-stage pipeline
-    assert info["world_size"] == 2 and info["all_reduce_ones"] == 2.0
+    group_check = json.loads((out / "group_check.json").read_text())
+    assert info["world_size"] == 2 and group_check["all_reduce_ones"] == 2.0
     assert info["pipeline_size"] == 2 and info["data_parallel_size"] == 1
     assert len(info["layer_ranges"]) == 2
     losses = info["losses"]
@@ -107,5 +123,6 @@ def test_accelerate_launch_cpu_2proc_default_recipe(tmp_path):
     # a plain HF directory; its held-out loss is the pipeline's eval loss
     for name in ("config.json", "model.safetensors", "tokenizer.json", "trainer_state.json"):
         assert (out / name).is_file(), name
-    assert abs(_heldout_loss(out) - info["eval_loss"]) < 1e-5
+    monkeypatch.setenv("HF_DATASETS_CACHE", env["HF_DATASETS_CACHE"])
+    assert abs(_heldout_loss(out, _heldout_ids(argv)) - info["eval_loss"]) < 1e-5
     assert (out / "gantt" / "step-3.png").is_file() and (out / "gantt" / "step-6.png").is_file()

@@ -132,7 +132,7 @@ def _worker_pp2(out: str) -> None:
             saved = tied.detach().clone()
             with torch.no_grad():
                 tied.add_(1.0)
-            trainer._load_stage_weights(os.path.join(d, "final"))
+            trainer.checkpointer.load_stage_weights(trainer.model, os.path.join(d, "final"))
             info["reloaded_tied_copy"] = torch.equal(tied.detach(), saved)
         with open(os.path.join(d, f"info-rank{trainer.topology.rank}.json"), "w") as fh:
             json.dump(info, fh)

@@ -1,5 +1,6 @@
 """The pure step planner: sequence lengths in, :class:`Plan` out. No ``torch`` imports here."""
 
+from .budgets import stage_budgets
 from .chunking import Chunking, balanced_split, chunk_sequences, make_chunking, token_chunking
 from .cost import CostModel, DeviceSpec, ProfileSample
 from .partition import partition_layers
@@ -13,6 +14,6 @@ __all__ = [
     "Action", "ActionKind", "Chunk", "ChunkKind", "Chunking", "CostModel", "DeviceSpec", "InfeasiblePlanError",
     "Plan", "PlanError", "PlanStats", "ProfileSample", "STRATEGIES", "SimResult", "Slice", "StageLayout",
     "assign_recompute", "backward_order", "balanced_split", "build_schedule", "chunk_sequences", "fits",
-    "ideal_step_time", "make_chunking", "partition_layers", "plan_step", "simulate", "token_chunking",
+    "ideal_step_time", "make_chunking", "partition_layers", "plan_step", "simulate", "stage_budgets", "token_chunking",
     "uniform_recompute",
 ]

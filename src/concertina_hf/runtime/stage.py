@@ -35,7 +35,7 @@ gradient, optimizer state) and one exchange of its gradient with the first stage
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
 
 import torch
 import torch.distributed as dist
@@ -158,11 +158,19 @@ class PipelineWrapper(nn.Module):
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False):
         """Load this stage's entries of ``state_dict`` (a full or a stage state dict); with
         ``strict``, every parameter of this stage must be present."""
-        own = self.model.state_dict()
-        sub = {k: v for k, v in state_dict.items() if k in own}
-        if self.tied_embeddings and HEAD_WEIGHT in own and HEAD_WEIGHT not in sub and EMBED_WEIGHT in state_dict:
-            sub[HEAD_WEIGHT] = state_dict[EMBED_WEIGHT]  # an HF tied checkpoint keeps the weight once
+        sub = {k: state_dict[src] for k, src in self.checkpoint_keys(state_dict.keys()).items()}
         return self.model.load_state_dict(sub, strict=strict, assign=assign)
+
+    def checkpoint_keys(self, available: Collection[str]) -> dict[str, str]:
+        """``{stage key: key of a full HF state dict}`` for this stage's entries found among
+        ``available`` (a full state dict's or a checkpoint's keys). An HF tied checkpoint keeps the
+        shared weight once, as ``model.embed_tokens.weight``: the last stage's head copy loads
+        from it. The one place that maps stage names to checkpoint names."""
+        own = self.model.state_dict().keys()
+        keys = {k: k for k in own if k in available}
+        if self.tied_embeddings and HEAD_WEIGHT in own and HEAD_WEIGHT not in keys and EMBED_WEIGHT in available:
+            keys[HEAD_WEIGHT] = EMBED_WEIGHT
+        return keys
 
     @property
     def tied_weight(self) -> nn.Parameter | None:

@@ -1,0 +1,201 @@
+"""Where a rank sits, and every collective the trainer runs: the one module that owns process groups.
+
+Ranks form a :class:`~torch.distributed.device_mesh.DeviceMesh` with named dimensions, outermost
+first: ``("dp", "pp")`` today, ``rank = replica * pipeline_size + stage`` (the ranks of one
+pipeline are consecutive, so its point-to-point traffic stays between neighbouring devices).
+A further dimension (``"sp"``, the GPUs of one stage) is added innermost in :data:`MESH_DIMS`
+and :meth:`Topology.build` alone; callers ask for a group by name (:meth:`Topology.group`).
+Nothing else in the package creates a process group.
+
+Collectives (all no-ops with one process, each a few lines over ``torch.distributed``):
+
+- :func:`reduce_gradients`: each stage's gradients summed (or averaged) over the replicas, in
+  flat buckets of at most :data:`BUCKET_ELEMENTS` per dtype (bounded extra memory, few calls);
+- :func:`global_grad_norm`: the 2-norm over every stage's gradients (squared norms summed over
+  the pipeline), the quantity ``clip_grad_norm_`` would compute on the whole model;
+- :meth:`Topology.all_reduce_replicas`, :meth:`Topology.all_gather_replicas`: counts, losses and
+  evaluation values over the replicas;
+- :meth:`Topology.broadcast_in_pipeline`, :meth:`Topology.gather_in_pipeline`,
+  :meth:`Topology.broadcast_from_rank0`: small Python objects (plans, statistics, cost models).
+
+Collectives run on :attr:`Topology.comm_device`: the device itself with NCCL, the CPU otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .args import ConcertinaTrainingArguments, resolve_parallel_sizes
+
+__all__ = ["BUCKET_ELEMENTS", "MESH_DIMS", "Topology", "global_grad_norm", "reduce_gradients"]
+
+# outermost first; a new dimension goes innermost (after "pp") and is built in Topology.build
+MESH_DIMS = ("dp", "pp")
+# gradient all-reduce bucket: 32M elements (128 MB of float32) of extra memory at most
+BUCKET_ELEMENTS = 32 * 2**20
+
+
+@dataclass
+class Topology:
+    """This rank's place in the ``dp x pp`` mesh (``rank = replica * pipeline_size + stage``).
+
+    ``mesh``: the :class:`DeviceMesh` (``None`` with a single process); ``pp_group`` / ``pp_ranks``:
+    the ranks of this rank's pipeline in stage order; ``dp_group`` / ``dp_ranks``: the ranks
+    holding the same stage in every replica.
+    """
+
+    world_size: int
+    rank: int
+    pipeline_size: int
+    data_parallel_size: int
+    stage: int
+    replica: int
+    mesh: Any = None
+    pp_group: Any = None
+    dp_group: Any = None
+    pp_ranks: tuple[int, ...] = (0,)
+    dp_ranks: tuple[int, ...] = (0,)
+
+    @classmethod
+    def build(cls, args: ConcertinaTrainingArguments) -> "Topology":
+        """The mesh of the launched job (collective: every rank calls it, once)."""
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        initialized = dist.is_available() and dist.is_initialized()
+        world = dist.get_world_size() if initialized else 1
+        if launched != world or args.world_size != world:
+            raise RuntimeError(
+                f"the launcher started {launched} processes but they do not form one job (process group of "
+                f"{world}, TrainingArguments.world_size={args.world_size}); each rank would train alone. On CPU "
+                "pass use_cpu=True (ConcertinaTrainingArguments does this when no GPU is visible) or launch with "
+                "configs/accelerate/cpu_2proc.yaml"
+            )
+        pp, dp = resolve_parallel_sizes(world, args.concertina_pipeline_size, args.concertina_data_parallel_size)
+        rank = dist.get_rank() if initialized else 0
+        replica, stage = divmod(rank, pp)
+        topo = cls(world, rank, pp, dp, stage, replica)
+        if initialized:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            topo.mesh = init_device_mesh(device_type, (dp, pp), mesh_dim_names=MESH_DIMS)
+            topo.pp_group, topo.dp_group = topo.group("pp"), topo.group("dp")
+            topo.pp_ranks = tuple(int(r) for r in topo.mesh["pp"].mesh.tolist())
+            topo.dp_ranks = tuple(int(r) for r in topo.mesh["dp"].mesh.tolist())
+        return topo
+
+    def group(self, dim: str) -> Any:
+        """The process group of this rank along a named mesh dimension (``None`` without a mesh)."""
+        return None if self.mesh is None else self.mesh.get_group(dim)
+
+    @property
+    def is_planner(self) -> bool:
+        """Pipeline rank 0 of each replica plans its replica's steps and gathers statistics."""
+        return self.stage == 0
+
+    @property
+    def comm_device(self) -> torch.device:
+        """Where collectives' tensors live: the current CUDA device with NCCL, the CPU otherwise."""
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    # ------------------------------------------------------------------ over the replicas
+    def all_reduce_replicas(self, value: float | int, dtype: torch.dtype = torch.long) -> float | int:
+        """The sum of a number over the replicas (the number itself with one replica)."""
+        if self.data_parallel_size == 1:
+            return value
+        t = torch.tensor([value], dtype=dtype, device=self.comm_device)
+        dist.all_reduce(t, group=self.dp_group)
+        return t.item()
+
+    def all_gather_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The replicas' tensors concatenated along dim 0, in replica order."""
+        if self.data_parallel_size == 1:
+            return tensor
+        src = tensor.detach().to(self.comm_device).contiguous()
+        parts = [torch.empty_like(src) for _ in range(self.data_parallel_size)]
+        dist.all_gather(parts, src, group=self.dp_group)
+        return torch.cat(parts).to(tensor.device)
+
+    # ------------------------------------------------------------------ objects in the pipeline
+    def broadcast_in_pipeline(self, obj: Any) -> Any:
+        """``obj`` of pipeline rank 0 on every rank of the pipeline."""
+        if self.pipeline_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.pp_ranks[0], group=self.pp_group)
+        return box[0]
+
+    def gather_in_pipeline(self, obj: Any) -> list[Any] | None:
+        """Every stage's ``obj`` in stage order on pipeline rank 0; ``None`` elsewhere."""
+        if self.pipeline_size == 1:
+            return [obj]
+        out = [None] * self.pipeline_size if self.is_planner else None
+        dist.gather_object(obj, out, dst=self.pp_ranks[0], group=self.pp_group)
+        return out
+
+    def broadcast_from_rank0(self, obj: Any) -> Any:
+        """``obj`` of global rank 0 on every rank of the job."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            dist.barrier()
+
+
+def reduce_gradients(params: Sequence[nn.Parameter], topology: Topology, average: bool) -> None:
+    """Sum (``average=False``: token-averaged loss) or average each stage's gradients over the
+    replicas, in flat buckets of at most :data:`BUCKET_ELEMENTS` elements per dtype. A missing
+    gradient counts as zeros (another replica may have one)."""
+    dp = topology.data_parallel_size
+    if dp == 1:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for g in grads + [None]:
+            if g is not None and (size + g.numel() <= BUCKET_ELEMENTS or not bucket):
+                bucket.append(g)
+                size += g.numel()
+                continue
+            _all_reduce_bucket(bucket, topology, average)
+            bucket, size = ([g], g.numel()) if g is not None else ([], 0)
+
+
+def _all_reduce_bucket(grads: list[torch.Tensor], topology: Topology, average: bool) -> None:
+    flat = torch.cat([g.reshape(-1) for g in grads]).to(topology.comm_device)
+    dist.all_reduce(flat, group=topology.dp_group)
+    if average:
+        flat /= topology.data_parallel_size
+    offset = 0
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset:offset + n].view_as(g))
+        offset += n
+
+
+def global_grad_norm(grads: Sequence[torch.Tensor], topology: Topology, device: torch.device) -> torch.Tensor:
+    """2-norm over the gradients of all stages: this stage's squared norm summed over the
+    pipeline (the caller leaves out a copy it must not count twice, e.g. a tied weight's)."""
+    local = torch.nn.utils.get_total_norm(list(grads), 2.0) if grads else torch.zeros(())
+    sq = local.float().reshape(1) ** 2
+    if topology.pipeline_size > 1:
+        sq = sq.to(topology.comm_device)
+        dist.all_reduce(sq, group=topology.pp_group)
+    return sq.reshape(()).sqrt().to(device)

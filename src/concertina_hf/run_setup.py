@@ -1,0 +1,147 @@
+"""What a run plans with, resolved once at construction: :func:`resolve_run` -> :class:`RunSetup`.
+
+From the arguments, the model and the mesh: the cost model (analytic from the config, a JSON
+file, a profile of the real layers made once by rank 0 and broadcast, or the one a resumed
+checkpoint's layout was made from), the stage layout (decoder layers balanced over the stages by
+that cost model, the same on every rank), each stage's memory budget in bytes, and the solver
+settings. Later issues add the replica assignment and sequence-parallel degrees here.
+
+Costs: a profile (``concertina_cost_model="profiled"`` without a file) takes a few seconds on rank
+0 and one broadcast; everything else is arithmetic on the config.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from .args import ConcertinaTrainingArguments
+from .checkpoint import layout_cost_model
+from .distributed import Topology
+from .planning import CostModel, DeviceSpec, StageLayout, partition_layers, stage_budgets
+
+__all__ = ["RunSetup", "resolve_run"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    """Everything a step's plan depends on besides its sequence lengths."""
+
+    #: the cost model the stage layout was made from (and the planner starts from)
+    cost_model: CostModel
+    layout: StageLayout
+    #: per stage, bytes the plan must fit (0: unconstrained)
+    budgets: tuple[int, ...]
+    device_memory_bytes: int
+    strategy: str
+    solver: str
+    solver_time_limit_s: float
+    max_tokens_per_chunk: int | None
+
+
+def resolve_run(args: ConcertinaTrainingArguments, model: nn.Module, topology: Topology) -> RunSetup:
+    """The run's :class:`RunSetup` (collective when rank 0 profiles: call it on every rank)."""
+    device_memory = device_memory_bytes(args.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    cost = layout_cost_model(args.resume_from_checkpoint)
+    if cost is None:  # not resuming: a resumed run keeps its checkpoint's stage layout
+        dtype_bytes = next(model.parameters()).element_size()
+        cost = initial_cost_model(args, model.config, args.device, dtype_bytes, device_memory)
+        if args.concertina_cost_model == "profiled" and not args.concertina_cost_model_path:
+            cost = _profile_on_rank0(model, args, cost, topology)
+    if topology.pipeline_size > 1 and ties_embeddings(model):
+        cost = count_head_copy(cost)
+    layout = partition_layers(cost, topology.pipeline_size)
+    return RunSetup(
+        cost_model=cost, layout=layout, budgets=memory_budgets(args, device_memory, layout.num_stages),
+        device_memory_bytes=device_memory, strategy=args.concertina_strategy, solver=args.concertina_solver,
+        solver_time_limit_s=args.concertina_solver_time_limit,
+        max_tokens_per_chunk=args.concertina_max_tokens_per_chunk,
+    )
+
+
+def memory_budgets(args: ConcertinaTrainingArguments, device_memory: int, num_stages: int) -> tuple[int, ...]:
+    """``concertina_memory_budget`` in bytes per stage: ``auto`` is the device's memory times
+    ``concertina_memory_fraction``; ``none`` is 0 (unconstrained)."""
+    budget = args.memory_budget
+    if budget == "auto":
+        budget = int(device_memory * args.concertina_memory_fraction)
+    elif budget is None:
+        budget = 0
+    return stage_budgets(budget, num_stages, setting="concertina_memory_budget")
+
+
+def initial_cost_model(args, config, device, dtype_bytes: int, device_memory: int) -> CostModel:
+    """The cost model a run starts from: analytic from the config at the device's rates, or
+    the JSON file ``concertina_cost_model_path`` (``profiled``, and ``online`` when given)."""
+    if args.concertina_cost_model_path:
+        with open(args.concertina_cost_model_path) as fh:
+            cost = CostModel.from_dict(json.load(fh))
+        if cost.num_layers != int(config.num_hidden_layers):
+            raise ValueError(
+                f"concertina_cost_model_path describes {cost.num_layers} layers but the model has "
+                f"{config.num_hidden_layers}; profile this model or drop concertina_cost_model_path"
+            )
+        return cost
+    base = DeviceSpec() if getattr(device, "type", str(device)) == "cuda" else DeviceSpec.cpu()
+    spec = replace(base, memory_bytes=int(device_memory))
+    return CostModel.from_hf_config(config, spec, dtype_bytes=dtype_bytes)
+
+
+def _profile_on_rank0(model: nn.Module, args: ConcertinaTrainingArguments, base: CostModel,
+                      topology: Topology) -> CostModel:
+    """Rank 0 profiles the model before it is split; every rank gets the same cost model (the
+    layout and the plans derive from it). The main process keeps it in ``cost_model.json``."""
+    from .runtime.profiler import profile_cost_model
+
+    payload = None
+    if topology.rank == 0:
+        t0 = time.perf_counter()
+        layers = -(-int(model.config.num_hidden_layers) // topology.pipeline_size)  # as many as a stage holds
+        cap = args.concertina_max_tokens_per_chunk
+        # chunk shapes up to the cap (at least 32 tokens, to make distinct shapes; None: the
+        # profiler's device default), in the precision the run trains in (bf16 autocast halves
+        # activations and K/V)
+        cost = profile_cost_model(model, base=base, device=args.device, num_layers=layers,
+                                  max_tokens=None if cap is None else max(32, cap),
+                                  autocast_dtype=torch.bfloat16 if args.bf16 else None)
+        logger.info("profiled the cost model in %.1fs", time.perf_counter() - t0)
+        payload = json.dumps(cost.to_dict())
+        os.makedirs(args.output_dir, exist_ok=True)
+        with open(os.path.join(args.output_dir, "cost_model.json"), "w") as fh:
+            fh.write(payload)
+    return CostModel.from_dict(json.loads(topology.broadcast_from_rank0(payload)))
+
+
+def device_memory_bytes(device: torch.device, local_world_size: int) -> int:
+    """A device's memory; on the CPU the machine's memory shared by the local processes."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        total = 16 * 2**30
+    return int(total // max(1, local_world_size))
+
+
+def ties_embeddings(model: nn.Module) -> bool:
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    embed = getattr(getattr(getattr(model, "model", None), "embed_tokens", None), "weight", None)
+    return head is not None and head is embed
+
+
+def count_head_copy(cost: CostModel) -> CostModel:
+    """The cost model with the last stage's copy of tied embeddings in its static memory: the
+    analytic and profiled models count the shared weight once, on the embedding's stage, which
+    is right for one stage; with several, the last stage holds its own copy (weight, gradient,
+    optimizer state)."""
+    if cost.head_params >= cost.embed_params:  # already counted (e.g. a checkpoint's layout model)
+        return cost
+    return replace(cost, head_params=cost.head_params + cost.embed_params)

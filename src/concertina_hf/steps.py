@@ -1,0 +1,106 @@
+"""``StepReader``: an optimizer step's micro-batches as one pipeline step, read one step ahead.
+
+The Trainer's loop asks for ``gradient_accumulation_steps`` micro-batches per optimizer step
+(``get_batch_samples``). The reader takes them, splits them into sequences
+(:func:`~concertina_hf.collator.split_sequences`), submits their lengths to the
+:class:`~concertina_hf.step_planner.StepPlanner`, and counts the step's label tokens (summed
+over the replicas: HF's ``num_items_in_batch``). With look-ahead it then reads the *next*
+step's micro-batches too and submits them, so that step is planned while this one runs; the
+next call takes them from there. Costs: one micro-batch step of data held in memory ahead, one
+integer all-reduce over the replicas per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from .collator import split_sequences
+from .distributed import Topology
+from .step_planner import StepPlanner, Ticket
+
+__all__ = ["Step", "StepReader"]
+
+
+@dataclass
+class Step:
+    """One optimizer step of one replica: its micro-batches, sequences and plan ticket."""
+
+    batches: list
+    input_ids: list[torch.Tensor]
+    labels: list[torch.Tensor]
+    ticket: Ticket
+    num_items_local: int = 0
+    num_items_total: int = 0
+
+
+class StepReader:
+    """Reads optimizer steps from the Trainer's epoch iterator (see the module docstring)."""
+
+    def __init__(self, planner: StepPlanner, topology: Topology, batches_ahead: int) -> None:
+        """``batches_ahead``: micro-batches to read ahead after each step (the step after it;
+        0: no look-ahead)."""
+        self.planner, self.topology, self.batches_ahead = planner, topology, batches_ahead
+        #: the step ``read`` returned last, until the trainer runs it
+        self.current: Step | None = None
+        self._ahead: tuple[Any, list, Step | None] | None = None  # (iterator, batches, their step)
+
+    def reset(self) -> None:
+        """Forget what was read ahead (a new training loop starts)."""
+        self._ahead = None
+
+    def read(self, epoch_iterator: Iterator, num_batches: int) -> Step | None:
+        """The next step's ``num_batches`` micro-batches (fewer at the end of the data; ``None``
+        when there are none); reads the step after it ahead when look-ahead is on."""
+        batches, step = self._take(epoch_iterator, num_batches)
+        if not batches:
+            self.current = None
+            return None
+        if step is None:
+            step = self._new_step(batches)
+        local = sum(int((y[1:] != -100).sum()) for y in step.labels)
+        step.num_items_local, step.num_items_total = local, int(self.topology.all_reduce_replicas(local))
+        self.current = step
+        if self.batches_ahead:
+            ahead: list = []
+            for _ in range(self.batches_ahead):
+                try:
+                    ahead.append(next(epoch_iterator))
+                except StopIteration:
+                    break
+            if ahead:
+                self._ahead = (epoch_iterator, ahead, self._new_step(ahead))
+        return step
+
+    def _take(self, epoch_iterator: Iterator, num_batches: int) -> tuple[list, Step | None]:
+        """The micro-batches read ahead for this iterator first, then fresh ones."""
+        batches: list = []
+        step = None
+        if self._ahead is not None and self._ahead[0] is epoch_iterator:
+            _, batches, step = self._ahead
+            if len(batches) > num_batches:  # the loop asked for fewer: keep the rest for later
+                self._ahead = (epoch_iterator, batches[num_batches:], None)
+                batches, step = batches[:num_batches], None
+            else:
+                self._ahead = None
+        else:
+            self._ahead = None
+        while len(batches) < num_batches:
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        if step is not None and len(step.batches) != len(batches):
+            step = None
+        return batches, step
+
+    def _new_step(self, batches: list) -> Step:
+        seqs: list[torch.Tensor] = []
+        labels: list[torch.Tensor] = []
+        for b in batches:
+            x, y = split_sequences(b)
+            seqs += x
+            labels += y
+        return Step(batches, seqs, labels, self.planner.submit([int(s.numel()) for s in seqs]))
