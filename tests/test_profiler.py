@@ -173,8 +173,7 @@ def test_fitted_bytes_predict_unseen_chunks(kind, profiled):
         sample = measure_chunk(model, shape, split=ckind is ChunkKind.SPLIT, recompute_layers=rec,
                                repeats=0, num_layers=NUM_LAYERS)
         measured = sample.act_bytes * NUM_LAYERS
-        split = {0} if ckind is not ChunkKind.PACKED else set()
-        predicted = cost.act_memory(lay, 0, chunk, rec, split) - cost.logits_bytes_per_token * chunk.num_tokens
+        predicted = cost.act_memory(lay, 0, chunk, rec) - cost.logits_bytes_per_token * chunk.num_tokens
         # one float mask with or without recompute; index tensors over the keys of a slice with context, under
         # recompute, are not modelled (< 1%)
         assert 0.99 * measured <= predicted <= 1.03 * measured, (kind, shape, ckind, rec, measured, predicted)

@@ -335,7 +335,7 @@ def build_probe(model_or_wrapper: Any, num_layers: int | None = None, device: An
     if isinstance(model_or_wrapper, Probe):
         pr = model_or_wrapper
     else:
-        pr = _probe(model_or_wrapper, num_layers, device)
+        pr = _probe_modules(model_or_wrapper, num_layers, device)
     if autocast_dtype == "caller":
         autocast_dtype = _caller_autocast(pr.device.type)
     return dataclasses.replace(pr, amp=autocast_dtype)
@@ -357,7 +357,7 @@ def _on(module: nn.Module, device: torch.device) -> tuple[nn.Module, bool]:
     return copy.deepcopy(module).to(device), False
 
 
-def _probe(model_or_wrapper: Any, num_layers: int | None, device: Any) -> Probe:
+def _probe_modules(model_or_wrapper: Any, num_layers: int | None, device: Any) -> Probe:
     register_attention()
     if isinstance(model_or_wrapper, PipelineWrapper):
         w = model_or_wrapper
