@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 # the plan strategies of concertina_hf.planning.plan_step: the adaptive method and its baselines
-from .planning.strategies import STRATEGIES
+from .planning import STRATEGIES, stage_budgets
 
 __all__ = [
     "COST_MODEL_SOURCES",
@@ -249,12 +249,8 @@ class ConcertinaTrainingArguments(TrainingArguments):
             budget = parse_memory_budget(self.concertina_memory_budget)
         except ValueError as e:
             raise ValueError(f"concertina_memory_budget={self.concertina_memory_budget!r}: {e}") from None
-        if isinstance(budget, tuple) and len(budget) > 1 and self.concertina_pipeline_size is not None \
-                and len(budget) != self.concertina_pipeline_size:
-            raise ValueError(
-                f"concertina_memory_budget lists {len(budget)} sizes but concertina_pipeline_size is "
-                f"{self.concertina_pipeline_size}; give one size, or one per stage"
-            )
+        if isinstance(budget, tuple) and self.concertina_pipeline_size is not None:
+            stage_budgets(budget, self.concertina_pipeline_size, setting="concertina_memory_budget")
 
     @property
     def memory_budget(self) -> str | tuple[int, ...] | None:
