@@ -41,7 +41,7 @@ from .run_setup import resolve_run
 from .step_planner import StepPlanner
 from .steps import Step, StepReader
 
-__all__ = ["ConcertinaTrainer", "Topology"]
+__all__ = ["ConcertinaTrainer"]
 
 logger = logging.getLogger(__name__)
 
