@@ -720,7 +720,7 @@ def to_markdown(res: dict[str, Any]) -> str:
           "around its `training_step`. With HF gradient checkpointing the meter does not see what checkpointing "
           "keeps itself, so the allocated column is the fair one there.",
           "- allocated: every tensor created during the step's forward and backward (parameter gradients excluded), "
-          "peak of the live bytes, on the memory batch (see `_memtrack.py`).",
+          "peak of the live bytes, on the memory batch (see `runtime.memory.AllocationTracker`).",
           "- plan wait: time the step waited for its plan (background planning on pipeline rank 0, plus the plan's "
           "broadcast); plan time: how long planning took in the background.", ""]
     return "\n".join(L)
