@@ -30,7 +30,9 @@ from concertina_hf.planning import (
     StageLayout,
     build_schedule,
 )
-from concertina_hf.planning.simulate import memory_moments, simulate, split_sequences
+from concertina_hf.planning.lower import lower
+from concertina_hf.planning.simulate import dry_run, memory_moments, simulate, split_sequence_ids
+from concertina_hf.planning.types import Program
 
 LLAMA8B = dict(
     hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
@@ -170,7 +172,7 @@ def test_build_schedule_never_deadlocks_and_respects_dependencies(seed, p, group
         assert abs(tl[-1][1] - static) <= 1 + 1e-9 * static
         assert res.peak_memory_bytes[s] == max(b for _, b in tl)
         # the moments the recompute planner constrains give the same peak
-        split = split_sequences(plan)
+        split = split_sequence_ids(plan)
         peak = 0.0
         for mo in memory_moments(plan, cost, s):
             v = mo.const + sum(cost.act_memory(lay, s, plan.chunks[c], plan.recompute[s][c], split)
@@ -247,10 +249,97 @@ def test_deadlock_is_reported_with_the_blocked_actions():
         (Action(1, F, 1), Action(1, F, 0), Action(1, B, 0), Action(1, B, 1)),  # 1F1 needs 0F1: after 0B0
     )
     plan = Plan("bad", (100, 100), StageLayout.even(2, 2), chunks, ((0, 1),), sched, ((0, 0), (0, 0)))
-    plan.validate()  # structurally fine: only the cross-stage order is wrong
+    with pytest.raises(PlanError, match="stages 0 and 1 run the forward passes of the chunks in different orders"):
+        plan.validate()  # each stage is fine alone: only the cross-stage order is wrong
     with pytest.raises(PlanError, match="deadlock") as e:
         simulate(plan, llama_cost())
     assert "0B0 (waits for 1B0)" in str(e.value) and "1F1 (waits for 0F1)" in str(e.value)
+
+
+def _edit(program: Program, stage: int, steps: str) -> Program:
+    """``program`` with stage ``stage``'s steps replaced, written as in the grid."""
+    new = tuple(tuple(Action.parse(a) for a in cell.split("+")) for cell in steps.split())
+    return Program(program.plan, tuple(new if s == stage else st for s, st in enumerate(program.steps)))
+
+
+def _rows(program: Program) -> list[str]:
+    """The stage rows of the program's grid, whitespace collapsed."""
+    rows = [line.split(" | ", 1)[1] for line in program.grid().splitlines() if line.startswith("stage ")]
+    return [" ".join(r.split()) for r in rows]
+
+
+def test_lowered_plan_prints_as_a_grid_with_sends_and_receives():
+    """Each compute action receives its input and sends its output; the sends of one action go
+    out with the receive of the next, as one batch (``+``), as the executor issues them."""
+    plan = _uniform_plan(3, 3, tokens=10)
+    program = lower(plan)
+    assert _rows(program) == [
+        "0F0 0SEND_F0 0F1 0SEND_F1 0F2 0SEND_F2+0RECV_B0 0B0 0RECV_B1 0B1 0RECV_B2 0B2",
+        "1RECV_F0 1F0 1SEND_F0+1RECV_F1 1F1 1SEND_F1+1RECV_B0 1B0 1SEND_B0+1RECV_F2 1F2 1SEND_F2+1RECV_B1 1B1 "
+        "1SEND_B1+1RECV_B2 1B2 1SEND_B2",
+        "2RECV_F0 2F0 2B0 2SEND_B0+2RECV_F1 2F1 2B1 2SEND_B1+2RECV_F2 2F2 2B2 2SEND_B2",
+    ]
+    assert program.grid().startswith(f"program of plan uniform ({plan.fingerprint()}): 3 chunks, 3 stages")
+    assert ">1SEND_B0<+>1RECV_F2<" in program.grid(mark=program.steps[1][6])
+    # only messages are added: the compute actions are the plan's, in order
+    for s, acts in enumerate(plan.schedule):
+        assert [a for a in program.actions(s) if a.kind.is_compute] == list(acts)
+    # evaluation: forwards and their messages only
+    assert _rows(lower(plan, train=False))[1] == "1RECV_F0 1F0 1SEND_F0+1RECV_F1 1F1 1SEND_F1+1RECV_F2 1F2 1SEND_F2"
+
+
+def test_simulator_catches_misordered_communication():
+    """Stage 0 sends chunk 1 before chunk 0 while stage 1 receives chunk 0 first: NCCL would pair
+    them wrongly; with sends that wait for their receive (large NCCL messages) neither stage can
+    go on. Both are refused before any process group exists, naming the actions."""
+    chunks = tuple(Chunk(i, ChunkKind.PACKED, (Slice(i, 0, 100),)) for i in range(2))
+    F, B = ActionKind.FORWARD, ActionKind.BACKWARD
+    gpipe = tuple((Action(s, F, 0), Action(s, F, 1), Action(s, B, 1), Action(s, B, 0)) for s in range(2))
+    plan = Plan("gpipe", (100, 100), StageLayout.even(2, 2), chunks, ((0, 1),), gpipe, ((0, 0), (0, 0))).validate()
+    program = lower(plan)
+    assert _rows(program)[0] == "0F0 0SEND_F0 0F1 0SEND_F1+0RECV_B1 0B1 0RECV_B0 0B0"
+    dry_run(program, rendezvous=True)
+    bad = _edit(program, 0, "0F0 0F1 0SEND_F1 0SEND_F0 0RECV_B1 0B1 0RECV_B0 0B0")
+    with pytest.raises(PlanError, match="stage 0 sends to stage 1 in another order than stage 1 receives: "
+                                        "message 0 is 0SEND_F1 but 1RECV_F0 on stage 1"):
+        simulate(plan, llama_cost(), program=bad)
+    with pytest.raises(PlanError, match="deadlock") as e:
+        dry_run(bad, rendezvous=True)
+    assert "blocked: 0SEND_F1 (waits for 1RECV_F1), 1F0 (waits for 0SEND_F0)" in str(e.value)
+    assert "stuck messages: 0SEND_F1 on stage 0, 1RECV_F0 on stage 1" in str(e.value)
+    # a receive placed before the send it depends on: a deadlock on any backend
+    one = _edit(program, 0, "0F0 0F1 0SEND_F1+0RECV_B1 0B1 0RECV_B0 0SEND_F0 0B0")
+    with pytest.raises(PlanError, match="deadlock") as e:
+        dry_run(one)
+    assert "blocked: 0B1 (waits for 1B1), 1F0 (waits for 0SEND_F0)" in str(e.value)
+    assert "stuck messages: 0SEND_F1+0RECV_B1 on stage 0, 1RECV_F0 on stage 1" in str(e.value)
+    # malformed programs
+    with pytest.raises(PlanError, match="0SEND_F1 has no matching 1RECV_F1"):
+        dry_run(_edit(program, 1, "1RECV_F0 1F0 1F1 1B1 1SEND_B1 1B0 1SEND_B0"))
+    with pytest.raises(PlanError, match=r"1F1 runs before its input is received \(1RECV_F1 earlier on stage 1\)"):
+        dry_run(_edit(program, 1, "1RECV_F0 1F0 1F1 1RECV_F1 1B1 1SEND_B1 1B0 1SEND_B0"))
+    with pytest.raises(PlanError, match="0SEND_F1 is sent before 0F1 computes it"):
+        dry_run(_edit(program, 0, "0F0 0SEND_F1 0SEND_F0 0F1 0RECV_B1 0B1 0RECV_B0 0B0"))
+    with pytest.raises(PlanError, match="does not run this plan's schedule"):
+        simulate(plan, llama_cost(), program=_edit(program, 0, "0F1 0SEND_F1 0F0 0SEND_F0+0RECV_B1 0B1 0RECV_B0 0B0"))
+
+
+def test_rendezvous_dry_run_of_1f1b_and_grouped_plans():
+    """Plain 1F1B (one group or several) also runs when every send waits for its receive."""
+    for m, p in [(1, 2), (5, 3), (8, 4)]:
+        dry_run(lower(_uniform_plan(m, p)), rendezvous=True)
+    rng = random.Random(3)
+    plan = make_plan([rng.randint(100, 2000) for _ in range(24)], 4, 4096, num_groups=3)
+    dry_run(lower(plan), rendezvous=True)
+
+
+def test_doctests_pass():
+    import doctest
+
+    import concertina_hf.planning.lower as lower_module
+
+    result = doctest.testmod(lower_module, raise_on_error=False)
+    assert result.attempted > 0 and result.failed == 0
 
 
 def test_simulating_a_512_sequence_plan_takes_milliseconds():

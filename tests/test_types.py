@@ -1,5 +1,6 @@
 """Plan data types, the 1F1B schedule builder and the analytic cost model (no torch)."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -80,6 +81,38 @@ def test_backward_of_slices_must_run_in_reverse_order():
     d["schedule"][2] = [str(a) for a in bad]
     with pytest.raises(PlanError, match="later slice"):
         Plan.from_dict(d).validate()
+
+
+def test_neighbouring_stages_must_order_chunks_the_same_way():
+    """Messages between two ranks match in issue order: stage 1 may not backward the chunks in
+    another order than stage 0 (each stage's list alone is fine)."""
+    chunks = tuple(Chunk(i, ChunkKind.PACKED, (Slice(i, 0, 8),)) for i in range(3))
+    groups = ((0, 1, 2),)
+    plan = Plan("test", (8, 8, 8), StageLayout.even(4, 2), chunks, groups, build_schedule(chunks, groups, 2),
+                ((0, 0, 0), (0, 0, 0))).validate()
+    F, B = ActionKind.FORWARD, ActionKind.BACKWARD
+    swapped = (plan.schedule[0], tuple(Action(1, k, c) for k, c in [(F, 0), (F, 1), (B, 1), (B, 0), (F, 2), (B, 2)]))
+    with pytest.raises(PlanError) as e:
+        dataclasses.replace(plan, schedule=swapped).validate()
+    assert str(e.value).startswith(
+        "stages 0 and 1 run the backward passes of the chunks in different orders: at position 0 chunk 0 on "
+        "stage 0 but chunk 1 on stage 1 ([0, 1, 2] vs [1, 0, 2])")
+    # a plan lists compute actions only: messages are the lowering's business
+    sends = (plan.schedule[0] + (Action(0, ActionKind.SEND_F, 0),), plan.schedule[1])
+    with pytest.raises(PlanError, match="0SEND_F0 in the schedule: a plan lists forwards and backwards only"):
+        dataclasses.replace(plan, schedule=sends).validate()
+
+
+def test_actions_print_and_parse_like_torch_pipelining():
+    for text in ("1F3", "0B12", "1SEND_F3", "2RECV_F3", "2SEND_B3", "1RECV_B3"):
+        assert str(Action.parse(text)) == text
+    a = Action.parse("1SEND_F3")
+    assert a.kind is ActionKind.SEND_F and a.peer == 2 and str(a.partner) == "2RECV_F3"
+    assert str(Action.parse("2SEND_B3").partner) == "1RECV_B3" and Action.parse("1RECV_B3").peer == 2
+    assert [k.is_compute for k in ActionKind] == [True, True, False, False, False, False]
+    for bad in ("F3", "1X3", "1SEND3", "1F"):
+        with pytest.raises(PlanError, match="not an action"):
+            Action.parse(bad)
 
 
 def test_stage_layout_even_and_errors():

@@ -68,7 +68,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .cost import CostModel
-from .simulate import SimResult, _stage_representatives, memory_moments, simulate, split_sequences
+from .simulate import backward_slack, memory_moments, simulate, split_sequence_ids, stage_representatives
 from .types import Action, ActionKind, Plan, PlanError
 
 __all__ = ["InfeasiblePlanError", "assign_recompute", "fits", "uniform_recompute"]
@@ -172,10 +172,10 @@ class _Model:
 def _build_model(plan: Plan, cost: CostModel, budgets: Sequence[int]) -> _Model:
     p, n = plan.num_stages, plan.num_chunks
     lay = plan.layout
-    split = split_sequences(plan)
+    split = split_sequence_ids(plan)
     layers = [lay.num_stage_layers(s) for s in range(p)]
     A0, D, X, T0, F = [], [], [], [], []
-    rep = _stage_representatives(plan, cost)
+    rep = stage_representatives(plan, cost)
     for s in range(p):
         if rep[s] != s:  # same shape as an earlier stage: same terms (lists are read-only)
             for lst in (A0, D, X, T0, F):
@@ -281,69 +281,6 @@ def _infeasible(plan: Plan, model: _Model, cost: CostModel) -> None:
         "concertina_memory_budget, lower concertina_max_tokens_per_chunk (smaller chunks and slices), or use a "
         "larger concertina_pipeline_size (fewer layers per stage)"
     )
-
-
-# ---------------------------------------------------------------------------- slack
-def _backward_slack(plan: Plan, cost: CostModel, res: SimResult) -> list[list[float]]:
-    """Total float of every backward in the simulated schedule: how long ``B(s, c)`` can slip
-    without delaying the step (latest start minus earliest start).
-
-    Latest times come from a reverse sweep over the same dependencies the simulator follows
-    (next action on the stage; ``F(s+1, c)`` after ``F(s, c)``; ``B(s-1, c)`` after ``B(s, c)``,
-    each cross-stage edge carrying one message).
-    """
-    p, n = plan.num_stages, plan.num_chunks
-    at = res.action_times
-    T = res.step_time_s
-    FWD = ActionKind.FORWARD
-    p2p = [cost.p2p_time(c) for c in plan.chunks]
-    lf_start: list[list[float | None]] = [[None] * n for _ in range(p)]  # latest start of F
-    lb_start: list[list[float | None]] = [[None] * n for _ in range(p)]  # latest start of B
-    ptr = [len(a) - 1 for a in plan.schedule]
-    nxt_ls = [T] * p  # latest start of the action after the current one on each stage
-    left = sum(len(a) for a in plan.schedule)
-    sweep = 0
-    while left:
-        progressed = False
-        order = range(p - 1, -1, -1) if sweep % 2 == 0 else range(p)
-        sweep += 1
-        for s in order:
-            acts = plan.schedule[s]
-            k = ptr[s]
-            while k >= 0:
-                a = acts[k]
-                c = a.chunk
-                lf = nxt_ls[s]
-                if a.kind is FWD:
-                    if s < p - 1:
-                        down = lf_start[s + 1][c]
-                        if down is None:
-                            break
-                        lf = min(lf, down - p2p[c])
-                else:
-                    if s > 0:
-                        up = lb_start[s - 1][c]
-                        if up is None:
-                            break
-                        lf = min(lf, up - p2p[c])
-                t0, t1 = at[a]
-                ls = lf - (t1 - t0)
-                (lf_start if a.kind is FWD else lb_start)[s][c] = ls
-                nxt_ls[s] = ls
-                k -= 1
-            if k != ptr[s]:
-                left -= ptr[s] - k
-                ptr[s] = k
-                progressed = True
-        if not progressed:  # cannot happen after a successful forward simulation
-            raise PlanError("internal: reverse sweep of the schedule made no progress")
-    out = []
-    for s in range(p):
-        row = [0.0] * n
-        for c in range(n):
-            row[c] = max(0.0, lb_start[s][c] - at[Action(s, ActionKind.BACKWARD, c)][0])
-        out.append(row)
-    return out
 
 
 # ---------------------------------------------------------------------------- greedy
@@ -524,7 +461,7 @@ def assign_recompute(plan: Plan, cost: CostModel, budgets: Sequence[int], method
     res0 = simulate(zero, cost)
     if all(b == 0 or pk <= b for pk, b in zip(res0.peak_memory_bytes, budgets)):
         return zero.with_predicted(res0.stats())
-    model.slack = _backward_slack(zero, cost, res0)
+    model.slack = backward_slack(zero, cost, res0)
     candidates = [_greedy(model)]
     if method == "ilp":
         rows = _ilp(model, time_limit_s, start=candidates[0])

@@ -1,16 +1,27 @@
 """Discrete-event simulation of a plan: predicted step time, bubbles, recompute and memory.
 
-Execution model (the one the runtime follows): every stage runs its action list in order, one
-action at a time. An action starts when its stage is free and its inputs are there:
+Execution model (the one the runtime follows): the plan is lowered
+(:func:`~concertina_hf.planning.lower.lower`) and every stage runs its program in order, one step
+at a time. A compute step starts when its stage is free; a step of messages is posted when its
+stage reaches it (its sends leave then) and is done when its receives have arrived, one
+``cost.p2p_time`` after the matching send left. So:
 
-- ``F(s, c)`` needs ``F(s-1, c)`` finished plus one hidden-state message (``cost.p2p_time``);
+- ``F(s, c)`` needs ``F(s-1, c)`` finished plus one hidden-state message;
 - ``B(s, c)`` needs ``F(s, c)`` done on the same stage and ``B(s+1, c)`` finished plus one
   gradient message (the last stage starts the backward right after its own forward).
 
 Durations are ``cost.fwd_time`` and ``cost.bwd_time(..., recompute_layers=plan.recompute[s][c])``.
 Order of slices within a stage is the schedule's business (``Plan.validate`` checks it); the
-simulator only follows the lists. If no stage can start its next action while some remain, the
-plan deadlocks and :class:`PlanError` lists the blocked actions.
+simulator only follows the program.
+
+Communication is dry-run as the runtime does it: a batch of messages is done once the peer
+has posted the send of each of its receives (sends never wait: gloo buffers them, and NCCL does
+for messages within its buffers); once every program has run, the messages from one stage to
+another must have been received in the order they were sent (NCCL matches them in issue order,
+whatever their tags). A message without a counterpart, a step that can never complete (a
+deadlock) or messages out of order raise :class:`PlanError` naming the actions, before any
+process group exists; :func:`dry_run` does only that, with no cost model (and optionally with
+sends that wait for their receive).
 
 Memory of stage ``s`` over time (only its own action order matters, not timing)::
 
@@ -21,27 +32,34 @@ Memory of stage ``s`` over time (only its own action order matters, not timing):
                slice's own backward ends
 
 It peaks right after a forward (activations are counted from the forward's start) or during a
-backward. :func:`memory_moments` exposes those moments, as linear functions of the recompute
-decision, for :mod:`concertina_hf.planning.recompute`; :func:`simulate` evaluates them with the
-same code, so the planner's constraints and the simulator's peaks cannot disagree.
+backward. :func:`memory_moments` lists those moments, as linear functions of the recompute
+decision; :mod:`concertina_hf.planning.recompute` constrains them and :func:`simulate` evaluates
+them, so the planner's constraints and the simulator's peaks cannot disagree.
 
-Cost: every action is started exactly once; stages are swept alternately top-down and
-bottom-up, so a 1F1B plan of ``N`` chunks on ``p`` stages needs about ``N`` sweeps of ``p``
-stages. Each chunk's time and memory terms come from the cost model once per stage shape
-(layer count, embedding, head: three shapes for an even layout, whatever the pipeline size). A
-512-sequence plan of ~100 chunks on 4 stages simulates in ~3 ms in pure Python.
+:func:`backward_slack` sweeps a simulated step backwards: how long each backward can slip
+without delaying the step (the recompute planner hides recomputation there).
+
+Cost: every step is started exactly once; stages are swept alternately top-down and bottom-up,
+so a 1F1B plan of ``N`` chunks on ``p`` stages needs about ``N`` sweeps of ``p`` stages. Each
+chunk's time and memory terms come from the cost model once per stage shape (layer count,
+embedding, head: three shapes for an even layout, whatever the pipeline size); memory costs
+``O(actions x chunks in flight)``. A 512-sequence plan of ~100 chunks on 4 stages simulates in
+~7 ms in pure Python, ~2 ms of it lowering the plan and matching its messages.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
 
 from .cost import CostModel
-from .types import Action, ActionKind, Plan, PlanError, PlanStats
+from .lower import lower
+from .types import Action, ActionKind, Plan, PlanError, PlanStats, Program
 
-__all__ = ["MemoryMoment", "SimResult", "memory_moments", "simulate", "split_sequences"]
+__all__ = [
+    "MemoryMoment", "SimResult", "backward_slack", "dry_run", "memory_moments", "simulate", "split_sequence_ids",
+    "stage_representatives",
+]
 
 
 @dataclass(frozen=True)
@@ -54,7 +72,7 @@ class SimResult:
     recompute_time_s: float  # total over stages
     peak_memory_bytes: tuple[int, ...]  # per stage, static included
     memory_timeline: tuple[tuple[tuple[float, int], ...], ...]  # per stage: (time, bytes) points
-    action_times: dict  # Action -> (start_s, end_s)
+    action_times: dict  # compute Action -> (start_s, end_s)
     bubble_fraction: float  # sum(bubble) / (p * step_time)
     recompute_fraction: float  # recompute_time / sum(busy)
 
@@ -74,7 +92,8 @@ class MemoryMoment:
     ``bytes(r) = const + sum(act[c](r[c]) for c in in_flight) + transient[b](r[b])`` where
     ``b = backward`` (``None`` right after a forward). ``const`` holds static memory and the
     K/V gradient buffers alive at that moment. ``action`` is the action whose start (forward)
-    or run (backward) the moment belongs to.
+    or run (backward) the moment belongs to. ``kv_freed``: the K/V gradient bytes the backward
+    frees when it ends (0 after a forward).
     """
 
     stage: int
@@ -82,9 +101,10 @@ class MemoryMoment:
     in_flight: tuple[int, ...]  # chunks whose activations are held (the backward one included)
     backward: int | None
     const: float
+    kv_freed: float = 0.0
 
 
-def split_sequences(plan: Plan) -> frozenset[int]:
+def split_sequence_ids(plan: Plan) -> frozenset[int]:
     """Sequences cut into more than one slice in this plan."""
     count: dict[int, int] = {}
     for c in plan.chunks:
@@ -122,27 +142,35 @@ def memory_moments(plan: Plan, cost: CostModel, stage: int) -> list[MemoryMoment
     Right after each forward and during each backward; the K/V gradient terms are constants
     (they do not depend on recompute).
     """
+    kv = _kv_grad_plan(plan, split_sequence_ids(plan))
+    return [MemoryMoment(stage, *row) for row in _moments(plan, cost, stage, *kv)]
+
+
+def _moments(plan: Plan, cost: CostModel, stage: int, alloc: dict[int, list[int]], free: dict[int, int]):
+    """:func:`memory_moments` as plain tuples ``(action, in_flight, backward, const, kv_freed)``
+    (the simulator reads them for every action)."""
     lay = plan.layout
-    split = split_sequences(plan)
-    alloc, free = _kv_grad_plan(plan, split)
     const = float(cost.static_memory(lay, stage))
     in_flight: dict[int, None] = {}  # insertion-ordered set
-    out: list[MemoryMoment] = []
+    out: list[tuple] = []
+    FWD = ActionKind.FORWARD
     for a in plan.schedule[stage]:
-        if a.kind is ActionKind.FORWARD:
-            in_flight[a.chunk] = None
-            out.append(MemoryMoment(stage, a, tuple(in_flight), None, const))
+        c = a.chunk
+        if a.kind is FWD:
+            in_flight[c] = None
+            out.append((a, tuple(in_flight), None, const, 0.0))
         else:
-            for tok in alloc.get(a.chunk, ()):
+            for tok in alloc.get(c, ()):
                 const += cost.kv_grad_memory(lay, stage, tok)
-            out.append(MemoryMoment(stage, a, tuple(in_flight), a.chunk, const))
-            in_flight.pop(a.chunk, None)
-            if a.chunk in free:
-                const -= cost.kv_grad_memory(lay, stage, free[a.chunk])
+            freed = cost.kv_grad_memory(lay, stage, free[c]) if c in free else 0.0
+            out.append((a, tuple(in_flight), c, const, freed))
+            in_flight.pop(c, None)
+            if c in free:
+                const -= freed
     return out
 
 
-def _stage_representatives(plan: Plan, cost: CostModel) -> list[int]:
+def stage_representatives(plan: Plan, cost: CostModel) -> list[int]:
     """For each stage, the first stage of the same shape (layer count, embedding, head).
 
     :class:`CostModel` sees a stage only through that shape, so per-chunk terms are computed
@@ -157,32 +185,220 @@ def _stage_representatives(plan: Plan, cost: CostModel) -> list[int]:
             for s in range(plan.num_stages)]
 
 
-def _deadlock(plan: Plan, ptr: Sequence[int], fend, bend) -> PlanError:
-    p = plan.num_stages
-    blocked = []
-    for s in range(p):
-        if ptr[s] >= len(plan.schedule[s]):
+# ---------------------------------------------------------------------------- the dry run
+_FWD, _BWD, _MSG = 0, 1, 2  # compiled step codes
+
+
+def _compile(program: Program, rendezvous: bool = False):
+    """The program's steps as the engine reads them, and where its messages are.
+
+    Returns ``(steps, sends)``: per stage, ``(_FWD, c)``, ``(_BWD, c)`` or ``(_MSG, ops)`` with
+    ``ops = ((peer, peer's step index, chunk, is_recv, action), ...)`` for the messages the step waits for
+    (its receives; its sends too with ``rendezvous``), the peer's step being the one that holds
+    the counterpart; ``sends[s][dst]``: stage ``s``'s messages to stage ``dst``, ``{chunk: step}``
+    in issue order. Raises :class:`PlanError` for a malformed program: a message without
+    counterpart or listed twice, a compute action before its input's receive, a send before the
+    compute that produces it.
+    """
+    plan = program.plan
+    p, last = plan.num_stages, plan.num_stages - 1
+    if len(program.steps) != p:
+        raise PlanError(f"the program has {len(program.steps)} stages, the plan {p}")
+    F, B = ActionKind.FORWARD, ActionKind.BACKWARD
+    SF, RF, SB, RB = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
+    # per kind and stage: {chunk: step index}, in program order
+    tf, tb, tsf, trf, tsb, trb = ([{} for _ in range(p)] for _ in range(6))
+    for s, prog in enumerate(program.steps):
+        for k, step in enumerate(prog):
+            for a in step:
+                kind = a.kind
+                if a.stage != s:
+                    raise PlanError(f"action {a} listed under stage {s}")
+                if kind is F or kind is B:
+                    if len(step) > 1:
+                        raise PlanError(f"stage {s}: compute action {a} batched with other actions")
+                    t = (tf if kind is F else tb)[s]
+                else:
+                    t = (tsf if kind is SF else trf if kind is RF else tsb if kind is SB else trb)[s]
+                if a.chunk in t:
+                    raise PlanError(f"{a} appears twice in stage {s}'s program")
+                t[a.chunk] = k
+    out = []
+    for s, prog in enumerate(program.steps):
+        rows: list[tuple] = []
+        for k, step in enumerate(prog):
+            a = step[0]
+            kind = a.kind
+            if kind is F or kind is B:
+                c = a.chunk
+                inbox = (trf if s > 0 else None) if kind is F else (trb if s < last else None)
+                if inbox is not None and inbox[s].get(c, k) >= k:
+                    need = RF if kind is F else RB
+                    raise PlanError(f"{a} runs before its input is received ({s}{need.value}{c} earlier on stage {s})")
+                rows.append((_FWD if kind is F else _BWD, c))
+                continue
+            ops = []
+            for a in step:
+                kind, c = a.kind, a.chunk
+                peer = s + 1 if kind is SF or kind is RB else s - 1
+                other = (trf if kind is SF else tsf if kind is RF else trb if kind is SB else tsb)
+                pk = other[peer].get(c) if 0 <= peer < p else None
+                if pk is None:
+                    raise PlanError(f"{a} has no matching {a.partner} in the program; every send needs the "
+                                    "receive of its neighbour and every receive a send")
+                if kind is SF or kind is SB:
+                    made = tf if kind is SF else tb
+                    if made[s].get(c, k) >= k:
+                        raise PlanError(f"{a} is sent before {s}{'F' if kind is SF else 'B'}{c} computes it")
+                    if rendezvous:
+                        ops.append((peer, pk, c, False, a))
+                else:
+                    ops.append((peer, pk, c, True, a))
+            rows.append((_MSG, tuple(ops)))
+        out.append(rows)
+    sends = [{s + 1: tsf[s], s - 1: tsb[s]} for s in range(p)]
+    receives = [{s - 1: trf[s], s + 1: trb[s]} for s in range(p)]
+    return out, (sends, receives)
+
+
+def _run(program: Program, compiled, fdur, bdur, p2p):
+    """Run the compiled program (see the module docstring); ``(fstart, fend, bstart, bend,
+    free_at)``, per stage and chunk. Raises :class:`PlanError` on a deadlock or messages out of
+    order."""
+    steps, channels = compiled
+    p = len(steps)
+    n = program.plan.num_chunks
+    fend: list[list[float | None]] = [[None] * n for _ in range(p)]
+    bend: list[list[float | None]] = [[None] * n for _ in range(p)]
+    fstart = [[0.0] * n for _ in range(p)]
+    bstart = [[0.0] * n for _ in range(p)]
+    posted = [[0.0] * len(st) for st in steps]  # when a stage reached each step: its sends leave then
+    free_at = [0.0] * p
+    ptr = [0] * p
+    remaining = sum(len(st) for st in steps)
+    sweep = 0
+    while remaining:
+        progressed = False
+        order = range(p) if sweep % 2 == 0 else range(p - 1, -1, -1)
+        sweep += 1
+        for s in order:
+            st = steps[s]
+            k = ptr[s]
+            t_free = free_at[s]
+            fe, be, post = fend[s], bend[s], posted[s]
+            while k < len(st):
+                code, x = st[k]
+                if code == _MSG:
+                    post[k] = t_free
+                    ready = t_free
+                    for peer, pk, c, is_recv, _ in x:
+                        if ptr[peer] < pk:  # the counterpart is not posted yet
+                            break
+                        if is_recv:
+                            arrive = posted[peer][pk] + p2p[c]
+                            if arrive > ready:
+                                ready = arrive
+                    else:
+                        t_free = ready
+                        k += 1
+                        continue
+                    break
+                if code == _FWD:
+                    fstart[s][x] = t_free
+                    t_free = t_free + fdur[s][x]
+                    fe[x] = t_free
+                else:
+                    if fe[x] is None:
+                        break
+                    bstart[s][x] = t_free
+                    t_free = t_free + bdur[s][x]
+                    be[x] = t_free
+                k += 1
+            if k != ptr[s]:
+                remaining -= k - ptr[s]
+                ptr[s] = k
+                free_at[s] = t_free
+                progressed = True
+        if not progressed:
+            raise _deadlock(program, steps, ptr, fend, bend)
+    _check_order(program, *channels)
+    return fstart, fend, bstart, bend, free_at
+
+
+def _deadlock(program: Program, steps: list[list[tuple]], ptr, fend, bend) -> PlanError:
+    blocked, stuck = [], []
+    left = 0
+    for s, prog in enumerate(program.steps):
+        k = ptr[s]
+        if k >= len(prog):
             continue
-        a = plan.schedule[s][ptr[s]]
-        c = a.chunk
-        if a.kind is ActionKind.FORWARD:
-            why = f"waits for {s - 1}F{c}"
-        elif fend[s][c] is None:
-            why = f"waits for its own forward {s}F{c}"
+        left += sum(len(step) for step in prog[k:])
+        step = prog[k]
+        if step[0].kind.is_compute:  # a backward before its own forward
+            blocked.append(f"{step[0]} (waits for its own forward {s}F{step[0].chunk})")
+            continue
+        stuck.append(f"{'+'.join(map(str, step))} on stage {s}")
+        recvs, sends = [], []
+        for peer, pk, c, is_recv, a in steps[s][k][1]:
+            if ptr[peer] >= pk:
+                continue
+            other = a.partner
+            if not is_recv:
+                sends.append(str(other))
+                continue
+            made = fend if other.kind is ActionKind.SEND_F else bend
+            kind = "F" if other.kind is ActionKind.SEND_F else "B"
+            recvs.append(str(other) if made[peer][c] is not None else f"{peer}{kind}{c}")
+        if recvs:  # the compute action that needs the message cannot start
+            nxt = next((st[0] for st in prog[k + 1:] if st[0].kind.is_compute), step[-1])
+            blocked.append(f"{nxt} (waits for {', '.join(recvs)})")
         else:
-            why = f"waits for {s + 1}B{c}"
-        blocked.append(f"{a} ({why})")
-    left = sum(len(plan.schedule[s]) - ptr[s] for s in range(p))
+            blocked.append(f"{'+'.join(map(str, step))} (waits for {', '.join(sends)})")
     return PlanError(
         f"deadlock: {left} actions cannot run; blocked: " + ", ".join(blocked)
-        + ". Every stage must order its actions so that the chunk a stage waits for is "
-        "forwarded (or backwarded) by its neighbour first."
+        + (f"; stuck messages: {', '.join(stuck)}" if stuck else "")
+        + ". Every stage must order its actions so that the chunk a stage waits for is forwarded (or "
+        "backwarded) by its neighbour first, and send its messages in the order its neighbour receives them."
     )
 
 
-def simulate(plan: Plan, cost: CostModel) -> SimResult:
-    """Run ``plan.schedule`` under ``cost`` (see the module docstring); raise :class:`PlanError`
-    on deadlock."""
+def _check_order(program: Program, sends, receives) -> None:
+    """Messages from one stage to another must be received in the order they were sent."""
+    for src, out in enumerate(sends):
+        for dst, sent in out.items():
+            if not sent:
+                continue
+            got = receives[dst][src]
+            if list(sent) != list(got):
+                i, (a, b) = next((i, ab) for i, ab in enumerate(zip(sent, got)) if ab[0] != ab[1])
+                kind = "F" if dst > src else "B"
+                raise PlanError(
+                    f"stage {src} sends to stage {dst} in another order than stage {dst} receives: message {i} is "
+                    f"{src}SEND_{kind}{a} but {dst}RECV_{kind}{b} on stage {dst}; two ranks match their messages in "
+                    "issue order (NCCL ignores tags)"
+                )
+
+
+def dry_run(program: Program, *, rendezvous: bool = False) -> None:
+    """Check that ``program`` can run to the end: every message has a counterpart, no step
+    waits forever, messages are received in the order they are sent (see the module
+    docstring); raise :class:`PlanError` naming the actions otherwise.
+
+    ``rendezvous=True``: a batch also waits until the receive of each of its sends is posted,
+    as NCCL's group does for a message larger than its buffers (4 MiB by default). Programs of
+    split chains with look-ahead forwards fail it (a forward sent early is received only after
+    the chain's backwards, which the sender receives in its later batches); gloo does not
+    need it."""
+    n, p = program.plan.num_chunks, len(program.steps)
+    zeros = [[0.0] * n for _ in range(p)]
+    _run(program, _compile(program, rendezvous), zeros, zeros, [0.0] * n)
+
+
+# ---------------------------------------------------------------------------- simulation
+def simulate(plan: Plan, cost: CostModel, *, program: Program | None = None) -> SimResult:
+    """Run ``plan`` under ``cost`` (see the module docstring); raise :class:`PlanError` if its
+    program cannot run. ``program``: the lowered program to run instead of ``lower(plan)``
+    (the same compute actions; a test passes a hand-edited one)."""
     p = plan.num_stages
     n = plan.num_chunks
     lay = plan.layout
@@ -192,9 +408,15 @@ def simulate(plan: Plan, cost: CostModel) -> SimResult:
     rec = plan.recompute
     if len(rec) != p or any(len(row) != n for row in rec):
         raise PlanError("plan.recompute must be [stage][chunk]; fill it (e.g. with zeros) before simulating")
+    if program is None:
+        program = lower(plan)
+    elif program.plan != plan or not program.train or any(
+            [a for step in steps for a in step if a.kind.is_compute] != list(acts)
+            for steps, acts in zip(program.steps, plan.schedule)):
+        raise PlanError("the program does not run this plan's schedule (lower(plan) does)")
 
     p2p = [cost.p2p_time(c) for c in chunks]
-    rep = _stage_representatives(plan, cost)
+    rep = stage_representatives(plan, cost)
     fdur = [[0.0] * n for _ in range(p)]
     bdur = [[0.0] * n for _ in range(p)]
     rec_total = 0.0
@@ -219,76 +441,19 @@ def simulate(plan: Plan, cost: CostModel) -> SimResult:
     busy = [sum(fdur[s]) + sum(bdur[s]) for s in range(p)]
 
     # ---------------------------------------------------------------- timing
-    fend: list[list[float | None]] = [[None] * n for _ in range(p)]
-    bend: list[list[float | None]] = [[None] * n for _ in range(p)]
-    fstart = [[0.0] * n for _ in range(p)]
-    bstart = [[0.0] * n for _ in range(p)]
-    free_at = [0.0] * p
-    ptr = [0] * p
-    remaining = sum(len(a) for a in plan.schedule)
-    FWD = ActionKind.FORWARD
-    last = p - 1
-    sweep = 0
-    while remaining:
-        progressed = False
-        order = range(p) if sweep % 2 == 0 else range(p - 1, -1, -1)
-        sweep += 1
-        for s in order:
-            acts = plan.schedule[s]
-            k = ptr[s]
-            t_free = free_at[s]
-            fe, be = fend[s], bend[s]
-            while k < len(acts):
-                a = acts[k]
-                c = a.chunk
-                if a.kind is FWD:
-                    if s == 0:
-                        ready = 0.0
-                    else:
-                        up = fend[s - 1][c]
-                        if up is None:
-                            break
-                        ready = up + p2p[c]
-                    start = t_free if t_free > ready else ready
-                    t_free = start + fdur[s][c]
-                    fstart[s][c] = start
-                    fe[c] = t_free
-                else:
-                    if fe[c] is None:
-                        break
-                    if s == last:
-                        ready = fe[c]
-                    else:
-                        down = bend[s + 1][c]
-                        if down is None:
-                            break
-                        ready = down + p2p[c]
-                    start = t_free if t_free > ready else ready
-                    t_free = start + bdur[s][c]
-                    bstart[s][c] = start
-                    be[c] = t_free
-                k += 1
-            if k != ptr[s]:
-                remaining -= k - ptr[s]
-                ptr[s] = k
-                free_at[s] = t_free
-                progressed = True
-        if not progressed:
-            raise _deadlock(plan, ptr, fend, bend)
-
+    fstart, fend, bstart, bend, free_at = _run(program, _compile(program), fdur, bdur, p2p)
     step = max(free_at) if p else 0.0
     # clamp float noise: a stage never works longer than the step
     bubble = tuple(max(0.0, step - b) for b in busy)
     sum_busy = sum(busy)
 
     # ---------------------------------------------------------------- memory
-    split = split_sequences(plan)
-    alloc, free = _kv_grad_plan(plan, split)
     peaks: list[int] = []
     timelines: list[tuple[tuple[float, int], ...]] = []
     action_times: dict[Action, tuple[float, float]] = {}
     act_memo: dict[tuple[int, int, int], float] = {}
     tr_memo: dict[tuple[int, int, int], float] = {}
+    alloc, free = _kv_grad_plan(plan, split_sequence_ids(plan))
     for s in range(p):
         rs = rec[s]
         s0 = rep[s]
@@ -298,36 +463,28 @@ def simulate(plan: Plan, cost: CostModel) -> SimResult:
             i = c.index
             key = (s0, i, rs[i])
             if key not in act_memo:
-                act_memo[key] = cost.act_memory(lay, s0, c, rs[i], split)
+                act_memo[key] = cost.act_memory(lay, s0, c, rs[i])
                 tr_memo[key] = cost.transient_memory(lay, s0, c, rs[i])
             act[i] = act_memo[key]
             tr[i] = tr_memo[key]
         static = float(cost.static_memory(lay, s))
-        mem = static
-        peak = mem
-        points: list[tuple[float, int]] = [(0.0, math.ceil(mem))]
-        for a in plan.schedule[s]:
+        peak = static
+        points: list[tuple[float, int]] = [(0.0, math.ceil(static))]
+        for a, in_flight, backward, const, kv_freed in _moments(plan, cost, s, alloc, free):
             c = a.chunk
-            if a.kind is FWD:
+            held = const + sum([act[i] for i in in_flight])
+            if backward is None:
                 t0, t1 = fstart[s][c], fend[s][c]
-                mem += act[c]
-                points.append((t0, math.ceil(mem)))
-                if mem > peak:
-                    peak = mem
+                points.append((t0, math.ceil(held)))
             else:
                 t0, t1 = bstart[s][c], bend[s][c]
-                extra = tr[c]
-                for tok in alloc.get(c, ()):
-                    extra += cost.kv_grad_memory(lay, s, tok)
-                mem += extra
-                points.append((t0, math.ceil(mem)))
-                if mem > peak:
-                    peak = mem
+                held += tr[c]
+                points.append((t0, math.ceil(held)))
                 # transient buffers, this chunk's activations and its own K/V gradient go
-                mem -= tr[c] + act[c]
-                if c in free:
-                    mem -= cost.kv_grad_memory(lay, s, free[c])
-                points.append((t1, math.ceil(mem)))
+                after = (const - kv_freed) + sum([act[i] for i in in_flight if i != c])
+                points.append((t1, math.ceil(after)))
+            if held > peak:
+                peak = held
             action_times[a] = (t0, t1)
         peaks.append(math.ceil(peak))
         timelines.append(tuple(points))
@@ -343,3 +500,65 @@ def simulate(plan: Plan, cost: CostModel) -> SimResult:
         bubble_fraction=(sum(bubble) / (p * step)) if step > 0 else 0.0,
         recompute_fraction=(rec_total / sum_busy) if sum_busy > 0 else 0.0,
     )
+
+
+def backward_slack(plan: Plan, cost: CostModel, res: SimResult) -> list[list[float]]:
+    """Total float of every backward in the simulated schedule: how long ``B(s, c)`` can slip
+    without delaying the step (latest start minus earliest start).
+
+    Latest times come from a reverse sweep over the same dependencies the simulator follows
+    (next action on the stage; ``F(s+1, c)`` after ``F(s, c)``; ``B(s-1, c)`` after ``B(s, c)``,
+    each cross-stage edge carrying one message).
+    """
+    p, n = plan.num_stages, plan.num_chunks
+    at = res.action_times
+    T = res.step_time_s
+    FWD = ActionKind.FORWARD
+    p2p = [cost.p2p_time(c) for c in plan.chunks]
+    lf_start: list[list[float | None]] = [[None] * n for _ in range(p)]  # latest start of F
+    lb_start: list[list[float | None]] = [[None] * n for _ in range(p)]  # latest start of B
+    ptr = [len(a) - 1 for a in plan.schedule]
+    nxt_ls = [T] * p  # latest start of the action after the current one on each stage
+    left = sum(len(a) for a in plan.schedule)
+    sweep = 0
+    while left:
+        progressed = False
+        order = range(p - 1, -1, -1) if sweep % 2 == 0 else range(p)
+        sweep += 1
+        for s in order:
+            acts = plan.schedule[s]
+            k = ptr[s]
+            while k >= 0:
+                a = acts[k]
+                c = a.chunk
+                lf = nxt_ls[s]
+                if a.kind is FWD:
+                    if s < p - 1:
+                        down = lf_start[s + 1][c]
+                        if down is None:
+                            break
+                        lf = min(lf, down - p2p[c])
+                else:
+                    if s > 0:
+                        up = lb_start[s - 1][c]
+                        if up is None:
+                            break
+                        lf = min(lf, up - p2p[c])
+                t0, t1 = at[a]
+                ls = lf - (t1 - t0)
+                (lf_start if a.kind is FWD else lb_start)[s][c] = ls
+                nxt_ls[s] = ls
+                k -= 1
+            if k != ptr[s]:
+                left -= ptr[s] - k
+                ptr[s] = k
+                progressed = True
+        if not progressed:  # cannot happen after a successful forward simulation
+            raise PlanError("internal: reverse sweep of the schedule made no progress")
+    out = []
+    for s in range(p):
+        row = [0.0] * n
+        for c in range(n):
+            row[c] = max(0.0, lb_start[s][c] - at[Action(s, ActionKind.BACKWARD, c)][0])
+        out.append(row)
+    return out

@@ -4,7 +4,9 @@ A :class:`Plan` is everything one optimizer step needs, as data: the chunks (var
 micro-batches cut from the step's sequences), the stage layout (which decoder layers each
 pipeline stage owns), the per-stage action lists (forward / backward of a chunk, in order),
 and the recompute decision per (stage, chunk). Every rank of a pipeline executes the same plan;
-nothing about shapes is negotiated at run time.
+nothing about shapes is negotiated at run time. :func:`~concertina_hf.planning.lower.lower`
+turns it into a :class:`Program`, the same actions with the sends and receives between
+neighbouring stages written out, which the simulator dry-runs and the runtime interprets.
 
 All types are frozen dataclasses made of tuples and scalars, so they are hashable, compare by
 value and round-trip through JSON (:meth:`Plan.to_json` / :meth:`Plan.from_json`).
@@ -20,8 +22,9 @@ import dataclasses
 import enum
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 __all__ = [
     "Action",
@@ -31,6 +34,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "PlanStats",
+    "Program",
     "Slice",
     "StageLayout",
 ]
@@ -126,13 +130,39 @@ class StageLayout:
 
 
 class ActionKind(str, enum.Enum):
+    """What an action does. A plan's schedule holds the compute kinds only; the communication
+    kinds (names as in torch pipelining) appear in a lowered :class:`Program`."""
+
     FORWARD = "F"
     BACKWARD = "B"
+    SEND_F = "SEND_F"  # the forward's output (hidden states) to the next stage
+    RECV_F = "RECV_F"  # the forward's input from the previous stage
+    SEND_B = "SEND_B"  # the backward's input gradient to the previous stage
+    RECV_B = "RECV_B"  # the gradient of the forward's output from the next stage
+
+    def __init__(self, value: str) -> None:
+        # plain attributes, not properties: the simulator reads them per action
+        self.is_compute = value in ("F", "B")
+        self.is_send = value.startswith("SEND")
+        self.is_recv = value.startswith("RECV")
+
+
+# communication kind -> (offset of the peer stage, the kind of the peer's matching action)
+_PEER = {
+    ActionKind.SEND_F: (1, ActionKind.RECV_F),
+    ActionKind.RECV_F: (-1, ActionKind.SEND_F),
+    ActionKind.SEND_B: (-1, ActionKind.RECV_B),
+    ActionKind.RECV_B: (1, ActionKind.SEND_B),
+}
+_ACTION_RE = re.compile(r"\s*(\d+)([A-Z_]+)(\d+)\s*")
 
 
 @dataclass(frozen=True, slots=True)
 class Action:
-    """One computation of a stage on a chunk, printed like torch pipelining: ``"1F3"``."""
+    """One action of a stage on a chunk, printed like torch pipelining: ``"1F3"`` (forward of
+    chunk 3 on stage 1), ``"1B3"``, and in a lowered :class:`Program` ``"1SEND_F3"`` /
+    ``"2RECV_F3"`` (its hidden states to stage 2) and ``"2SEND_B3"`` / ``"1RECV_B3"`` (their
+    gradient back)."""
 
     stage: int
     kind: ActionKind
@@ -141,13 +171,24 @@ class Action:
     def __str__(self) -> str:
         return f"{self.stage}{self.kind.value}{self.chunk}"
 
+    @property
+    def peer(self) -> int:
+        """The stage at the other end of a send or receive."""
+        return self.stage + _PEER[self.kind][0]
+
+    @property
+    def partner(self) -> "Action":
+        """The peer's action that completes this send or receive (``0SEND_F2`` <-> ``1RECV_F2``)."""
+        step, kind = _PEER[self.kind]
+        return Action(self.stage + step, kind, self.chunk)
+
     @classmethod
     def parse(cls, text: str) -> "Action":
-        for k in ActionKind:
-            if k.value in text:
-                a, b = text.split(k.value)
-                return cls(int(a), k, int(b))
-        raise PlanError(f"not an action: {text!r}")
+        m = _ACTION_RE.fullmatch(text)
+        try:
+            return cls(int(m[1]), ActionKind(m[2]), int(m[3]))
+        except (TypeError, ValueError):
+            raise PlanError(f"not an action: {text!r}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,9 +206,15 @@ class Plan:
     """Everything one step needs, as plain data.
 
     ``groups``: chunk indices of each pipeline group, in forward order; groups run back to back.
-    ``schedule``: per stage, the ordered actions the stage executes.
-    ``recompute``: ``recompute[stage][chunk]`` decoder layers of that stage recompute their
-    activations in the chunk's backward (0 .. layers of the stage).
+    ``schedule``: per stage, the ordered compute actions (forward, backward) the stage executes;
+    neighbouring stages run the forwards of the chunks in the same order, and the backwards too
+    (messages between two ranks match in issue order). Where sends and receives go is not part
+    of the plan: :func:`~concertina_hf.planning.lower.lower` derives it.
+    ``recompute``: ``recompute[stage][chunk] = r`` means the *first* ``r`` decoder layers of the
+    stage (in layer order) recompute their activations in the chunk's backward, the others keep
+    theirs (``0 .. layers of the stage``). The runtime, the cost model and the recompute planner
+    all rely on it being the first ones: they run backward last, after the saved layers have
+    freed their activations.
     ``memory_budget_bytes``: per-stage budget the plan was made for (0 when unconstrained).
     ``knobs``: the strategy's chosen settings, as ``(name, value)`` pairs (e.g. token budget).
     """
@@ -216,9 +263,10 @@ class Plan:
         Invariants: every token of every sequence lands in exactly one slice, slices of a
         sequence are in chunk order; chunk kinds match their content; no chunk holds slices of
         two split sequences; groups partition the chunks in order and a split sequence stays in
-        one group; each stage forwards and backwards every chunk exactly once, forward before
-        backward, slices of a sequence forward in order and backward in reverse order; recompute
-        is within each stage's layer count.
+        one group; each stage forwards and backwards every chunk exactly once (compute actions
+        only), forward before backward, slices of a sequence forward in order and backward in
+        reverse order; neighbouring stages order the forwards (and the backwards) of the chunks
+        the same way; recompute is within each stage's layer count.
         """
         p = self.num_stages
         lay = self.layout
@@ -287,6 +335,9 @@ class Plan:
             for a in actions:
                 if a.stage != st:
                     raise PlanError(f"action {a} listed under stage {st}")
+                if not a.kind.is_compute:
+                    raise PlanError(f"action {a} in the schedule: a plan lists forwards and backwards only "
+                                    "(lower(plan) adds the sends and receives)")
                 if not 0 <= a.chunk < self.num_chunks:
                     raise PlanError(f"action {a} names a chunk that does not exist")
                 done = fdone if a.kind is ActionKind.FORWARD else bdone
@@ -304,6 +355,18 @@ class Plan:
                 done.add(a.chunk)
             if len(fdone) != self.num_chunks or len(bdone) != self.num_chunks:
                 raise PlanError(f"stage {st} does not run every chunk forward and backward once")
+        # a stage's messages to its neighbour match in issue order (NCCL ignores tags)
+        for st in range(p - 1):
+            for kind in (ActionKind.FORWARD, ActionKind.BACKWARD):
+                a = [x.chunk for x in self.schedule[st] if x.kind is kind]
+                b = [x.chunk for x in self.schedule[st + 1] if x.kind is kind]
+                if a != b:
+                    i = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+                    raise PlanError(
+                        f"stages {st} and {st + 1} run the {kind.name.lower()} passes of the chunks in different "
+                        f"orders: at position {i} chunk {a[i]} on stage {st} but chunk {b[i]} on stage {st + 1} "
+                        f"({a} vs {b}); their messages would not match"
+                    )
         if len(self.recompute) != p or any(len(r) != self.num_chunks for r in self.recompute):
             raise PlanError("recompute must be [stage][chunk]")
         for st, row in enumerate(self.recompute):
@@ -379,9 +442,12 @@ class Plan:
         ``mark`` (e.g. a failing action) is wrapped in ``>...<``. Below the grid, one line per
         chunk: kind, slices as ``seq[start:end]``, and recompute layers per stage.
         """
-        cells = [[(f">{a}<" if a == mark else str(a)) for a in acts] for acts in self.schedule]
+        cells = [[_cell((a,), (mark,)) for a in acts] for acts in self.schedule]
+        return self._render(f"plan {self.strategy} ({self.fingerprint()})", cells)
+
+    def _render(self, title: str, cells: list[list[str]]) -> str:
         width = max((len(c) for row in cells for c in row), default=3)
-        lines = [f"plan {self.strategy} ({self.fingerprint()}): {self.num_chunks} chunks, {self.num_stages} stages"]
+        lines = [f"{title}: {self.num_chunks} chunks, {self.num_stages} stages"]
         for st, row in enumerate(cells):
             a, b = self.layout.layer_ranges[st]
             lines.append(f"stage {st} [L{a}-{b - 1}] | " + " ".join(c.rjust(width) for c in row))
@@ -390,3 +456,38 @@ class Plan:
             rc = "/".join(str(self.recompute[st][c.index]) for st in range(self.num_stages))
             lines.append(f"  chunk {c.index:>3} {c.kind.value:<6} {c.num_tokens:>7} tok  recompute {rc}  {sl}")
         return "\n".join(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class Program:
+    """A plan lowered for execution (:func:`~concertina_hf.planning.lower.lower`): per stage,
+    the steps the runtime interprets in order, with every message written out.
+
+    A step is a tuple of actions: either one compute action (``F``, ``B``), or communication
+    actions (``SEND_F``, ``RECV_F``, ``SEND_B``, ``RECV_B``) started together, as one
+    ``batch_isend_irecv`` (sends first, then receives, in the listed order). A step of messages
+    is done when its receives have landed and, conservatively (NCCL runs a batch as one group),
+    its sends have been received; :func:`~concertina_hf.planning.simulate.dry_run` checks that
+    every step can complete. ``train=False``: forwards only (evaluation).
+    """
+
+    plan: Plan
+    steps: tuple[tuple[tuple[Action, ...], ...], ...]
+    train: bool = True
+
+    def actions(self, stage: int) -> list[Action]:
+        """Stage ``stage``'s actions, flat, in program order."""
+        return [a for step in self.steps[stage] for a in step]
+
+    def grid(self, mark: Action | Sequence[Action] | None = None) -> str:
+        """One row per stage, one column per step (the messages of one batch joined by ``+``),
+        and the plan's chunk table; ``mark`` (e.g. a failing action or step) is wrapped in
+        ``>...<`` (an example: :func:`~concertina_hf.planning.lower.lower`)."""
+        marked = (mark,) if isinstance(mark, Action) else tuple(mark or ())
+        cells = [[_cell(step, marked) for step in steps] for steps in self.steps]
+        what = "" if self.train else ", forward only"
+        return self.plan._render(f"program of plan {self.plan.strategy} ({self.plan.fingerprint()}{what})", cells)
+
+
+def _cell(step: tuple[Action, ...], marked: tuple[Action | None, ...]) -> str:
+    return "+".join(f">{a}<" if a in marked else str(a) for a in step)
