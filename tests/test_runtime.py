@@ -426,6 +426,7 @@ def test_errors_name_the_problem(caplog):
         with pytest.raises(RuntimeError, match="pipeline stage 0, action 0F1"):
             ex.run_step(plan, bad)
     assert ">0F1<" in caplog.text and "chunk   1 split" in caplog.text
+    assert "program of plan" in caplog.text  # the lowered program the executor interprets
     with pytest.raises(RuntimeError, match="needs torch.distributed"):
         PipelineExecutor(PipelineWrapper(copy.deepcopy(model), StageLayout.even(2, 2), 0))
 

@@ -1,15 +1,21 @@
 """A faithful interpreter of a :class:`~concertina_hf.planning.types.Plan` on one pipeline stage.
 
-:meth:`PipelineExecutor.run_step` walks this stage's action list in order and decides nothing:
+:meth:`PipelineExecutor.run_step` lowers the plan (:func:`~concertina_hf.planning.lower.lower`,
+once per plan; the program is dry-run first, so a communication deadlock is refused before any
+message is sent) and walks this stage's program in order, deciding nothing:
 
-- ``F c``: receive chunk ``c``'s hidden states from the previous stage (stage 0: embed the
-  chunk's tokens), run the stage's decoder layers with the first ``plan.recompute[stage][c]``
-  of them checkpointed, and send the result on (the last stage instead applies the final norm,
-  the LM head and a float32 summed cross-entropy divided by ``num_items_in_batch``);
-- ``B c``: receive the gradient of the chunk's output (the last stage starts from its loss) and
-  run ``torch.autograd.backward`` on the output *and* on the K/V that chunk's non-final slices
-  stored, with the gradients later slices accumulated on the leaf aliases of that K/V (see
-  :mod:`.attention`); send the input gradient back; free the chunk's K/V.
+- ``F c``: take chunk ``c``'s hidden states received from the previous stage (stage 0: embed
+  the chunk's tokens), run the stage's decoder layers with the first ``plan.recompute[stage][c]``
+  of them checkpointed, and keep the result for its send (the last stage instead applies the
+  final norm, the LM head and a float32 summed cross-entropy divided by ``num_items_in_batch``);
+- ``B c``: take the gradient of the chunk's output received from the next stage (the last stage
+  starts from its loss) and run ``torch.autograd.backward`` on the output *and* on the K/V that
+  chunk's non-final slices stored, with the gradients later slices accumulated on the leaf
+  aliases of that K/V (see :mod:`.attention`); keep the input gradient for its send; free the
+  chunk's K/V;
+- a batch of ``SEND_F`` / ``RECV_F`` / ``SEND_B`` / ``RECV_B``: one
+  :meth:`~concertina_hf.runtime.p2p.StageComm.exchange` (shapes from the plan, the dtype from
+  :meth:`PipelineExecutor.wire_dtype`), returning once its receives have landed.
 
 Gradients accumulate into ``.grad`` of the stage's parameters (never zeroed here) and equal
 those of the HF model on one device over the same sequences with the same ``num_items_in_batch``
@@ -28,8 +34,8 @@ here; :meth:`PipelineExecutor.sync_tied_gradients` sums them once per optimizer 
 
 Per step costs beyond compute: one P2P message per chunk and direction between neighbouring
 stages (``[1, tokens, hidden]`` in :meth:`PipelineExecutor.wire_dtype`), and one 2-float
-broadcast of the loss.
-Failures inside an action are logged with the plan grid, the failing action marked.
+broadcast of the loss; lowering and dry-running a new plan take a few ms of CPU.
+Failures inside an action are logged with the program grid, the failing action marked.
 """
 
 from __future__ import annotations
@@ -42,7 +48,9 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..planning.types import Action, ActionKind, Plan, PlanError
+from ..planning.lower import lower
+from ..planning.simulate import dry_run
+from ..planning.types import Action, ActionKind, Plan, PlanError, Program
 from .attention import ChunkAttentionContext, KVStore, SliceSpec, autocast_dtype
 from .memory import SavedTensorMeter
 from .p2p import TIED_GRAD_TAG, StageComm, activation_tag, gradient_tag
@@ -129,6 +137,7 @@ class PipelineExecutor:
                 # batched NCCL P2P must not be the first operation on a fresh communicator
                 dist.barrier(group=group)
         self._checked_plan: Plan | None = None
+        self._programs: dict[bool, Program] = {}  # of the checked plan, for training and evaluation
         excluded = [p for p in wrapper.parameters()] + [b for b in wrapper.buffers()]
         self.meter = SavedTensorMeter(exclude=excluded, device=self.device)
 
@@ -174,6 +183,7 @@ class PipelineExecutor:
         if plan is not self._checked_plan:
             self._check_plan(plan)
             self._checked_plan = plan
+            self._programs = {}
         if len(input_ids) != len(plan.seq_lens):
             raise ValueError(f"the plan covers {len(plan.seq_lens)} sequences, got {len(input_ids)} input_ids")
         for i, (ids, n) in enumerate(zip(input_ids, plan.seq_lens)):
@@ -193,16 +203,14 @@ class PipelineExecutor:
                 f"the plan was made for stage layout {plan.layout.layer_ranges} but this pipeline runs "
                 f"{self.layout.layer_ranges}; plan with the wrapper's layout"
             )
-        # NCCL matches P2P messages in issue order: neighbours must agree on the chunk order
-        for s in range(self.num_stages - 1):
-            for kind in ActionKind:
-                a = [x.chunk for x in plan.schedule[s] if x.kind is kind]
-                b = [x.chunk for x in plan.schedule[s + 1] if x.kind is kind]
-                if a != b:
-                    raise PlanError(
-                        f"stages {s} and {s + 1} run {kind.name.lower()} passes of the chunks in different "
-                        f"orders ({a} vs {b}); P2P messages would not match"
-                    )
+
+    def _program(self, plan: Plan, train: bool) -> Program:
+        """The checked plan lowered, and dry-run once (every rank checks the whole program)."""
+        program = self._programs.get(train)
+        if program is None:
+            program = self._programs[train] = lower(plan, train=train)
+            dry_run(program)
+        return program
 
     # ------------------------------------------------------------------ step
     def run_step(self, plan: Plan, input_ids: Sequence[torch.Tensor], labels: Sequence[torch.Tensor] | None = None,
@@ -214,55 +222,49 @@ class PipelineExecutor:
         if num_items_in_batch is None:
             num_items_in_batch = int(sum(int((lab[1:] != -100).sum()) for lab in labels))
         divisor = float(max(num_items_in_batch, 1))
-        w, dev, st = self.wrapper, self.device, self.stage
+        dev, st = self.device, self.stage
         # The caller's autocast state (Trainer: accelerator.autocast()) is the forward's; backward
         # actions run outside autocast, like HF's loss.backward() (checkpoint replays restore the
         # forward's state themselves).
         amp = autocast_dtype(dev.type)
         wire_dtype = self.wire_dtype(amp)
         step = _Step(self, plan, input_ids, labels, divisor, train)
-        actions = [a for a in plan.schedule[st] if train or a.kind is ActionKind.FORWARD]
+        program = self._program(plan, train)
         meter = self.meter
         meter.release_all()
         meter.reset()
         clock = _Clock(dev)
         times: list[tuple[Action, object, object]] = []
-        pending_sends: list = []
+        received: dict[tuple[ActionKind, int], torch.Tensor] = {}  # (RECV_F / RECV_B, chunk) -> message
+        to_send: dict[tuple[ActionKind, int], torch.Tensor] = {}  # (SEND_F / SEND_B, chunk) -> message
         with meter, torch.set_grad_enabled(train):
-            for action in actions:
+            for actions in program.steps[st]:
+                action = actions[0]
                 try:
-                    c = action.chunk
-                    fwd = action.kind is ActionKind.FORWARD
-                    buf = None
-                    if self.comm is not None:
-                        # this action's input message, started together with the previous action's output
-                        recvs = []
-                        if fwd and not w.is_first or not fwd and not w.is_last:
-                            shape = (1, plan.chunks[c].num_tokens, self.hidden_size)
-                            buf = torch.empty(shape, dtype=wire_dtype, device=dev)
-                            recvs.append(self.comm.recv_op(buf, st - 1, activation_tag(c)) if fwd
-                                         else self.comm.recv_op(buf, st + 1, gradient_tag(c)))
-                        self.comm.exchange(pending_sends, recvs)
-                        pending_sends = []
-                    t_start = clock.mark()
-                    if fwd:
-                        out = step.forward(c, buf)
-                    elif amp is None:
-                        out = step.backward(c, buf)
-                    else:
-                        with torch.autocast(dev.type, enabled=False):
+                    if action.kind.is_compute:
+                        c = action.chunk
+                        fwd = action.kind is ActionKind.FORWARD
+                        buf = received.pop((ActionKind.RECV_F if fwd else ActionKind.RECV_B, c), None)
+                        t_start = clock.mark()
+                        if fwd:
+                            out = step.forward(c, buf)
+                        elif amp is None:
                             out = step.backward(c, buf)
-                    if out is not None:
-                        to = st + 1 if fwd else st - 1
-                        tag = activation_tag(c) if fwd else gradient_tag(c)
-                        pending_sends.append(self.comm.send_op(out.to(wire_dtype), to, tag))
-                    times.append((action, t_start, clock.mark()))
+                        else:
+                            with torch.autocast(dev.type, enabled=False):
+                                out = step.backward(c, buf)
+                        if out is not None:
+                            to_send[(ActionKind.SEND_F if fwd else ActionKind.SEND_B, c)] = out
+                        times.append((action, t_start, clock.mark()))
+                    else:
+                        self._exchange(plan, actions, received, to_send, wire_dtype)
                 except Exception as exc:
-                    logger.error("pipeline stage %d failed in action %s:\n%s", st, action, plan.grid(mark=action))
-                    raise RuntimeError(f"pipeline stage {st}, action {action}: {exc}") from exc
+                    logger.error("pipeline stage %d failed in %s:\n%s", st, _label(actions), program.grid(mark=actions))
+                    raise RuntimeError(f"pipeline stage {st}, action {_label(actions)}: {exc}") from exc
             if self.comm is not None:
-                self.comm.exchange(pending_sends, [])
                 self.comm.drain()
+        if to_send:
+            raise RuntimeError(f"pipeline stage {st}: the program never sends {[f'{st}{k.value}{c}' for k, c in to_send]}")
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)  # the events of the action clock must have completed
         peak = meter.peak_bytes
@@ -282,6 +284,26 @@ class PipelineExecutor:
             peak_activation_bytes=int(peak),
             wall_time_s=time.perf_counter() - clock.t0,
         )
+
+    def _exchange(self, plan: Plan, actions: Sequence[Action], received: dict, to_send: dict,
+                  wire_dtype: torch.dtype) -> None:
+        """One batch of messages: sends of what a compute action left in ``to_send``, receives
+        into fresh ``[1, tokens, hidden]`` buffers left in ``received``."""
+        sends, recvs = [], []
+        for a in actions:
+            c = a.chunk
+            tag = activation_tag(c) if a.kind in (ActionKind.SEND_F, ActionKind.RECV_F) else gradient_tag(c)
+            if a.kind.is_send:
+                sends.append(self.comm.send_op(to_send.pop((a.kind, c)).to(wire_dtype), a.peer, tag))
+            else:
+                shape = (1, plan.chunks[c].num_tokens, self.hidden_size)
+                buf = received[(a.kind, c)] = torch.empty(shape, dtype=wire_dtype, device=self.device)
+                recvs.append(self.comm.recv_op(buf, a.peer, tag))
+        self.comm.exchange(sends, recvs)
+
+
+def _label(actions: Sequence[Action]) -> str:
+    return "+".join(map(str, actions))
 
 
 class _Step:

@@ -6,13 +6,15 @@ the plan and the dtype from the parameters and the autocast state
 Messages carry a tag (``2 * chunk`` for activations, ``2 * chunk + 1`` for gradients,
 :data:`TIED_GRAD_TAG` for the gradient of tied embeddings between the first and last stage) so that
 gloo matches them even if two stages ordered them differently; NCCL ignores tags and matches in
-issue order, which is why the executor checks that neighbouring stages forward (and backward)
-the chunks in the same order.
+issue order, which is why ``Plan.validate`` requires neighbouring stages to forward (and backward)
+the chunks in the same order and the simulator's dry run checks the order of the messages.
 
-The executor starts the sends produced by one action together with the receives the next action
-needs, in one ``batch_isend_irecv`` (NCCL then runs them as one group, which avoids the classic
-1F1B deadlock where both neighbours first block on a receive from each other). Sends complete in
-the background; their buffers are kept alive until :meth:`StageComm.drain`.
+Which messages go together is the lowered program's business
+(:func:`~concertina_hf.planning.lower.lower`: the sends produced by one action with the receive
+the next action needs); the executor starts each such batch with one :meth:`StageComm.exchange`,
+one ``batch_isend_irecv`` (NCCL then runs them as one group, which avoids the classic 1F1B
+deadlock where both neighbours first block on a receive from each other). Sends complete in the
+background; their buffers are kept alive until :meth:`StageComm.drain`.
 """
 
 from __future__ import annotations
