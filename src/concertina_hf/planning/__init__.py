@@ -3,12 +3,13 @@
 from .budgets import stage_budgets
 from .chunking import Chunking, balanced_split, chunk_sequences, make_chunking, token_chunking
 from .cost import CostModel, DeviceSpec, ProfileSample
+from .lower import lower
 from .partition import partition_layers
 from .recompute import InfeasiblePlanError, assign_recompute, fits, uniform_recompute
 from .schedule import backward_order, build_schedule
-from .simulate import SimResult, simulate
+from .simulate import SimResult, dry_run, simulate
 from .strategies import STRATEGIES, ideal_step_time, plan_step
-from .types import Action, ActionKind, Chunk, ChunkKind, Plan, PlanError, PlanStats, Slice, StageLayout
+from .types import Action, ActionKind, Chunk, ChunkKind, Plan, PlanError, PlanStats, Program, Slice, StageLayout
 
 __all__ = [
     "Action", "ActionKind", "Chunk", "ChunkKind", "Chunking", "CostModel", "DeviceSpec", "InfeasiblePlanError",
@@ -16,4 +17,5 @@ __all__ = [
     "assign_recompute", "backward_order", "balanced_split", "build_schedule", "chunk_sequences", "fits",
     "ideal_step_time", "make_chunking", "partition_layers", "plan_step", "simulate", "stage_budgets", "token_chunking",
     "uniform_recompute",
+    "Program", "dry_run", "lower",
 ]
