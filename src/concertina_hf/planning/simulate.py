@@ -192,13 +192,14 @@ _FWD, _BWD, _MSG = 0, 1, 2  # compiled step codes
 def _compile(program: Program, rendezvous: bool = False):
     """The program's steps as the engine reads them, and where its messages are.
 
-    Returns ``(steps, sends)``: per stage, ``(_FWD, c)``, ``(_BWD, c)`` or ``(_MSG, ops)`` with
-    ``ops = ((peer, peer's step index, chunk, is_recv, action), ...)`` for the messages the step waits for
-    (its receives; its sends too with ``rendezvous``), the peer's step being the one that holds
-    the counterpart; ``sends[s][dst]``: stage ``s``'s messages to stage ``dst``, ``{chunk: step}``
-    in issue order. Raises :class:`PlanError` for a malformed program: a message without
-    counterpart or listed twice, a compute action before its input's receive, a send before the
-    compute that produces it.
+    Returns ``(steps, (sends, receives))``: per stage, ``(_FWD, c)``, ``(_BWD, c)`` or
+    ``(_MSG, ops)`` with ``ops = ((peer, peer's step index, chunk, is_recv, action), ...)`` for
+    the messages the step waits for (its receives; its sends too with ``rendezvous``), the peer's
+    step being the one that holds the counterpart; ``sends[s][dst]`` / ``receives[s][src]``:
+    stage ``s``'s messages to ``dst`` / from ``src`` as ``{chunk: step}``, in issue order.
+    Raises :class:`PlanError` for a malformed program: a message without counterpart or listed
+    twice, a compute action before its input's receive, a send before the compute that
+    produces it.
     """
     plan = program.plan
     p, last = plan.num_stages, plan.num_stages - 1
@@ -239,8 +240,7 @@ def _compile(program: Program, rendezvous: bool = False):
                 continue
             ops = []
             for a in step:
-                kind, c = a.kind, a.chunk
-                peer = s + 1 if kind is SF or kind is RB else s - 1
+                kind, c, peer = a.kind, a.chunk, a.peer
                 other = (trf if kind is SF else tsf if kind is RF else trb if kind is SB else tsb)
                 pk = other[peer].get(c) if 0 <= peer < p else None
                 if pk is None:
@@ -321,7 +321,7 @@ def _run(program: Program, compiled, fdur, bdur, p2p):
                 progressed = True
         if not progressed:
             raise _deadlock(program, steps, ptr, fend, bend)
-    _check_order(program, *channels)
+    _check_order(*channels)
     return fstart, fend, bstart, bend, free_at
 
 
@@ -362,7 +362,7 @@ def _deadlock(program: Program, steps: list[list[tuple]], ptr, fend, bend) -> Pl
     )
 
 
-def _check_order(program: Program, sends, receives) -> None:
+def _check_order(sends, receives) -> None:
     """Messages from one stage to another must be received in the order they were sent."""
     for src, out in enumerate(sends):
         for dst, sent in out.items():
@@ -384,11 +384,12 @@ def dry_run(program: Program, *, rendezvous: bool = False) -> None:
     waits forever, messages are received in the order they are sent (see the module
     docstring); raise :class:`PlanError` naming the actions otherwise.
 
-    ``rendezvous=True``: a batch also waits until the receive of each of its sends is posted,
-    as NCCL's group does for a message larger than its buffers (4 MiB by default). Programs of
-    split chains with look-ahead forwards fail it (a forward sent early is received only after
-    the chain's backwards, which the sender receives in its later batches); gloo does not
-    need it."""
+    ``rendezvous=True``: a batch also waits until the receive of each of its sends is posted, as
+    an NCCL group may for messages beyond NCCL's internal buffers (gloo never does). The programs
+    of 1F1B over a split sequence fail it: stage ``s`` sends the forward of the chunk after the
+    chain in one batch with the receive of the chain's first backward, and stage ``s + 1``
+    receives that forward only after sending every backward of the chain, which stage ``s``
+    receives in later batches."""
     n, p = program.plan.num_chunks, len(program.steps)
     zeros = [[0.0] * n for _ in range(p)]
     _run(program, _compile(program, rendezvous), zeros, zeros, [0.0] * n)

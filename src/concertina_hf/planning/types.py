@@ -213,8 +213,9 @@ class Plan:
     ``recompute``: ``recompute[stage][chunk] = r`` means the *first* ``r`` decoder layers of the
     stage (in layer order) recompute their activations in the chunk's backward, the others keep
     theirs (``0 .. layers of the stage``). The runtime, the cost model and the recompute planner
-    all rely on it being the first ones: they run backward last, after the saved layers have
-    freed their activations.
+    all rely on it being the first layers: those run backward last, after the saved layers have
+    freed their activations, so recomputing them raises the backward's peak only when every
+    layer of the stage recomputes.
     ``memory_budget_bytes``: per-stage budget the plan was made for (0 when unconstrained).
     ``knobs``: the strategy's chosen settings, as ``(name, value)`` pairs (e.g. token budget).
     """
