@@ -453,8 +453,10 @@ def test_saved_tensor_meter_counts_storages_once_and_releases():
 
 def test_measured_activation_memory_follows_recompute_and_the_cost_model():
     """Measured peak (saved tensors + stashed K/V) against the simulator's prediction with the
-    analytic cost model (static memory removed): printed for the record; recompute must lower
-    the measured peak, and a fully recomputed stage must be within a small factor of the model."""
+    analytic cost model (static memory removed): recompute must lower the measured peak, and the
+    model must be within 25% of the measured bytes (deterministic byte counts: measured 1.15x
+    the prediction without recompute, where the analytic model leaves out the context K/V a
+    slice's saved layers keep, and 0.95x with every layer recomputed)."""
     from concertina_hf.planning.simulate import simulate
 
     model = tiny_model("llama")
@@ -470,7 +472,7 @@ def test_measured_activation_memory_follows_recompute_and_the_cost_model():
         predicted = simulate(plan, cost).peak_memory_bytes[0] - cost.static_memory(layout, 0)
         peaks[rec] = measured
         print(f"split/{rec}: measured {measured} B, predicted {predicted:.0f} B, ratio {measured / predicted:.2f}")
-        assert 0.2 < measured / predicted < 5.0
+        assert 0.8 < measured / predicted < 1.25, (rec, measured, predicted)
     assert peaks["full"] < 0.5 * peaks["none"]
 
 
