@@ -41,12 +41,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from concertina_hf import data  # noqa: E402
 from concertina_hf.cli import MODEL_PRESETS  # noqa: E402
-from concertina_hf.planning import CostModel, DeviceSpec  # noqa: E402
-from concertina_hf.planning.partition import partition_layers  # noqa: E402
-from concertina_hf.planning.recompute import InfeasiblePlanError  # noqa: E402
-from concertina_hf.planning.simulate import simulate  # noqa: E402
-from concertina_hf.planning.strategies import STRATEGIES, ideal_step_time, plan_step  # noqa: E402
-from concertina_hf.planning.types import PlanError  # noqa: E402
+from concertina_hf.planning import (  # noqa: E402
+    STRATEGIES, CostModel, DeviceSpec, InfeasiblePlanError, PlanError, ideal_step_time, partition_layers, plan_step,
+    simulate,
+)
 
 GIB = 2**30
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"

@@ -10,15 +10,19 @@ baselines (it searches a superset of their chunkings, with better recompute).
 
 import math
 import os
+import re
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from concertina_hf.planning import (
-    STRATEGIES, ChunkKind, CostModel, DeviceSpec, InfeasiblePlanError, Plan, PlanError, StageLayout,
-    balanced_split, build_schedule, chunk_sequences, ideal_step_time, make_chunking, plan_step, simulate,
+    SOLVERS, STRATEGIES, ChunkKind, CostModel, DeviceSpec, InfeasiblePlanError, Plan, PlanError, StageLayout,
+    assign_recompute, balanced_split, build_schedule, chunk_sequences, fits, ideal_step_time, make_chunking, plan_step,
+    simulate, stage_budgets,
 )
+from concertina_hf.planning.chunking import SequenceBatch
+from concertina_hf.planning.strategies import REGISTRY, PlanRequest
 
 # A small Llama-like model: attention matters for long sequences, the LM head is heavy.
 MODEL = dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=8, intermediate_size=2816,
@@ -247,6 +251,50 @@ def test_bad_arguments_name_the_setting():
         plan_step([10, 20], COST, layout, 0, solver="magic")
     with pytest.raises(PlanError, match="layers"):
         plan_step([10, 20], COST, StageLayout.even(8, 2), 0)
+
+
+def test_strategy_registry_is_the_one_table():
+    # one record per strategy, the method first; plan_step dispatches to its run and accepts
+    # exactly its knobs
+    assert STRATEGIES == tuple(s.name for s in REGISTRY) == (
+        "adaptive", "packed", "split", "no-recompute", "full-recompute")
+    assert set(SOLVERS) == {"ilp", "greedy"}
+    lens = [5000, 300, 200, 900, 40, 4000, 1200]
+    layout = StageLayout.even(NUM_LAYERS, 2)
+    for record in REGISTRY:
+        assert record.knobs and record.description and "\n" not in record.description
+        with pytest.raises(PlanError, match=re.escape(f"it accepts {list(record.knobs)}")):
+            plan_step(lens, COST, layout, 0, record.name, no_such_knob=1)
+        req = PlanRequest(lens=lens, batch=SequenceBatch(lens, COST, layout), cost=COST, layout=layout,
+                          budgets=(0, 0), token_cap=None, solver="greedy", time_limit_s=1.0, knobs={})
+        direct = record.run(req)
+        assert direct.strategy == record.name
+        assert direct.fingerprint() == plan_step(lens, COST, layout, 0, record.name, solver="greedy").fingerprint()
+
+
+def test_stage_budgets_is_the_one_normaliser():
+    assert stage_budgets(10, 3) == (10, 10, 10) and stage_budgets(2.0**31, 2) == (2**31, 2**31)
+    assert stage_budgets([5], 2) == (5, 5) and stage_budgets((1, 0), 2) == (1, 0)
+    with pytest.raises(PlanError, match="memory budgets must be >= 0"):
+        stage_budgets([1, -1], 2)
+    # every entry point taking budgets reports a wrong count the same way
+    layout = StageLayout.even(NUM_LAYERS, 2)
+    lens = [3000, 200, 100]
+    chunks, groups = chunk_sequences(lens, COST, layout, num_slices_longest=2, token_cap=4096)
+    plan = Plan("test", tuple(lens), layout, chunks, groups, build_schedule(chunks, groups, 2, prefetch=True),
+                tuple((0,) * len(chunks) for _ in range(2)))
+    calls = [
+        lambda: stage_budgets([1, 2, 3], 2),
+        lambda: plan_step(lens, COST, layout, [1, 2, 3]),
+        lambda: chunk_sequences(lens, COST, layout, num_slices_longest=2, token_cap=4096,
+                                memory_budget_bytes=[1, 2, 3], max_groups=2),
+        lambda: assign_recompute(plan, COST, [1, 2, 3]),
+        lambda: fits(plan, COST, [1, 2, 3]),
+    ]
+    for call in calls:
+        with pytest.raises(PlanError, match=r"need one memory budget per pipeline stage \(2\), got 3.*"
+                                            "one size per stage or a single size"):
+            call()
 
 
 def test_ideal_step_time_is_total_compute_over_stages():

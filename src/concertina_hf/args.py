@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 # the plan strategies of concertina_hf.planning.plan_step: the adaptive method and its baselines
-from .planning import STRATEGIES, stage_budgets
+from .planning import SOLVERS, STRATEGIES, stage_budgets
 
 __all__ = [
     "COST_MODEL_SOURCES",
@@ -39,7 +39,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SOLVERS = ("ilp", "greedy")
 COST_MODEL_SOURCES = ("analytic", "profiled", "online")
 
 _UNITS = {

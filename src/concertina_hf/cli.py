@@ -137,7 +137,7 @@ def _lengths(args) -> tuple[list[int], str]:
 
 
 def _strategies(values: Sequence[str] | None) -> list[str]:
-    from .planning.strategies import STRATEGIES
+    from .planning import STRATEGIES
 
     out: list[str] = []
     for v in values or ["all"]:
@@ -176,9 +176,8 @@ def run_plan(args) -> list[dict[str, Any]]:
     ``plan_time_s``, ``ideal_step_time_s``, ``plan`` (``Plan.to_dict()``); otherwise ``reason``.
     Also attaches the ``Plan`` and the simulation under the private keys ``_plan`` / ``_sim``.
     """
-    from .planning import CostModel
+    from .planning import CostModel, ideal_step_time, plan_step
     from .planning.simulate import simulate
-    from .planning.strategies import ideal_step_time, plan_step
 
     cfg = load_model_config(args.model_config)
     dev = _device(args)
@@ -317,6 +316,8 @@ def _cmd_plan(args) -> int:
 
 # ---------------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
+    from .planning import SOLVERS
+
     ap = argparse.ArgumentParser(
         prog="concertina",
         description="Data-centric adaptive pipeline parallelism for Hugging Face models.",
@@ -360,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("planner")
     s.add_argument("--strategy", action="append", default=None,
                    help="strategy (repeatable or comma separated), or all")
-    s.add_argument("--solver", choices=("ilp", "greedy"), default="ilp", help="recompute solver")
+    s.add_argument("--solver", choices=SOLVERS, default="ilp", help="recompute solver")
     s.add_argument("--time-limit", type=float, default=1.0, help="ILP time limit per call, seconds")
     s.add_argument("--max-tokens-per-chunk", type=int, default=None, help="token cap of one chunk")
 

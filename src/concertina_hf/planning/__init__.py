@@ -5,7 +5,7 @@ from .chunking import Chunking, balanced_split, chunk_sequences, make_chunking, 
 from .cost import CostModel, DeviceSpec, ProfileSample
 from .lower import lower
 from .partition import partition_layers
-from .recompute import InfeasiblePlanError, assign_recompute, fits, uniform_recompute
+from .recompute import SOLVERS, InfeasiblePlanError, assign_recompute, fits, uniform_recompute
 from .schedule import backward_order, build_schedule
 from .simulate import SimResult, dry_run, simulate
 from .strategies import STRATEGIES, ideal_step_time, plan_step
@@ -13,7 +13,7 @@ from .types import Action, ActionKind, Chunk, ChunkKind, Plan, PlanError, PlanSt
 
 __all__ = [
     "Action", "ActionKind", "Chunk", "ChunkKind", "Chunking", "CostModel", "DeviceSpec", "InfeasiblePlanError",
-    "Plan", "PlanError", "PlanStats", "ProfileSample", "STRATEGIES", "SimResult", "Slice", "StageLayout",
+    "Plan", "PlanError", "PlanStats", "ProfileSample", "SOLVERS", "STRATEGIES", "SimResult", "Slice", "StageLayout",
     "assign_recompute", "backward_order", "balanced_split", "build_schedule", "chunk_sequences", "fits",
     "ideal_step_time", "make_chunking", "partition_layers", "plan_step", "simulate", "stage_budgets", "token_chunking",
     "uniform_recompute",

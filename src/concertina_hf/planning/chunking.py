@@ -40,9 +40,9 @@ in-flight window under the stage budget (the exact choice is the simulator's, af
 :func:`~concertina_hf.planning.recompute.assign_recompute`).
 
 Cost: chunking ``n`` sequences is ``O(n log n)`` (a sort, done once per step by
-:class:`_Batch`, and a bisect-based best fit: well under a millisecond for 512 sequences); the
-proxy is ``O(chunks * stages)``; the DP only cuts where the chain length changes, ``O(d^2)``
-proxy calls for ``d`` distinct lengths.
+:class:`SequenceBatch`, and a bisect-based best fit: well under a millisecond for 512
+sequences); the proxy is ``O(chunks * stages)``; the DP only cuts where the chain length
+changes, ``O(d^2)`` proxy calls for ``d`` distinct lengths.
 """
 
 from __future__ import annotations
@@ -53,10 +53,11 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from .budgets import proxy_budgets, stage_budgets
 from .cost import CostModel
 from .types import Chunk, ChunkKind, PlanError, Slice, StageLayout
 
-__all__ = ["Chunking", "balanced_split", "chunk_sequences", "make_chunking", "token_chunking"]
+__all__ = ["Chunking", "SequenceBatch", "balanced_split", "chunk_sequences", "make_chunking", "token_chunking"]
 
 # Relative slack when comparing work against the time target: slices of the longest sequence
 # are exactly at the target up to rounding, and must not be cut once more because of it.
@@ -348,7 +349,7 @@ def _per_token_overhead(cost: CostModel, layout: StageLayout, tokens_hint: int =
     return extra
 
 
-class _Batch:
+class SequenceBatch:
     """A step's lengths prepared once (sorted, with their work) for chunking it many ways."""
 
     def __init__(self, seq_lens: Sequence[int], cost: CostModel, layout: StageLayout | None = None):
@@ -411,6 +412,7 @@ class _Batch:
         return Chunking(tuple(lens), target_work + beta, int(token_cap), chains, packed)
 
     def by_tokens(self, token_budget: int, split: bool) -> Chunking:
+        """See :func:`token_chunking`."""
         if token_budget < 1:
             raise PlanError(f"the token budget per micro-batch must be at least 1 (got {token_budget})")
         lens = self.lens
@@ -510,8 +512,8 @@ class _Batch:
 def make_chunking(seq_lens: Sequence[int], cost: CostModel, *, num_slices_longest: int, token_cap: int,
                   time_target: float | None = None, split_threshold: int | None = None) -> Chunking:
     """Workload-balanced chunking of a step (see the module docstring), before grouping."""
-    return _Batch(seq_lens, cost).balanced(num_slices_longest=num_slices_longest, token_cap=token_cap,
-                                          time_target=time_target, split_threshold=split_threshold)
+    return SequenceBatch(seq_lens, cost).balanced(num_slices_longest=num_slices_longest, token_cap=token_cap,
+                                                  time_target=time_target, split_threshold=split_threshold)
 
 
 def token_chunking(seq_lens: Sequence[int], cost: CostModel, *, token_budget: int, split: bool = False) -> Chunking:
@@ -523,7 +525,7 @@ def token_chunking(seq_lens: Sequence[int], cost: CostModel, *, token_budget: in
     ``token_budget`` is cut into ``ceil(len / token_budget)`` equal-length slices; short
     sequences are packed up to ``token_budget`` tokens, tails included.
     """
-    return _Batch(seq_lens, cost).by_tokens(token_budget, split)
+    return SequenceBatch(seq_lens, cost).by_tokens(token_budget, split)
 
 
 def chunk_sequences(
@@ -549,14 +551,10 @@ def chunk_sequences(
     ``memory_budget_bytes`` (per stage, or one for all; 0 = unconstrained), the grouping DP
     picks up to that many pipeline groups; otherwise all chunks form one group.
     """
-    ch = _Batch(seq_lens, cost, layout).balanced(num_slices_longest=num_slices_longest, token_cap=token_cap,
-                                                time_target=time_target, split_threshold=split_threshold)
+    ch = SequenceBatch(seq_lens, cost, layout).balanced(num_slices_longest=num_slices_longest, token_cap=token_cap,
+                                                        time_target=time_target, split_threshold=split_threshold)
     cuts: tuple[int, ...] = ()
     if max_groups > 1 and memory_budget_bytes is not None:
-        p = layout.num_stages
-        raw = [memory_budget_bytes] * p if isinstance(memory_budget_bytes, (int, float)) else list(memory_budget_bytes)
-        if len(raw) != p:
-            raise PlanError(f"memory_budget_bytes has {len(raw)} entries for {p} stages; give one per stage or one size")
-        budgets = [float(x) if x else math.inf for x in raw]
+        budgets = proxy_budgets(stage_budgets(memory_budget_bytes, layout.num_stages))
         cuts, _ = ch.best_group_cuts(cost, layout, budgets, max_groups=max_groups)
     return ch.assemble(cuts)

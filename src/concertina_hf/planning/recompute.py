@@ -67,11 +67,16 @@ import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
+from .budgets import stage_budgets, within_budgets
 from .cost import CostModel
 from .simulate import backward_slack, memory_moments, simulate, split_sequence_ids, stage_representatives
 from .types import Action, ActionKind, Plan, PlanError
 
-__all__ = ["InfeasiblePlanError", "assign_recompute", "fits", "uniform_recompute"]
+__all__ = ["SOLVERS", "InfeasiblePlanError", "assign_recompute", "fits", "uniform_recompute"]
+
+#: the recompute solvers (``solver`` of :func:`~.strategies.plan_step`, ``method`` here,
+#: ``concertina_solver`` of the trainer)
+SOLVERS = ("ilp", "greedy")
 
 logger = logging.getLogger(__name__)
 
@@ -106,17 +111,8 @@ def uniform_recompute(plan: Plan, layers_per_stage: int | Sequence[int]) -> Plan
 
 def fits(plan: Plan, cost: CostModel, budgets: Sequence[int]) -> bool:
     """Whether the simulated peak of every stage is within its budget (0 = unconstrained)."""
-    _check_budgets(budgets, plan.num_stages)
-    peaks = simulate(plan, cost).peak_memory_bytes
-    return all(b == 0 or pk <= b for pk, b in zip(peaks, budgets))
-
-
-def _check_budgets(budgets: Sequence[int], p: int) -> None:
-    if len(budgets) != p:
-        raise PlanError(f"need one memory budget per pipeline stage ({p}), got {len(budgets)}; "
-                        "set concertina_memory_budget to one size or a list with one size per stage")
-    if any(b < 0 for b in budgets):
-        raise PlanError(f"memory budgets must be >= 0 bytes (0 = unconstrained), got {list(budgets)}")
+    budgets = stage_budgets(budgets, plan.num_stages, setting="budgets")
+    return within_budgets(simulate(plan, cost).peak_memory_bytes, budgets)
 
 
 # ---------------------------------------------------------------------------- the model
@@ -449,17 +445,17 @@ def assign_recompute(plan: Plan, cost: CostModel, budgets: Sequence[int], method
     is ignored. Raises :class:`InfeasiblePlanError` when even full recompute does not fit. The
     result carries ``predicted`` (its simulation) and ``memory_budget_bytes``.
     """
-    if method not in ("ilp", "greedy"):
-        raise PlanError(f"unknown recompute method {method!r}; set concertina_solver to 'ilp' or 'greedy'")
+    if method not in SOLVERS:
+        raise PlanError(f"unknown recompute method {method!r}; "
+                        f"set concertina_solver to {' or '.join(map(repr, SOLVERS))}")
     p, n = plan.num_stages, plan.num_chunks
-    _check_budgets(budgets, p)
-    budgets = [int(b) for b in budgets]
+    budgets = list(stage_budgets(budgets, p, setting="budgets"))
     model = _build_model(plan, cost, budgets)
     _infeasible(plan, model, cost)
     zero_rows = tuple((0,) * n for _ in range(p))
     zero = dataclasses.replace(plan, recompute=zero_rows, memory_budget_bytes=tuple(budgets))
     res0 = simulate(zero, cost)
-    if all(b == 0 or pk <= b for pk, b in zip(res0.peak_memory_bytes, budgets)):
+    if within_budgets(res0.peak_memory_bytes, budgets):
         return zero.with_predicted(res0.stats())
     model.slack = backward_slack(zero, cost, res0)
     candidates = [_greedy(model)]

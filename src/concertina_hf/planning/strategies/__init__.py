@@ -1,0 +1,122 @@
+"""Step planning strategies: the adaptive method and the baselines it is compared with.
+
+Every strategy turns a step's sequence lengths into a :class:`~..types.Plan` scored by the same
+simulator (:func:`~..simulate.simulate`), so comparisons are like for like. A strategy is one
+:class:`Strategy` record in :data:`REGISTRY`: its name, the settings it accepts, its ``run``
+(a :class:`PlanRequest` in, a plan out) and a line of description. Adding one is a module with
+its ``run`` and a line here.
+
+- ``adaptive`` (the method, DESIGN.md 4; :mod:`.adaptive`, searching with :mod:`.search`);
+- ``packed`` and ``split``, the tuned baselines (:mod:`.baselines`);
+- ``no-recompute`` / ``full-recompute``, adaptive's chunking search with recompute fixed
+  (:mod:`.adaptive`).
+
+All strategies use the same order (longest first, packed chunks spread behind the split chains)
+and the same 1F1B schedule (:func:`~..schedule.build_schedule` with ``prefetch=True``). A
+strategy that finds nothing fitting raises :class:`~..recompute.InfeasiblePlanError` naming the
+budget, the offending sequence and the setting to change. Planning is deterministic, except
+that the ILP's result can depend on where CBC's time limit cuts it off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from ..budgets import stage_budgets
+from ..chunking import SequenceBatch
+from ..cost import CostModel
+from ..recompute import SOLVERS
+from ..types import Plan, PlanError, StageLayout
+from .adaptive import ADAPTIVE_KNOBS, CHUNKING_KNOBS, plan_adaptive, plan_full_recompute, plan_no_recompute
+from .baselines import PACKED_KNOBS, SPLIT_KNOBS, plan_packed, plan_split
+from .common import PlanRequest
+
+__all__ = ["REGISTRY", "STRATEGIES", "PlanRequest", "Strategy", "ideal_step_time", "plan_step"]
+
+
+@dataclass(frozen=True, slots=True)
+class Strategy:
+    """A planning strategy: what :func:`plan_step` dispatches to."""
+
+    name: str
+    """What ``strategy=`` / ``concertina_strategy`` / ``--strategy`` call it."""
+    knobs: tuple[str, ...]
+    """The settings it accepts as ``plan_step`` keywords; each is searched unless given."""
+    run: Callable[[PlanRequest], Plan]
+    """Plans one checked request; raises :class:`~..recompute.InfeasiblePlanError`."""
+    description: str
+    """One line for help texts."""
+
+
+REGISTRY: tuple[Strategy, ...] = (
+    Strategy("adaptive", ADAPTIVE_KNOBS, plan_adaptive,
+             "workload-balanced chunks, pipeline groups and adaptive recompute (the method)"),
+    Strategy("packed", PACKED_KNOBS, plan_packed, "whole sequences under a token budget, uniform recompute"),
+    Strategy("split", SPLIT_KNOBS, plan_split, "long sequences in N equal slices (Seq1F1B-like), uniform recompute"),
+    Strategy("no-recompute", CHUNKING_KNOBS, plan_no_recompute, "adaptive's chunking with no recompute"),
+    Strategy("full-recompute", CHUNKING_KNOBS, plan_full_recompute, "adaptive's chunking, every layer recomputed"),
+)
+#: the strategies' names, the method first
+STRATEGIES = tuple(s.name for s in REGISTRY)
+_BY_NAME = {s.name: s for s in REGISTRY}
+
+
+def ideal_step_time(seq_lens: Sequence[int], cost: CostModel, layout: StageLayout) -> float:
+    """A lower bound of the step time: forward and backward of every token through every layer,
+    the embedding and the head, with no recompute, no per-chunk overhead (``beta``), no bubble
+    and no communication, spread evenly over the stages."""
+    per_token = cost.embed_time_per_token + cost.head_time_per_token
+    total = 0.0
+    for n in seq_lens:
+        total += cost.num_layers * (cost.alpha_attn * n * n + cost.alpha_tok * n) + per_token * n
+    return (1.0 + cost.bwd_factor) * total / layout.num_stages
+
+
+def plan_step(
+    seq_lens: Sequence[int],
+    cost: CostModel,
+    layout: StageLayout,
+    memory_budget_bytes: int | Sequence[int],
+    strategy: str = "adaptive",
+    *,
+    max_tokens_per_chunk: int | None = None,
+    solver: str = "ilp",
+    time_limit_s: float = 1.0,
+    **knobs: Any,
+) -> Plan:
+    """Plan one step: chunks, groups, schedule and recompute, with ``predicted`` filled in.
+
+    ``memory_budget_bytes``: per stage (static memory included), one size for all or one per
+    stage; 0 means unconstrained. ``max_tokens_per_chunk``: the token cap of a chunk (adaptive;
+    for the baselines, the largest token budget / slice size tried). ``solver``: ``"ilp"`` or
+    ``"greedy"`` recompute assignment (adaptive). ``knobs`` fix a strategy's searched settings:
+    adaptive ``num_slices_longest``, ``k_candidates``, ``max_groups``, ``split_threshold``,
+    ``time_target``, ``num_finalists``; packed ``token_budget``, ``recompute_layers``; split
+    ``num_slices``, ``recompute_layers`` (see :data:`REGISTRY`). The chosen settings are in
+    ``plan.knobs``.
+
+    Raises :class:`~..recompute.InfeasiblePlanError` when nothing fits the budget.
+    """
+    if strategy not in _BY_NAME:
+        raise PlanError(f"unknown planning strategy {strategy!r}; use one of {STRATEGIES} (concertina_strategy)")
+    if solver not in SOLVERS:
+        raise PlanError(f"unknown recompute solver {solver!r}; use {' or '.join(map(repr, SOLVERS))} "
+                        "(concertina_solver)")
+    record = _BY_NAME[strategy]
+    bad = sorted(set(knobs) - set(record.knobs))
+    if bad:
+        raise PlanError(f"strategy {strategy!r} has no knob(s) {bad}; it accepts {list(record.knobs)}")
+    if max_tokens_per_chunk is not None and max_tokens_per_chunk < 1:
+        raise PlanError(f"max_tokens_per_chunk must be positive (got {max_tokens_per_chunk})")
+    lens = [int(n) for n in seq_lens]
+    if not lens or max(lens) <= 0:
+        raise PlanError("a step needs at least one non-empty sequence")
+    if layout.num_layers != cost.num_layers:
+        raise PlanError(f"the stage layout has {layout.num_layers} layers but the cost model {cost.num_layers}; "
+                        "build both from the same model config")
+    budgets = stage_budgets(memory_budget_bytes, layout.num_stages)
+    token_cap = int(max_tokens_per_chunk) if max_tokens_per_chunk is not None else None
+    return record.run(PlanRequest(lens=lens, batch=SequenceBatch(lens, cost, layout), cost=cost, layout=layout,
+                                  budgets=budgets, token_cap=token_cap, solver=solver, time_limit_s=time_limit_s,
+                                  knobs=knobs))

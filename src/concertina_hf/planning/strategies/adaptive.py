@@ -1,0 +1,147 @@
+"""The adaptive strategy (the method, DESIGN.md 4) and its ablations with recompute fixed.
+
+``adaptive``: the chunking search of :mod:`.search`, each candidate evaluated with a greedy
+recompute assignment (:func:`~..recompute.assign_recompute`) and a simulation, within a
+budget of simulated chunk-stages (600, or 1200 with the ILP; 2400 on small steps). When the
+winner recomputes anything and ``solver="ilp"``, the ILP re-solves its recompute (kept if it
+simulates faster). When no balanced chunking fits, the baselines' chunkings are tried (a split
+sequence keeps every slice in flight, plus its K/V, so packing whole sequences can fit where
+no balanced chunking does). Cost for 512 sequences on 4 stages with roomy memory: about ten
+chunkings (0.5 ms each), their proxies (0.1 ms each) and one or two simulations (4 ms per 150
+chunks): 15-30 ms; when memory binds, the recompute assignment adds tens of ms, the ILP up to
+``time_limit_s``.
+
+``no-recompute`` / ``full-recompute``: the same chunking search with recompute fixed at none /
+every layer, every candidate simulated (ablations of adaptive checkpointing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+from ..budgets import within_budgets
+from ..cost import CostModel
+from ..recompute import InfeasiblePlanError, assign_recompute, uniform_recompute
+from ..simulate import SimResult, simulate
+from ..types import Plan
+from .common import GIB, PlanRequest, describe_longest, finish, overshoot, plan_of, worst_stage
+from .search import Candidate, ChunkingSearch, candidate_knobs, run_search
+
+__all__ = ["ADAPTIVE_KNOBS", "CHUNKING_KNOBS", "plan_adaptive", "plan_full_recompute", "plan_no_recompute"]
+
+#: settings of the chunking search (searched unless given)
+CHUNKING_KNOBS = ("num_slices_longest", "k_candidates", "max_groups", "split_threshold", "time_target")
+#: adaptive's settings: the chunking search's, and how many finalists it simulates
+ADAPTIVE_KNOBS = CHUNKING_KNOBS + ("num_finalists",)
+
+
+def _with_recompute(plan: Plan, cost: CostModel, budgets: tuple[int, ...], likely_fits: bool) -> Plan:
+    """``plan`` with greedy recompute and ``predicted``. When the proxy expects no recompute, a
+    plain simulation first: the greedy would only confirm it, at twice the cost."""
+    if likely_fits:
+        sim = simulate(plan, cost)
+        if within_budgets(sim.peak_memory_bytes, budgets):
+            return plan.with_predicted(sim.stats())
+    return assign_recompute(plan, cost, budgets, method="greedy")
+
+
+def _fmt_budgets(budgets: Sequence[int]) -> str:
+    if len(set(budgets)) == 1:
+        return f"{budgets[0]} bytes ({budgets[0] / GIB:.2f} GiB) per stage"
+    return "[" + ", ".join(f"{b / GIB:.2f}" for b in budgets) + "] GiB"
+
+
+def plan_adaptive(req: PlanRequest) -> Plan:
+    """Adaptive chunking, grouping and recompute (see the module docstring)."""
+    cost, layout, budgets, knobs = req.cost, req.layout, req.budgets, req.knobs
+    search = ChunkingSearch("adaptive", req)
+    proxy = search.proxy
+    # The greedy solver is the fast path: one finalist and 600 simulated chunk-stages (about
+    # 12 ms; the proxy is within ~1% of the simulator on many balanced chunks); the ILP path
+    # continues that search with a second finalist and twice the budget, so it never ends
+    # slower. Small steps, where the proxy's smooth fill/drain view is least exact, simulate
+    # more (see run_search).
+    phases = [(1, 600.0)]
+    if req.solver == "ilp":
+        phases.append((2, 1200.0))
+    if "num_finalists" in knobs:
+        phases = [(max(1, int(knobs["num_finalists"])), 600.0 * max(1, int(knobs["num_finalists"])))]
+    errors: list[InfeasiblePlanError] = []
+
+    def evaluate(c: Candidate) -> Plan | None:
+        likely_fits = proxy is None or (not c.cuts and not math.isinf(c.est)
+                                        and not c.chunking.needs_recompute(cost, layout, proxy))
+        try:
+            return _with_recompute(plan_of("adaptive", c.chunking, layout, c.cuts), cost, budgets, likely_fits)
+        except InfeasiblePlanError as e:
+            errors.append(e)  # candidates the proxy rejects come smallest chunks first
+            return None
+
+    found = run_search(search, evaluate, phases)
+    if found is None and "num_slices_longest" not in knobs:
+        # Splitting keeps every slice of a sequence in flight (plus its K/V), so when memory is
+        # tight a baseline's chunking can fit where no balanced one does: the fastest that fits.
+        fitting = [(plan.predicted.step_time_s, i, c, plan) for i, c in enumerate(search.baseline_candidates())
+                   if (plan := evaluate(c)) is not None]
+        if fitting:
+            found = min(fitting, key=lambda v: v[:2])[2:]
+    if found is None:
+        tried = sorted({c.k for c in search.cands.values()})
+        raise InfeasiblePlanError(
+            f"adaptive: no chunking of this step fits the memory budgets {_fmt_budgets(budgets)} (tried "
+            f"K = {tried} slices of the longest, {describe_longest(req.lens)}); the closest attempt: {errors[0]}"
+        ) from errors[0]
+    cand, best = found
+    used = "greedy" if any(any(row) for row in best.recompute) else "none"
+    if req.solver == "ilp" and used == "greedy":
+        try:
+            ilp = assign_recompute(dataclasses.replace(best, predicted=None), cost, budgets, method="ilp",
+                                   time_limit_s=req.time_limit_s)
+            if ilp.predicted.step_time_s < best.predicted.step_time_s:
+                best, used = ilp, "ilp"
+        except InfeasiblePlanError:  # pragma: no cover - greedy found a plan, so one exists
+            pass
+    return finish(best, best.predicted, budgets, candidate_knobs(cand, {"recompute_solver": used}))
+
+
+def _plan_fixed_recompute(strategy: str, req: PlanRequest) -> Plan:
+    cost, layout, budgets = req.cost, req.layout, req.budgets
+    search = ChunkingSearch(strategy, req)
+    full = max(layout.num_stage_layers(s) for s in range(layout.num_stages))
+    closest: list[tuple[float, Candidate, SimResult]] = []  # the least over-budget attempt, for the error
+
+    def evaluate(c: Candidate) -> Plan | None:
+        plan = plan_of(strategy, c.chunking, layout, c.cuts)
+        if strategy == "full-recompute":
+            plan = uniform_recompute(plan, full)
+        sim = simulate(plan, cost)
+        if within_budgets(sim.peak_memory_bytes, budgets):
+            return plan.with_predicted(sim.stats())
+        closest.append((overshoot(sim.peak_memory_bytes, budgets), c, sim))
+        return None
+
+    # every candidate is simulated: there is no recompute to assign, only a fit to check
+    found = run_search(search, evaluate, [(1, math.inf)])
+    if found is None:
+        _, c, sim = min(closest, key=lambda x: (x[0], x[1].order()))
+        s = worst_stage(sim.peak_memory_bytes, budgets)
+        raise InfeasiblePlanError(
+            f"{strategy}: no chunking fits stage {s}'s memory budget of {budgets[s]} bytes "
+            f"({budgets[s] / GIB:.2f} GiB); the closest (K={c.k} slices of the longest, {describe_longest(req.lens)}) "
+            f"peaks at {sim.peak_memory_bytes[s]} bytes ({sim.peak_memory_bytes[s] / GIB:.2f} GiB). Raise "
+            "memory_budget_bytes (concertina_memory_budget), lower max_tokens_per_chunk, or use the 'adaptive' strategy"
+        )
+    cand, plan = found
+    return finish(plan, plan.predicted, budgets, candidate_knobs(cand, {}))
+
+
+def plan_no_recompute(req: PlanRequest) -> Plan:
+    """The adaptive chunking search with no recompute at all."""
+    return _plan_fixed_recompute("no-recompute", req)
+
+
+def plan_full_recompute(req: PlanRequest) -> Plan:
+    """The adaptive chunking search with every layer recomputed."""
+    return _plan_fixed_recompute("full-recompute", req)
