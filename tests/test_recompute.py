@@ -7,8 +7,6 @@ import dataclasses
 import itertools
 import os
 import random
-import statistics
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -163,24 +161,16 @@ def test_uniform_recompute_and_fits():
     assert not fits(plan, cost, [peaks[0], peaks[1] - 1, peaks[2]])
 
 
-def test_recompute_speed_on_a_512_sequence_batch():
-    """~100 chunks on 4 stages: greedy in ~10-15 ms, the ILP well under 200 ms (medians; the
-    bounds are loose for loaded CI machines). The ILP is never slower than greedy."""
+def test_ilp_is_never_slower_than_greedy_on_a_512_sequence_batch():
+    """~100 chunks on 4 stages: the ILP's plan is never predicted slower than greedy's (its
+    search starts there), and both fit. How long each takes is benchmarks/planner_speed.py's."""
     cost = llama_cost()
     plan = make_plan(skewed_lengths(random.Random(8), 512), 4, 16384)
     assert 80 <= plan.num_chunks <= 150
     budgets = [max(_budgets_between(plan, cost, 0.5))] * 4
-    timings = {}
-    for method in ("greedy", "ilp"):
-        ts = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            out = assign_recompute(plan, cost, budgets, method=method)
-            ts.append(time.perf_counter() - t0)
-        timings[method] = (statistics.median(ts), out.predicted.step_time_s)
-    assert timings["greedy"][0] < 0.2, timings
-    assert timings["ilp"][0] < 1.0, timings
-    assert timings["ilp"][1] <= timings["greedy"][1]
+    out = {method: assign_recompute(plan, cost, budgets, method=method) for method in ("greedy", "ilp")}
+    assert all(fits(o, cost, budgets) for o in out.values())
+    assert out["ilp"].predicted.step_time_s <= out["greedy"].predicted.step_time_s
 
 
 # ---------------------------------------------------------------------------- partition

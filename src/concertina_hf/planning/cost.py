@@ -249,16 +249,12 @@ class CostModel:
         return self.p2p_latency_s + self.hidden_bytes_per_token * chunk.num_tokens / self.p2p_bandwidth
 
     # ------------------------------------------------------------------ memory
-    def act_memory(self, layout: StageLayout, stage: int, chunk: Chunk, recompute_layers: int = 0,
-                   split_seqs: frozenset[int] | set[int] = frozenset()) -> float:
+    def act_memory(self, layout: StageLayout, stage: int, chunk: Chunk, recompute_layers: int = 0) -> float:
         """Bytes a chunk holds on ``stage`` from its forward until its backward.
 
-        A split chunk keeps its K/V on recomputed layers too (later slices attend to it); what
-        is split comes from ``chunk.kind``. ``split_seqs`` is accepted for compatibility and
-        ignored (it used to select those slices, which also counted hybrid tails: they are final
-        and keep no K/V of their own).
+        A split chunk keeps its K/V on recomputed layers too (later slices attend to it); a
+        hybrid chunk's tail slice is final and keeps no K/V of its own (``chunk.kind`` says which).
         """
-        del split_seqs  # the chunk kind says it (see the docstring)
         n = layout.num_stage_layers(stage)
         tok = chunk.num_tokens
         kv_tok = tok if chunk.kind is ChunkKind.SPLIT else 0

@@ -69,7 +69,7 @@ from typing import Sequence
 
 from .budgets import stage_budgets, within_budgets
 from .cost import CostModel
-from .simulate import backward_slack, memory_moments, simulate, split_sequence_ids, stage_representatives
+from .simulate import backward_slack, memory_moments, simulate, stage_representatives
 from .types import Action, ActionKind, Plan, PlanError
 
 __all__ = ["SOLVERS", "InfeasiblePlanError", "assign_recompute", "fits", "uniform_recompute"]
@@ -168,7 +168,6 @@ class _Model:
 def _build_model(plan: Plan, cost: CostModel, budgets: Sequence[int]) -> _Model:
     p, n = plan.num_stages, plan.num_chunks
     lay = plan.layout
-    split = split_sequence_ids(plan)
     layers = [lay.num_stage_layers(s) for s in range(p)]
     A0, D, X, T0, F = [], [], [], [], []
     rep = stage_representatives(plan, cost)
@@ -180,9 +179,9 @@ def _build_model(plan: Plan, cost: CostModel, budgets: Sequence[int]) -> _Model:
         a0, d, x, t0, f = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
         for c in plan.chunks:
             i = c.index
-            a0[i] = cost.act_memory(lay, s, c, 0, split)
-            d[i] = a0[i] - cost.act_memory(lay, s, c, 1, split)
-            f[i] = a0[i] - cost.act_memory(lay, s, c, layers[s], split)
+            a0[i] = cost.act_memory(lay, s, c, 0)
+            d[i] = a0[i] - cost.act_memory(lay, s, c, 1)
+            f[i] = a0[i] - cost.act_memory(lay, s, c, layers[s])
             t0[i] = cost.transient_memory(lay, s, c, 0)
             x[i] = cost.transient_memory(lay, s, c, layers[s]) - t0[i]
         A0.append(a0)
