@@ -39,6 +39,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+
+def _option(default, help: str):
+    """A dataclass field with its ``--help`` text (``HfArgumentParser`` reads ``metadata["help"]``)."""
+    return field(default=default, metadata={"help": help})
+
 COST_MODEL_SOURCES = ("analytic", "profiled", "online")
 
 _UNITS = {
@@ -121,76 +126,76 @@ class ConcertinaTrainingArguments(TrainingArguments):
     is refused.
     """
 
-    concertina_pipeline_size: int | None = field(
-        default=None,
-        metadata={"help": "Pipeline stages per replica (processes per pipeline). Default: number of processes "
-                          "divided by concertina_data_parallel_size."},
+    concertina_pipeline_size: int | None = _option(
+        None,
+        "Pipeline stages per replica (processes per pipeline). Default: number of processes "
+        "divided by concertina_data_parallel_size.",
     )
-    concertina_data_parallel_size: int | None = field(
-        default=None,
-        metadata={"help": "Data-parallel pipeline replicas; each sees its own share of every step's sequences and "
-                          "gradients are all-reduced across replicas. Default: number of processes divided by "
-                          "concertina_pipeline_size (1 when neither is set)."},
+    concertina_data_parallel_size: int | None = _option(
+        None,
+        "Data-parallel pipeline replicas; each sees its own share of every step's sequences and "
+        "gradients are all-reduced across replicas. Default: number of processes divided by "
+        "concertina_pipeline_size (1 when neither is set).",
     )
-    concertina_memory_budget: str = field(
-        default="auto",
-        metadata={"help": "Memory per pipeline stage the plan must fit (static + activations): 'auto' (device "
-                          "memory x concertina_memory_fraction), 'none' (unconstrained), a size ('40GiB', '500MB', "
-                          "bytes), or a comma-separated list with one size per stage."},
+    concertina_memory_budget: str = _option(
+        "auto",
+        "Memory per pipeline stage the plan must fit (static + activations): 'auto' (device "
+        "memory x concertina_memory_fraction), 'none' (unconstrained), a size ('40GiB', '500MB', "
+        "bytes), or a comma-separated list with one size per stage.",
     )
-    concertina_memory_fraction: float = field(
-        default=0.85,
-        metadata={"help": "With concertina_memory_budget='auto': share of the device's memory a stage may plan for "
-                          "(the rest is left to the allocator's fragmentation and communication buffers)."},
+    concertina_memory_fraction: float = _option(
+        0.85,
+        "With concertina_memory_budget='auto': share of the device's memory a stage may plan for "
+        "(the rest is left to the allocator's fragmentation and communication buffers).",
     )
-    concertina_strategy: str = field(
-        default="adaptive",
-        metadata={"help": f"How each step is planned: one of {', '.join(STRATEGIES)}. 'adaptive' is the method "
-                          "(workload-balanced chunking plus per-chunk, per-stage recompute); the others are the "
-                          "baselines (packed: fixed token budget; split: fixed slicing; no-recompute / full-recompute)."},
+    concertina_strategy: str = _option(
+        "adaptive",
+        f"How each step is planned: one of {', '.join(STRATEGIES)}. 'adaptive' is the method "
+        "(workload-balanced chunking plus per-chunk, per-stage recompute); the others are the "
+        "baselines (packed: fixed token budget; split: fixed slicing; no-recompute / full-recompute).",
     )
-    concertina_max_tokens_per_chunk: int | None = field(
-        default=None,
-        metadata={"help": "Upper bound on the tokens of one pipeline chunk; longer sequences are split into "
-                          "slices. Default: chosen by the planner."},
+    concertina_max_tokens_per_chunk: int | None = _option(
+        None,
+        "Upper bound on the tokens of one pipeline chunk; longer sequences are split into "
+        "slices. Default: chosen by the planner.",
     )
-    concertina_solver: str = field(
-        default="ilp",
-        metadata={"help": "Recompute solver: 'ilp' (PuLP/CBC with a time limit, greedy fallback) or 'greedy'."},
+    concertina_solver: str = _option(
+        "ilp",
+        "Recompute solver: 'ilp' (PuLP/CBC with a time limit, greedy fallback) or 'greedy'.",
     )
-    concertina_solver_time_limit: float = field(
-        default=1.0,
-        metadata={"help": "Seconds the ILP solver may spend on one step's plan."},
+    concertina_solver_time_limit: float = _option(
+        1.0,
+        "Seconds the ILP solver may spend on one step's plan.",
     )
-    concertina_cost_model: str = field(
-        default="analytic",
-        metadata={"help": "Source of the cost model's coefficients: 'analytic' (FLOPs and bytes of the "
-                          "architecture at the device's rates), 'profiled' (measured on the real layers on this "
-                          "device at startup by rank 0, a few seconds; or loaded from concertina_cost_model_path), "
-                          "or 'online' (start analytic or from the file, then refit from measured stage times "
-                          "every concertina_replan_interval steps)."},
+    concertina_cost_model: str = _option(
+        "analytic",
+        "Source of the cost model's coefficients: 'analytic' (FLOPs and bytes of the "
+        "architecture at the device's rates), 'profiled' (measured on the real layers on this "
+        "device at startup by rank 0, a few seconds; or loaded from concertina_cost_model_path), "
+        "or 'online' (start analytic or from the file, then refit from measured stage times "
+        "every concertina_replan_interval steps).",
     )
-    concertina_cost_model_path: str | None = field(
-        default=None,
-        metadata={"help": "JSON file of a CostModel (CostModel.to_dict(); a 'profiled' run writes one to "
-                          "<output_dir>/cost_model.json) to start from instead of the analytic model or a new "
-                          "profile."},
+    concertina_cost_model_path: str | None = _option(
+        None,
+        "JSON file of a CostModel (CostModel.to_dict(); a 'profiled' run writes one to "
+        "<output_dir>/cost_model.json) to start from instead of the analytic model or a new "
+        "profile.",
     )
-    concertina_replan_interval: int = field(
-        default=10,
-        metadata={"help": "With concertina_cost_model='online': refit the cost model from the measured stage "
-                          "times every N optimizer steps; later plans use the refitted model."},
+    concertina_replan_interval: int = _option(
+        10,
+        "With concertina_cost_model='online': refit the cost model from the measured stage "
+        "times every N optimizer steps; later plans use the refitted model.",
     )
-    concertina_overlap_planning: bool = field(
-        default=True,
-        metadata={"help": "Plan the next step in a background thread while the current step runs (the "
-                          "dataloader reads one step ahead). Pipeline rank 0 plans and broadcasts the plan, so "
-                          "every stage runs the same one."},
+    concertina_overlap_planning: bool = _option(
+        True,
+        "Plan the next step in a background thread while the current step runs (the "
+        "dataloader reads one step ahead). Pipeline rank 0 plans and broadcasts the plan, so "
+        "every stage runs the same one.",
     )
-    concertina_gantt_steps: int = field(
-        default=0,
-        metadata={"help": "Every N optimizer steps write the step's planned and measured Gantt chart to "
-                          "<output_dir>/gantt/ (and to wandb when it is a tracker); 0 disables."},
+    concertina_gantt_steps: int = _option(
+        0,
+        "Every N optimizer steps write the step's planned and measured Gantt chart to "
+        "<output_dir>/gantt/ (and to wandb when it is a tracker); 0 disables.",
     )
 
     def __post_init__(self):
