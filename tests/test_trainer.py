@@ -185,8 +185,26 @@ def test_bf16_autocast_matches_trainer_bf16(tmp_path):
 
 
 def test_infeasible_budget_fails_naming_the_setting(tmp_path):
+    # below the stage's weights, gradients and optimizer state: refused at construction
     args = ConcertinaTrainingArguments(output_dir=str(tmp_path), concertina_memory_budget="1KiB", **COMMON)
+    with pytest.raises(ValueError, match="concertina_memory_budget gives pipeline stage 0 .* alone take"):
+        ConcertinaTrainer(model=_model(), args=args, train_dataset=_dataset())
+    # above them but too small for any activation: refused at the first step, naming the setting
+    probe = ConcertinaTrainer(model=_model(), train_dataset=_dataset(),
+                              args=ConcertinaTrainingArguments(output_dir=str(tmp_path), **COMMON))
+    static = int(probe.cost_model.static_memory(probe.layout, 0))
+    args = ConcertinaTrainingArguments(output_dir=str(tmp_path), concertina_memory_budget=str(static + 64), **COMMON)
     trainer = ConcertinaTrainer(model=_model(), args=args, train_dataset=_dataset())
     with pytest.raises(RuntimeError, match="concertina_memory_budget"):
         trainer.train()
     json.dumps(trainer.state.log_history)  # nothing half-written into the state
+
+
+def test_out_of_vocabulary_ids_are_named_before_the_step(tmp_path):
+    data = _dataset()
+    rows = data.to_list()
+    rows[4]["input_ids"] = rows[4]["input_ids"][:3] + [64] + rows[4]["input_ids"][4:]  # vocab_size is 64
+    trainer = ConcertinaTrainer(model=_model(), train_dataset=datasets.Dataset.from_list(rows),
+                                args=ConcertinaTrainingArguments(output_dir=str(tmp_path), **COMMON))
+    with pytest.raises(ValueError, match="token id 64, outside the model's vocabulary of 64"):
+        trainer.train()

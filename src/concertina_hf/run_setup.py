@@ -26,7 +26,7 @@ from .checkpoint import layout_cost_model
 from .distributed import Topology
 from .planning import CostModel, DeviceSpec, StageLayout, partition_layers, stage_budgets
 
-__all__ = ["RunSetup", "resolve_run"]
+__all__ = ["RunSetup", "check_static_memory", "resolve_run"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +59,10 @@ def resolve_run(args: ConcertinaTrainingArguments, model: nn.Module, topology: T
     if topology.pipeline_size > 1 and ties_embeddings(model):
         cost = count_head_copy(cost)
     layout = partition_layers(cost, topology.pipeline_size)
+    budgets = memory_budgets(args, device_memory, layout.num_stages)
+    check_static_memory(cost, layout, budgets)
     return RunSetup(
-        cost_model=cost, layout=layout, budgets=memory_budgets(args, device_memory, layout.num_stages),
+        cost_model=cost, layout=layout, budgets=budgets,
         device_memory_bytes=device_memory, strategy=args.concertina_strategy, solver=args.concertina_solver,
         solver_time_limit_s=args.concertina_solver_time_limit,
         max_tokens_per_chunk=args.concertina_max_tokens_per_chunk,
@@ -76,6 +78,21 @@ def memory_budgets(args: ConcertinaTrainingArguments, device_memory: int, num_st
     elif budget is None:
         budget = 0
     return stage_budgets(budget, num_stages, setting="concertina_memory_budget")
+
+
+def check_static_memory(cost: CostModel, layout: StageLayout, budgets: tuple[int, ...]) -> None:
+    """Refuse, before the first step, a budget that a stage's parameters, gradients and optimizer
+    state alone exceed (no plan could fit it)."""
+    for stage, budget in enumerate(budgets):
+        static = cost.static_memory(layout, stage)
+        if budget and static >= budget:
+            raise ValueError(
+                f"concertina_memory_budget gives pipeline stage {stage} {budget / 2**30:.3g} GiB, but its layers "
+                f"{layout.layer_ranges[stage][0]}-{layout.layer_ranges[stage][1] - 1} alone take "
+                f"{static / 2**30:.3g} GiB (weights, gradients, optimizer state) before any activation; raise "
+                "concertina_memory_budget (or concertina_memory_fraction with 'auto'), or use more pipeline stages "
+                "(concertina_pipeline_size)"
+            )
 
 
 def initial_cost_model(args, config, device, dtype_bytes: int, device_memory: int) -> CostModel:

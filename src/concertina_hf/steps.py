@@ -39,10 +39,12 @@ class Step:
 class StepReader:
     """Reads optimizer steps from the Trainer's epoch iterator (see the module docstring)."""
 
-    def __init__(self, planner: StepPlanner, topology: Topology, batches_ahead: int) -> None:
+    def __init__(self, planner: StepPlanner, topology: Topology, batches_ahead: int,
+                 vocab_size: int | None = None) -> None:
         """``batches_ahead``: micro-batches to read ahead after each step (the step after it;
-        0: no look-ahead)."""
+        0: no look-ahead). ``vocab_size``: token ids must be below it (checked as read)."""
         self.planner, self.topology, self.batches_ahead = planner, topology, batches_ahead
+        self.vocab_size = vocab_size
         #: the step ``read`` returned last, until the trainer runs it
         self.current: Step | None = None
         self._ahead: tuple[Any, list, Step | None] | None = None  # (iterator, batches, their step)
@@ -74,6 +76,20 @@ class StepReader:
                 self._ahead = (epoch_iterator, ahead, self._new_step(ahead))
         return step
 
+    def check_token_ids(self, seqs: list[torch.Tensor], batch_index: int) -> None:
+        """Token ids outside the embedding fail here, naming the sequence, rather than as an index
+        error inside the first stage (and a closed connection on the others)."""
+        if self.vocab_size is None:
+            return
+        for j, s in enumerate(seqs):
+            if s.numel() and (int(s.max()) >= self.vocab_size or int(s.min()) < 0):
+                bad = int(s.max()) if int(s.max()) >= self.vocab_size else int(s.min())
+                raise ValueError(
+                    f"sequence {j} of micro-batch {batch_index} holds token id {bad}, outside the model's "
+                    f"vocabulary of {self.vocab_size} (config.vocab_size): tokenize with the model's own tokenizer "
+                    "(or resize the embeddings) before training"
+                )
+
     def _take(self, epoch_iterator: Iterator, num_batches: int) -> tuple[list, Step | None]:
         """The micro-batches read ahead for this iterator first, then fresh ones."""
         batches: list = []
@@ -99,8 +115,9 @@ class StepReader:
     def _new_step(self, batches: list) -> Step:
         seqs: list[torch.Tensor] = []
         labels: list[torch.Tensor] = []
-        for b in batches:
+        for i, b in enumerate(batches):
             x, y = split_sequences(b)
+            self.check_token_ids(x, i)
             seqs += x
             labels += y
         return Step(batches, seqs, labels, self.planner.submit([int(s.numel()) for s in seqs]))

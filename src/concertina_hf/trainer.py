@@ -95,7 +95,8 @@ class ConcertinaTrainer(Trainer):
         self.checkpointer = StageCheckpointer(self.pipeline, self.topology)
         self.planner = StepPlanner(self.setup, self.topology, overlap=args.concertina_overlap_planning)
         ahead = args.gradient_accumulation_steps if args.concertina_overlap_planning else 0
-        self.steps = StepReader(self.planner, self.topology, batches_ahead=ahead)
+        self.steps = StepReader(self.planner, self.topology, batches_ahead=ahead,
+                                vocab_size=getattr(model.config, "vocab_size", None))
 
         self.replan = next((c for c in (callbacks or []) if isinstance(c, ReplanCallback)), None)
         if self.replan is None:
@@ -262,6 +263,7 @@ class ConcertinaTrainer(Trainer):
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """The batch's mean token loss through the pipeline (forward only); no logits."""
         seqs, labels = split_sequences(inputs)
+        self.steps.check_token_ids(seqs, 0)
         plan = self.planner.plan(self.planner.submit([int(s.numel()) for s in seqs], background=False))
         with torch.no_grad(), self.compute_loss_context_manager(), self.accelerator.autocast():
             result = self.executor.run_step(plan, seqs, labels, train=False)

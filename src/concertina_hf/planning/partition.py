@@ -55,7 +55,7 @@ def partition_layers(cost: CostModel, num_stages: int, num_layers: int | None = 
     if p > L:
         raise PlanError(
             f"cannot place {L} decoder layers on {p} pipeline stages (every stage needs at least "
-            f"one layer); set the pipeline size (number of pipeline stages) to at most {L}"
+            f"one layer); set the pipeline size (concertina_pipeline_size; --pp of `concertina plan`) to at most {L}"
         )
     if tokens_hint < 1:
         raise PlanError(f"tokens_hint must be positive, got {tokens_hint}")
