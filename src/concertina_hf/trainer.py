@@ -24,13 +24,16 @@ See ``docs/architecture.md`` for the data flow and the costs per step.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 from transformers import Trainer
-from transformers.trainer_utils import seed_worker
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints, seed_worker
 
 from .args import ConcertinaTrainingArguments
 from .callbacks import ReplanCallback
@@ -277,6 +280,56 @@ class ConcertinaTrainer(Trainer):
         super().end()
 
     # ------------------------------------------------------------------ saving and loading
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None):
+        """``Trainer.train`` resuming only from a verified checkpoint: ``True`` takes the newest
+        ``checkpoint-N`` of ``output_dir`` whose manifest verifies (a warning names each newer one
+        skipped and why); a path that does not verify is refused, naming the file."""
+        if isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
+            resume_from_checkpoint = self.checkpointer.latest_verified(self.args.output_dir)
+        elif isinstance(resume_from_checkpoint, str):
+            self.checkpointer.verified(resume_from_checkpoint)
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                             ignore_keys_for_eval=ignore_keys_for_eval)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """``Trainer._save_checkpoint`` made atomic: every rank writes into ``tmp-checkpoint-N``, then
+        the checkpointer seals it (barrier, manifest, rename): a ``checkpoint-N`` is complete."""
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        staging = self.checkpointer.begin_checkpoint(final)
+        self.save_model(staging, _internal_call=True)
+        if (self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST)
+                and self.state.best_global_step):
+            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+            if best == final or os.path.exists(best):
+                self.state.best_model_checkpoint = best
+        if not self.args.save_only_model:
+            self._save_optimizer_and_scheduler(staging)
+            self._save_scaler(staging)
+            self._save_rng_state(staging)
+        if self.args.should_save:
+            for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
+                name = type(cb).__name__
+                if isinstance(self.state.stateful_callbacks[name], list):
+                    self.state.stateful_callbacks[name].append(cb.state())
+                else:
+                    self.state.stateful_callbacks[name] = cb.state()
+            self.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
+        self.checkpointer.seal_checkpoint(staging, final, global_step=self.state.global_step, layout=self.layout,
+                                          save_only_model=self.args.save_only_model)
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(final)
+        if self.args.should_save:
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if checkpoint is not None:  # Trainer would go on without it
+            self.checkpointer.check_rng_state(checkpoint, self.args.world_size, self.args.process_index)
+        super()._load_rng_state(checkpoint)
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write a standard HF model directory of the FULL model (collective over the pipeline)."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
@@ -306,6 +359,7 @@ class ConcertinaTrainer(Trainer):
 
     def _load_best_model(self) -> None:
         logger.info(f"Loading best model from {self.state.best_model_checkpoint} (score: {self.state.best_metric}).")
+        self.checkpointer.verified(self.state.best_model_checkpoint)
         self.checkpointer.load_stage_weights(self.model, self.state.best_model_checkpoint)
 
 
