@@ -53,11 +53,23 @@ def test_every_concertina_field_has_help_and_parses_from_the_command_line(tmp_pa
     (dict(concertina_data_parallel_size=-1), "concertina_data_parallel_size"),
     (dict(concertina_max_tokens_per_chunk=0), "concertina_max_tokens_per_chunk"),
     (dict(concertina_pipeline_size=2, concertina_memory_budget="1GiB,2GiB,3GiB"), "concertina_memory_budget"),
-    (dict(activation_checkpointing=True), "activation_checkpointing"),
 ])
 def test_invalid_settings_fail_at_construction_naming_the_field(tmp_path, kw, field):
     with pytest.raises(ValueError, match=field):
         _args(tmp_path, **kw)
+
+
+@pytest.mark.parametrize("field", ["gradient_checkpointing", "activation_checkpointing"])
+def test_checkpointing_by_habit_is_left_to_the_planner_saying_so(tmp_path, field, caplog):
+    """Either spelling is accepted (the planner decides recompute per chunk and stage); HF's
+    checkpointing of every layer is switched off, and the log names the field the user set and
+    the kwargs that have nothing to act on."""
+    with caplog.at_level("WARNING", logger="concertina_hf.args"):
+        args = _args(tmp_path, **{field: True, f"{field}_kwargs": {"use_reentrant": True}})
+    assert args.activation_checkpointing is False and args.gradient_checkpointing is False
+    assert not args.activation_checkpointing_kwargs
+    msgs = [r.getMessage() for r in caplog.records if r.name == "concertina_hf.args"]
+    assert len(msgs) == 1 and msgs[0].startswith(f"{field}=True") and "use_reentrant" in msgs[0], msgs
 
 
 def test_precision_bf16_accepted_fp16_refused(tmp_path, monkeypatch):

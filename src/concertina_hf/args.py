@@ -204,19 +204,34 @@ class ConcertinaTrainingArguments(TrainingArguments):
             # torchrun-launched CPU ranks: without this TrainingArguments silently runs each rank alone.
             logger.info("WORLD_SIZE > 1 and no GPU visible: setting use_cpu=True so the ranks form one job")
             self.use_cpu = True
+        # the alias the user wrote (transformers 5 resolves gradient_checkpointing* into activation_checkpointing*)
+        asked = "activation_checkpointing" if self.activation_checkpointing else (
+            "gradient_checkpointing" if self.gradient_checkpointing else None)
         super().__post_init__()
+        if asked:
+            self._leave_recompute_to_the_planner(asked)
         if self.fp16 or getattr(self, "mixed_precision", "no") == "fp16":
             raise ValueError(
                 "fp16 mixed precision (fp16=True, or mixed_precision: fp16 in the accelerate config) is not supported "
                 "by ConcertinaTrainer (a dynamic loss scale would have to be shared by all pipeline stages); use "
                 "bf16=True (mixed_precision: bf16) or load the model in bfloat16"
             )
-        if self.activation_checkpointing:
-            raise ValueError(
-                "activation_checkpointing=True conflicts with the planner, which decides per chunk and per stage "
-                "how many layers recompute their activations; set activation_checkpointing=False (and "
-                "concertina_strategy='full-recompute' to recompute every layer)"
-            )
+
+    def _leave_recompute_to_the_planner(self, asked: str) -> None:
+        """``activation_checkpointing`` / ``gradient_checkpointing=True`` (set by habit in long-context
+        recipes) is accepted: the planner already recomputes layers per chunk and per stage, as many as
+        the memory budget needs, so HF's checkpointing of every layer (slower, same result) is switched
+        off. Its kwargs have nothing to act on: say so."""
+        kwargs = self.activation_checkpointing_kwargs or {}
+        unused = f"; {asked}_kwargs {dict(kwargs)} are not used (the runtime recomputes with " \
+                 "torch.utils.checkpoint(use_reentrant=False) per chunk)" if kwargs else ""
+        logger.warning(
+            f"{asked}=True: ConcertinaTrainer's planner decides per chunk and per stage how many layers recompute "
+            "their activations (to fit concertina_memory_budget), so HF's checkpointing of every layer is not applied "
+            f"(concertina_strategy='full-recompute' recomputes every layer){unused}"
+        )
+        self.activation_checkpointing = self.gradient_checkpointing = False
+        self.activation_checkpointing_kwargs = self.gradient_checkpointing_kwargs = None
 
     def _check_concertina_fields(self) -> None:
         for name in ("concertina_pipeline_size", "concertina_data_parallel_size", "concertina_max_tokens_per_chunk"):
