@@ -129,7 +129,9 @@ class ConcertinaTrainer(Trainer):
         args = self.args
         params: dict[str, Any] = {
             "batch_size": batch_size, "collate_fn": data_collator, "num_workers": args.dataloader_num_workers,
-            "pin_memory": args.dataloader_pin_memory, "persistent_workers": args.dataloader_persistent_workers,
+            # pinned memory only helps copies to an accelerator (torch warns about it on the CPU)
+            "pin_memory": args.dataloader_pin_memory and args.device.type != "cpu",
+            "persistent_workers": args.dataloader_persistent_workers,
             "multiprocessing_context": args.dataloader_multiprocessing_context,
             "prefetch_factor": args.dataloader_prefetch_factor,
         }
