@@ -5,7 +5,10 @@
 - :func:`fit_profile` (what ``CostModel.fit`` runs): layer time coefficients, ``alpha_mask`` on
   dense-mask backends, all 0 on samples no positive coefficient explains;
 - :func:`fit_activation_bytes`: the profiler's byte terms from chunks' bytes;
-- :func:`refit_cost_model` / :func:`action_samples`: the online refit from a step's actions.
+- :func:`refit_cost_model` / :func:`action_samples`: the online refit from a step's actions;
+  on noisy steps (sleeps on a busy machine) it keeps the planned chunk counts within 2x (floors),
+  fits ``alpha_mask``; :func:`bounded_refit` keeps it only if it predicts held-out steps better;
+- the planner's chunk-size floor (no slice whose work is below ``beta``).
 """
 
 from __future__ import annotations
@@ -168,3 +171,134 @@ def test_action_samples_pair_forward_and_backward_of_each_chunk():
     out = action_samples(plan, acts)
     assert len(out) == 2 * plan.num_chunks - 1
     assert all(s.fwd_s == s.bwd_s == 0.5 + plan.chunks.index(s.chunk) for s in out)
+
+
+# ---------------------------------------------------------------- bounded refits (issue 10, item 4)
+# the default recipe's tiny Llama on one stage, its start model (analytic, CPU rates) and a
+# machine unlike it: slower per token, a per-call constant 40x the analytic one
+RECIPE_CFG = dict(vocab_size=8192, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, tie_word_embeddings=False)
+RECIPE_START = CostModel.from_hf_config(RECIPE_CFG, DeviceSpec.cpu(), dtype_bytes=4)
+RECIPE_TRUTH = dataclasses.replace(RECIPE_START, alpha_attn=0.7 * RECIPE_START.alpha_attn,
+                                   alpha_tok=2.5 * RECIPE_START.alpha_tok, beta=2e-3, bwd_factor=1.8,
+                                   head_time_per_token=0.5 * RECIPE_START.head_time_per_token)
+ONE_STAGE = StageLayout(4, ((0, 4),))
+
+
+def _recipe_batch(rng):
+    return [1024 if rng.random() < 0.6 else rng.randrange(50, 1000) for _ in range(8)]
+
+
+def _recipe_plan(lens, cost):
+    return plan_step(lens, cost, ONE_STAGE, 0, max_tokens_per_chunk=512)
+
+
+def _measured_steps(seed, num_steps, sleep_s=0.0, truth=RECIPE_TRUTH):
+    """Per step, the samples of its plan (start model) measured on ``truth`` with 5% jitter; on
+    every other step (a busy machine) some forwards also sleep ``sleep_s``, the longer ones more
+    often."""
+    rng = random.Random(seed)
+    steps = []
+    for i in range(num_steps):
+        plan = _recipe_plan(_recipe_batch(rng), RECIPE_START)
+        out = []
+        for c in plan.chunks:
+            f = truth.fwd_time(ONE_STAGE, 0, c) * rng.uniform(0.95, 1.05)
+            b = truth.bwd_time(ONE_STAGE, 0, c) * rng.uniform(0.95, 1.05)
+            if i % 2 and rng.random() < 0.6 * c.num_tokens / 512:
+                f += sleep_s
+            out.append(ActionSample(0, c, 0, f, b))
+        steps.append(out)
+    return steps
+
+
+def test_refit_on_noisy_steps_keeps_the_chunk_counts():
+    """Steps slowed by sleeps used to fit ``beta = 0``: small chunks looked free and the next
+    steps ran 8-30x the chunks (the runaway of the default recipe on a loaded machine). With the
+    floors the refitted model plans every later step within 2x of the start model's chunks."""
+    samples = [x for step in _measured_steps(1, 5, sleep_s=0.15) for x in step]
+    fitted = refit_cost_model(RECIPE_START, ONE_STAGE, samples)
+    assert fitted is not None
+    rng = random.Random(101)
+    for _ in range(4):
+        lens = _recipe_batch(rng)
+        quiet, noisy = _recipe_plan(lens, RECIPE_START).num_chunks, _recipe_plan(lens, fitted).num_chunks
+        assert quiet / 2 <= noisy <= 2 * quiet, (lens, quiet, noisy)
+    assert fitted.beta >= fit_module.FLOOR_FRACTION * RECIPE_START.beta > 0
+    # the floors are what holds: without them the same samples give beta = 0 and the runaway
+    free = refit_cost_model(RECIPE_START, ONE_STAGE, samples, floor_fraction=0.0)
+    assert free.beta == 0.0 and _recipe_plan(lens, free).num_chunks > 2 * _recipe_plan(lens, RECIPE_START).num_chunks
+
+
+def test_refit_coefficients_stay_above_the_floor_model():
+    """Samples no positive coefficient explains leave every coefficient at its floor (a fraction
+    of the given floor model's, by default the refitted model's own)."""
+    steps = _measured_steps(0, 5)
+    neg = [dataclasses.replace(x, fwd_s=-x.fwd_s) for st in steps for x in st]
+    f = fit_module.FLOOR_FRACTION
+    floor = dataclasses.replace(RECIPE_START, beta=1e-3)
+    got = refit_cost_model(RECIPE_START, ONE_STAGE, neg, floors=floor)
+    assert (got.alpha_attn, got.alpha_tok, got.beta) == pytest.approx(
+        (f * floor.alpha_attn, f * floor.alpha_tok, f * floor.beta))
+    assert got.head_time_per_token == pytest.approx(f * floor.head_time_per_token)
+    # quiet samples: the floors do not bind and the truth is recovered
+    quiet = refit_cost_model(RECIPE_START, ONE_STAGE, [x for st in steps for x in st])
+    assert quiet.beta == pytest.approx(RECIPE_TRUTH.beta, rel=0.25)
+    assert quiet.alpha_tok + quiet.head_time_per_token / 4 == pytest.approx(
+        RECIPE_TRUTH.alpha_tok + RECIPE_TRUTH.head_time_per_token / 4, rel=0.1)  # one stage: only their sum shows
+
+
+def test_refit_fits_alpha_mask_on_a_dense_mask_model():
+    """A model profiled on a dense-mask backend (``alpha_mask > 0``) gets ``alpha_mask`` refitted
+    on the chunks that need a mask, like the profiler fits it."""
+    rng = random.Random(0)
+    start = dataclasses.replace(CostModel.from_hf_config(HF_CFG, DeviceSpec.cpu(), dtype_bytes=4), alpha_mask=1e-9)
+    truth = dataclasses.replace(start, alpha_attn=2 * start.alpha_attn, alpha_mask=4e-9, beta=3e-4)
+    layout = StageLayout(6, ((0, 3), (3, 6)))
+    samples = []
+    for ch in _chunks(rng, 60):
+        st = rng.randrange(2)
+        samples.append(ActionSample(st, ch, 0, truth.fwd_time(layout, st, ch), truth.bwd_time(layout, st, ch)))
+    assert any(len(x.chunk.slices) > 1 for x in samples) and any(len(x.chunk.slices) == 1 for x in samples)
+    fitted = refit_cost_model(start, layout, samples)
+    for name in ("alpha_attn", "alpha_mask", "beta", "alpha_tok"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-3), name
+    # the analytic (flash-attn) model keeps alpha_mask = 0 and its pairs term
+    assert refit_cost_model(dataclasses.replace(start, alpha_mask=0.0), layout, samples).alpha_mask == 0.0
+
+
+def test_bounded_refit_is_kept_only_when_it_predicts_held_out_steps_better():
+    bounded_refit, prediction_error = fit_module.bounded_refit, fit_module.prediction_error
+    quiet = _measured_steps(0, 6)
+    fit, held = [x for st in quiet[:5] for x in st], quiet[5]
+    new, why = bounded_refit(RECIPE_START, ONE_STAGE, fit, held)
+    assert new is not None and "held-out" in why
+    assert prediction_error(new, ONE_STAGE, held) < prediction_error(RECIPE_START, ONE_STAGE, held)
+    # a model already right is not replaced by one fitted to a machine twice as slow
+    slow = dataclasses.replace(RECIPE_TRUTH, alpha_attn=2 * RECIPE_TRUTH.alpha_attn, alpha_tok=2 * RECIPE_TRUTH.alpha_tok,
+                               beta=2 * RECIPE_TRUTH.beta, head_time_per_token=2 * RECIPE_TRUTH.head_time_per_token)
+    busy = [x for st in _measured_steps(1, 5, truth=slow) for x in st]
+    rejected, why = bounded_refit(RECIPE_TRUTH, ONE_STAGE, busy, held)
+    assert rejected is None and "no better" in why
+    assert bounded_refit(RECIPE_START, ONE_STAGE, fit, [])[0] is None  # no evidence, no refit
+    assert bounded_refit(RECIPE_START, ONE_STAGE, fit[:3], held)[1].startswith("underdetermined")
+    assert prediction_error(RECIPE_TRUTH, ONE_STAGE, []) == 0.0
+
+
+def test_chunk_size_floor_keeps_slices_above_the_per_call_constant():
+    """The adaptive search cuts no slice of the longest sequence whose own work is below
+    ``beta``: with K offered from 16 to 64, a per-call constant of a sixth of the longest
+    sequence's work leaves at most 6 slices (it was 16); a negligible one leaves the search as
+    it was (64)."""
+    layout = StageLayout.even(8, 4)
+    lens = [2048] * 4 + [300] * 20
+    assert int((1e-9 * 2048**2 + 1e-6 * 2048) / 1e-3) == 6
+    for beta in (1e-6, 1e-3):
+        cost = CostModel(num_layers=8, alpha_attn=1e-9, alpha_tok=1e-6, beta=beta)
+        plan = plan_step(lens, cost, layout, 0, k_candidates=(16, 32, 64))
+        if beta < 1e-4:
+            assert len(plan.slices_of(0)) == 64
+        else:
+            assert len(plan.slices_of(0)) <= 6
+    # an explicit slice count is the user's: not floored
+    assert len(plan_step(lens, cost, layout, 0, num_slices_longest=16).slices_of(0)) == 16

@@ -7,18 +7,21 @@ callback keeps what a ``TrainerCallback`` is for:
   activation peak to the planner rank; from them it derives the step's :class:`StepStats` and,
   with ``concertina_cost_model="online"``, time samples of every (stage, chunk). Every
   ``concertina_replan_interval`` steps it refits the cost model by least squares on the latest
-  samples (:func:`~concertina_hf.planning.fit.refit_cost_model`) and hands it to the planner, for
-  the plans submitted after that.
+  samples, the newest steps held out (:func:`~concertina_hf.planning.fit.bounded_refit`: no
+  coefficient below a fraction of the start model's, kept only when it predicts the held-out
+  steps better than the current model), and hands it to the planner, guarded, for the plans
+  submitted after that (a plan that jumps falls back: :mod:`~concertina_hf.step_planner`).
 - Per step, at the Trainer's logging cadence, the statistics join the step's entry of the
   Trainer's ``self.log`` (so they reach every ``report_to`` tracker in the same row as the loss),
   under ``concertina/``: chunks by kind, pipeline groups, predicted and measured step time and
   bubble fraction, recompute layers (total and per stage), predicted and measured activation
-  peak per stage, planning time (and how long the step waited for its plan), cost-model refits.
+  peak per stage, planning time (and how long the step waited for its plan), cost-model refits
+  (accepted, rejected, undone by a fallback).
 - Every ``concertina_gantt_steps`` steps it writes the step's planned and measured Gantt chart
   to ``<output_dir>/gantt/step-<n>.png`` (and to wandb as an image when wandb is a tracker).
 
 Costs per step: one small gather on the pipeline group; a refit is a least-squares fit over at
-most ``max_samples`` samples.
+most ``max_samples`` samples and a prediction of the held-out ones.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 from transformers import TrainerCallback
 
 from .planning import Action, CostModel, Plan, simulate
-from .planning.fit import ActionSample, action_samples, refit_cost_model
+from .planning.fit import ActionSample, action_samples, bounded_refit
 
 __all__ = ["ReplanCallback", "StepStats"]
 
@@ -82,17 +85,21 @@ class ReplanCallback(TrainerCallback):
 
     The settings come from the trainer's :class:`ConcertinaTrainingArguments` (``concertina_*``
     fields); ``ConcertinaTrainer`` adds one of these when ``callbacks`` holds none, and binds it.
-    ``max_samples``: the newest per-layer time samples kept for refits.
+    ``max_samples``: the newest per-layer time samples kept for refits; ``held_out_fraction``: the
+    share of the kept steps (the newest, at least one) a refit is checked on instead of fitted to.
     """
 
-    def __init__(self, max_samples: int = 2048) -> None:
+    def __init__(self, max_samples: int = 2048, held_out_fraction: float = 0.2) -> None:
         self.max_samples = max_samples
+        self.held_out_fraction = held_out_fraction
         self.trainer = None
         self.planner = None
+        self.floor_model: CostModel | None = None  # the start model: refits stay above a fraction of it
         self.refits = 0
+        self.rejected_refits = 0
         self.last: StepStats | None = None
         self.history: list[StepStats] = []  # planner rank only; kept short (see record)
-        self._samples: list[ActionSample] = []
+        self._samples: list[list[ActionSample]] = []  # per recorded step, oldest first
         self._memory_ratio = 1.0  # largest measured / predicted activation peak seen since the last refit
         self._steps_recorded = 0
         self._pending_logs: dict[str, float] | None = None
@@ -103,6 +110,7 @@ class ReplanCallback(TrainerCallback):
         self.args = trainer.args
         self.topology = trainer.topology
         self.planner = trainer.planner
+        self.floor_model = trainer.planner.cost_model
 
     @property
     def cost_model(self) -> CostModel:
@@ -145,7 +153,9 @@ class ReplanCallback(TrainerCallback):
         self.last = stats
         self.history = (self.history + [stats])[-8:]
         if self.args.concertina_cost_model == "online":
-            self._samples = (self._samples + action_samples(plan, actions))[-self.max_samples:]
+            self._samples.append(action_samples(plan, actions))
+            while len(self._samples) > 1 and sum(map(len, self._samples)) > self.max_samples:
+                self._samples.pop(0)
             if plan.predicted is not None:
                 for st, measured in enumerate(stats.peak_activation_bytes):
                     predicted = plan.predicted.peak_memory_bytes[st] - self.cost_model.static_memory(plan.layout, st)
@@ -156,13 +166,20 @@ class ReplanCallback(TrainerCallback):
         return stats
 
     def refit(self) -> bool:
-        """Refit the cost model on the kept samples (:func:`refit_cost_model`); raise the activation
-        memory coefficients when a stage measured more than predicted. False if the samples cannot
-        determine the time coefficients."""
-        new = refit_cost_model(self.cost_model, self.layout, self._samples, memory_scale=self._memory_ratio)
+        """Refit the cost model on the kept samples but the newest steps' and check it on those
+        (:func:`bounded_refit`); raise the activation memory coefficients when a stage measured more
+        than predicted. False (the reason logged) when the refit is rejected."""
+        held = max(1, int(len(self._samples) * self.held_out_fraction))
+        fit = [x for step in self._samples[:-held] for x in step]
+        held_out = [x for step in self._samples[-held:] for x in step]
+        new, why = bounded_refit(self.cost_model, self.layout, fit, held_out, floors=self.floor_model,
+                                 memory_scale=self._memory_ratio)
         if new is None:
+            self.rejected_refits += 1
+            logger.info("concertina: cost-model refit rejected (%s)", why)
             return False
-        self.planner.set_cost_model(new)
+        logger.info("concertina: cost model refitted (%s)", why)
+        self.planner.set_cost_model(new, guarded=True)
         self._memory_ratio = 1.0
         self.refits += 1
         return True
@@ -177,6 +194,8 @@ class ReplanCallback(TrainerCallback):
             # trainer.log here would reset control.should_log and drop the step's loss entry
             logs = stats.as_logs()
             logs["concertina/cost_model_refits"] = float(self.refits)
+            logs["concertina/cost_model_refits_rejected"] = float(self.rejected_refits)
+            logs["concertina/cost_model_fallbacks"] = float(len(getattr(self.planner, "fallbacks", ())))
             self._pending_logs = logs
         n = args.concertina_gantt_steps
         if n and state.global_step % n == 0 and state.is_world_process_zero:

@@ -10,12 +10,14 @@
   chunks measured without recompute (the profiler's byte fit).
 - :class:`ActionSample` / :func:`action_samples`: a chunk's measured forward and backward on a
   stage, paired from a step's measured actions.
-- :func:`refit_cost_model`: the online refit (time coefficients from measured actions; activation
-  bytes raised when a stage measured more than predicted).
+- :func:`refit_cost_model`: the online refit (time coefficients from measured actions, every
+  term the profiler fits, none below a floor; activation bytes raised when a stage measured
+  more than predicted); :func:`bounded_refit` keeps it only when it predicts held-out steps
+  better than the current model (:func:`prediction_error`).
 
 The measurements come from :mod:`concertina_hf.runtime.profiler` (chunks run on the device) and
 from the executor's timed actions (:class:`~concertina_hf.callbacks.ReplanCallback`). Each fit is
-one ``lstsq`` per active set on a ``samples x features`` matrix (at most 4 features): negligible
+one ``lstsq`` per active set on a ``samples x features`` matrix (at most 5 features): negligible
 next to measuring the samples.
 
 Pure Python and numpy; no torch.
@@ -24,6 +26,7 @@ Pure Python and numpy; no torch.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -31,8 +34,8 @@ from .cost import ChunkShape, CostModel, ProfileSample, needs_mask
 from .types import Action, ActionKind, Chunk, Plan, StageLayout
 
 __all__ = [
-    "ActionSample", "action_samples", "fit_activation_bytes", "fit_profile", "nonneg_lstsq", "refit_cost_model",
-    "through_origin",
+    "FLOOR_FRACTION", "ActionSample", "action_samples", "bounded_refit", "fit_activation_bytes", "fit_profile",
+    "nonneg_lstsq", "prediction_error", "refit_cost_model", "through_origin",
 ]
 
 def fit_profile(cost: CostModel, samples: Sequence[ProfileSample], *, dense_mask: bool = False) -> CostModel:
@@ -140,50 +143,114 @@ def action_samples(plan: Plan, actions: Sequence[tuple[Action, float, float]]) -
             for (s, c), tf in sorted(fwd.items()) if (s, c) in bwd]
 
 
+#: the fraction of the floor model's coefficients (the profiled or start model) a refit never
+#: goes below: a per-call constant or a per-token rate fitted to 0 on noisy steps makes small
+#: chunks look free (the runaway of issue 10: 12 -> 466 chunks a step, 5x slower)
+FLOOR_FRACTION = 0.25
+
+
 def refit_cost_model(cost: CostModel, layout: StageLayout, samples: Sequence[ActionSample],
-                     memory_scale: float = 1.0) -> CostModel | None:
+                     memory_scale: float = 1.0, *, floors: CostModel | None = None,
+                     floor_fraction: float = FLOOR_FRACTION, dense_mask: bool | None = None) -> CostModel | None:
     """Least-squares time coefficients from measured actions; ``None`` when underdetermined.
 
     A forward of a chunk (slices ``s_i`` at contexts ``C_i``, ``T`` tokens) on a stage of ``n``
     layers is modelled as ``n * (alpha_attn * P + alpha_tok * T + beta) + k * (e * [first] + h *
     [last]) * T`` with ``P = sum((C+s)^2 - C^2)`` and the analytic embedding / head rates ``e``,
     ``h`` scaled by one fitted factor ``k`` (the head of a large vocabulary is a big share of the
-    last stage, so it must be fitted too). Coefficients are kept non-negative. The backward factor
-    is then ``sum(t_bwd - r * layer_fwd) / sum(t_fwd)`` over the samples. With
-    ``memory_scale > 1`` the activation byte coefficients are multiplied by it (never lowered: the
-    runtime's meter sees saved tensors only, not allocator slack). Cost: one ``lstsq`` on a
-    ``len(samples) x 4`` matrix.
+    last stage, so it must be fitted too). ``dense_mask`` (default: ``cost.alpha_mask > 0``, a
+    model profiled on a dense-mask backend): chunks that need a mask cost ``alpha_mask * T * S``
+    instead of ``alpha_attn * P``, and ``alpha_mask`` is fitted too (every term the profiler
+    fits). The backward factor is then ``sum(t_bwd - r * layer_fwd) / sum(t_fwd)``.
+
+    Every coefficient stays at or above ``floor_fraction`` times its value in ``floors`` (the
+    profiled or start model of the run; ``cost`` itself when ``None``; ``floor_fraction=0``: no
+    floors): least squares on ``coef = floor + z`` with ``z >= 0``. A refit on noisy steps
+    otherwise can set the per-call constant ``beta`` (or ``alpha_tok``) to 0, and small chunks
+    look free to the planner. With ``memory_scale > 1`` the activation byte coefficients are multiplied by it
+    (never lowered: the runtime's meter sees saved tensors only, not allocator slack). Cost: one
+    ``lstsq`` per active set on a ``len(samples) x 5`` matrix.
     """
     import numpy as np
 
     if len({(x.stage, x.chunk.slices) for x in samples}) < 4:
         return None
+    dense = cost.alpha_mask > 0 if dense_mask is None else dense_mask
     e0, h0 = cost.embed_time_per_token, cost.head_time_per_token
     if e0 + h0 <= 0:
         e0 = h0 = 1e-9
     rows, y = [], []
     for x in samples:
         n = layout.num_stage_layers(x.stage)
-        pairs = sum((sl.context + sl.length) ** 2 - sl.context ** 2 for sl in x.chunk.slices)
+        sl = x.chunk.slices
+        pairs = sum((s.context + s.length) ** 2 - s.context ** 2 for s in sl)
         tok = x.chunk.num_tokens
+        masked = dense and needs_mask([(s.context, s.length) for s in sl])
+        keys = tok * sum(s.context + s.length for s in sl) if masked else 0.0
         extra = (e0 if layout.has_embedding(x.stage) else 0.0) + (h0 if layout.has_head(x.stage) else 0.0)
-        rows.append([n * pairs, n * tok, n, extra * tok])
+        rows.append([0.0 if masked else n * pairs, n * keys, n * tok, n, extra * tok])
         y.append(x.fwd_s)
-    coef = nonneg_lstsq(np.array(rows, dtype=float), np.array(y, dtype=float))
-    if coef is None or not np.isfinite(coef).all() or coef[:3].sum() <= 0:
+    a_mat, y_vec = np.array(rows, dtype=float), np.array(y, dtype=float)
+    cols = [0, 1, 2, 3, 4] if dense else [0, 2, 3, 4]
+    floors = cost if floors is None else floors
+    f = floor_fraction
+    # k scales the start model's embedding / head rates e0, h0: floor it so neither goes below
+    k_lo = max((getattr(floors, name) / base for name, base in
+                (("embed_time_per_token", e0), ("head_time_per_token", h0)) if base > 0), default=0.0)
+    lo = f * np.array([floors.alpha_attn, floors.alpha_mask if dense else 0.0, floors.alpha_tok, floors.beta, k_lo])
+    z = nonneg_lstsq(a_mat[:, cols], y_vec - a_mat @ lo)
+    coef = lo.copy()
+    if z is not None:
+        coef[cols] += z
+    if not np.isfinite(coef).all() or coef[:4].sum() <= 0:
         return None
-    a, b, beta, k = (float(v) for v in coef)
-    new = dataclasses.replace(cost, alpha_attn=a, alpha_tok=b, beta=beta, embed_time_per_token=e0 * k,
-                              head_time_per_token=h0 * k, source="online")
+    a, m, b, beta, k = (float(v) for v in coef)
+    new = dataclasses.replace(cost, alpha_attn=a, alpha_mask=m if dense else cost.alpha_mask, alpha_tok=b, beta=beta,
+                              embed_time_per_token=e0 * k, head_time_per_token=h0 * k, source="online")
     fwd_pred = sum(new.fwd_time(layout, x.stage, x.chunk) for x in samples)
     bwd_rest = sum(max(0.0, x.bwd_s - x.recompute * new.layer_fwd_time(x.chunk.slices)) for x in samples)
     if fwd_pred <= 0 or bwd_rest <= 0:
         return None
-    changes: dict[str, Any] = {"bwd_factor": bwd_rest / fwd_pred}
+    bwd_factor = max(bwd_rest / fwd_pred, f * floors.bwd_factor)
+    changes: dict[str, Any] = {"bwd_factor": bwd_factor}
     if memory_scale > 1.0:
         for name in ("act_bytes_per_token", "ckpt_bytes_per_token", "kv_bytes_per_token", "logits_bytes_per_token"):
             changes[name] = getattr(new, name) * memory_scale
     return dataclasses.replace(new, **changes)
+
+
+def prediction_error(cost: CostModel, layout: StageLayout, samples: Sequence[ActionSample]) -> float:
+    """Mean ``|log(predicted / measured)|`` of the samples' forward plus backward times (0 when
+    none; ``inf`` when a time is not positive): how far ``cost`` is off, either way alike."""
+    errs = []
+    for x in samples:
+        pred = cost.fwd_time(layout, x.stage, x.chunk) + cost.bwd_time(layout, x.stage, x.chunk, x.recompute)
+        meas = x.fwd_s + x.bwd_s
+        errs.append(abs(math.log(pred / meas)) if pred > 0 and meas > 0 else math.inf)
+    return sum(errs) / len(errs) if errs else 0.0
+
+
+def bounded_refit(cost: CostModel, layout: StageLayout, samples: Sequence[ActionSample],
+                  held_out: Sequence[ActionSample], *, floors: CostModel | None = None,
+                  memory_scale: float = 1.0) -> tuple[CostModel | None, str]:
+    """The online refit with its guards: ``(new model, why)``, the model ``None`` when rejected.
+
+    :func:`refit_cost_model` on ``samples`` with coefficients above the ``floors`` model's (default:
+    ``cost``), kept
+    only when it predicts ``held_out`` (the latest measured steps, not among ``samples``) better
+    than ``cost`` does (:func:`prediction_error`). Without held-out samples there is no
+    evidence, and the refit is rejected.
+    """
+    new = refit_cost_model(cost, layout, samples, memory_scale, floors=floors)
+    if new is None:
+        return None, f"underdetermined: {len(samples)} samples of too few distinct chunks"
+    if not held_out:
+        return None, "no held-out samples to check the refit against"
+    before, after = prediction_error(cost, layout, held_out), prediction_error(new, layout, held_out)
+    if not after < before:
+        return None, (f"the refit predicts the {len(held_out)} latest measured actions no better "
+                      f"(mean |log error| {after:.3f} vs {before:.3f})")
+    return new, f"held-out mean |log error| {before:.3f} -> {after:.3f}"
 
 
 def nonneg_lstsq(a, y):

@@ -2,7 +2,8 @@
 
 Candidates are workload-balanced chunkings (:mod:`..chunking`) for ``K`` slices of the longest
 sequence (:data:`K_CANDIDATES`: 0.25, 0.5, 1, 2, 3, 4, 6, 8, ..., 64; below 1: chunks of up to
-``1/K`` times its work), searched coarse to fine with the analytic proxy
+``1/K`` times its work; none with slices whose work is below the per-call constant ``beta``, the
+chunk-size floor), searched coarse to fine with the analytic proxy
 :meth:`~..chunking.Chunking.estimate`; when memory binds, token-capped variants (at the longest
 slice, and at the largest chunk needing no recompute); on small steps, the baselines' chunkings
 too. The grouping DP refines the best. Then the simulator decides (:func:`run_search`): the
@@ -25,7 +26,8 @@ from .common import N_CANDIDATES, PlanRequest, token_budget_candidates
 
 __all__ = ["K_CANDIDATES", "Candidate", "ChunkingSearch", "candidate_knobs", "run_search"]
 
-# K candidates of the adaptive search (slices of the longest sequence), clipped to its length;
+# K candidates of the adaptive search (slices of the longest sequence), clipped to its length
+# and to the chunk-size floor (no slice's work below beta, see _floor_chunk_size);
 # below 1: chunks of up to 1/K times the longest sequence's work (see Chunking / SequenceBatch)
 K_CANDIDATES = (0.25, 0.5, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # chunk-stages under which a step counts as small (see ChunkingSearch.initial)
@@ -45,6 +47,18 @@ def _k_candidates(longest: int, knobs: dict[str, Any]) -> list[float]:
     if not out:
         raise PlanError(f"k_candidates {cands!r} holds no positive slice count")
     return out
+
+
+def _floor_chunk_size(ks: list[float], batch) -> list[float]:
+    """``ks`` with no slice of the longest sequence whose own work is below the per-call
+    constant ``beta``: the chunk-size floor (a chunk of fewer than about ``beta / alpha_tok``
+    tokens costs mostly its constant, so a cost model whose ``beta`` is underestimated must not
+    shred the step). Unchanged when the floor does not bind."""
+    beta = batch.beta
+    if beta <= 0:
+        return ks
+    k_max = max(1, int(batch.work[batch.order[0]] / beta))
+    return sorted({min(k, k_max) if k >= 1 else k for k in ks})
 
 
 @dataclasses.dataclass
@@ -87,6 +101,8 @@ class ChunkingSearch:
         if self.max_groups < 1:
             raise PlanError(f"max_groups must be at least 1 (got {self.max_groups})")
         self.ks = _k_candidates(self.batch.longest, self.knobs)
+        if "num_slices_longest" not in self.knobs:
+            self.ks = _floor_chunk_size(self.ks, self.batch)
         if self.knobs.get("time_target") is not None:
             self.ks = self.ks[:1]  # K only matters through the time target
         self.token_cap = req.token_cap
