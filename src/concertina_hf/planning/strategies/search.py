@@ -19,7 +19,7 @@ import math
 from typing import Any, Callable, Sequence
 
 from ..budgets import proxy_budgets
-from ..chunking import Chunking
+from ..chunking import Chunking, SequenceBatch
 from ..cost import CostModel
 from ..types import Plan, PlanError, StageLayout
 from .common import N_CANDIDATES, PlanRequest, token_budget_candidates
@@ -49,7 +49,7 @@ def _k_candidates(longest: int, knobs: dict[str, Any]) -> list[float]:
     return out
 
 
-def _floor_chunk_size(ks: list[float], batch) -> list[float]:
+def _floor_chunk_size(ks: list[float], batch: SequenceBatch) -> list[float]:
     """``ks`` with no slice of the longest sequence whose own work is below the per-call
     constant ``beta``: the chunk-size floor (a chunk of fewer than about ``beta / alpha_tok``
     tokens costs mostly its constant, so a cost model whose ``beta`` is underestimated must not
