@@ -19,12 +19,21 @@ Collectives (all no-ops with one process, each a few lines over ``torch.distribu
   :meth:`Topology.broadcast_from_rank0`: small Python objects (plans, statistics, cost models).
 
 Collectives run on :attr:`Topology.comm_device`: the device itself with NCCL, the CPU otherwise.
+
+Timeouts: every group of the mesh is created with the run's ``ddp_timeout``
+(:attr:`Topology.timeout`), and the default group (which ``TrainingArguments`` leaves at torch's
+30 minutes on CPU) is set to it too, so a stalled or dead peer makes each waiting rank raise
+within ``ddp_timeout`` seconds instead of hanging the job.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Sequence
 
 import torch
@@ -61,6 +70,7 @@ class Topology:
     dp_group: Any = None
     pp_ranks: tuple[int, ...] = (0,)
     dp_ranks: tuple[int, ...] = (0,)
+    timeout: timedelta = timedelta(minutes=30)
 
     @classmethod
     def build(cls, args: ConcertinaTrainingArguments) -> "Topology":
@@ -78,12 +88,9 @@ class Topology:
         pp, dp = resolve_parallel_sizes(world, args.concertina_pipeline_size, args.concertina_data_parallel_size)
         rank = dist.get_rank() if initialized else 0
         replica, stage = divmod(rank, pp)
-        topo = cls(world, rank, pp, dp, stage, replica)
+        topo = cls(world, rank, pp, dp, stage, replica, timeout=timedelta(seconds=args.ddp_timeout))
         if initialized:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-            topo.mesh = init_device_mesh(device_type, (dp, pp), mesh_dim_names=MESH_DIMS)
+            topo.mesh = _mesh_with_timeout((dp, pp), topo.timeout)
             topo.pp_group, topo.dp_group = topo.group("pp"), topo.group("dp")
             topo.pp_ranks = tuple(int(r) for r in topo.mesh["pp"].mesh.tolist())
             topo.dp_ranks = tuple(int(r) for r in topo.mesh["dp"].mesh.tolist())
@@ -111,7 +118,8 @@ class Topology:
         if self.data_parallel_size == 1:
             return value
         t = torch.tensor([value], dtype=dtype, device=self.comm_device)
-        dist.all_reduce(t, group=self.dp_group)
+        with self._waiting(f"a sum over the replicas (ranks {list(self.dp_ranks)})"):
+            dist.all_reduce(t, group=self.dp_group)
         return t.item()
 
     def all_gather_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -120,7 +128,8 @@ class Topology:
             return tensor
         src = tensor.detach().to(self.comm_device).contiguous()
         parts = [torch.empty_like(src) for _ in range(self.data_parallel_size)]
-        dist.all_gather(parts, src, group=self.dp_group)
+        with self._waiting(f"a gather over the replicas (ranks {list(self.dp_ranks)})"):
+            dist.all_gather(parts, src, group=self.dp_group)
         return torch.cat(parts).to(tensor.device)
 
     # ------------------------------------------------------------------ objects in the pipeline
@@ -129,7 +138,8 @@ class Topology:
         if self.pipeline_size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=self.pp_ranks[0], group=self.pp_group)
+        with self._waiting(f"an object from pipeline stage 0 (rank {self.pp_ranks[0]})"):
+            dist.broadcast_object_list(box, src=self.pp_ranks[0], group=self.pp_group)
         return box[0]
 
     def gather_in_pipeline(self, obj: Any) -> list[Any] | None:
@@ -137,7 +147,8 @@ class Topology:
         if self.pipeline_size == 1:
             return [obj]
         out = [None] * self.pipeline_size if self.is_planner else None
-        dist.gather_object(obj, out, dst=self.pp_ranks[0], group=self.pp_group)
+        with self._waiting(f"a gather of every stage's object (pipeline ranks {list(self.pp_ranks)})"):
+            dist.gather_object(obj, out, dst=self.pp_ranks[0], group=self.pp_group)
         return out
 
     def broadcast_from_rank0(self, obj: Any) -> Any:
@@ -145,12 +156,56 @@ class Topology:
         if self.world_size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        with self._waiting("an object from rank 0"):
+            dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def barrier(self) -> None:
         if self.world_size > 1 and dist.is_initialized():
-            dist.barrier()
+            with self._waiting("every rank at a barrier"):
+                dist.barrier()
+
+    @contextmanager
+    def _waiting(self, what: str):
+        """Re-raise a failed collective (a peer's timeout, a closed connection) naming this rank
+        and what it waited for."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        except Exception as exc:
+            raise RuntimeError(f"rank {self.rank} (pipeline stage {self.stage}, replica {self.replica}) failed after "
+                               f"{time.perf_counter() - t0:.1f} s waiting for {what}: {exc}") from exc
+
+
+def _mesh_with_timeout(shape: tuple[int, ...], timeout: timedelta) -> Any:
+    """The ``MESH_DIMS`` mesh, every group of it (and the default group) waiting at most ``timeout``.
+
+    Each dimension gets backend options carrying the timeout, which also stops DeviceMesh from
+    reusing the default group for a dimension spanning the world (a gloo default group's
+    point-to-point receives ignore a timeout set after its creation). Torch without
+    ``backend_override`` (< 2.7): the groups' timeouts are set after creation.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    nccl = dist.get_backend() == "nccl"
+    _set_group_timeout(None, timeout)
+    if "backend_override" in inspect.signature(init_device_mesh).parameters:
+        override = {}
+        for name in MESH_DIMS:
+            opts = dist.ProcessGroupNCCL.Options() if nccl else dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            override[name] = opts
+        return init_device_mesh("cuda" if nccl else "cpu", shape, mesh_dim_names=MESH_DIMS, backend_override=override)
+    mesh = init_device_mesh("cuda" if nccl else "cpu", shape, mesh_dim_names=MESH_DIMS)
+    for name in MESH_DIMS:
+        _set_group_timeout(mesh.get_group(name), timeout)
+    return mesh
+
+
+def _set_group_timeout(group: Any, timeout: timedelta) -> None:
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # torch >= 2.3
+    if set_timeout is not None:
+        set_timeout(timeout, group)
 
 
 def reduce_gradients(params: Sequence[nn.Parameter], topology: Topology, average: bool) -> None:
@@ -180,7 +235,8 @@ def reduce_gradients(params: Sequence[nn.Parameter], topology: Topology, average
 
 def _all_reduce_bucket(grads: list[torch.Tensor], topology: Topology, average: bool) -> None:
     flat = torch.cat([g.reshape(-1) for g in grads]).to(topology.comm_device)
-    dist.all_reduce(flat, group=topology.dp_group)
+    with topology._waiting(f"the gradients of the replicas (ranks {list(topology.dp_ranks)})"):
+        dist.all_reduce(flat, group=topology.dp_group)
     if average:
         flat /= topology.data_parallel_size
     offset = 0
@@ -197,5 +253,6 @@ def global_grad_norm(grads: Sequence[torch.Tensor], topology: Topology, device: 
     sq = local.float().reshape(1) ** 2
     if topology.pipeline_size > 1:
         sq = sq.to(topology.comm_device)
-        dist.all_reduce(sq, group=topology.pp_group)
+        with topology._waiting(f"the gradient norms of every stage (pipeline ranks {list(topology.pp_ranks)})"):
+            dist.all_reduce(sq, group=topology.pp_group)
     return sq.reshape(()).sqrt().to(device)

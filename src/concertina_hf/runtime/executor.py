@@ -35,7 +35,9 @@ here; :meth:`PipelineExecutor.sync_tied_gradients` sums them once per optimizer 
 Per step costs beyond compute: one P2P message per chunk and direction between neighbouring
 stages (``[1, tokens, hidden]`` in :meth:`PipelineExecutor.wire_dtype`), and one 2-float
 broadcast of the loss; lowering and dry-running a new plan take a few ms of CPU.
-Failures inside an action are logged with the program grid, the failing action marked.
+Failures inside an action are logged with the program grid, the failing action marked, and
+raised naming the stage, its rank and the action; a receive that times out (the process group's
+timeout, ``ddp_timeout``) names the stage and rank it waited for.
 """
 
 from __future__ import annotations
@@ -240,6 +242,7 @@ class PipelineExecutor:
         with meter, torch.set_grad_enabled(train):
             for actions in program.steps[st]:
                 action = actions[0]
+                t_wait = time.perf_counter()
                 try:
                     if action.kind.is_compute:
                         c = action.chunk
@@ -259,10 +262,15 @@ class PipelineExecutor:
                     else:
                         self._exchange(plan, actions, received, to_send, wire_dtype)
                 except Exception as exc:
-                    logger.error("pipeline stage %d failed in %s:\n%s", st, _label(actions), program.grid(mark=actions))
-                    raise RuntimeError(f"pipeline stage {st}, action {_label(actions)}: {exc}") from exc
+                    logger.error("%s failed in %s:\n%s", self._where(), _label(actions), program.grid(mark=actions))
+                    raise RuntimeError(self._failure(actions, time.perf_counter() - t_wait, exc)) from exc
             if self.comm is not None:
-                self.comm.drain()
+                t_wait = time.perf_counter()
+                try:
+                    self.comm.drain()
+                except Exception as exc:
+                    raise RuntimeError(f"{self._where()} failed after {time.perf_counter() - t_wait:.1f} s "
+                                       f"waiting for the step's sends to complete: {exc}") from exc
         if to_send:
             raise RuntimeError(f"pipeline stage {st}: the program never sends {[f'{st}{k.value}{c}' for k, c in to_send]}")
         if dev.type == "cuda":
@@ -273,7 +281,12 @@ class PipelineExecutor:
         if self.comm is not None:
             # the loss lives on the last stage; every rank reports it
             t = torch.stack([loss_sum, torch.tensor(float(num_items_in_batch), device=dev)])
-            self.comm.broadcast_from(t, self.num_stages - 1)
+            t_wait, last = time.perf_counter(), self.num_stages - 1
+            try:
+                self.comm.broadcast_from(t, last)
+            except Exception as exc:
+                raise RuntimeError(f"{self._where()} failed after {time.perf_counter() - t_wait:.1f} s waiting for "
+                                   f"the step's loss from stage {last} (rank {self.comm.rank_of(last)}): {exc}") from exc
             loss_sum = t[0]
         loss_sum_f = float(loss_sum)
         return StepResult(
@@ -284,6 +297,21 @@ class PipelineExecutor:
             peak_activation_bytes=int(peak),
             wall_time_s=time.perf_counter() - clock.t0,
         )
+
+    def _where(self) -> str:
+        rank = self.comm.rank_of(self.stage) if self.comm is not None else 0
+        return f"pipeline stage {self.stage} (rank {rank})"
+
+    def _failure(self, actions: Sequence[Action], seconds: float, exc: Exception) -> str:
+        """What failed, for every rank's log: the stage and rank, the action, and for a batch of
+        messages the receives it was waiting for and from whom (a timeout names the stalled peer)."""
+        recvs = [a for a in actions if a.kind.is_recv]
+        if not recvs or self.comm is None:
+            return f"{self._where()}, action {_label(actions)}: {exc}"
+        peers = sorted({a.peer for a in recvs})
+        sources = ", ".join(f"stage {p} (rank {self.comm.rank_of(p)})" for p in peers)
+        return (f"{self._where()} failed after {seconds:.1f} s in {_label(actions)} waiting for "
+                f"{'+'.join(map(str, recvs))} from {sources}: {exc}")
 
     def _exchange(self, plan: Plan, actions: Sequence[Action], received: dict, to_send: dict,
                   wire_dtype: torch.dtype) -> None:

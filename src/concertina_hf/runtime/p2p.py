@@ -47,6 +47,10 @@ class StageComm:
         self._ranks = [dist.get_global_rank(self.group, s) for s in range(num_stages)]
         self._in_flight: list[tuple[dist.Work, torch.Tensor]] = []
 
+    def rank_of(self, stage: int) -> int:
+        """The global rank running ``stage`` of this pipeline."""
+        return self._ranks[stage]
+
     def send_op(self, tensor: torch.Tensor, to_stage: int, tag: int) -> dist.P2POp:
         return dist.P2POp(dist.isend, tensor.contiguous(), self._ranks[to_stage], self.group, tag)
 
