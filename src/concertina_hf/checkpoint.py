@@ -47,7 +47,7 @@ import os
 import re
 import shutil
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -131,18 +131,21 @@ def _digests(directory: str, names: list[str]) -> dict[str, str]:
         return dict(zip(names, pool.map(lambda n: _digest(os.path.join(directory, n)), names)))
 
 
-def write_manifest(directory: str, *, global_step: int, layout: dict[str, Any]) -> dict[str, Any]:
+def write_manifest(directory: str, *, global_step: int, layout: dict[str, Any],
+                   digests: dict[str, str] | None = None) -> dict[str, Any]:
     """Seal a complete checkpoint folder: ``manifest.json`` with every other file's size and
     SHA-256, ``global_step`` and ``layout`` (``world_size``, ``pipeline_size``,
     ``data_parallel_size``, ``layer_ranges``, ``save_only_model``). Written last, through a
-    temporary file; refuses a folder that lacks a file the layout needs."""
+    temporary file; refuses a folder that lacks a file the layout needs. ``digests``: SHA-256s
+    already taken (by the ranks that wrote the files), the others are computed here."""
     meta = {"format": MANIFEST_FORMAT, "global_step": int(global_step), **layout}
     missing = [n for n in _required_files(directory, meta) if not os.path.isfile(os.path.join(directory, n))]
     if missing:
         raise CheckpointError(f"{directory} lacks {missing} after every rank saved: not sealing it")
     names = sorted(os.path.relpath(os.path.join(root, f), directory)
                    for root, _, files in os.walk(directory) for f in files if f != MANIFEST_NAME)
-    digests = _digests(directory, names)
+    known = dict(digests or {})
+    digests = {**_digests(directory, [n for n in names if n not in known]), **known}
     meta["files"] = {n: {"size": os.path.getsize(os.path.join(directory, n)), "sha256": digests[n]} for n in names}
     tmp = os.path.join(directory, MANIFEST_NAME + ".tmp")
     _write_json(tmp, meta)
@@ -221,6 +224,19 @@ class StageCheckpointer:
 
     def __init__(self, pipeline: Any, topology: Topology) -> None:
         self.pipeline, self.topology = pipeline, topology
+        # the checkpoint being written, and the SHA-256s of its files this rank started taking
+        # in the background as soon as each was complete (they overlap the writing of the next)
+        self._staging: str | None = None
+        self._hashing: dict[str, Future] = {}
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _hash_in_background(self, directory: str, names: list[str]) -> None:
+        if self._staging is None or os.path.abspath(directory) != os.path.abspath(self._staging):
+            return  # not a checkpoint (save_model to a plain folder)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(2, thread_name_prefix="checkpoint-sha256")
+        for name in names:
+            self._hashing[name] = self._pool.submit(_digest, os.path.join(directory, name))
 
     # ------------------------------------------------------------------ atomic checkpoints
     def begin_checkpoint(self, final_dir: str) -> str:
@@ -231,15 +247,21 @@ class StageCheckpointer:
             logger.warning(f"removing {staging}, left by an unfinished save")
             shutil.rmtree(staging)
         self.topology.barrier()
+        self._staging, self._hashing = staging, {}
         return staging
 
     def seal_checkpoint(self, staging: str, final_dir: str, *, global_step: int, layout: StageLayout,
                         save_only_model: bool) -> None:
         """Once every rank wrote its files: the manifest, then ``staging`` renamed to
         ``final_dir`` (replacing an older folder of that name); collective."""
+        mine = {name: job.result() for name, job in self._hashing.items()}
+        self._staging, self._hashing = None, {}
         self.topology.barrier()  # every rank's files are complete
+        # each stage of replica 0 hashed its own optimizer shard: pipeline rank 0 of replica 0 gets them
+        hashed = self.topology.gather_in_pipeline(mine if self.topology.replica == 0 else {})
         if self.topology.rank == 0:
-            write_manifest(staging, global_step=global_step, layout={
+            known = {name: digest for part in hashed for name, digest in part.items()}
+            write_manifest(staging, global_step=global_step, digests=known, layout={
                 "world_size": self.topology.world_size, "pipeline_size": self.topology.pipeline_size,
                 "data_parallel_size": self.topology.data_parallel_size,
                 "layer_ranges": [list(r) for r in layout.layer_ranges], "save_only_model": save_only_model})
@@ -320,6 +342,8 @@ class StageCheckpointer:
         })
         # the cost model the stage layout was made from: concertina_cost_model_path for a rerun
         _write_json(os.path.join(output_dir, LAYOUT_COST_NAME), layout_cost.to_dict())
+        self._hash_in_background(output_dir, sorted(n for n in os.listdir(output_dir)
+                                                    if os.path.isfile(os.path.join(output_dir, n))))
 
     def check_layout(self, checkpoint: str, layout: StageLayout) -> CostModel | None:
         """Refuse a checkpoint whose layers were split otherwise than ``layout``; the cost model it
@@ -385,6 +409,7 @@ class StageCheckpointer:
         os.makedirs(output_dir, exist_ok=True)
         if self.topology.replica == 0:
             torch.save(optimizer.state_dict(), self._optimizer_path(output_dir))
+            self._hash_in_background(output_dir, [os.path.basename(self._optimizer_path(output_dir))])
         if is_main:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
