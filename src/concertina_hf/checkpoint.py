@@ -330,6 +330,7 @@ class StageCheckpointer:
             model.save_pretrained(output_dir, state_dict=state_dict, is_main_process=True)
         finally:
             config._attn_implementation = runtime_attn
+        self._hash_in_background(output_dir, _files(output_dir))  # the weights, while the rest is written
         if processing_class is not None:
             processing_class.save_pretrained(output_dir)
         for name, obj in extra_files.items():
@@ -342,8 +343,7 @@ class StageCheckpointer:
         })
         # the cost model the stage layout was made from: concertina_cost_model_path for a rerun
         _write_json(os.path.join(output_dir, LAYOUT_COST_NAME), layout_cost.to_dict())
-        self._hash_in_background(output_dir, sorted(n for n in os.listdir(output_dir)
-                                                    if os.path.isfile(os.path.join(output_dir, n))))
+        self._hash_in_background(output_dir, [n for n in _files(output_dir) if n not in self._hashing])
 
     def check_layout(self, checkpoint: str, layout: StageLayout) -> CostModel | None:
         """Refuse a checkpoint whose layers were split otherwise than ``layout``; the cost model it
@@ -446,6 +446,10 @@ def _torch_load(path: str, map_location: Any) -> Any:
             return torch.load(path, map_location=map_location, weights_only=True)
     except (RuntimeError, OSError, EOFError, ValueError) as e:
         raise CheckpointError(f"{path} is unreadable (truncated or damaged?): {e}") from e
+
+
+def _files(directory: str) -> list[str]:
+    return sorted(n for n in os.listdir(directory) if os.path.isfile(os.path.join(directory, n)))
 
 
 def _write_json(path: str, obj: Any) -> None:

@@ -301,16 +301,16 @@ class ConcertinaTrainer(Trainer):
         run_dir = self._get_output_dir(trial=trial)
         final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         staging = self.checkpointer.begin_checkpoint(final)
+        if not self.args.save_only_model:  # first: the shard's hash then overlaps the model's save
+            self._save_optimizer_and_scheduler(staging)
+            self._save_scaler(staging)
+            self._save_rng_state(staging)
         self.save_model(staging, _internal_call=True)
         if (self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST)
                 and self.state.best_global_step):
             best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
             if best == final or os.path.exists(best):
                 self.state.best_model_checkpoint = best
-        if not self.args.save_only_model:
-            self._save_optimizer_and_scheduler(staging)
-            self._save_scaler(staging)
-            self._save_rng_state(staging)
         if self.args.should_save:
             for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
                 name = type(cb).__name__
