@@ -1,11 +1,19 @@
-"""Faults across processes (gloo, CPU): a stalled rank ends the job within ``ddp_timeout``.
+"""Faults across processes (gloo, CPU): no rank is left waiting for a peer that stalled or failed.
 
-Two ranks (pp = 2) train with ``ddp_timeout=10``; at the second step stage 1 stalls for
-:data:`STALL_S` seconds in its first forward (a hung device, a dead host). Stage 0 waits for that
-chunk's gradient and must give up after the timeout, naming the stage, rank and action it waited
-for, and the job must end with a non-zero status well before the stall would end. Before the
-process groups carried the run's timeout, torch's default of 30 minutes applied (the job simply
-waited for the stalled rank). The workers are this file run by torchrun.
+Two ranks (pp = 2), each started as a plain process (no torchrun, which would kill the survivors
+itself), with the failure injected on stage 1:
+
+- **a stalled rank** (``ddp_timeout=10``): stage 1 sleeps :data:`STALL_S` seconds. Stage 0 must
+  give up after the timeout naming the stage, rank and action it waited for; both ranks must exit
+  non-zero well before the stall would end. Before the process groups carried the run's timeout,
+  torch's default of 30 minutes applied and the job waited for the stalled rank.
+- **an exception caught by the user** (default ``ddp_timeout``, 30 minutes): stage 1 raises in
+  a training step, in ``evaluate()`` or in ``save_model()``, and the worker's ``try`` swallows it
+  and goes on with other work. Both ranks must exit non-zero within seconds, printing the
+  original message.
+
+The workers are this file run as ``python tests/test_faults.py MODE OUT`` with the rank in the
+environment.
 """
 
 from __future__ import annotations
@@ -23,11 +31,13 @@ import pytest
 
 TIMEOUT_S = 10
 STALL_S = 60
-# the timeout, then the failing rank's exit and torchrun stopping the others
-BOUND_S = TIMEOUT_S + 20
+# the timeout, then the abort flag (polled every 0.5 s) and the processes' exit
+STALL_BOUND_S = TIMEOUT_S + 15
+FAULT_BOUND_S = 15  # the abort flag, a 5 s grace on the failing rank, the processes' exit
+FAULT = "injected fault in stage 1"
 
 
-def _worker_stall(out: str) -> None:
+def _worker(mode: str, out: str) -> None:
     import datasets
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -42,29 +52,56 @@ def _worker_stall(out: str) -> None:
     data = datasets.Dataset.from_list([{"input_ids": [rng.randrange(64) for _ in range(rng.choice([9, 17, 40]))]}
                                        for _ in range(24)])
     args = ConcertinaTrainingArguments(
-        output_dir=out, save_strategy="no", report_to=[], disable_tqdm=True, max_steps=4, logging_steps=1,
-        per_device_train_batch_size=3, gradient_accumulation_steps=2, concertina_max_tokens_per_chunk=16,
-        ddp_timeout=TIMEOUT_S)
-    trainer = ConcertinaTrainer(model=model, args=args, train_dataset=data)
-    if trainer.topology.stage == 1:
-        run_step, run_layers = trainer.executor.run_step, trainer.pipeline.run_layers
-        state = {"steps": 0, "stalled": False}
+        output_dir=out, save_strategy="no", report_to=[], disable_tqdm=True, logging_steps=1,
+        max_steps=4 if mode in ("stall", "step") else 1, per_device_train_batch_size=3, gradient_accumulation_steps=2,
+        per_device_eval_batch_size=4, concertina_max_tokens_per_chunk=16,
+        **(dict(ddp_timeout=TIMEOUT_S) if mode == "stall" else {}))
+    trainer = ConcertinaTrainer(model=model, args=args, train_dataset=data, eval_dataset=data.select(range(8)))
+
+    def fault():
+        with open(os.path.join(out, "fault.json"), "w") as fh:
+            json.dump({"t": time.time()}, fh)
+        if mode == "stall":
+            time.sleep(STALL_S)
+        else:
+            raise RuntimeError(FAULT)
+
+    if trainer.topology.stage == 1:  # the fault: stage 1's second step, its evaluation or its save
+        run_step, run_layers, save_model = (trainer.executor.run_step, trainer.pipeline.run_layers,
+                                            trainer.checkpointer.save_model)
+        state = {"steps": 0, "faulted": False}
 
         def counting_run_step(*a, **kw):
+            if mode == "eval" and kw.get("train") is False:
+                fault()
             state["steps"] += 1
             return run_step(*a, **kw)
 
-        def stalling_run_layers(*a, **kw):
-            if state["steps"] == 2 and not state["stalled"]:
-                state["stalled"] = True
-                with open(os.path.join(out, "stall.json"), "w") as fh:
-                    json.dump({"t": time.time()}, fh)
-                time.sleep(STALL_S)
+        def failing_run_layers(*a, **kw):
+            if mode in ("stall", "step") and state["steps"] == 2 and not state["faulted"]:
+                state["faulted"] = True
+                fault()
             return run_layers(*a, **kw)
 
+        def failing_save_model(*a, **kw):
+            fault()
+            return save_model(*a, **kw)
+
         trainer.executor.run_step = counting_run_step
-        trainer.pipeline.run_layers = stalling_run_layers
-    trainer.train()
+        trainer.pipeline.run_layers = failing_run_layers
+        if mode == "save":
+            trainer.checkpointer.save_model = failing_save_model
+    try:  # the user's try: a failure is caught and the script goes on with something else
+        trainer.train()
+        if mode == "eval":
+            trainer.evaluate()
+        if mode == "save":
+            trainer.save_model(os.path.join(out, "final"))
+    except RuntimeError as exc:
+        if mode == "stall":
+            raise
+        print(f"caught: {exc}", file=sys.stderr, flush=True)
+        time.sleep(STALL_S)
     trainer.end()
 
 
@@ -74,32 +111,62 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _run_ranks(mode: str, out) -> tuple[list[int], list[float], list[str]]:
+    """Start the 2 ranks; their exit codes, the seconds from the injected fault to each one's
+    exit, and their stderr. Ranks still running :data:`STALL_S` + 30 s after the start are killed."""
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled",
+                   TOKENIZERS_PARALLELISM="false", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.pop("ACCELERATE_USE_CPU", None)
+        err = open(out / f"stderr-rank{rank}.txt", "w")
+        procs.append((subprocess.Popen([sys.executable, __file__, mode, str(out)], env=env, stdout=subprocess.DEVNULL,
+                                       stderr=err, start_new_session=True), err))
+    ended: list[float | None] = [None, None]
+    deadline = time.time() + STALL_S + 30
+    while None in ended and time.time() < deadline:
+        for i, (p, _) in enumerate(procs):
+            if ended[i] is None and p.poll() is not None:
+                ended[i] = time.time()
+        time.sleep(0.1)
+    for i, (p, err) in enumerate(procs):
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        err.close()
+    stderr = [(out / f"stderr-rank{r}.txt").read_text() for r in range(2)]
+    fault = out / "fault.json"
+    assert fault.exists(), f"stage 1 never reached its second step:\n{stderr[1][-6000:]}\n{stderr[0][-3000:]}"
+    t0 = json.loads(fault.read_text())["t"]
+    seconds = [float("inf") if e is None else e - t0 for e in ended]
+    print(f"{mode}: seconds from the fault to each rank's exit: {[round(x, 1) for x in seconds]}, "
+          f"exit codes {[p.returncode for p, _ in procs]}")
+    return [p.returncode for p, _ in procs], seconds, stderr
+
+
 @pytest.mark.slow
-def test_a_stalled_rank_ends_the_job_within_ddp_timeout(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled",
-               TOKENIZERS_PARALLELISM="false")
-    env.pop("ACCELERATE_USE_CPU", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), __file__, "stall", str(tmp_path)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=STALL_S + 30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"the job still ran {STALL_S + 30} s after its start:\n{stderr[-4000:]}")
-    ended = time.time()
-    stall = tmp_path / "stall.json"
-    assert stall.exists(), f"stage 1 never reached its second step ({proc.returncode}):\n{stderr[-6000:]}"
-    seconds = ended - json.loads(stall.read_text())["t"]
-    print(f"stall to every rank exiting: {seconds:.1f} s (ddp_timeout={TIMEOUT_S})")
-    assert proc.returncode != 0, stderr[-4000:]
-    assert seconds < BOUND_S, (seconds, stderr[-4000:])
-    # stage 0 names what it waited for: the gradient of a chunk from stage 1 (rank 1)
-    assert "pipeline stage 0 (rank 0) failed after" in stderr, stderr[-6000:]
-    assert "from stage 1 (rank 1)" in stderr and "RECV_B" in stderr, stderr[-6000:]
+def test_a_stalled_rank_ends_every_rank_within_ddp_timeout(tmp_path):
+    codes, seconds, stderr = _run_ranks("stall", tmp_path)
+    assert max(seconds) < STALL_BOUND_S, (seconds, stderr[0][-4000:])
+    assert all(c != 0 for c in codes), (codes, stderr[0][-4000:])
+    # stage 0 names what it waited for: the gradient of a chunk from stage 1 (rank 1); the stalled
+    # rank is ended with that message
+    assert "pipeline stage 0 (rank 0) failed after" in stderr[0], stderr[0][-6000:]
+    assert "from stage 1 (rank 1)" in stderr[0] and "RECV_B" in stderr[0], stderr[0][-6000:]
+    assert "from stage 1 (rank 1)" in stderr[1], stderr[1][-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["step", "eval", "save"])
+def test_an_exception_caught_on_one_rank_ends_every_rank(tmp_path, phase):
+    codes, seconds, stderr = _run_ranks(phase, tmp_path)
+    assert "caught: " in stderr[1], stderr[1][-4000:]
+    assert max(seconds) < FAULT_BOUND_S, (seconds, stderr[0][-4000:])
+    assert all(c != 0 for c in codes), (codes, stderr[0][-4000:])
+    assert all(FAULT in e for e in stderr), [e[-3000:] for e in stderr]
 
 
 if __name__ == "__main__":
-    {"stall": _worker_stall}[sys.argv[1]](sys.argv[2])
+    _worker(sys.argv[1], sys.argv[2])

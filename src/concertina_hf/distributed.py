@@ -24,12 +24,23 @@ Timeouts: every group of the mesh is created with the run's ``ddp_timeout``
 (:attr:`Topology.timeout`), and the default group (which ``TrainingArguments`` leaves at torch's
 30 minutes on CPU) is set to it too, so a stalled or dead peer makes each waiting rank raise
 within ``ddp_timeout`` seconds instead of hanging the job.
+
+Failing together: an exception that leaves :meth:`Topology.failing_together` (the trainer wraps
+``train``, ``evaluate`` and ``save_model`` in it) sets an abort flag in the job's rendezvous store
+with its message; a daemon thread on every rank polls the flag every :data:`ABORT_POLL_S`
+seconds and ends its process with status 1 after printing that message, so no rank waits for a
+peer that gave up, even when the user catches the exception on the failing rank (that rank ends
+too, :data:`ABORT_GRACE_S` seconds later, if it has not exited by itself). The cost: one store
+lookup per rank every :data:`ABORT_POLL_S` seconds.
 """
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import os
+import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,12 +53,18 @@ from torch import nn
 
 from .args import ConcertinaTrainingArguments, resolve_parallel_sizes
 
-__all__ = ["BUCKET_ELEMENTS", "MESH_DIMS", "Topology", "global_grad_norm", "reduce_gradients"]
+__all__ = ["ABORT_GRACE_S", "ABORT_POLL_S", "BUCKET_ELEMENTS", "MESH_DIMS", "Topology", "global_grad_norm",
+           "reduce_gradients"]
 
 # outermost first; a new dimension goes innermost (after "pp") and is built in Topology.build
 MESH_DIMS = ("dp", "pp")
 # gradient all-reduce bucket: 32M elements (128 MB of float32) of extra memory at most
 BUCKET_ELEMENTS = 32 * 2**20
+# how often each rank looks for another rank's abort flag, and how long a rank whose own failure
+# was caught (by the user) may go on before it ends too
+ABORT_POLL_S = 0.5
+ABORT_GRACE_S = 5.0
+_ABORT_KEY = "concertina/abort"
 
 
 @dataclass
@@ -56,7 +73,8 @@ class Topology:
 
     ``mesh``: the :class:`DeviceMesh` (``None`` with a single process); ``pp_group`` / ``pp_ranks``:
     the ranks of this rank's pipeline in stage order; ``dp_group`` / ``dp_ranks``: the ranks
-    holding the same stage in every replica.
+    holding the same stage in every replica; ``timeout``: how long any receive or collective
+    waits for a peer (``ddp_timeout``).
     """
 
     world_size: int
@@ -91,6 +109,7 @@ class Topology:
         topo = cls(world, rank, pp, dp, stage, replica, timeout=timedelta(seconds=args.ddp_timeout))
         if initialized:
             topo.mesh = _mesh_with_timeout((dp, pp), topo.timeout)
+            _AbortWatch.start(rank)
             topo.pp_group, topo.dp_group = topo.group("pp"), topo.group("dp")
             topo.pp_ranks = tuple(int(r) for r in topo.mesh["pp"].mesh.tolist())
             topo.dp_ranks = tuple(int(r) for r in topo.mesh["dp"].mesh.tolist())
@@ -166,6 +185,19 @@ class Topology:
                 dist.barrier()
 
     @contextmanager
+    def failing_together(self, what: str):
+        """Run a collective phase (``what``: "train", "save_model", ...); an exception leaving it
+        ends every rank of the job with its message (see the module docstring), then propagates."""
+        try:
+            yield
+        except Exception as exc:
+            watch = _AbortWatch.current
+            if watch is not None and self.world_size > 1:
+                watch.raise_flag(f"rank {self.rank} (pipeline stage {self.stage}, replica {self.replica}) failed in "
+                                 f"{what}: {type(exc).__name__}: {exc}")
+            raise
+
+    @contextmanager
     def _waiting(self, what: str):
         """Re-raise a failed collective (a peer's timeout, a closed connection) naming this rank
         and what it waited for."""
@@ -175,6 +207,72 @@ class Topology:
         except Exception as exc:
             raise RuntimeError(f"rank {self.rank} (pipeline stage {self.stage}, replica {self.replica}) failed after "
                                f"{time.perf_counter() - t0:.1f} s waiting for {what}: {exc}") from exc
+
+
+class _AbortWatch:
+    """This process's watch of the job's abort flag (one per process, like the default group)."""
+
+    current: "_AbortWatch | None" = None
+
+    def __init__(self, store: Any, rank: int) -> None:
+        self.store, self.rank = store, rank
+        self.raised_at: float | None = None
+        self.message = ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="concertina-abort-watch", daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)  # before the interpreter freezes daemon threads
+
+    @classmethod
+    def start(cls, rank: int) -> None:
+        get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+        store = get_store() if get_store is not None else None
+        if store is None or (cls.current is not None and cls.current.store is store):
+            return
+        if cls.current is not None:
+            cls.current.stop()
+        cls.current = cls(store, rank)
+
+    def raise_flag(self, message: str) -> None:
+        if self.raised_at is not None:
+            return
+        self.message, self.raised_at = message, time.monotonic()
+        try:
+            if not self.store.check([_ABORT_KEY]):  # the first failure is the one to report
+                self.store.set(_ABORT_KEY, message)
+        except Exception:  # the store is gone: the peers find out through their timeouts
+            pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * ABORT_POLL_S)
+
+    def _run(self) -> None:
+        store_alive = True
+        while not self._stop.wait(ABORT_POLL_S):
+            if self.raised_at is not None:
+                # this rank failed: its exception ends it the ordinary way, unless someone caught it
+                if time.monotonic() - self.raised_at >= ABORT_GRACE_S:
+                    self._end(self.message)
+                continue
+            if not store_alive:
+                continue
+            try:
+                if not self.store.check([_ABORT_KEY]):
+                    continue
+                message = self.store.get(_ABORT_KEY).decode(errors="replace")
+            except Exception:  # the store closed: the job ended (or its host died: timeouts apply)
+                store_alive = False
+                continue
+            self._end(message)
+
+    def _end(self, message: str) -> None:
+        if self._stop.is_set():
+            return
+        sys.stderr.write(f"[rank {self.rank}] concertina: ending this rank, the job failed: {message}\n")
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def _mesh_with_timeout(shape: tuple[int, ...], timeout: timedelta) -> Any:

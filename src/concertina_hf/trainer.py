@@ -254,8 +254,9 @@ class ConcertinaTrainer(Trainer):
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix="eval"):
         self.gather_function = self._gather_over_replicas
-        return super().evaluation_loop(dataloader, description, prediction_loss_only=True, ignore_keys=ignore_keys,
-                                       metric_key_prefix=metric_key_prefix)
+        with self.topology.failing_together("evaluation"):
+            return super().evaluation_loop(dataloader, description, prediction_loss_only=True, ignore_keys=ignore_keys,
+                                           metric_key_prefix=metric_key_prefix)
 
     def _gather_over_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
         """``gather_for_metrics`` over the data-parallel group only (stages hold the same values)."""
@@ -286,12 +287,13 @@ class ConcertinaTrainer(Trainer):
         """``Trainer.train`` resuming only from a verified checkpoint: ``True`` takes the newest
         ``checkpoint-N`` of ``output_dir`` whose manifest verifies (a warning names each newer one
         skipped and why); a path that does not verify is refused, naming the file."""
-        if isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
-            resume_from_checkpoint = self.checkpointer.latest_verified(self.args.output_dir)
-        elif isinstance(resume_from_checkpoint, str):
-            self.checkpointer.verified(resume_from_checkpoint)
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
-                             ignore_keys_for_eval=ignore_keys_for_eval)
+        with self.topology.failing_together("train"):  # a failure on one rank ends them all
+            if isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
+                resume_from_checkpoint = self.checkpointer.latest_verified(self.args.output_dir)
+            elif isinstance(resume_from_checkpoint, str):
+                self.checkpointer.verified(resume_from_checkpoint)
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                                 ignore_keys_for_eval=ignore_keys_for_eval)
 
     def _save_checkpoint(self, model, trial) -> None:
         """``Trainer._save_checkpoint`` made atomic: every rank writes into ``tmp-checkpoint-N``, then
@@ -335,12 +337,13 @@ class ConcertinaTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write a standard HF model directory of the FULL model (collective over the pipeline)."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        self.checkpointer.save_model(
-            output_dir, layout=self.layout, model=self.model, is_main=self.args.should_save,
-            attn_implementation=self._saved_attn_implementation, processing_class=self.processing_class,
-            extra_files={"training_args.bin": self.args}, planning_cost=self.planner.cost_model,
-            layout_cost=self.cost_model)
-        self.topology.barrier()  # the directory is complete when save_model returns, on every rank
+        with self.topology.failing_together("save_model"):
+            self.checkpointer.save_model(
+                output_dir, layout=self.layout, model=self.model, is_main=self.args.should_save,
+                attn_implementation=self._saved_attn_implementation, processing_class=self.processing_class,
+                extra_files={"training_args.bin": self.args}, planning_cost=self.planner.cost_model,
+                layout_cost=self.cost_model)
+            self.topology.barrier()  # the directory is complete when save_model returns, on every rank
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
