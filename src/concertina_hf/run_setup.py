@@ -26,7 +26,7 @@ from .checkpoint import layout_cost_model
 from .distributed import Topology
 from .planning import CostModel, DeviceSpec, StageLayout, partition_layers, stage_budgets
 
-__all__ = ["RunSetup", "check_static_memory", "resolve_run"]
+__all__ = ["RunSetup", "check_static_memory", "check_trainer_arguments", "resolve_run"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,33 @@ def resolve_run(args: ConcertinaTrainingArguments, model: nn.Module, topology: T
         solver_time_limit_s=args.concertina_solver_time_limit,
         max_tokens_per_chunk=args.concertina_max_tokens_per_chunk,
     )
+
+
+def check_trainer_arguments(model: nn.Module | None, args, optimizers: tuple, **unsupported) -> None:
+    """Refuse what ``ConcertinaTrainer`` cannot honour, naming the argument (before any group exists)."""
+    if not isinstance(args, ConcertinaTrainingArguments):
+        raise TypeError(
+            f"ConcertinaTrainer needs ConcertinaTrainingArguments, got {type(args).__name__}; build the "
+            "arguments with concertina_hf.ConcertinaTrainingArguments(...) (same fields plus concertina_*)"
+        )
+    for name, value in unsupported.items():
+        if value is not None:
+            raise NotImplementedError(
+                f"ConcertinaTrainer does not support {name}: the pipeline computes the causal-LM loss on the "
+                "last stage and logits never leave it; remove the argument"
+            )
+    if optimizers[0] is not None:
+        raise ValueError(
+            "a ready-made optimizer cannot be used: each pipeline rank owns only its stage's parameters. Pass "
+            "optimizer_cls_and_kwargs=(cls, kwargs) instead (or set args.optim)"
+        )
+    if model is None:
+        raise ValueError("ConcertinaTrainer needs a model (an HF causal LM)")
+    if args.train_sampling_strategy == "batch_rebalance":
+        raise ValueError(
+            "train_sampling_strategy='batch_rebalance' balances tokens across all processes, but pipeline ranks "
+            "must read the same batches; use 'random' (the planner balances the pipeline's chunks)"
+        )
 
 
 def memory_budgets(args: ConcertinaTrainingArguments, device_memory: int, num_stages: int) -> tuple[int, ...]:

@@ -13,15 +13,17 @@ integer all-reduce over the replicas per step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
+from torch.utils.data import DataLoader
+from transformers.trainer_utils import seed_worker
 
 from .collator import split_sequences
 from .distributed import Topology
 from .step_planner import StepPlanner, Ticket
 
-__all__ = ["Step", "StepReader"]
+__all__ = ["Step", "StepReader", "replica_data_loader"]
 
 
 @dataclass
@@ -121,3 +123,45 @@ class StepReader:
             seqs += x
             labels += y
         return Step(batches, seqs, labels, self.planner.submit([int(s.numel()) for s in seqs]))
+
+
+def replica_data_loader(dataset: Any, collate_fn: Callable, batch_size: int, args: Any, accelerator: Any,
+                        topology: Topology, sampler: Any = None, seed_workers: bool = False) -> DataLoader:
+    """The Trainer's ``DataLoader`` settings, sharded over the data-parallel replicas only: every
+    pipeline rank of a replica reads the same batches in the same order (workers seeded by
+    replica with ``seed_workers``, not by process)."""
+    from accelerate.data_loader import prepare_data_loader
+
+    params: dict[str, Any] = {
+        "batch_size": batch_size, "collate_fn": collate_fn, "num_workers": args.dataloader_num_workers,
+        # pinned memory only helps copies to an accelerator (torch warns about it on the CPU)
+        "pin_memory": args.dataloader_pin_memory and args.device.type != "cpu",
+        "persistent_workers": args.dataloader_persistent_workers,
+        "multiprocessing_context": args.dataloader_multiprocessing_context,
+        "prefetch_factor": args.dataloader_prefetch_factor,
+    }
+    if not isinstance(dataset, torch.utils.data.IterableDataset):
+        if sampler is not None:
+            params["sampler"] = sampler
+        params["drop_last"] = args.dataloader_drop_last
+        if seed_workers:
+            params["worker_init_fn"] = _WorkerInit(args.dataloader_num_workers, topology.replica)
+    acc = accelerator
+    return prepare_data_loader(
+        DataLoader(dataset, **params), device=args.device, num_processes=topology.data_parallel_size,
+        process_index=topology.replica, split_batches=acc.split_batches, put_on_device=True,
+        rng_types=list(acc.rng_types or []),
+        dispatch_batches=False,  # every pipeline rank reads its replica's shard itself
+        even_batches=acc.even_batches, use_seedable_sampler=acc.use_seedable_sampler,
+        data_seed=acc.dataloader_config.data_seed, non_blocking=acc.non_blocking,
+    )
+
+
+class _WorkerInit:
+    """Picklable ``worker_init_fn`` seeding data-loader workers by replica."""
+
+    def __init__(self, num_workers: int, replica: int) -> None:
+        self.num_workers, self.replica = num_workers, replica
+
+    def __call__(self, worker_id: int) -> None:
+        seed_worker(worker_id, self.num_workers, self.replica)

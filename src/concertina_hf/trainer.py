@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
@@ -33,16 +33,16 @@ from torch.utils.data import DataLoader
 from transformers import Trainer
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints, seed_worker
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
 
 from .args import ConcertinaTrainingArguments
 from .callbacks import ReplanCallback
 from .checkpoint import StageCheckpointer
 from .collator import LengthAwareCollator, split_sequences
 from .distributed import Topology, global_grad_norm, reduce_gradients
-from .run_setup import resolve_run
+from .run_setup import check_trainer_arguments, resolve_run
 from .step_planner import StepPlanner
-from .steps import Step, StepReader
+from .steps import Step, StepReader, replica_data_loader
 
 __all__ = ["ConcertinaTrainer"]
 
@@ -85,9 +85,9 @@ class ConcertinaTrainer(Trainer):
         from .runtime import PipelineExecutor, PipelineWrapper
 
         args = args if args is not None else ConcertinaTrainingArguments(output_dir="tmp_trainer")
-        _refuse_unsupported(model, args, optimizers, model_init=model_init, compute_loss_func=compute_loss_func,
-                            compute_metrics=compute_metrics,
-                            preprocess_logits_for_metrics=preprocess_logits_for_metrics)
+        check_trainer_arguments(model, args, optimizers, model_init=model_init, compute_loss_func=compute_loss_func,
+                                compute_metrics=compute_metrics,
+                                preprocess_logits_for_metrics=preprocess_logits_for_metrics)
         _ = args.device  # the process group must exist before the model is split: the stage is the pipeline rank
         self.topology = Topology.build(args)
         self.setup = resolve_run(args, model, self.topology)
@@ -119,39 +119,17 @@ class ConcertinaTrainer(Trainer):
                         dataloader_key: str | None = None) -> DataLoader:
         """The Trainer's data loader, sharded over data-parallel replicas only (never over stages)."""
         import datasets
-        from accelerate.data_loader import prepare_data_loader
 
         data_collator = self.data_collator
         if isinstance(dataset, datasets.Dataset):
             dataset = self._remove_unused_columns(dataset, description=description)
         else:
             data_collator = self._get_collator_with_removed_columns(self.data_collator, description=description)
-        args = self.args
-        params: dict[str, Any] = {
-            "batch_size": batch_size, "collate_fn": data_collator, "num_workers": args.dataloader_num_workers,
-            # pinned memory only helps copies to an accelerator (torch warns about it on the CPU)
-            "pin_memory": args.dataloader_pin_memory and args.device.type != "cpu",
-            "persistent_workers": args.dataloader_persistent_workers,
-            "multiprocessing_context": args.dataloader_multiprocessing_context,
-            "prefetch_factor": args.dataloader_prefetch_factor,
-        }
-        if not isinstance(dataset, torch.utils.data.IterableDataset):
-            sampler = sampler_fn(dataset) if sampler_fn is not None else None
-            if sampler is not None:
-                params["sampler"] = sampler
-            params["drop_last"] = args.dataloader_drop_last
-            if is_training:
-                # Seed workers by replica, not by process: the stages of a pipeline must read identical data.
-                params["worker_init_fn"] = _WorkerInit(args.dataloader_num_workers, self.topology.replica)
-        acc = self.accelerator
-        return prepare_data_loader(
-            DataLoader(dataset, **params), device=args.device, num_processes=self.topology.data_parallel_size,
-            process_index=self.topology.replica, split_batches=acc.split_batches, put_on_device=True,
-            rng_types=list(acc.rng_types or []),
-            dispatch_batches=False,  # every pipeline rank reads its replica's shard itself
-            even_batches=acc.even_batches, use_seedable_sampler=acc.use_seedable_sampler,
-            data_seed=acc.dataloader_config.data_seed, non_blocking=acc.non_blocking,
-        )
+        sampler = None
+        if sampler_fn is not None and not isinstance(dataset, torch.utils.data.IterableDataset):
+            sampler = sampler_fn(dataset)
+        return replica_data_loader(dataset, data_collator, batch_size, self.args, self.accelerator, self.topology,
+                                   sampler=sampler, seed_workers=is_training)
 
     # ------------------------------------------------------------------ one pipeline step per optimizer step
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
@@ -366,39 +344,3 @@ class ConcertinaTrainer(Trainer):
         logger.info(f"Loading best model from {self.state.best_model_checkpoint} (score: {self.state.best_metric}).")
         self.checkpointer.verified(self.state.best_model_checkpoint)
         self.checkpointer.load_stage_weights(self.model, self.state.best_model_checkpoint)
-
-
-def _refuse_unsupported(model, args, optimizers, **unsupported) -> None:
-    if not isinstance(args, ConcertinaTrainingArguments):
-        raise TypeError(
-            f"ConcertinaTrainer needs ConcertinaTrainingArguments, got {type(args).__name__}; build the "
-            "arguments with concertina_hf.ConcertinaTrainingArguments(...) (same fields plus concertina_*)"
-        )
-    for name, value in unsupported.items():
-        if value is not None:
-            raise NotImplementedError(
-                f"ConcertinaTrainer does not support {name}: the pipeline computes the causal-LM loss on the "
-                "last stage and logits never leave it; remove the argument"
-            )
-    if optimizers[0] is not None:
-        raise ValueError(
-            "a ready-made optimizer cannot be used: each pipeline rank owns only its stage's parameters. Pass "
-            "optimizer_cls_and_kwargs=(cls, kwargs) instead (or set args.optim)"
-        )
-    if model is None:
-        raise ValueError("ConcertinaTrainer needs a model (an HF causal LM)")
-    if args.train_sampling_strategy == "batch_rebalance":
-        raise ValueError(
-            "train_sampling_strategy='batch_rebalance' balances tokens across all processes, but pipeline ranks "
-            "must read the same batches; use 'random' (the planner balances the pipeline's chunks)"
-        )
-
-
-class _WorkerInit:
-    """Picklable ``worker_init_fn`` seeding data-loader workers by replica."""
-
-    def __init__(self, num_workers: int, replica: int) -> None:
-        self.num_workers, self.replica = num_workers, replica
-
-    def __call__(self, worker_id: int) -> None:
-        seed_worker(worker_id, self.num_workers, self.replica)
