@@ -307,7 +307,8 @@ class PipelineExecutor:
         messages the receives it was waiting for and from whom (a timeout names the stalled peer)."""
         recvs = [a for a in actions if a.kind.is_recv]
         if not recvs or self.comm is None:
-            return f"{self._where()}, action {_label(actions)}: {exc}"
+            rank = self.comm.rank_of(self.stage) if self.comm is not None else 0
+            return f"pipeline stage {self.stage}, action {_label(actions)} (rank {rank}): {exc}"
         peers = sorted({a.peer for a in recvs})
         sources = ", ".join(f"stage {p} (rank {self.comm.rank_of(p)})" for p in peers)
         return (f"{self._where()} failed after {seconds:.1f} s in {_label(actions)} waiting for "
