@@ -92,8 +92,10 @@ def _worker_pp2(out: str) -> None:
         collator = DataCollatorWithFlattening() if arch == "qwen2" else None
         trainer = ConcertinaTrainer(model=_model(arch), args=args, train_dataset=_dataset(),
                                     eval_dataset=_dataset(8, seed=1), data_collator=collator)
-        trainer.train()
+        metrics = trainer.train().metrics
         info = _summary(trainer)
+        info["train_samples_per_second"], info["train_runtime"] = metrics["train_samples_per_second"], \
+            metrics["train_runtime"]
         info["eval_loss"] = trainer.evaluate()["eval_loss"]
         info["layer_ranges"] = [list(r) for r in trainer.layout.layer_ranges]
         info["stage_params"] = sorted(n for n, _ in trainer.model.named_parameters())
@@ -233,6 +235,9 @@ def test_pp2_matches_trainer_for_llama_and_qwen2(tmp_path):
         worst, name = _worst_rel(ref_state, _load(tmp_path / arch / "final"))
         assert worst < 1e-4, (arch, name, worst)
         assert abs(info["eval_loss"] - ref_info["eval_loss"]) < 1e-5
+        # throughput counts the sequences the one replica trained on (not once per pipeline rank)
+        samples = COMMON["max_steps"] * COMMON["per_device_train_batch_size"] * COMMON["gradient_accumulation_steps"]
+        assert info["train_samples_per_second"] * info["train_runtime"] == pytest.approx(samples, rel=2e-2)
         # checkpoints: standard model files plus one optimizer shard per stage; resume = same end
         names = set(os.listdir(tmp_path / arch / "checkpoint-2"))
         assert {"model.safetensors", "config.json", "optimizer.stage0-of-2.pt", "optimizer.stage1-of-2.pt",

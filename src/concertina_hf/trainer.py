@@ -162,10 +162,8 @@ class ConcertinaTrainer(Trainer):
         return torch.tensor(self._global_loss(result, step), dtype=torch.float32, device=self.args.device)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        raise NotImplementedError(
-            "ConcertinaTrainer computes the loss inside the pipeline (PipelineExecutor.run_step); "
-            "compute_loss is not used"
-        )
+        raise NotImplementedError("ConcertinaTrainer computes the loss inside the pipeline "
+                                  "(PipelineExecutor.run_step); compute_loss is not used")
 
     def _global_loss(self, result, step: Step) -> float:
         """The step's loss over all replicas (the value Trainer logs), identical on every rank;
@@ -174,6 +172,10 @@ class ConcertinaTrainer(Trainer):
             return float(result.loss)
         total = self.topology.all_reduce_replicas(float(result.loss_sum), dtype=torch.float64)
         return float(total) / max(1, step.num_items_total)
+
+    def get_total_train_batch_size(self, args) -> int:
+        """Sequences per optimizer step over all replicas (the pipeline ranks of a replica share theirs)."""
+        return self._train_batch_size * args.gradient_accumulation_steps * self.topology.data_parallel_size
 
     def _stage_params(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
