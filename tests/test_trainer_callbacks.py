@@ -137,3 +137,23 @@ def test_noisy_steps_refit_keeps_chunk_counts_within_2x():
         quiet = planner.make_plan(lens, start).num_chunks
         got = planner.plan(planner.submit(lens)).num_chunks
         assert quiet / 2 <= got <= 2 * quiet, (lens, quiet, got)
+
+
+def test_console_shows_a_compact_line_and_trackers_get_every_statistic(tmp_path, capsys):
+    """Each logging step prints the Trainer's figures plus the step time and bubble, not the ~20
+    ``concertina/*`` statistics; those still reach the log history (and so every tracker)."""
+    rng = random.Random(1)
+    ds = datasets.Dataset.from_list([{"input_ids": [rng.randrange(64) for _ in range(rng.choice([6, 30, 80]))]}
+                                     for _ in range(8)])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**dict(HF_CFG, vocab_size=64, num_hidden_layers=2)))
+    args = ConcertinaTrainingArguments(
+        output_dir=str(tmp_path), report_to=[], max_steps=2, per_device_train_batch_size=4, logging_steps=1,
+        save_strategy="no", disable_tqdm=True, concertina_max_tokens_per_chunk=32)
+    trainer = ConcertinaTrainer(model=model, args=args, train_dataset=ds)
+    trainer.train()
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "'loss'" in ln]
+    assert len(lines) == 2 and all("step_time_s" in ln and "bubble" in ln for ln in lines), lines
+    assert not any("concertina/" in ln for ln in lines) and max(map(len, lines)) < 300, lines
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logged) == 2 and all("concertina/recompute_layers" in h for h in logged)

@@ -31,11 +31,12 @@ import os
 from dataclasses import dataclass, field
 
 from transformers import TrainerCallback
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from .planning import Action, CostModel, Plan, simulate
 from .planning.fit import ActionSample, action_samples, bounded_refit
 
-__all__ = ["ReplanCallback", "StepStats"]
+__all__ = ["ReplanCallback", "StepStats", "console_logs", "use_compact_console"]
 
 logger = logging.getLogger(__name__)
 
@@ -233,3 +234,35 @@ class ReplanCallback(TrainerCallback):
             except ImportError:
                 pass
         return path
+
+
+# ---------------------------------------------------------------------- the console
+#: the plan statistics shown on the console, under a short name (all of them go to the trackers)
+CONSOLE_KEYS = {"concertina/measured_step_time_s": "step_time_s", "concertina/measured_bubble_fraction": "bubble"}
+
+
+def console_logs(logs: dict) -> dict:
+    """A log entry as the console shows it: the Trainer's own figures (loss, learning rate, grad
+    norm, ...) plus the step time and bubble; the other ``concertina/*`` statistics only reach the
+    configured trackers."""
+    out = {k: v for k, v in logs.items() if not k.startswith("concertina/")}
+    out.update({short: logs[k] for k, short in CONSOLE_KEYS.items() if k in logs})
+    return out
+
+
+class _CompactProgress(ProgressCallback):
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        return super().on_log(args, state, control, logs=console_logs(logs or {}), **kwargs)
+
+
+class _CompactPrinter(PrinterCallback):
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        return super().on_log(args, state, control, logs=console_logs(logs or {}), **kwargs)
+
+
+def use_compact_console(callback_handler) -> None:
+    """Swap the Trainer's console printers (progress bar or plain prints) for ones showing
+    :func:`console_logs` (one short line per logging step instead of ~20 plan statistics)."""
+    for old, new in ((ProgressCallback, _CompactProgress), (PrinterCallback, _CompactPrinter)):
+        if callback_handler.pop_callback(old) is not None:
+            callback_handler.add_callback(new)

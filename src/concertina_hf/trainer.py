@@ -36,7 +36,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
 
 from .args import ConcertinaTrainingArguments
-from .callbacks import ReplanCallback
+from .callbacks import ReplanCallback, use_compact_console
 from .checkpoint import StageCheckpointer
 from .collator import LengthAwareCollator, split_sequences
 from .distributed import Topology, global_grad_norm, reduce_gradients
@@ -113,6 +113,7 @@ class ConcertinaTrainer(Trainer):
         )
         self.executor = PipelineExecutor(self.pipeline, pp_group=self.topology.pp_group, device=args.device)
         self.replan.bind(self)
+        use_compact_console(self.callback_handler)
 
     # ------------------------------------------------------------------ data
     def _get_dataloader(self, dataset, description: str, batch_size: int, sampler_fn=None, is_training: bool = False,
