@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import pathlib
 import platform
@@ -40,6 +39,7 @@ import datasets  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Trainer  # noqa: E402
 
+from _results import write_results  # noqa: E402
 from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments, checkpoint  # noqa: E402
 from concertina_hf.data import bundled_tokenizer_path  # noqa: E402
 
@@ -129,12 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(reading and hashing it, as a resume does): {1e3 * res['verify_median_s']:.1f} ms, "
         f"{mb / max(res['verify_median_s'], 1e-9):.0f} MiB/s.",
     ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(text)
-    out.with_suffix(".json").write_text(json.dumps(dict(res, command=cmd, load_average=load), indent=1))
+    write_results(args.out, "\n".join(lines) + "\n", res, cmd, load)
     return 0
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import pathlib
 import platform
@@ -34,6 +33,7 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from _results import write_results  # noqa: E402
 from concertina_hf.cli import MODEL_PRESETS  # noqa: E402
 from concertina_hf.planning import (  # noqa: E402
     CostModel, DeviceSpec, StageLayout, assign_recompute, plan_step, simulate, uniform_recompute,
@@ -99,12 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in res["rows"]:
         lines.append(f"| {r['what']} | {1e3 * r['median_s']:.1f} | {1e3 * r['min_s']:.1f} | {1e3 * r['max_s']:.1f} "
                      f"| < {1e3 * r['target_s']:.0f} | {'yes' if r['met'] else 'NO'} | {r['predicted_step_time_s']:.3f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(text)
-    out.with_suffix(".json").write_text(json.dumps(dict(res, command=cmd, load_average=load), indent=1))
+    write_results(args.out, "\n".join(lines) + "\n", res, cmd, load)
     return 0
 
 

@@ -13,33 +13,19 @@ import hashlib
 import json
 import logging
 import os
-import random
 import re
 import shutil
 
-import datasets
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
+from test_trainer import _dataset, _model  # the same tiny Llama and long-tailed dataset
 
-CFG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-           num_key_value_heads=2, tie_word_embeddings=False)
 ARGS = dict(per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=4, learning_rate=2e-3,
             logging_steps=1, report_to=[], save_strategy="steps", save_steps=2, disable_tqdm=True, seed=3,
             max_grad_norm=0.5, concertina_max_tokens_per_chunk=24, concertina_overlap_planning=False)
 
-
-def _dataset(n=24, seed=0):
-    rng = random.Random(seed)
-    return datasets.Dataset.from_list(
-        [{"input_ids": [rng.randrange(64) for _ in range(rng.choice([5, 9, 17, 40, 70]))]} for _ in range(n)])
-
-
-def _model():
-    torch.manual_seed(1)
-    return AutoModelForCausalLM.from_config(LlamaConfig(**CFG))
 
 
 def _trainer(output_dir, **overrides) -> ConcertinaTrainer:
