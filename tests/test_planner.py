@@ -325,3 +325,14 @@ def test_adaptive_fits_whenever_a_baseline_fits():
     adaptive = plan_step(lens, cost, layout, budget, strategy="adaptive", solver="greedy").validate()
     assert max(adaptive.predicted.peak_memory_bytes) <= budget
     assert adaptive.predicted.step_time_s <= packed.predicted.step_time_s * (1 + TOLERANCE)
+
+
+def test_a_budget_below_static_memory_is_refused_before_any_search():
+    """No plan fits a stage whose weights, gradients and optimizer state alone exceed its budget:
+    every strategy says so at once, naming the stage and the setting (it used to search for
+    seconds, and with tiny token caps for minutes, before giving up)."""
+    layout = StageLayout.even(COST.num_layers, 2)
+    static = COST.static_memory(layout, 0)
+    for strategy in STRATEGIES:
+        with pytest.raises(InfeasiblePlanError, match="stage 0's memory budget .* below its static memory alone"):
+            plan_step([9000, 300, 20], COST, layout, [int(static / 2), 0], strategy, max_tokens_per_chunk=2)

@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 from ..budgets import stage_budgets
 from ..chunking import SequenceBatch
 from ..cost import CostModel
-from ..recompute import SOLVERS
+from ..recompute import SOLVERS, InfeasiblePlanError
 from ..types import Plan, PlanError, StageLayout
 from .adaptive import ADAPTIVE_KNOBS, CHUNKING_KNOBS, plan_adaptive, plan_full_recompute, plan_no_recompute
 from .baselines import PACKED_KNOBS, SPLIT_KNOBS, plan_packed, plan_split
@@ -116,6 +116,12 @@ def plan_step(
         raise PlanError(f"the stage layout has {layout.num_layers} layers but the cost model {cost.num_layers}; "
                         "build both from the same model config")
     budgets = stage_budgets(memory_budget_bytes, layout.num_stages)
+    for s, b in enumerate(budgets):  # no plan fits: every peak is static memory plus activations
+        if b and cost.static_memory(layout, s) >= b:
+            raise InfeasiblePlanError(
+                f"{strategy}: stage {s}'s memory budget of {b} bytes ({b / 2**30:.3g} GiB) is below its static "
+                f"memory alone ({cost.static_memory(layout, s) / 2**30:.3g} GiB of weights, gradients and optimizer "
+                "state); raise the budget (concertina_memory_budget) or use more pipeline stages")
     token_cap = int(max_tokens_per_chunk) if max_tokens_per_chunk is not None else None
     return record.run(PlanRequest(lens=lens, batch=SequenceBatch(lens, cost, layout), cost=cost, layout=layout,
                                   budgets=budgets, token_cap=token_cap, solver=solver, time_limit_s=time_limit_s,
