@@ -15,15 +15,20 @@ HF_CFG = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_
               num_key_value_heads=2, tie_word_embeddings=False)
 
 
+def _tiny_run(seed: int, num_docs: int):
+    """A small long-tailed dataset (6 / 30 / 80 tokens) and a 2-layer Llama of vocabulary 64."""
+    rng = random.Random(seed)
+    ds = datasets.Dataset.from_list([{"input_ids": [rng.randrange(64) for _ in range(rng.choice([6, 30, 80]))]}
+                                     for _ in range(num_docs)])
+    torch.manual_seed(0)
+    return ds, AutoModelForCausalLM.from_config(LlamaConfig(**dict(HF_CFG, vocab_size=64, num_hidden_layers=2)))
+
+
 def test_plan_statistics_reach_tensorboard(tmp_path, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
-    rng = random.Random(0)
-    ds = datasets.Dataset.from_list([{"input_ids": [rng.randrange(64) for _ in range(rng.choice([6, 30, 80]))]}
-                                     for _ in range(12)])
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**dict(HF_CFG, vocab_size=64, num_hidden_layers=2)))
+    ds, model = _tiny_run(seed=0, num_docs=12)
     args = ConcertinaTrainingArguments(
         output_dir=str(tmp_path), report_to=["tensorboard"], max_steps=3,
         per_device_train_batch_size=4, logging_steps=1, save_strategy="no", disable_tqdm=True,
@@ -142,11 +147,7 @@ def test_noisy_steps_refit_keeps_chunk_counts_within_2x():
 def test_console_shows_a_compact_line_and_trackers_get_every_statistic(tmp_path, capsys):
     """Each logging step prints the Trainer's figures plus the step time and bubble, not the ~20
     ``concertina/*`` statistics; those still reach the log history (and so every tracker)."""
-    rng = random.Random(1)
-    ds = datasets.Dataset.from_list([{"input_ids": [rng.randrange(64) for _ in range(rng.choice([6, 30, 80]))]}
-                                     for _ in range(8)])
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**dict(HF_CFG, vocab_size=64, num_hidden_layers=2)))
+    ds, model = _tiny_run(seed=1, num_docs=8)
     args = ConcertinaTrainingArguments(
         output_dir=str(tmp_path), report_to=[], max_steps=2, per_device_train_batch_size=4, logging_steps=1,
         save_strategy="no", disable_tqdm=True, concertina_max_tokens_per_chunk=32)
