@@ -7,7 +7,9 @@ A checkpoint directory holds:
   index, ``config.json``), gathered once to the main process
   (:meth:`~concertina_hf.runtime.stage.PipelineWrapper.full_state_dict`), so
   ``AutoModelForCausalLM.from_pretrained`` loads it without this package; tied embeddings are
-  written once, as HF does, and the last stage's copy is loaded from them;
+  written once, as HF does, and the last stage's copy is loaded from them; for a ``PeftModel``
+  instead the adapter directory ``PeftModel.save_pretrained`` writes (``adapter_config.json``,
+  ``adapter_model.safetensors`` with every stage's adapter weights), as ``Trainer`` + PEFT does;
 - ``optimizer.stage{s}-of-{p}.pt``: each stage's optimizer state (replica 0 writes it);
 - ``scheduler.pt`` (the main process), plus the Trainer's own ``trainer_state.json`` and RNG files;
 - ``concertina.json``: the stage layout and the cost model the planner was using, and
@@ -58,6 +60,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .distributed import Topology
+from .integrations.peft import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, load_stage_adapter, save_adapter
 from .planning import CostModel, StageLayout
 
 __all__ = [
@@ -105,13 +108,16 @@ def layout_cost_model(checkpoint: Any) -> CostModel | None:
 # ---------------------------------------------------------------------------------- manifest
 def _required_files(directory: str, meta: dict[str, Any]) -> list[str]:
     """The files a checkpoint of this layout must hold (the model's weights included)."""
-    names = [TRAINER_STATE_NAME, "config.json", PLAN_META_NAME]
+    names = [TRAINER_STATE_NAME, PLAN_META_NAME]
     index = os.path.join(directory, "model.safetensors.index.json")
-    if os.path.isfile(index):
+    if meta.get("adapter"):  # a PEFT run: the adapter directory, as Trainer + PEFT writes it
+        names += [ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME]
+    elif os.path.isfile(index):
+        names.append("config.json")
         with open(index) as fh:
             names += ["model.safetensors.index.json"] + sorted(set(json.load(fh)["weight_map"].values()))
     else:
-        names.append("model.safetensors")
+        names += ["config.json", "model.safetensors"]
     if not meta["save_only_model"]:
         p, w = meta["pipeline_size"], meta["world_size"]
         names += [SCHEDULER_NAME] + [optimizer_name(s, p) for s in range(p)]
@@ -266,7 +272,8 @@ class StageCheckpointer:
             write_manifest(staging, global_step=global_step, digests=known, layout={
                 "world_size": self.topology.world_size, "pipeline_size": self.topology.pipeline_size,
                 "data_parallel_size": self.topology.data_parallel_size,
-                "layer_ranges": [list(r) for r in layout.layer_ranges], "save_only_model": save_only_model})
+                "layer_ranges": [list(r) for r in layout.layer_ranges], "save_only_model": save_only_model,
+                "adapter": getattr(self.pipeline, "peft_model", None) is not None})
             replaced = staging + ".replaced"
             if os.path.exists(final_dir):
                 os.replace(final_dir, replaced)
@@ -317,21 +324,32 @@ class StageCheckpointer:
                    processing_class: Any = None) -> None:
         """The full HF model directory (collective over the pipeline of replica 0; written by the
         main process). The saved config names ``attn_implementation`` (one every HF install has),
-        not the runtime's backend. ``extra_files``: name -> object for ``torch.save``."""
-        state_dict = None
-        if self.topology.replica == 0:
-            state_dict = self.pipeline.full_state_dict(self.topology.pp_group)
-        if not is_main:
-            return
-        os.makedirs(output_dir, exist_ok=True)
-        logger.info(f"Saving the full model (all {self.topology.pipeline_size} stages) to {output_dir}")
-        config = model.config
-        runtime_attn = config._attn_implementation
-        try:
-            config._attn_implementation = attn_implementation
-            model.save_pretrained(output_dir, state_dict=state_dict, is_main_process=True)
-        finally:
-            config._attn_implementation = runtime_attn
+        not the runtime's backend. ``extra_files``: name -> object for ``torch.save``. A PEFT
+        model (``pipeline.peft_model``) is saved as ``Trainer`` + PEFT saves it: the adapter
+        directory (every stage's adapter weights, :func:`~concertina_hf.integrations.peft.save_adapter`),
+        not the base model."""
+        peft_model = getattr(self.pipeline, "peft_model", None)
+        if peft_model is not None:
+            if self.topology.replica == 0:
+                logger.info(f"Saving the PEFT adapter (all {self.topology.pipeline_size} stages) to {output_dir}")
+                save_adapter(peft_model, output_dir, gather=self.topology.gather_in_pipeline, is_main=is_main)
+            if not is_main:
+                return
+        else:
+            state_dict = None
+            if self.topology.replica == 0:
+                state_dict = self.pipeline.full_state_dict(self.topology.pp_group)
+            if not is_main:
+                return
+            os.makedirs(output_dir, exist_ok=True)
+            logger.info(f"Saving the full model (all {self.topology.pipeline_size} stages) to {output_dir}")
+            config = model.config
+            runtime_attn = config._attn_implementation
+            try:
+                config._attn_implementation = attn_implementation
+                model.save_pretrained(output_dir, state_dict=state_dict, is_main_process=True)
+            finally:
+                config._attn_implementation = runtime_attn
         self._hash_in_background(output_dir, _files(output_dir))  # the weights, while the rest is written
         if processing_class is not None:
             processing_class.save_pretrained(output_dir)
@@ -367,9 +385,21 @@ class StageCheckpointer:
         return CostModel.from_dict(meta["cost_model"]) if "cost_model" in meta else None
 
     def load_stage_weights(self, model: nn.Module, checkpoint_dir: str) -> None:
-        """This stage's parameters out of a full HF checkpoint (single or sharded safetensors); an
-        unreadable (e.g. truncated) file is refused by name."""
+        """This stage's parameters out of a full HF checkpoint (single or sharded safetensors), or
+        with a PEFT model its adapter weights out of the adapter directory; an unreadable (e.g.
+        truncated) file is refused by name."""
         from safetensors import SafetensorError, safe_open
+
+        peft_model = getattr(self.pipeline, "peft_model", None)
+        if peft_model is not None:
+            if not os.path.isfile(os.path.join(checkpoint_dir, ADAPTER_CONFIG_NAME)):
+                raise ValueError(f"{checkpoint_dir} has no {ADAPTER_CONFIG_NAME}: the model is a PeftModel, so the "
+                                 "checkpoint must be a PEFT adapter directory written by this trainer")
+            try:
+                load_stage_adapter(peft_model, checkpoint_dir, self.topology.stage)
+            except ValueError as e:
+                raise CheckpointError(str(e)) from e
+            return
 
         index = os.path.join(checkpoint_dir, "model.safetensors.index.json")
         single = os.path.join(checkpoint_dir, "model.safetensors")

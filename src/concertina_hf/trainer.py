@@ -40,6 +40,7 @@ from .callbacks import ReplanCallback, use_compact_console
 from .checkpoint import StageCheckpointer
 from .collator import LengthAwareCollator, split_sequences
 from .distributed import Topology, global_grad_norm, reduce_gradients
+from .integrations.peft import base_model_of
 from .run_setup import check_trainer_arguments, resolve_run
 from .step_planner import StepPlanner
 from .steps import Step, StepReader, replica_data_loader
@@ -90,16 +91,17 @@ class ConcertinaTrainer(Trainer):
                                 preprocess_logits_for_metrics=preprocess_logits_for_metrics)
         _ = args.device  # the process group must exist before the model is split: the stage is the pipeline rank
         self.topology = Topology.build(args)
-        self.setup = resolve_run(args, model, self.topology)
+        hf_model = base_model_of(model)  # a PeftModel's HF model; the wrapper keeps the PeftModel to save adapters
+        self.setup = resolve_run(args, hf_model, self.topology)
         self.cost_model, self.layout = self.setup.cost_model, self.setup.layout
         # The saved config must name an attention every HF install has, not the runtime's backend.
-        self._saved_attn_implementation = getattr(model.config, "_attn_implementation", None) or "sdpa"
+        self._saved_attn_implementation = getattr(hf_model.config, "_attn_implementation", None) or "sdpa"
         self.pipeline = PipelineWrapper(model, self.layout, self.topology.stage)
         self.checkpointer = StageCheckpointer(self.pipeline, self.topology)
         self.planner = StepPlanner(self.setup, self.topology, overlap=args.concertina_overlap_planning)
         ahead = args.gradient_accumulation_steps if args.concertina_overlap_planning else 0
         self.steps = StepReader(self.planner, self.topology, batches_ahead=ahead,
-                                vocab_size=getattr(model.config, "vocab_size", None))
+                                vocab_size=getattr(hf_model.config, "vocab_size", None))
 
         self.replan = next((c for c in (callbacks or []) if isinstance(c, ReplanCallback)), None)
         if self.replan is None:

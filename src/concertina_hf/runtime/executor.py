@@ -12,7 +12,10 @@ message is sent) and walks this stage's program in order, deciding nothing:
   starts from its loss) and run ``torch.autograd.backward`` on the output *and* on the K/V that
   chunk's non-final slices stored, with the gradients later slices accumulated on the leaf
   aliases of that K/V (see :mod:`.attention`); keep the input gradient for its send; free the
-  chunk's K/V;
+  chunk's K/V. Received hidden states always require grad, so with frozen parameters (PEFT) the
+  gradient still reaches every adapter and the previous stage; on stage 0 the tensors that
+  depend on nothing trainable (a frozen embedding's output, the K/V of frozen projections
+  before the first adapter) are left out of the backward;
 - a batch of ``SEND_F`` / ``RECV_F`` / ``SEND_B`` / ``RECV_B``: one
   :meth:`~concertina_hf.runtime.p2p.StageComm.exchange` (shapes from the plan, the dtype from
   :meth:`PipelineExecutor.wire_dtype`), returning once its receives have landed.
@@ -410,7 +413,12 @@ class _Step:
                     if leaf.grad is not None:
                         tensors.append(t)
                         grads.append(leaf.grad)
-        torch.autograd.backward(tensors, grads)
+        # With frozen parameters (PEFT: a frozen embedding, adapters only in some layers) a tensor
+        # of stage 0 may not depend on anything trainable: its gradient has nowhere to go. Later
+        # stages' inputs always require grad, so their gradient still reaches the previous stage.
+        keep = [i for i, t in enumerate(tensors) if t.requires_grad]
+        if keep:
+            torch.autograd.backward([tensors[i] for i in keep], [grads[i] for i in keep])
         del tensors, grads, out
         for s in slices:
             if not s.final:  # every later slice has run backward: this K/V is done

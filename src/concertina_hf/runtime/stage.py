@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..integrations.peft import base_model_of, check_peft_model, is_peft_model
 from ..planning.types import StageLayout
 from .attention import ChunkAttentionContext, register_attention
 
@@ -84,10 +85,20 @@ class PipelineWrapper(nn.Module):
 
     ``parameters()`` / ``named_parameters()`` / ``state_dict()`` are those of the pruned HF model,
     so names are the original HF names and only this stage's parameters appear.
+
+    ``model`` may be a ``peft.PeftModel``: the HF model inside it (adapter layers in place) is
+    pruned, and :attr:`peft_model` keeps the ``PeftModel`` for saving the adapter
+    (:mod:`concertina_hf.integrations.peft`).
     """
 
     def __init__(self, model: nn.Module, layout: StageLayout, stage: int) -> None:
         super().__init__()
+        peft_model = None
+        if is_peft_model(model):
+            check_peft_model(model, layout.num_stages)
+            peft_model, model = model, base_model_of(model)
+        # not a registered child: its parameters are the HF model's, reached through self.model
+        object.__setattr__(self, "peft_model", peft_model)
         for path in ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head"):
             _require(model, path)
         layers = model.model.layers
