@@ -59,7 +59,6 @@ import dataclasses
 import datetime
 import gc
 import json
-import math
 import os
 import pathlib
 import platform
@@ -520,10 +519,10 @@ def section_attention(chk: Check, rec: dict) -> None:
 
 def _has_varlen() -> bool:
     try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+        import torch.nn.attention.varlen as varlen
     except Exception:
         return False
-    return True
+    return hasattr(varlen, "varlen_attn")
 
 
 def _dtype_bytes(dtype: torch.dtype) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Callable
 
 import torch
@@ -121,10 +122,10 @@ class ConcertinaTrainer(Trainer):
     def _get_dataloader(self, dataset, description: str, batch_size: int, sampler_fn=None, is_training: bool = False,
                         dataloader_key: str | None = None) -> DataLoader:
         """The Trainer's data loader, sharded over data-parallel replicas only (never over stages)."""
-        import datasets
-
+        # a datasets.Dataset exists only once `datasets` is imported: no import (the package may be absent)
+        datasets = sys.modules.get("datasets")
         data_collator = self.data_collator
-        if isinstance(dataset, datasets.Dataset):
+        if datasets is not None and isinstance(dataset, datasets.Dataset):
             dataset = self._remove_unused_columns(dataset, description=description)
         else:
             data_collator = self._get_collator_with_removed_columns(self.data_collator, description=description)
