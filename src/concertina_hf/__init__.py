@@ -14,6 +14,8 @@ _EXPORTS = {
     "ConcertinaTrainingArguments": "concertina_hf.args",
     "LengthAwareCollator": "concertina_hf.collator",
     "ConcertinaTrainer": "concertina_hf.trainer",
+    "ConcertinaSFTTrainer": "concertina_hf.integrations.trl",  # needs trl (extra [trl])
+    "ConcertinaSFTConfig": "concertina_hf.integrations.trl",
     "ReplanCallback": "concertina_hf.callbacks",
     "StepPlanner": "concertina_hf.step_planner",
     "Topology": "concertina_hf.distributed",

@@ -32,7 +32,9 @@ class LengthAwareCollator:
 
     ``max_length``: sequences longer than this are truncated to their first ``max_length``
     tokens (``None``: keep them whole). Empty sequences are dropped (they hold no token to
-    train on). Other fields of the rows (``length``, ``text``, ...) are ignored.
+    train on). A row with ``seq_lengths`` (a packed row of TRL's ``pack_dataset``) holds that
+    many documents: each becomes its own sequence, so packed documents never attend to each
+    other. Other fields of the rows (``length``, ``text``, ...) are ignored.
 
     >>> collate = LengthAwareCollator(max_length=4)
     >>> batch = collate([{"input_ids": [5, 6, 7]},
@@ -48,6 +50,8 @@ class LengthAwareCollator:
     tensor([3, 4, 2])
     >>> [t.tolist() for t in split_sequences(batch)[0]]
     [[5, 6, 7], [8, 9, 10, 11], [13, 14]]
+    >>> collate([{"input_ids": [5, 6, 7, 8, 9], "seq_lengths": [2, 3]}])["seq_lens"]
+    tensor([2, 3])
     """
 
     max_length: int | None = None
@@ -72,17 +76,26 @@ class LengthAwareCollator:
             y = _as_list(row["labels"]) if row.get("labels") is not None else list(x)
             if len(y) != len(x):
                 raise ValueError(f"row {i}: {len(y)} labels for {len(x)} input_ids; labels must be unshifted, one per token")
-            if self.max_length is not None:
-                x, y = x[: self.max_length], y[: self.max_length]
-            if not x:
-                continue
-            # The first label of a sequence is never a target of its own tokens; -100 also keeps a
-            # flat HF forward from training the previous sequence's last token to predict it.
-            y[0] = -100
-            ids += x
-            labels += y
-            positions += range(len(x))
-            lens.append(len(x))
+            docs = [len(x)]
+            if row.get("seq_lengths") is not None:
+                docs = _as_list(row["seq_lengths"])
+                if sum(docs) != len(x):
+                    raise ValueError(f"row {i}: seq_lengths sum to {sum(docs)} but the row has {len(x)} input_ids")
+            start = 0
+            for n in docs:
+                dx, dy = x[start:start + n], y[start:start + n]
+                start += n
+                if self.max_length is not None:
+                    dx, dy = dx[: self.max_length], dy[: self.max_length]
+                if not dx:
+                    continue
+                # The first label of a sequence is never a target of its own tokens; -100 also keeps a
+                # flat HF forward from training the previous sequence's last token to predict it.
+                dy[0] = -100
+                ids += dx
+                labels += dy
+                positions += range(len(dx))
+                lens.append(len(dx))
         out = {
             "input_ids": torch.tensor([ids], dtype=torch.long),
             "labels": torch.tensor([labels], dtype=torch.long),

@@ -83,7 +83,10 @@ class ConcertinaTrainer(Trainer):
         optimizers: tuple = (None, None),
         optimizer_cls_and_kwargs: tuple | None = None,
         preprocess_logits_for_metrics: Callable | None = None,
+        **kwargs,
     ):
+        """Extra keyword arguments go to the next class of the MRO (e.g. ``SFTTrainer``'s
+        ``formatting_func`` in :class:`~concertina_hf.integrations.trl.ConcertinaSFTTrainer`)."""
         from .runtime import PipelineExecutor, PipelineWrapper
 
         args = args if args is not None else ConcertinaTrainingArguments(output_dir="tmp_trainer")
@@ -110,15 +113,26 @@ class ConcertinaTrainer(Trainer):
             callbacks = list(callbacks or []) + [self.replan]
         super().__init__(
             model=self.pipeline.model, args=args,
-            data_collator=LengthAwareCollator() if data_collator is None else data_collator,
+            data_collator=self._default_data_collator() if data_collator is None else data_collator,
             train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
-            callbacks=callbacks, optimizers=optimizers, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+            callbacks=callbacks, optimizers=optimizers, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs, **kwargs,
         )
         self.executor = PipelineExecutor(self.pipeline, pp_group=self.topology.pp_group, device=args.device)
         self.replan.bind(self)
         use_compact_console(self.callback_handler)
 
     # ------------------------------------------------------------------ data
+    def _default_data_collator(self):
+        """The collator when none is given (``None``: the next class of the MRO picks its own)."""
+        return LengthAwareCollator()
+
+    def _set_signature_columns_if_needed(self):
+        """Trainer's columns plus ``seq_lengths``, the document lengths of packed rows (TRL's
+        ``pack_dataset``): without them the collator could not keep packed documents apart."""
+        super()._set_signature_columns_if_needed()
+        if "seq_lengths" not in self._signature_columns:
+            self._signature_columns = list(self._signature_columns) + ["seq_lengths"]
+
     def _get_dataloader(self, dataset, description: str, batch_size: int, sampler_fn=None, is_training: bool = False,
                         dataloader_key: str | None = None) -> DataLoader:
         """The Trainer's data loader, sharded over data-parallel replicas only (never over stages)."""

@@ -1,0 +1,121 @@
+"""TRL's ``SFTTrainer`` on the pipeline: :class:`ConcertinaSFTTrainer` and :class:`ConcertinaSFTConfig`.
+
+``ConcertinaSFTTrainer`` is ``class ConcertinaSFTTrainer(ConcertinaTrainer, SFTTrainer)``: TRL's
+constructor prepares the datasets as it always does (formatting, chat templates, tokenizing,
+completion-only / assistant-only labels, truncation, packing with ``bfd`` / ``wrapped``) and
+builds its collator (``padding_free`` flattens each batch with document boundaries in
+``cu_seq_lens_q``); :class:`~concertina_hf.trainer.ConcertinaTrainer` runs every optimizer step as
+one planned pipeline step. Every document of a padding-free batch is a sequence of its own for the
+planner (packed documents never attend to each other, as in ``SFTTrainer`` with padding-free
+attention), and the loss is TRL's ``nll``: the summed token cross-entropy over the labels that are
+not ``-100`` divided by the step's label count, i.e. ``Trainer``'s token-weighted loss.
+
+``peft_config`` wraps the model with PEFT before it is split over the stages (the adapter is
+initialised after ``set_seed(args.seed)``, as ``SFTTrainer`` does), so LoRA on SFT data trains and
+saves as in :mod:`concertina_hf.integrations.peft`.
+
+Refused, naming the setting (each would train something else than ``SFTTrainer`` does):
+``loss_type="dft"``, ``label_smoothing_factor > 0``, ``compute_loss_func``,
+``activation_offloading``, ``use_liger_kernel``, and a mixture-of-experts router auxiliary loss.
+Not reproduced: TRL's extra training metrics (``entropy``, ``mean_token_accuracy``,
+``num_tokens``) are not logged; the loss, learning rate and gradient norm are.
+
+Import it from here (``from concertina_hf.integrations.trl import ConcertinaSFTTrainer``) or as
+``concertina_hf.ConcertinaSFTTrainer``; ``trl`` is imported only then (extra ``[trl]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from transformers import set_seed
+from trl import SFTConfig, SFTTrainer
+
+from ..args import ConcertinaTrainingArguments
+from ..trainer import ConcertinaTrainer
+
+__all__ = ["ConcertinaSFTConfig", "ConcertinaSFTTrainer"]
+
+
+@dataclass
+class ConcertinaSFTConfig(ConcertinaTrainingArguments, SFTConfig):
+    """``SFTConfig`` (``packing``, ``packing_strategy``, ``padding_free``, ``max_length``,
+    ``completion_only_loss``, ``dataset_text_field``, ...) plus the ``concertina_*`` fields of
+    :class:`~concertina_hf.args.ConcertinaTrainingArguments`. ``SFTConfig``'s defaults apply
+    (``bf16=True`` unless ``fp16``, ``learning_rate=2e-5``, ``logging_steps=10``,
+    ``gradient_checkpointing=True``, which the planner's recompute replaces)."""
+
+
+def _check_sft_args(args: ConcertinaSFTConfig) -> None:
+    if args.loss_type != "nll":
+        raise NotImplementedError(
+            f"ConcertinaSFTTrainer computes the 'nll' loss inside the pipeline; loss_type={args.loss_type!r} is not "
+            "supported, set loss_type='nll'")
+    if args.label_smoothing_factor > 0:
+        raise NotImplementedError(
+            f"label_smoothing_factor={args.label_smoothing_factor}: the pipeline's loss has no label smoothing; set "
+            "label_smoothing_factor=0")
+    if args.activation_offloading:
+        raise NotImplementedError(
+            "activation_offloading=True is not supported: the planner decides recompute per chunk and stage to fit "
+            "concertina_memory_budget; set activation_offloading=False")
+    if args.use_liger_kernel:
+        raise NotImplementedError(
+            "use_liger_kernel=True is not supported: the pipeline runs the model's own layers; set "
+            "use_liger_kernel=False")
+
+
+class ConcertinaSFTTrainer(ConcertinaTrainer, SFTTrainer):
+    """TRL's ``SFTTrainer`` (dataset preparation, collator) over an adaptive pipeline (see the
+    module docstring). Same constructor as ``SFTTrainer`` except ``quantization_config``; ``args``
+    must be :class:`ConcertinaSFTConfig`; ``model`` a model or a name for
+    ``AutoModelForCausalLM.from_pretrained`` (with ``args.model_init_kwargs``)."""
+
+    def __init__(
+        self,
+        model: Any,
+        args: ConcertinaSFTConfig | None = None,
+        data_collator: Callable | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        compute_loss_func: Callable | None = None,
+        compute_metrics: Callable | None = None,
+        callbacks: list | None = None,
+        optimizers: tuple = (None, None),
+        optimizer_cls_and_kwargs: tuple | None = None,
+        preprocess_logits_for_metrics: Callable | None = None,
+        peft_config: Any = None,
+        formatting_func: Callable | None = None,
+    ):
+        if args is None:
+            args = ConcertinaSFTConfig(output_dir="tmp_trainer")
+        if not isinstance(args, ConcertinaSFTConfig):
+            raise TypeError(
+                f"ConcertinaSFTTrainer needs ConcertinaSFTConfig, got {type(args).__name__}; build the arguments with "
+                "concertina_hf.integrations.trl.ConcertinaSFTConfig(...) (SFTConfig's fields plus concertina_*)")
+        _check_sft_args(args)
+        if isinstance(model, str):
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(model, **dict(args.model_init_kwargs or {}))
+        if peft_config is not None:  # before the model is split: every stage gets its adapters
+            from peft import get_peft_model
+
+            set_seed(args.seed)
+            model = get_peft_model(model, peft_config)
+        super().__init__(
+            model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+            eval_dataset=eval_dataset, processing_class=processing_class, compute_loss_func=compute_loss_func,
+            compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics, formatting_func=formatting_func,
+        )
+        if self.aux_loss_enabled:
+            raise NotImplementedError(
+                "the model adds a router auxiliary loss (router_aux_loss_coef), which the pipeline's loss does not "
+                "include; set router_aux_loss_coef=0.0")
+
+    def _default_data_collator(self):
+        return None  # SFTTrainer builds its own (padding-free when asked), which the pipeline understands
