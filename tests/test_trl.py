@@ -7,6 +7,7 @@
 - plain ``ConcertinaTrainer`` on the dataset ``SFTTrainer`` packed, with its default collator and
   with TRL's padding-free collator: ``remove_unused_columns`` keeps ``seq_lengths``, so the
   packed documents stay apart and the losses are ``SFTTrainer``'s;
+- ``peft_config=LoraConfig(...)``: the same adapter as ``SFTTrainer``'s, trained to the same update;
 - settings that would train something else are refused, naming them.
 """
 
@@ -71,17 +72,19 @@ def _worst(ref: dict, got: dict) -> float:
     return max(((ref[k] - got[k]).norm() / ref[k].norm().clamp_min(1e-12)).item() for k in ref)
 
 
-def _sft_pair(tokenizer, tmp_path, dataset, **sft):
+def _sft_pair(tokenizer, tmp_path, dataset, peft_config=None, **sft):
     """SFTTrainer and ConcertinaSFTTrainer trained on the same data with the same SFT config."""
+    import copy
+
     from trl import SFTConfig, SFTTrainer
 
     from concertina_hf.integrations.trl import ConcertinaSFTConfig, ConcertinaSFTTrainer
 
     ref = SFTTrainer(model=_model(tokenizer), args=SFTConfig(output_dir=str(tmp_path / "ref"), **sft, **COMMON),
-                     train_dataset=dataset, processing_class=tokenizer)
+                     train_dataset=dataset, processing_class=tokenizer, peft_config=copy.deepcopy(peft_config))
     ref.train()
     ours = ConcertinaSFTTrainer(
-        model=_model(tokenizer), train_dataset=dataset, processing_class=tokenizer,
+        model=_model(tokenizer), train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config,
         args=ConcertinaSFTConfig(output_dir=str(tmp_path / "ours"), concertina_max_tokens_per_chunk=16, **sft,
                                  **COMMON))
     ours.train()
@@ -143,3 +146,32 @@ def test_refusals(tokenizer, tmp_path):
     with pytest.raises(NotImplementedError, match="loss_type"):
         ConcertinaSFTTrainer(model=_model(tokenizer), train_dataset=_text_dataset(4), processing_class=tokenizer,
                              args=ConcertinaSFTConfig(output_dir=str(tmp_path), bf16=False, loss_type="dft"))
+
+
+def test_peft_config_lora_matches_sfttrainer(tokenizer, tmp_path):
+    """``peft_config``: the adapter is made (same seed as SFTTrainer) before the model is split."""
+    from peft import LoraConfig
+
+    from concertina_hf.integrations.peft import is_peft_model
+
+    lora = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+    ref, ours = _sft_pair(tokenizer, tmp_path, _text_dataset(), packing=True, max_length=64,
+                          peft_config=LoraConfig(**lora))
+    assert is_peft_model(ref.model) and is_peft_model(ours.pipeline.peft_model)
+    losses, ref_losses = _logged(ours), _logged(ref)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (losses, ref_losses)
+    want = {k.removeprefix("base_model.model."): v for k, v in ref.model.state_dict().items()}
+    have = ours.model.state_dict()
+    assert _worst(want, have) < 1e-4
+    # the adapter's update (all its tensors together) within 1e-3 of SFTTrainer's, as in test_peft
+    from peft import get_peft_model
+    from transformers import set_seed
+
+    set_seed(COMMON["seed"])
+    init = {k.removeprefix("base_model.model."): v
+            for k, v in get_peft_model(_model(tokenizer), LoraConfig(**lora)).state_dict().items()}
+    trained = [k for k in want if "lora_" in k]
+    assert trained and all(not torch.equal(want[k], init[k]) for k in trained)
+    update = torch.cat([(want[k] - init[k]).flatten() for k in trained])
+    error = torch.cat([(have[k] - want[k]).flatten() for k in trained])
+    assert (error.norm() / update.norm()).item() < 1e-3
