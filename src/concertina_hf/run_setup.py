@@ -26,7 +26,7 @@ from .checkpoint import layout_cost_model
 from .distributed import Topology
 from .planning import CostModel, DeviceSpec, StageLayout, partition_layers, stage_budgets
 
-__all__ = ["RunSetup", "check_static_memory", "check_trainer_arguments", "resolve_run"]
+__all__ = ["RunSetup", "check_static_memory", "check_trainer_arguments", "count_frozen_parameters", "resolve_run"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ def resolve_run(args: ConcertinaTrainingArguments, model: nn.Module, topology: T
         cost = initial_cost_model(args, model.config, args.device, dtype_bytes, device_memory)
         if args.concertina_cost_model == "profiled" and not args.concertina_cost_model_path:
             cost = _profile_on_rank0(model, args, cost, topology)
+        cost = count_frozen_parameters(cost, model)
     if topology.pipeline_size > 1 and ties_embeddings(model):
         cost = count_head_copy(cost)
     layout = partition_layers(cost, topology.pipeline_size)
@@ -179,6 +180,27 @@ def ties_embeddings(model: nn.Module) -> bool:
     head = getattr(getattr(model, "lm_head", None), "weight", None)
     embed = getattr(getattr(getattr(model, "model", None), "embed_tokens", None), "weight", None)
     return head is not None and head is embed
+
+
+def count_frozen_parameters(cost: CostModel, model: nn.Module) -> CostModel:
+    """The cost model with frozen parameters (a PEFT base model, a frozen embedding) holding only
+    their weights: ``static_bytes_per_param`` assumes every parameter has a gradient and optimizer
+    state (16 bytes with Adam); a frozen one keeps its ``element_size()`` bytes, plus what the
+    model adds above 16 per parameter (autocast copies of the weights, see the profiler). The
+    saving is spread over all parameters (one figure per model, not per stage)."""
+    total = trainable = 0
+    frozen_bytes = 0.0
+    for p in model.parameters():
+        total += p.numel()
+        if p.requires_grad:
+            trainable += p.numel()
+        else:
+            frozen_bytes += p.numel() * p.element_size()
+    if total == 0 or trainable == total:
+        return cost
+    extra = max(0.0, cost.static_bytes_per_param - 16.0)
+    per_param = (frozen_bytes + (total - trainable) * extra + trainable * cost.static_bytes_per_param) / total
+    return replace(cost, static_bytes_per_param=min(cost.static_bytes_per_param, per_param))
 
 
 def count_head_copy(cost: CostModel) -> CostModel:
