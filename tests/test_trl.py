@@ -3,7 +3,7 @@
 - ``ConcertinaSFTTrainer`` with BFD packing (padding-free: documents of a packed row must not
   attend to each other) and with completion-only loss on a prompt-completion dataset
   (padding-free, no packing): same per-step loss (1e-5) and final weights (1e-4 relative) as
-  ``SFTTrainer`` with the same config;
+  ``SFTTrainer`` with the same config, and the same eval loss;
 - plain ``ConcertinaTrainer`` on the dataset ``SFTTrainer`` packed, with its default collator and
   with TRL's padding-free collator: ``remove_unused_columns`` keeps ``seq_lengths``, so the
   packed documents stay apart and the losses are ``SFTTrainer``'s;
@@ -72,7 +72,7 @@ def _worst(ref: dict, got: dict) -> float:
     return max(((ref[k] - got[k]).norm() / ref[k].norm().clamp_min(1e-12)).item() for k in ref)
 
 
-def _sft_pair(tokenizer, tmp_path, dataset, peft_config=None, **sft):
+def _sft_pair(tokenizer, tmp_path, dataset, peft_config=None, eval_dataset=None, **sft):
     """SFTTrainer and ConcertinaSFTTrainer trained on the same data with the same SFT config."""
     import copy
 
@@ -81,10 +81,12 @@ def _sft_pair(tokenizer, tmp_path, dataset, peft_config=None, **sft):
     from concertina_hf.integrations.trl import ConcertinaSFTConfig, ConcertinaSFTTrainer
 
     ref = SFTTrainer(model=_model(tokenizer), args=SFTConfig(output_dir=str(tmp_path / "ref"), **sft, **COMMON),
-                     train_dataset=dataset, processing_class=tokenizer, peft_config=copy.deepcopy(peft_config))
+                     train_dataset=dataset, eval_dataset=eval_dataset, processing_class=tokenizer,
+                     peft_config=copy.deepcopy(peft_config))
     ref.train()
     ours = ConcertinaSFTTrainer(
-        model=_model(tokenizer), train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config,
+        model=_model(tokenizer), train_dataset=dataset, eval_dataset=eval_dataset, processing_class=tokenizer,
+        peft_config=peft_config,
         args=ConcertinaSFTConfig(output_dir=str(tmp_path / "ours"), concertina_max_tokens_per_chunk=16, **sft,
                                  **COMMON))
     ours.train()
@@ -93,7 +95,8 @@ def _sft_pair(tokenizer, tmp_path, dataset, peft_config=None, **sft):
 
 @pytest.fixture(scope="module")
 def packed(tokenizer, tmp_path_factory):
-    return _sft_pair(tokenizer, tmp_path_factory.mktemp("packed"), _text_dataset(), packing=True, max_length=64)
+    return _sft_pair(tokenizer, tmp_path_factory.mktemp("packed"), _text_dataset(), packing=True, max_length=64,
+                     eval_dataset=_text_dataset(8, seed=5))
 
 
 def test_packed_bfd_matches_sfttrainer(packed):
@@ -106,6 +109,8 @@ def test_packed_bfd_matches_sfttrainer(packed):
     assert len(losses) == len(ref_losses) == COMMON["max_steps"]
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (losses, ref_losses)
     assert _worst(ref.model.state_dict(), ours.model.state_dict()) < 1e-4
+    # evaluation: TRL packs the eval dataset too; the pipeline's eval loss is SFTTrainer's
+    assert abs(ours.evaluate()["eval_loss"] - ref.evaluate()["eval_loss"]) < 1e-5
 
 
 def test_completion_only_padding_free_matches_sfttrainer(tokenizer, tmp_path):
