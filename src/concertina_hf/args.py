@@ -31,6 +31,7 @@ from .planning import SOLVERS, STRATEGIES, stage_budgets
 __all__ = [
     "COST_MODEL_SOURCES",
     "ConcertinaTrainingArguments",
+    "NONFINITE_MODES",
     "SOLVERS",
     "STRATEGIES",
     "parse_memory_budget",
@@ -45,6 +46,8 @@ def _option(default, help: str):
     return field(default=default, metadata={"help": help})
 
 COST_MODEL_SOURCES = ("analytic", "profiled", "online")
+#: concertina_nonfinite: stop every rank, or drop the step (see concertina_hf.step_guard)
+NONFINITE_MODES = ("raise", "skip")
 
 _UNITS = {
     "": 1, "b": 1,
@@ -197,6 +200,21 @@ class ConcertinaTrainingArguments(TrainingArguments):
         "Every N optimizer steps write the step's planned and measured Gantt chart to "
         "<output_dir>/gantt/ (and to wandb when it is a tracker); 0 disables.",
     )
+    concertina_nonfinite: str = _option(
+        "raise",
+        "What a step with a NaN or an infinity (in a stage's activations, the loss or the gradients; checked "
+        "once per step over every stage and replica) does: 'raise' stops every rank naming the step, the plan, "
+        "the stage and the sequences; 'skip' drops the step (gradients discarded, weights and optimizer state "
+        "untouched), logs a warning and counts it in concertina/nonfinite_steps_skipped. A step without any "
+        "trainable token is logged with loss NaN ('raise') or dropped ('skip').",
+    )
+    concertina_self_check: bool = _option(
+        True,
+        "At construction, before the model is split, run a tiny packed and split probe through the runtime's "
+        "own stage computations and compare per-token losses and a few gradients with the HF model run on each "
+        "sequence alone, and HF's training loss with plain cross-entropy (auxiliary losses); a mismatch refuses "
+        "the model, naming its type and what differs.",
+    )
 
     def __post_init__(self):
         self._check_concertina_fields()
@@ -259,6 +277,10 @@ class ConcertinaTrainingArguments(TrainingArguments):
             raise ValueError(
                 "concertina_cost_model='online' refits every concertina_replan_interval steps; set "
                 "concertina_replan_interval to a positive number of steps"
+            )
+        if self.concertina_nonfinite not in NONFINITE_MODES:
+            raise ValueError(
+                f"concertina_nonfinite={self.concertina_nonfinite!r}: choose one of {', '.join(NONFINITE_MODES)}"
             )
         if self.concertina_gantt_steps < 0:
             raise ValueError(f"concertina_gantt_steps must be >= 0, got {self.concertina_gantt_steps}")

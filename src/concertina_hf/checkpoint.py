@@ -12,6 +12,8 @@ A checkpoint directory holds:
   ``adapter_model.safetensors`` with every stage's adapter weights), as ``Trainer`` + PEFT does;
 - ``optimizer.stage{s}-of-{p}.pt``: each stage's optimizer state (replica 0 writes it);
 - ``scheduler.pt`` (the main process), plus the Trainer's own ``trainer_state.json`` and RNG files;
+- ``concertina_rng_{i}.pt`` (``concertina_rng.pt`` for one process): process ``i``'s own random
+  stream, from which its stage draws dropout (:class:`~concertina_hf.runtime.rng.StageRNG`);
 - ``concertina.json``: the stage layout and the cost model the planner was using, and
   ``layout_cost_model.json``: the cost model the stage layout was made from (pass it as
   ``concertina_cost_model_path`` to rebuild the same layout; a resumed run must split the
@@ -29,7 +31,7 @@ Verified loading: :func:`verify_checkpoint` re-hashes every file listed in the m
 refuses, naming the file, one that is missing, of another size or another hash.
 :func:`latest_verified_checkpoint` (``train(resume_from_checkpoint=True)``) takes the newest
 checkpoint that verifies and says why it skipped newer ones; a file the resume needs (a stage's
-optimizer shard, ``scheduler.pt``, this process's RNG file) is an error when missing, never a
+optimizer shard, ``scheduler.pt``, this process's RNG files) is an error when missing, never a
 silent default.
 
 Costs: saving moves every parameter once to pipeline rank 0 of replica 0; loading reads only
@@ -65,7 +67,7 @@ from .planning import CostModel, StageLayout
 
 __all__ = [
     "LAYOUT_COST_NAME", "MANIFEST_NAME", "PLAN_META_NAME", "SCHEDULER_NAME", "STAGING_PREFIX", "CheckpointError",
-    "StageCheckpointer", "latest_verified_checkpoint", "layout_cost_model", "optimizer_name", "rng_state_name",
+    "StageCheckpointer", "latest_verified_checkpoint", "layout_cost_model", "optimizer_name", "rng_state_name", "stage_rng_name",
     "verify_checkpoint", "write_manifest",
 ]
 
@@ -97,6 +99,11 @@ def rng_state_name(world_size: int, process_index: int) -> str:
     return "rng_state.pth" if world_size <= 1 else f"rng_state_{process_index}.pth"
 
 
+def stage_rng_name(world_size: int, process_index: int) -> str:
+    """The file name of one process's own random stream (its stage's dropout)."""
+    return "concertina_rng.pt" if world_size <= 1 else f"concertina_rng_{process_index}.pt"
+
+
 def layout_cost_model(checkpoint: Any) -> CostModel | None:
     """The cost model a checkpoint's stage layout was made from (``None`` if not a concertina one)."""
     if not isinstance(checkpoint, str) or not os.path.isfile(os.path.join(checkpoint, LAYOUT_COST_NAME)):
@@ -121,7 +128,7 @@ def _required_files(directory: str, meta: dict[str, Any]) -> list[str]:
     if not meta["save_only_model"]:
         p, w = meta["pipeline_size"], meta["world_size"]
         names += [SCHEDULER_NAME] + [optimizer_name(s, p) for s in range(p)]
-        names += [rng_state_name(w, i) for i in range(w)]
+        names += [rng_state_name(w, i) for i in range(w)] + [stage_rng_name(w, i) for i in range(w)]
     return names
 
 
@@ -316,6 +323,20 @@ class StageCheckpointer:
             found = sorted(os.path.basename(p) for p in glob.glob(os.path.join(checkpoint, "rng_state*")))
             raise CheckpointError(f"{path} is missing (found: {found or 'none'}): resume with as many processes "
                                   "as the checkpoint was written with")
+
+    def save_stage_rng(self, output_dir: str, state: dict[str, Any]) -> None:
+        """This process's random stream (:meth:`StageRNG.state_dict
+        <concertina_hf.runtime.rng.StageRNG.state_dict>`) into the checkpoint being written."""
+        os.makedirs(output_dir, exist_ok=True)
+        torch.save(state, os.path.join(output_dir, stage_rng_name(self.topology.world_size, self.topology.rank)))
+
+    def load_stage_rng(self, checkpoint: str) -> dict[str, Any]:
+        """This process's random stream from a checkpoint; an error naming the file when missing."""
+        path = os.path.join(checkpoint, stage_rng_name(self.topology.world_size, self.topology.rank))
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path} is missing: the stage's dropout stream would restart from the seed; resume "
+                                  "with as many processes as the checkpoint was written with")
+        return _torch_load(path, "cpu")
 
     # ------------------------------------------------------------------ model
     def save_model(self, output_dir: str, *, layout: StageLayout, model: nn.Module, is_main: bool,

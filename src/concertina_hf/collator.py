@@ -7,7 +7,15 @@ same layout as ``transformers.DataCollatorWithFlattening``): ``position_ids`` re
 each sequence, so HF's attention masks keep the sequences apart, and the first label of every
 sequence is ``-100``, so no token is ever trained to predict the next sequence's first token.
 Labels are per sequence: a row's own ``labels`` when it has them (``-100`` entries kept), else
-its ``input_ids``.
+its ``input_ids``. A row's positions with ``attention_mask == 0`` (pre-padded rows) are dropped:
+padding never enters a chunk.
+
+Padding and ``Trainer``: HF's causal-LM loss ignores ``attention_mask``: it trains every target
+whose label is not ``-100``, including targets at padded positions and targets predicted from a
+padded position. ConcertinaTrainer drops padding, so it does not train those;
+:func:`padding_targets` counts them, and the collator (and ``ConcertinaTrainer`` for any other
+collator's padded batches) warns once with the count. Give padded positions the label ``-100``
+(``DataCollatorForLanguageModeling`` does) and the two agree.
 
 Cost: one pass over the tokens (a Python list concatenation and one tensor per field).
 :func:`split_sequences` is the inverse, and also understands the batches of
@@ -17,12 +25,24 @@ Cost: one pass over the tokens (a Python list concatenation and one tensor per f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
 
-__all__ = ["LengthAwareCollator", "split_sequences"]
+__all__ = ["LengthAwareCollator", "padding_targets", "padding_warning", "split_sequences"]
+
+logger = logging.getLogger(__name__)
+
+
+def padding_warning(count: int, where: str) -> str:
+    """The once-per-run warning about ``count`` targets involving padding (see the module docstring)."""
+    return (f"{count} label(s) of {where} involve padding (a position with attention_mask == 0, or a target "
+            "predicted from one) and are not -100: ConcertinaTrainer drops padded positions, so it does not train "
+            "on them, but Trainer would have trained on them (HF's loss ignores attention_mask). Set the labels of "
+            "padded positions to -100 (DataCollatorForLanguageModeling does) to train the same model; this warning "
+            "is shown once")
 
 
 @dataclass
@@ -31,10 +51,12 @@ class LengthAwareCollator:
     padding-free row.
 
     ``max_length``: sequences longer than this are truncated to their first ``max_length``
-    tokens (``None``: keep them whole). Empty sequences are dropped (they hold no token to
-    train on). A row with ``seq_lengths`` (a packed row of TRL's ``pack_dataset``) holds that
-    many documents: each becomes its own sequence, so packed documents never attend to each
-    other. Other fields of the rows (``length``, ``text``, ...) are ignored.
+    tokens (``None``: keep them whole). A row's ``attention_mask`` (when it has one) drops its
+    padded positions first, warning once when some of them carry labels (see the module
+    docstring). Empty sequences are dropped (they hold no token to train on). A row with
+    ``seq_lengths`` (a packed row of TRL's ``pack_dataset``) holds that many documents: each
+    becomes its own sequence, so packed documents never attend to each other. Other fields of
+    the rows (``length``, ``text``, ...) are ignored.
 
     >>> collate = LengthAwareCollator(max_length=4)
     >>> batch = collate([{"input_ids": [5, 6, 7]},
@@ -56,6 +78,7 @@ class LengthAwareCollator:
 
     max_length: int | None = None
     return_position_ids: bool = True
+    _warned: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.max_length is not None and self.max_length < 1:
@@ -76,6 +99,17 @@ class LengthAwareCollator:
             y = _as_list(row["labels"]) if row.get("labels") is not None else list(x)
             if len(y) != len(x):
                 raise ValueError(f"row {i}: {len(y)} labels for {len(x)} input_ids; labels must be unshifted, one per token")
+            m = _as_list(row["attention_mask"]) if row.get("attention_mask") is not None else None
+            if m is not None:
+                if len(m) != len(x):
+                    raise ValueError(f"row {i}: attention_mask has {len(m)} entries for {len(x)} input_ids")
+                if all(m):
+                    m = None
+                else:
+                    lost = padding_targets({"input_ids": [x], "labels": [y], "attention_mask": [m]})
+                    if lost and not self._warned:
+                        self._warned = True
+                        logger.warning(padding_warning(lost, f"row {i} of a batch"))
             docs = [len(x)]
             if row.get("seq_lengths") is not None:
                 docs = _as_list(row["seq_lengths"])
@@ -84,6 +118,10 @@ class LengthAwareCollator:
             start = 0
             for n in docs:
                 dx, dy = x[start:start + n], y[start:start + n]
+                if m is not None:  # padding never enters a chunk
+                    keep = m[start:start + n]
+                    dx = [t for t, k in zip(dx, keep) if k]
+                    dy = [t for t, k in zip(dy, keep) if k]
                 start += n
                 if self.max_length is not None:
                     dx, dy = dx[: self.max_length], dy[: self.max_length]
@@ -110,6 +148,31 @@ def _as_list(x: Any) -> list[int]:
     if isinstance(x, torch.Tensor):
         return x.reshape(-1).tolist()
     return [int(t) for t in x]
+
+
+def padding_targets(batch: Mapping[str, Any]) -> int:
+    """How many targets ``Trainer`` would train on in a padded batch that ConcertinaTrainer
+    drops: label ``labels[r, t + 1]`` is a target of position ``t`` (HF's shift) unless it is
+    ``-100``; it involves padding when ``attention_mask`` is 0 at ``t`` or at ``t + 1``. 0 for a
+    batch without ``attention_mask``.
+
+    >>> padding_targets({"input_ids": [[5, 6, 0, 0]], "labels": [[5, 6, 0, 0]], "attention_mask": [[1, 1, 0, 0]]})
+    2
+    >>> padding_targets({"input_ids": [[5, 6, 0]], "labels": [[5, 6, -100]], "attention_mask": [[1, 1, 0]]})
+    0
+    """
+    mask = batch.get("attention_mask")
+    if mask is None:
+        return 0
+    mask = torch.as_tensor(mask).bool()
+    labels = batch.get("labels")
+    labels = torch.as_tensor(batch["input_ids"] if labels is None else labels)
+    if mask.dim() == 1:
+        mask, labels = mask[None], labels[None]
+    if mask.shape != labels.shape or mask.shape[-1] < 2:
+        return 0
+    both = mask[:, :-1] & mask[:, 1:]
+    return int(((labels[:, 1:] != -100) & ~both).sum())
 
 
 def split_sequences(batch: Mapping[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -147,6 +210,13 @@ def split_sequences(batch: Mapping[str, Any]) -> tuple[list[torch.Tensor], list[
         bounds = starts + [pos.numel()]
         lens = [b - a for a, b in zip(bounds, bounds[1:])]
     if lens is not None:
+        mask = batch.get("attention_mask")
+        if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
+            raise ValueError(
+                "a flattened batch (seq_lens / cu_seq_lens_q / position_ids) with attention_mask zeros: padding "
+                "inside a flattened row is ambiguous; drop the padded positions in the collator or pass a padded "
+                "[batch, length] batch with its attention_mask"
+            )
         if sum(lens) != input_ids.shape[1] or input_ids.shape[0] != 1:
             raise ValueError(
                 f"sequence lengths sum to {sum(lens)} but the flattened batch holds {input_ids.shape[1]} tokens"

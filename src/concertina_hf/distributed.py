@@ -16,7 +16,10 @@ Collectives (all no-ops with one process, each a few lines over ``torch.distribu
 - :meth:`Topology.all_reduce_replicas`, :meth:`Topology.all_gather_replicas`: counts, losses and
   evaluation values over the replicas;
 - :meth:`Topology.broadcast_in_pipeline`, :meth:`Topology.gather_in_pipeline`,
-  :meth:`Topology.broadcast_from_rank0`: small Python objects (plans, statistics, cost models).
+  :meth:`Topology.broadcast_from_rank0`: small Python objects (plans, statistics, cost models);
+- :meth:`Topology.numbers_of_every_rank`, :meth:`Topology.objects_of_every_rank`: a number (one
+  all-reduce of ``world_size`` floats) or an object of every rank of the job, on every rank (the
+  step's verdict on non-finite values, which all ranks must reach together).
 
 Collectives run on :attr:`Topology.comm_device`: the device itself with NCCL, the CPU otherwise.
 
@@ -178,6 +181,25 @@ class Topology:
         with self._waiting("an object from rank 0"):
             dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def numbers_of_every_rank(self, value: float) -> list[float]:
+        """Every rank's ``value``, in rank order, on every rank of the job (one all-reduce)."""
+        if self.world_size == 1:
+            return [float(value)]
+        t = torch.zeros(self.world_size, dtype=torch.float64, device=self.comm_device)
+        t[self.rank] = float(value)
+        with self._waiting("a number from every rank"):
+            dist.all_reduce(t)
+        return t.tolist()
+
+    def objects_of_every_rank(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank of the job."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        with self._waiting("an object from every rank"):
+            dist.all_gather_object(out, obj)
+        return out
 
     def barrier(self) -> None:
         if self.world_size > 1 and dist.is_initialized():

@@ -6,24 +6,30 @@ The Trainer's loop asks for ``gradient_accumulation_steps`` micro-batches per op
 :class:`~concertina_hf.step_planner.StepPlanner`, and counts the step's label tokens (summed
 over the replicas: HF's ``num_items_in_batch``). With look-ahead it then reads the *next*
 step's micro-batches too and submits them, so that step is planned while this one runs; the
-next call takes them from there. Costs: one micro-batch step of data held in memory ahead, one
+next call takes them from there. Padded positions (``attention_mask == 0``) are dropped by
+:func:`~concertina_hf.collator.split_sequences`; when some carry labels (targets ``Trainer`` would
+train on) the reader warns once with their count (:func:`~concertina_hf.collator.padding_targets`).
+Costs: one micro-batch step of data held in memory ahead, one
 integer all-reduce over the replicas per step.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch.utils.data import DataLoader
 from transformers.trainer_utils import seed_worker
 
-from .collator import split_sequences
+from .collator import padding_targets, padding_warning, split_sequences
 from .distributed import Topology
 from .step_planner import StepPlanner, Ticket
 
 __all__ = ["Step", "StepReader", "replica_data_loader"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,6 +56,7 @@ class StepReader:
         #: the step ``read`` returned last, until the trainer runs it
         self.current: Step | None = None
         self._ahead: tuple[Any, list, Step | None] | None = None  # (iterator, batches, their step)
+        self._warned_padding = False
 
     def reset(self) -> None:
         """Forget what was read ahead (a new training loop starts)."""
@@ -118,6 +125,11 @@ class StepReader:
         seqs: list[torch.Tensor] = []
         labels: list[torch.Tensor] = []
         for i, b in enumerate(batches):
+            if not self._warned_padding and isinstance(b, Mapping):
+                lost = padding_targets(b)
+                if lost:
+                    self._warned_padding = True
+                    logger.warning(padding_warning(lost, f"micro-batch {i} of a step"))
             x, y = split_sequences(b)
             self.check_token_ids(x, i)
             seqs += x

@@ -43,6 +43,8 @@ from .collator import LengthAwareCollator, split_sequences
 from .distributed import Topology, global_grad_norm, reduce_gradients
 from .integrations.peft import base_model_of
 from .run_setup import check_trainer_arguments, resolve_run
+from .self_check import self_check
+from .step_guard import StepGuard
 from .step_planner import StepPlanner
 from .steps import Step, StepReader, replica_data_loader
 
@@ -88,6 +90,7 @@ class ConcertinaTrainer(Trainer):
         """Extra keyword arguments go to the next class of the MRO (e.g. ``SFTTrainer``'s
         ``formatting_func`` in :class:`~concertina_hf.integrations.trl.ConcertinaSFTTrainer`)."""
         from .runtime import PipelineExecutor, PipelineWrapper
+        from .runtime.rng import StageRNG
 
         args = args if args is not None else ConcertinaTrainingArguments(output_dir="tmp_trainer")
         check_trainer_arguments(model, args, optimizers, model_init=model_init, compute_loss_func=compute_loss_func,
@@ -98,6 +101,8 @@ class ConcertinaTrainer(Trainer):
         hf_model = base_model_of(model)  # a PeftModel's HF model; the wrapper keeps the PeftModel to save adapters
         self.setup = resolve_run(args, hf_model, self.topology)
         self.cost_model, self.layout = self.setup.cost_model, self.setup.layout
+        if args.concertina_self_check:  # before the model is split: its numbers against HF's, on rank 0
+            self_check(model, self.topology)
         # The saved config must name an attention every HF install has, not the runtime's backend.
         self._saved_attn_implementation = getattr(hf_model.config, "_attn_implementation", None) or "sdpa"
         self.pipeline = PipelineWrapper(model, self.layout, self.topology.stage)
@@ -117,7 +122,10 @@ class ConcertinaTrainer(Trainer):
             train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
             callbacks=callbacks, optimizers=optimizers, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs, **kwargs,
         )
-        self.executor = PipelineExecutor(self.pipeline, pp_group=self.topology.pp_group, device=args.device)
+        # each process draws its stage's dropout from its own stream (every rank is seeded alike)
+        self.executor = PipelineExecutor(self.pipeline, pp_group=self.topology.pp_group, device=args.device,
+                                         rng=StageRNG(args.seed, self.topology.rank, args.device))
+        self.guard = StepGuard(args.concertina_nonfinite, self.topology)
         self.replan.bind(self)
         use_compact_console(self.callback_handler)
 
@@ -173,11 +181,15 @@ class ConcertinaTrainer(Trainer):
         with self.compute_loss_context_manager(), self.accelerator.autocast():
             result = self.executor.run_step(plan, step.input_ids, step.labels,
                                             num_items_in_batch=max(1, norm), train=True)
-        reduce_gradients(self._stage_params(), self.topology, average=not self.args.average_tokens_across_devices)
-        # after the replicas' reduction: both copies of tied embeddings then get the same bits
-        self.executor.sync_tied_gradients()
+        # non-finite values or no target: raise on every rank, or drop the step (grads discarded)
+        if not self.guard.check(self.state.global_step + 1, plan, result, self._stage_params(),
+                                step.num_items_total, self.pipeline.is_last):
+            reduce_gradients(self._stage_params(), self.topology, average=not self.args.average_tokens_across_devices)
+            # after the replicas' reduction: both copies of tied embeddings then get the same bits
+            self.executor.sync_tied_gradients()
         self.replan.record(plan, result)
-        return torch.tensor(self._global_loss(result, step), dtype=torch.float32, device=self.args.device)
+        loss = self.guard.step_loss(self._global_loss(result, step), step.num_items_total)
+        return torch.tensor(loss, dtype=torch.float32, device=self.args.device)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         raise NotImplementedError("ConcertinaTrainer computes the loss inside the pipeline "
@@ -209,6 +221,8 @@ class ConcertinaTrainer(Trainer):
     def _get_grad_norm(self, model, grad_norm=None):
         if grad_norm is not None:
             return grad_norm
+        if self.guard.dropped:  # a dropped step has no gradient
+            return torch.tensor(float("nan"), device=self.args.device)
         copy = self.pipeline.tied_weight if self.pipeline.is_last else None  # counted on the first stage
         grads = [p.grad for p in self._stage_params() if p.grad is not None and p is not copy]
         return global_grad_norm(grads, self.topology, self.args.device)
@@ -226,6 +240,7 @@ class ConcertinaTrainer(Trainer):
         """The Trainer's log, with the step's plan statistics (ReplanCallback) in the loss entry."""
         if "loss" in logs:
             logs.update(self.replan.pop_pending_logs())
+            self.guard.amend_logs(logs)
         super().log(logs, start_time)
 
     # ------------------------------------------------------------------ setup of the training loop
@@ -327,9 +342,14 @@ class ConcertinaTrainer(Trainer):
             rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
 
+    def _save_rng_state(self, output_dir: str) -> None:
+        super()._save_rng_state(output_dir)
+        self.checkpointer.save_stage_rng(output_dir, self.executor.rng.state_dict())
+
     def _load_rng_state(self, checkpoint: str | None) -> None:
         if checkpoint is not None:  # Trainer would go on without it
             self.checkpointer.check_rng_state(checkpoint, self.args.world_size, self.args.process_index)
+            self.executor.rng.load_state_dict(self.checkpointer.load_stage_rng(checkpoint))
         super()._load_rng_state(checkpoint)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

@@ -35,9 +35,16 @@ both sides (float32 for float32 weights under bfloat16 autocast), never negotiat
 Tied input/output embeddings over several stages: each copy gets its own share of the gradient
 here; :meth:`PipelineExecutor.sync_tied_gradients` sums them once per optimizer step.
 
+Forwards draw dropout from the stage's own random stream (:class:`~concertina_hf.runtime.rng.StageRNG`,
+swapped in around each forward action). Each action's result (a forward's output or chunk loss, a
+backward's input gradient) is summed into a float32 scalar; the step reads them once at the end
+and lists the actions whose sum was not finite in :attr:`StepResult.nonfinite` (the trainer's
+:mod:`~concertina_hf.step_guard` decides what a non-finite step does).
+
 Per step costs beyond compute: one P2P message per chunk and direction between neighbouring
 stages (``[1, tokens, hidden]`` in :meth:`PipelineExecutor.wire_dtype`), and one 2-float
-broadcast of the loss; lowering and dry-running a new plan take a few ms of CPU.
+broadcast of the loss; lowering and dry-running a new plan take a few ms of CPU; one reduction
+per action (the finiteness sums) and one device synchronization to read them.
 Failures inside an action are logged with the program grid, the failing action marked, and
 raised naming the stage, its rank and the action; a receive that times out (the process group's
 timeout, ``ddp_timeout``) names the stage and rank it waited for.
@@ -59,6 +66,7 @@ from ..planning.types import Action, ActionKind, Plan, PlanError, Program
 from .attention import ChunkAttentionContext, KVStore, SliceSpec, autocast_dtype
 from .memory import SavedTensorMeter
 from .p2p import TIED_GRAD_TAG, StageComm, activation_tag, gradient_tag
+from .rng import StageRNG
 from .stage import PipelineWrapper
 
 __all__ = ["PipelineExecutor", "StepResult"]
@@ -74,7 +82,10 @@ class StepResult:
     ``(action, start, end)`` of the compute of each action of this stage, in seconds since the
     step started (communication waits before an action are outside its span);
     ``peak_activation_bytes``: measured peak of activation memory on this stage
-    (:class:`~concertina_hf.runtime.memory.SavedTensorMeter`).
+    (:class:`~concertina_hf.runtime.memory.SavedTensorMeter`); ``nonfinite``: the actions of this
+    stage whose result held a NaN or an infinity (``"F3"``: the output, or on the last stage the
+    loss, of chunk 3's forward; ``"B3"``: the gradient chunk 3's backward sends on), in the order
+    they ran (empty when every value was finite).
     """
 
     loss: float
@@ -83,6 +94,7 @@ class StepResult:
     action_times: list[tuple[Action, float, float]] = field(default_factory=list)
     peak_activation_bytes: int = 0
     wall_time_s: float = 0.0
+    nonfinite: list[str] = field(default_factory=list)
 
 
 class _Clock:
@@ -113,11 +125,13 @@ class PipelineExecutor:
 
     ``pp_group``: the pipeline ranks in stage order (group rank == stage); ``None``: the default
     group (rank == stage), or no process group at all for a single stage. ``device``: where
-    activations live (default: the device of the stage's parameters).
+    activations live (default: the device of the stage's parameters). ``rng``: the stage's own
+    random stream its forwards draw dropout from (:class:`~concertina_hf.runtime.rng.StageRNG`;
+    default: seed 0, stream ``stage``).
     """
 
     def __init__(self, wrapper: PipelineWrapper, pp_group: dist.ProcessGroup | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, rng: StageRNG | None = None) -> None:
         self.wrapper = wrapper
         self.layout = wrapper.layout
         self.stage = wrapper.stage
@@ -143,6 +157,7 @@ class PipelineExecutor:
                 dist.barrier(group=group)
         self._checked_plan: Plan | None = None
         self._programs: dict[bool, Program] = {}  # of the checked plan, for training and evaluation
+        self.rng = rng if rng is not None else StageRNG(0, self.stage, self.device)
         excluded = [p for p in wrapper.parameters()] + [b for b in wrapper.buffers()]
         self.meter = SavedTensorMeter(exclude=excluded, device=self.device)
 
@@ -280,6 +295,7 @@ class PipelineExecutor:
             torch.cuda.synchronize(dev)  # the events of the action clock must have completed
         peak = meter.peak_bytes
         meter.release_all()
+        nonfinite = step.nonfinite_actions()
         loss_sum = step.loss_sum
         if self.comm is not None:
             # the loss lives on the last stage; every rank reports it
@@ -299,6 +315,7 @@ class PipelineExecutor:
             action_times=[(a, clock.seconds(s), clock.seconds(e)) for a, s, e in times],
             peak_activation_bytes=int(peak),
             wall_time_s=time.perf_counter() - clock.t0,
+            nonfinite=nonfinite,
         )
 
     def _where(self) -> str:
@@ -365,8 +382,23 @@ class _Step:
         self.inputs: dict[int, torch.Tensor] = {}  # received activations, for their gradient
         self.outputs: dict[int, torch.Tensor] = {}  # stage outputs (last stage: loss), for backward
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
+        self.rng = ex.rng
+        # (action label, float32 sum of what it produced): a NaN or an infinity anywhere makes the
+        # sum non-finite; read once at the end of the step (no synchronization per action)
+        self.sums: list[tuple[str, torch.Tensor]] = []
+
+    def nonfinite_actions(self) -> list[str]:
+        """The actions whose result was not finite, in the order they ran (one device sync)."""
+        if not self.sums:
+            return []
+        ok = torch.isfinite(torch.stack([t for _, t in self.sums])).tolist()
+        return [label for (label, _), good in zip(self.sums, ok) if not good]
 
     def forward(self, c: int, received: torch.Tensor | None) -> torch.Tensor | None:
+        with self.rng.active():  # the stage's own dropout stream (see .rng)
+            return self._forward(c, received)
+
+    def _forward(self, c: int, received: torch.Tensor | None) -> torch.Tensor | None:
         w, meter, train, slices = self.w, self.meter, self.train, self.slices[c]
         ctx = ChunkAttentionContext(slices, self.store, self.device, requires_grad=train)
         if w.is_first:
@@ -390,12 +422,14 @@ class _Step:
             targets = torch.cat([_targets(self.labels[s.seq], s) for s in slices])
             chunk_loss = w.head_loss_sum(y, targets)
             self.loss_sum += chunk_loss.detach()
+            self.sums.append((f"F{c}", chunk_loss.detach().float()))
             if train:
                 self.outputs[c] = chunk_loss / self.divisor
             return None
         if train:
             self.outputs[c] = y
             meter.hold(("out", c), y)
+        self.sums.append((f"F{c}", y.detach().sum(dtype=torch.float32)))
         return y.detach()
 
     def backward(self, c: int, received: torch.Tensor | None) -> torch.Tensor | None:
@@ -435,6 +469,8 @@ class _Step:
             x = self.inputs.pop(c)
             result = x.grad
             meter.release(("in", c))
+            if result is not None:
+                self.sums.append((f"B{c}", result.sum(dtype=torch.float32)))
         meter.release(("grad", c))
         return result
 
