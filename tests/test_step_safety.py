@@ -35,7 +35,6 @@ import json
 import logging
 import math
 import os
-import random
 import socket
 import subprocess
 import sys
@@ -461,7 +460,6 @@ def test_resume_with_dropout_reproduces_the_uninterrupted_run(tmp_path):
 # ---------------------------------------------------------------------------------- two processes
 def _worker(out: str) -> None:
     """pp = 2: dropout streams, resume with dropout, a NaN on stage 1 skipped, then raised."""
-    import datasets  # noqa: F401
     from transformers import AutoModelForCausalLM, LlamaConfig, TrainerCallback
 
     from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments

@@ -98,7 +98,10 @@ def self_check(model: nn.Module, topology: Topology) -> None:
         except SelfCheckError as exc:
             verdict = str(exc)
         except Exception as exc:  # the runtime itself failed on the probe: a refusal too
-            verdict = (f"concertina self-check of model type {_model_type(model)!r}: the runtime failed on a "
+            from .integrations.peft import base_model_of
+
+            verdict = (f"concertina self-check of model type {_model_type(base_model_of(model))!r}: the runtime "
+                       "failed on a "
                        f"probe batch: {type(exc).__name__}: {exc}")
         logger.info("concertina self-check: %s in %.2f s", "mismatch" if verdict else "passed",
                     time.perf_counter() - t0)
@@ -108,25 +111,29 @@ def self_check(model: nn.Module, topology: Topology) -> None:
 
 
 def check_model(model: nn.Module) -> None:
-    """The checks of the module docstring on this process; :class:`SelfCheckError` on a mismatch."""
-    kind = _model_type(model)
-    dev = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
+    """The checks of the module docstring on this process; :class:`SelfCheckError` on a mismatch.
+    ``model``: an HF causal LM, or a ``PeftModel`` around one (its adapters are in the layers)."""
+    from .integrations.peft import base_model_of
+
+    hf = base_model_of(model)
+    kind = _model_type(hf)
+    dev = next(hf.parameters()).device
+    dtype = next(hf.parameters()).dtype
     loss_tol, grad_tol = _TOL.get(dtype, _TOL_LOW)
-    ids, labels = _probe_batch(int(model.config.vocab_size), dev)
-    with _preserved(model), torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-        k = probe_layers(model)
-        model.model.layers = nn.ModuleList(list(model.model.layers)[:k])
-        checked = _checked_parameters(model)
-        for p in model.parameters():
+    ids, labels = _probe_batch(int(hf.config.vocab_size), dev)
+    with _preserved(hf), torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        k = probe_layers(hf)
+        hf.model.layers = nn.ModuleList(list(hf.model.layers)[:k])
+        checked = _checked_parameters(hf)
+        for p in hf.parameters():
             p.requires_grad_(False)
         for p in checked.values():
             p.requires_grad_(True)
         # HF's training loss against the cross-entropy of the same forward (auxiliary losses)
-        model.train()
-        aux = _auxiliary_loss_finding(model, ids, labels)
-        model.eval()
-        hf_slices, hf_grads = _hf_reference(model, ids, labels, checked)
+        hf.train()
+        aux = _auxiliary_loss_finding(hf, ids, labels)
+        hf.eval()
+        hf_slices, hf_grads = _hf_reference(hf, ids, labels, checked)
         for p in checked.values():
             p.grad = None
         rt_slices, rt_grads = _runtime(model, ids, labels, k, checked)
@@ -158,7 +165,7 @@ def check_model(model: nn.Module) -> None:
     if problems:
         raise SelfCheckError(
             f"concertina self-check: the pipeline runtime does not reproduce model type {kind!r} "
-            f"({type(model).__name__}, {dtype}, first {k} decoder layers probed): " + "; ".join(problems)
+            f"({type(hf).__name__}, {dtype}, first {k} decoder layers probed): " + "; ".join(problems)
             + ". ConcertinaTrainer would train a different model than Trainer; this model type is not supported "
             "(concertina_self_check=False skips this check at your own risk)")
 
