@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from concertina_hf.planning import (
-    SOLVERS, STRATEGIES, ChunkKind, CostModel, DeviceSpec, InfeasiblePlanError, Plan, PlanError, StageLayout,
+    PIPELINE_STRATEGIES, SOLVERS, STRATEGIES, ChunkKind, CostModel, DeviceSpec, InfeasiblePlanError, Plan, PlanError,
+    StageLayout,
     assign_recompute, balanced_split, build_schedule, chunk_sequences, fits, ideal_step_time, make_chunking, plan_step,
     simulate, stage_budgets,
 )
@@ -131,8 +132,9 @@ def test_prefetch_schedule_only_differs_with_split_chains():
 
 # ------------------------------------------------------------------------------ plan_step
 def _plans(lens, layout, budget, solver="greedy"):
+    # the strategies on the pipeline's stages (sp-only runs another layout: tests/test_sp_planner.py)
     out = {}
-    for strategy in STRATEGIES:
+    for strategy in PIPELINE_STRATEGIES:
         try:
             out[strategy] = plan_step(lens, COST, layout, budget, strategy, solver=solver)
         except InfeasiblePlanError as e:
@@ -257,7 +259,8 @@ def test_strategy_registry_is_the_one_table():
     # one record per strategy, the method first; plan_step dispatches to its run and accepts
     # exactly its knobs
     assert STRATEGIES == tuple(s.name for s in REGISTRY) == (
-        "adaptive", "packed", "split", "no-recompute", "full-recompute")
+        "adaptive", "packed", "split", "no-recompute", "full-recompute", "sp-only")
+    assert PIPELINE_STRATEGIES == STRATEGIES[:-1]
     assert set(SOLVERS) == {"ilp", "greedy"}
     lens = [5000, 300, 200, 900, 40, 4000, 1200]
     layout = StageLayout.even(NUM_LAYERS, 2)

@@ -12,7 +12,7 @@ from concertina_hf.args import (
     parse_memory_budget,
     resolve_parallel_sizes,
 )
-from concertina_hf.planning import STRATEGIES
+from concertina_hf.planning import PIPELINE_STRATEGIES, STRATEGIES
 
 
 def _args(tmp_path, **kw):
@@ -106,8 +106,12 @@ def test_parallel_sizes_and_budgets():
 
 
 def test_strategies_are_the_planners(tmp_path):
-    for s in STRATEGIES:
+    for s in PIPELINE_STRATEGIES:
         assert _args(tmp_path, concertina_strategy=s).concertina_strategy == s
+    # sp-only is a simulated baseline on another layout: the trainer refuses it, naming it
+    for s in set(STRATEGIES) - set(PIPELINE_STRATEGIES):
+        with pytest.raises(ValueError, match=f"concertina_strategy='{s}' is a baseline"):
+            _args(tmp_path, concertina_strategy=s)
 
 
 def test_doctests_pass():

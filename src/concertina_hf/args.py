@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 # the plan strategies of concertina_hf.planning.plan_step: the adaptive method and its baselines
-from .planning import SOLVERS, STRATEGIES, stage_budgets
+from .planning import PIPELINE_STRATEGIES, SOLVERS, STRATEGIES, stage_budgets
 
 __all__ = [
     "COST_MODEL_SOURCES",
@@ -153,7 +153,7 @@ class ConcertinaTrainingArguments(TrainingArguments):
     )
     concertina_strategy: str = _option(
         "adaptive",
-        f"How each step is planned: one of {', '.join(STRATEGIES)}. 'adaptive' is the method "
+        f"How each step is planned: one of {', '.join(PIPELINE_STRATEGIES)}. 'adaptive' is the method "
         "(workload-balanced chunking plus per-chunk, per-stage recompute); the others are the "
         "baselines (packed: fixed token budget; split: fixed slicing; no-recompute / full-recompute).",
     )
@@ -259,8 +259,11 @@ class ConcertinaTrainingArguments(TrainingArguments):
         world = os.environ.get("WORLD_SIZE")
         if world is not None:  # launched: check the sizes before any process group is set up
             resolve_parallel_sizes(int(world), self.concertina_pipeline_size, self.concertina_data_parallel_size)
-        if self.concertina_strategy not in STRATEGIES:
-            raise ValueError(f"concertina_strategy={self.concertina_strategy!r}: choose one of {', '.join(STRATEGIES)}")
+        if self.concertina_strategy not in PIPELINE_STRATEGIES:
+            why = (" is a baseline on another layout that `concertina plan` simulates, not one the trainer runs"
+                   if self.concertina_strategy in STRATEGIES else "")
+            raise ValueError(f"concertina_strategy={self.concertina_strategy!r}{why}: choose one of "
+                             f"{', '.join(PIPELINE_STRATEGIES)}")
         if self.concertina_solver not in SOLVERS:
             raise ValueError(f"concertina_solver={self.concertina_solver!r}: choose one of {', '.join(SOLVERS)}")
         if not self.concertina_solver_time_limit > 0:

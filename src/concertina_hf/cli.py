@@ -10,8 +10,11 @@ given device's rates (or a fitted cost model from ``--cost-model``). Each strate
 simulated with the same cost model, so the table compares like for like:
 
     concertina plan --distribution github --num-seqs 512 --max-len 131072 \\
-        --model-config llama-13b --pp 4 --memory-gb 640 --device a800 --gpus-per-stage 8 \\
-        --strategy all
+        --model-config llama-13b --pp 4 --sp 8 --memory-gb 80 --device a800 --strategy all
+
+(``--sp 8``: each stage is 8 GPUs running Ulysses sequence parallelism, with its weights,
+gradients and optimizer state sharded as :mod:`concertina_hf.planning.cost` describes;
+``--memory-gb`` is per GPU.)
 
 Cost: planning time is the planner's (ILP with a time limit per call, or greedy); the
 simulation of a plan takes milliseconds.
@@ -80,28 +83,37 @@ def load_model_config(spec: str) -> dict[str, Any]:
 
 
 def _device(args):
+    """The rates of one GPU (``--device``, ``--tflops``, ``--p2p-gbps``, ``--a2a-gbps``)."""
     from .planning import DeviceSpec
 
-    n = args.gpus_per_stage
-    if n < 1:
-        raise SystemExit(f"--gpus-per-stage must be at least 1, got {n}")
-    if args.device == "a800":
-        dev = DeviceSpec.a800(n)
-    else:
-        one = DeviceSpec.cpu()
-        dev = DeviceSpec(flops=one.flops * n, mem_bandwidth=one.mem_bandwidth * n,
-                         kernel_overhead_s=one.kernel_overhead_s, p2p_bandwidth=one.p2p_bandwidth,
-                         p2p_latency_s=one.p2p_latency_s, memory_bytes=one.memory_bytes * n)
+    dev = DeviceSpec.a800() if args.device == "a800" else DeviceSpec.cpu()
     changes = {}
     if args.tflops is not None:
-        changes["flops"] = args.tflops * 1e12 * n
+        changes["flops"] = args.tflops * 1e12
     if args.p2p_gbps is not None:
         changes["p2p_bandwidth"] = args.p2p_gbps * 1e9
+    if args.a2a_gbps is not None:
+        changes["intra_node_bandwidth"] = args.a2a_gbps * 1e9
+    if args.inter_node_gbps is not None:
+        changes["inter_node_bandwidth"] = args.inter_node_gbps * 1e9
+    if args.gpus_per_node is not None:
+        changes["gpus_per_node"] = args.gpus_per_node
     if changes:
         import dataclasses
 
         dev = dataclasses.replace(dev, **changes)
     return dev
+
+
+def _sp(args) -> int:
+    """``--sp``, or the deprecated ``--gpus-per-stage`` (the same number: GPUs of one stage)."""
+    if args.gpus_per_stage is not None:
+        print("concertina plan: --gpus-per-stage is deprecated; it now means --sp (GPUs of one stage running "
+              "Ulysses sequence parallelism, --memory-gb per GPU)", file=sys.stderr)
+        if args.sp not in (None, args.gpus_per_stage):
+            raise SystemExit(f"--gpus-per-stage {args.gpus_per_stage} and --sp {args.sp} disagree; give --sp only")
+        return args.gpus_per_stage
+    return 1 if args.sp is None else args.sp
 
 
 def _lengths(args) -> tuple[list[int], str]:
@@ -179,12 +191,23 @@ def run_plan(args) -> list[dict[str, Any]]:
     from .planning import CostModel, ideal_step_time, plan_step
     from .planning.simulate import simulate
 
+    from .planning import PlanError
+
     cfg = load_model_config(args.model_config)
     dev = _device(args)
+    sp = _sp(args)
+    if sp < 1 or args.dp < 1:
+        raise SystemExit(f"--sp and --dp must be at least 1, got --sp {sp} --dp {args.dp}")
     if args.cost_model:
         cost = CostModel.from_dict(json.loads(pathlib.Path(args.cost_model).read_text()))
     else:
         cost = CostModel.from_hf_config(cfg, dev)
+    if sp > 1 or args.dp > 1:
+        try:
+            cost = cost.with_parallel(sp=sp, state_shards=args.dp * sp)
+        except PlanError as e:
+            raise SystemExit(f"--sp {sp}: {e}") from None
+    args._sp = sp
     num_layers = int(cfg["num_hidden_layers"])
     if not 1 <= args.pp <= num_layers:
         raise SystemExit(f"--pp {args.pp}: the model has {num_layers} decoder layers; choose --pp between 1 and {num_layers}")
@@ -287,8 +310,10 @@ def _cmd_plan(args) -> int:
     lens = args._lens
     print(f"batch: {len(lens)} sequences, {sum(lens)} tokens, longest {max(lens)}, median "
           f"{sorted(lens)[len(lens) // 2]} ({args._source})")
-    print(f"model: {args.model_config}, {args.pp} stages {list(args._layout.layer_ranges)}, budget "
-          f"{args._budget / _GIB:.1f} GiB per stage, cost model {args._cost.source}, solver {args.solver}")
+    gpus = f"{args._sp} GPUs each (Ulysses), " if args._sp > 1 else ""
+    print(f"model: {args.model_config}, {args.pp} stages {list(args._layout.layer_ranges)}, {gpus}budget "
+          f"{args._budget / _GIB:.1f} GiB per GPU, state sharded over {args._cost.state_shards} ranks, "
+          f"cost model {args._cost.source}, solver {args.solver}")
     fits = [r for r in records if r["fits"]]
     if fits:
         print(f"ideal step time (all stages busy, no recompute): {fits[0]['ideal_step_time_s']:.4g} s")
@@ -309,7 +334,8 @@ def _cmd_plan(args) -> int:
         for r in targets:
             path = gpath.with_name(f"{gpath.stem}-{r['strategy']}{gpath.suffix}") if args.gantt_all else gpath
             plot_gantt(r["_plan"], r["_sim"], path, cost=args._cost,
-                       title=f"{r['strategy']}: {len(lens)} sequences, {args.model_config}, pp {args.pp}")
+                       title=f"{r['strategy']}: {len(lens)} sequences, {args.model_config}, pp {args.pp}"
+                             + (f" x sp {args._sp}" if args._sp > 1 else ""))
             print(f"wrote {path}")
     return 0 if fits else 1
 
@@ -352,11 +378,20 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--cost-model", metavar="JSON", default=None,
                    help="a CostModel.to_dict() file (e.g. fitted from measurements) instead of the analytic one")
     m.add_argument("--pp", type=int, default=4, help="pipeline stages")
-    m.add_argument("--memory-gb", type=float, default=None, help="memory budget per stage in GiB (default: the device's)")
-    m.add_argument("--device", choices=("a800", "cpu"), default="a800", help="device rates")
-    m.add_argument("--gpus-per-stage", type=int, default=1, help="devices per stage (their rates add up)")
+    m.add_argument("--sp", type=int, default=None,
+                   help="GPUs of one stage (Ulysses sequence parallelism; must divide the attention heads); default 1")
+    m.add_argument("--dp", type=int, default=1,
+                   help="pipeline replicas (optimizer state is sharded over dp x sp ranks)")
+    m.add_argument("--memory-gb", type=float, default=None, help="memory budget per GPU in GiB (default: the device's)")
+    m.add_argument("--device", choices=("a800", "cpu"), default="a800", help="rates of one GPU")
+    m.add_argument("--gpus-per-stage", type=int, default=None, help="deprecated: the same as --sp")
     m.add_argument("--tflops", type=float, default=None, help="sustained TFLOP/s of one device (overrides --device)")
     m.add_argument("--p2p-gbps", type=float, default=None, help="stage-to-stage bandwidth in GB/s (overrides --device)")
+    m.add_argument("--a2a-gbps", type=float, default=None,
+                   help="intra-node bandwidth each GPU sends at in collectives, GB/s (overrides --device)")
+    m.add_argument("--inter-node-gbps", type=float, default=None,
+                   help="inter-node bandwidth per GPU, GB/s (overrides --device)")
+    m.add_argument("--gpus-per-node", type=int, default=None, help="GPUs of one node (overrides --device)")
 
     s = p.add_argument_group("planner")
     s.add_argument("--strategy", action="append", default=None,

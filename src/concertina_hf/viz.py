@@ -5,8 +5,9 @@
 1. the *planned* schedule from the simulator (``sim.action_times``): one row per stage, one bar
    per action, colored by chunk kind (packed / split / hybrid), forwards light and backwards
    dark, the recompute part of a backward hatched (exactly, when the cost model is given; else
-   the whole backward of a chunk with recompute is hatched), chunk indices on bars wide enough
-   to hold them;
+   the whole backward of a chunk with recompute is hatched), the all-to-alls of a stage of
+   several GPUs (Ulysses, ``sp > 1``; from the cost model) dotted at the end of each bar, chunk
+   indices on bars wide enough to hold them;
 2. the *measured* schedule, when given (actual start / end per action, e.g. from the runtime's
    timers), on the same time axis so gaps between plan and reality show;
 3. every stage's memory over time (``sim.memory_timeline``, a step function) with its budget
@@ -79,10 +80,17 @@ def _draw_schedule(ax, plan: Plan, times: Sequence[tuple[Action, float, float]],
         chunk = plan.chunks[a.chunk]
         color = KIND_COLORS[chunk.kind]
         dur = max(t1 - t0, 0.0)
+        r = plan.recompute[a.stage][a.chunk] if plan.recompute else 0
+        comm = 0.0
+        if cost is not None and getattr(cost, "sp", 1) > 1:
+            comm = min(dur, cost.comm_time(plan.layout, a.stage, chunk, a.kind is ActionKind.BACKWARD, r))
+        if comm > 0:  # drawn at the end of the bar: one bar per action still
+            groups.setdefault((a.stage, color, 0.95 if a.kind is ActionKind.BACKWARD else 0.45, "...."),
+                              []).append((t1 - comm, comm))
+            dur -= comm
         if a.kind is ActionKind.FORWARD:
             groups.setdefault((a.stage, color, 0.45, None), []).append((t0, dur))
         else:
-            r = plan.recompute[a.stage][a.chunk] if plan.recompute else 0
             rec = 0.0
             if r:
                 # exact recompute share from the cost model; without it hatch the whole bar
@@ -125,6 +133,8 @@ def plot_gantt(
     the exact recompute part of each backward.
     """
     Figure, FigureCanvasAgg, Patch = _matplotlib()
+    if cost is not None and hasattr(cost, "for_plan"):
+        cost = cost.for_plan(plan)  # a plan on its own layout (the sp-only baseline)
     p = plan.num_stages
     planned = [(a, t0, t1) for a, (t0, t1) in sim.action_times.items()]
     meas = _normalize_measured(measured)
@@ -172,6 +182,8 @@ def plot_gantt(
         Patch(facecolor="white", edgecolor="black", hatch="////",
               label="recompute" if cost is not None else "backward with recompute"),
     ]
+    if cost is not None and getattr(cost, "sp", 1) > 1:
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="....", label=f"all-to-all (sp={cost.sp})"))
     # above the chart, so it never hides the first bars
     axes[0].legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7,
                    ncol=len(handles), frameon=False)

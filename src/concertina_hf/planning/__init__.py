@@ -8,13 +8,15 @@ from .partition import partition_layers
 from .recompute import SOLVERS, InfeasiblePlanError, assign_recompute, fits, uniform_recompute
 from .schedule import backward_order, build_schedule
 from .simulate import SimResult, dry_run, simulate
-from .strategies import STRATEGIES, ideal_step_time, plan_step
+from .replicas import REPLICA_METHODS, ReplicaSplit, balance_replicas
+from .strategies import PIPELINE_STRATEGIES, STRATEGIES, ideal_step_time, plan_step
 from .types import Action, ActionKind, Chunk, ChunkKind, Plan, PlanError, PlanStats, Program, Slice, StageLayout
 
 __all__ = [
     "Action", "ActionKind", "Chunk", "ChunkKind", "Chunking", "CostModel", "DeviceSpec", "InfeasiblePlanError",
-    "Plan", "PlanError", "PlanStats", "ProfileSample", "SOLVERS", "STRATEGIES", "SimResult", "Slice", "StageLayout",
-    "assign_recompute", "backward_order", "balanced_split", "build_schedule", "chunk_sequences", "fits",
+    "PIPELINE_STRATEGIES", "Plan", "PlanError", "PlanStats", "ProfileSample", "REPLICA_METHODS", "ReplicaSplit",
+    "SOLVERS", "STRATEGIES", "SimResult", "Slice", "StageLayout",
+    "assign_recompute", "backward_order", "balance_replicas", "balanced_split", "build_schedule", "chunk_sequences", "fits",
     "ideal_step_time", "make_chunking", "partition_layers", "plan_step", "simulate", "stage_budgets", "token_chunking",
     "uniform_recompute",
     "Program", "dry_run", "lower",

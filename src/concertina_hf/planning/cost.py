@@ -40,6 +40,38 @@ recomputed layer re-materializes its activations in backward, but the runtime re
 own (at least as many bytes): so this raises the backward's peak only when all the stage's layers
 recompute (``r == n``), by ``act_bytes_per_token`` per token.
 
+**A stage of several GPUs** (``sp > 1``, Ulysses sequence parallelism inside the stage;
+:meth:`CostModel.with_parallel`): a chunk's tokens are sharded over the stage's ``sp`` GPUs, so
+every per-token and per-pair coefficient above (compute and activation bytes) is that of one GPU
+and is ``1/sp`` of the single-GPU one; ``beta`` (per layer call) and the explicit mask (each GPU
+builds the whole ``T x S`` mask for its heads) are not divided. Token padding to a multiple of
+``sp`` (at most ``sp - 1`` tokens) is ignored. Each decoder layer adds four all-to-alls forward
+(q, k, v: the token shard of all heads becomes all tokens of ``H/sp`` heads; the attention
+output back) and four backward (their gradients), each moving the rank's shard::
+
+    a2a(T) = 4 * latency + A * (T / sp) * (sp - 1) / sp / bandwidth
+
+with ``A = a2a_bytes_per_token`` (q, k, v and output of one token, K/V heads replicated up to
+``sp`` when the model has fewer, as DeepSpeed's Ulysses does for GQA) and the intra-node link
+when the ``sp`` GPUs fit one node (``gpus_per_node``); across nodes the share of the shard
+leaving the node goes over the inter-node link and the slower part sets the time. A recomputed
+layer repeats its four forward all-to-alls. Backward is ``bwd_factor`` times the compute plus
+one ``a2a``, not ``bwd_factor`` times the all-to-alls.
+
+**Sharded state** (``state_shards = dp x sp`` ranks hold one stage's state): the model is the
+pipeline's (FSDP2 with ``reshard_after_forward=False``, as torchtitan composes FSDP with
+pipelining): weights are gathered once per step and gradients accumulate whole over the step's
+chunks, reduce-scattered once after the last backward, so ``static_bytes_per_param`` (weights
+and gradients, ``2 * dtype_bytes``) stays on every GPU while ``sharded_bytes_per_param`` (fp32
+master weights and the two Adam moments, 12 bytes in bf16) is divided by ``state_shards``. The
+gather and reduce-scatter once per step (:meth:`CostModel.step_sync_time`) are added to the step
+time by the simulator. ``zero3=True`` (the ``sp-only`` baseline: DeepSpeed ZeRO-3 / ALST) shards
+everything (weights and gradients too) and gathers each layer's weights per micro-batch, once
+forward and once backward, plus a reduce-scatter of its gradients; prefetching overlaps these
+with compute, so a layer takes ``max(compute + a2a, gather)`` forward and ``max(compute + a2a,
+gather + reduce-scatter)`` backward; the gathered weights of two layers and of the embedding or
+head are resident (``static_memory``). Gathers of the embedding and head weights are not timed.
+
 Two constructors: :meth:`CostModel.from_hf_config` (FLOPs and bytes of the architecture at a
 device's rates) and :meth:`CostModel.fit` (least squares over measured samples, e.g. from
 :mod:`concertina_hf.runtime.profiler`; the fitting code is :mod:`concertina_hf.planning.fit`).
@@ -68,11 +100,16 @@ def attn_pairs(slices: Iterable[Slice]) -> int:
 
 @dataclass(frozen=True, slots=True)
 class DeviceSpec:
-    """Rates of one pipeline stage (a stage may be several GPUs: give their aggregate).
+    """Rates of one GPU (a stage of several GPUs: :meth:`CostModel.with_parallel`).
 
     ``flops``: sustained dense matmul FLOP/s (not peak); ``mem_bandwidth``: bytes/s for the
     memory-bound element-wise work; ``kernel_overhead_s``: fixed cost per layer call;
-    ``p2p_bandwidth`` / ``p2p_latency_s``: stage-to-stage link; ``memory_bytes``: capacity.
+    ``p2p_bandwidth`` / ``p2p_latency_s``: stage-to-stage link (one GPU to the same sp rank of
+    the next stage); ``memory_bytes``: capacity. Collectives inside a stage or over the sharded
+    state (all-to-all, all-gather, reduce-scatter): ``intra_node_bandwidth`` /
+    ``intra_node_latency_s`` between GPUs of one node (bytes/s each GPU sends), and
+    ``inter_node_bandwidth`` / ``inter_node_latency_s`` per GPU between nodes of
+    ``gpus_per_node`` GPUs.
     """
 
     flops: float = 150e12
@@ -81,11 +118,21 @@ class DeviceSpec:
     p2p_bandwidth: float = 20e9
     p2p_latency_s: float = 2e-5
     memory_bytes: int = 80 * 2**30
+    intra_node_bandwidth: float = 150e9
+    intra_node_latency_s: float = 1e-5
+    inter_node_bandwidth: float = 20e9
+    inter_node_latency_s: float = 2e-5
+    gpus_per_node: int = 8
 
     @classmethod
     def a800(cls, num_gpus: int = 1) -> "DeviceSpec":
-        """An A800-80GB at a typical 50% of its 312 TFLOP/s bf16 peak, times ``num_gpus``
-        (a stage spread over several GPUs with tensor/sequence parallelism)."""
+        """An A800-80GB at a typical 50% of its 312 TFLOP/s bf16 peak; NVLink at 400 GB/s
+        (about 150 GB/s each GPU sends in an all-to-all), one 200 Gb/s NIC per GPU between nodes
+        of 8 (assumed, not measured).
+
+        ``num_gpus > 1`` (deprecated): the aggregate of that many GPUs as one device, rates and
+        memory added up, no communication inside the stage; model a stage of several GPUs with
+        ``CostModel.from_hf_config(config, DeviceSpec.a800()).with_parallel(sp=...)`` instead."""
         return cls(
             flops=156e12 * num_gpus,
             mem_bandwidth=1.6e12 * num_gpus,
@@ -93,13 +140,19 @@ class DeviceSpec:
             p2p_bandwidth=25e9 * num_gpus,
             p2p_latency_s=2e-5,
             memory_bytes=80 * 2**30 * num_gpus,
+            intra_node_bandwidth=150e9,
+            intra_node_latency_s=1e-5,
+            inter_node_bandwidth=25e9,
+            inter_node_latency_s=2e-5,
+            gpus_per_node=8,
         )
 
     @classmethod
     def cpu(cls) -> "DeviceSpec":
         """One CPU thread, roughly (refit from measurements for real use)."""
         return cls(flops=3e10, mem_bandwidth=5e9, kernel_overhead_s=5e-5, p2p_bandwidth=2e9,
-                   p2p_latency_s=5e-5, memory_bytes=8 * 2**30)
+                   p2p_latency_s=5e-5, memory_bytes=8 * 2**30, intra_node_bandwidth=2e9,
+                   intra_node_latency_s=5e-5, inter_node_bandwidth=1e9, inter_node_latency_s=1e-4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +202,20 @@ class CostModel:
     # a recomputed layer's forward, relative to a plain one (non-reentrant checkpointing stops
     # the replay once the tensors backward needs exist, so the last ops are skipped)
     recompute_factor: float = 1.0
+    # a stage of several GPUs and sharded state (module docstring, ``with_parallel``)
+    sp: int = 1  # GPUs of the stage's Ulysses group; the coefficients above are per GPU
+    state_shards: int = 1  # ranks one stage's sharded state is divided over (dp x sp)
+    sharded_bytes_per_param: float = 0.0  # per parameter, divided over state_shards
+    zero3: bool = False  # weights and gradients sharded too, gathered per layer and micro-batch
+    a2a_bytes_per_token: float = 0.0  # q, k, v and attention output of one token (whole, sp = 1)
+    num_heads: int = 0  # attention (query) heads; 0 = unknown (not checked)
+    num_kv_heads: int = 0
+    dtype_bytes: int = 2  # of weights and gradients
+    intra_node_bandwidth: float = 150e9
+    intra_node_latency_s: float = 1e-5
+    inter_node_bandwidth: float = 20e9
+    inter_node_latency_s: float = 2e-5
+    gpus_per_node: int = 8
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -210,7 +277,66 @@ class CostModel:
             p2p_bandwidth=dev.p2p_bandwidth,
             p2p_latency_s=dev.p2p_latency_s,
             source="analytic",
+            a2a_bytes_per_token=b * 2 * (q_dim + kv_dim),
+            num_heads=n_heads,
+            num_kv_heads=n_kv,
+            dtype_bytes=b,
+            intra_node_bandwidth=dev.intra_node_bandwidth,
+            intra_node_latency_s=dev.intra_node_latency_s,
+            inter_node_bandwidth=dev.inter_node_bandwidth,
+            inter_node_latency_s=dev.inter_node_latency_s,
+            gpus_per_node=dev.gpus_per_node,
         )
+
+    # per-token and per-pair coefficients that a stage of sp GPUs divides by sp
+    _PER_GPU = ("alpha_attn", "alpha_tok", "alpha_mask", "embed_time_per_token", "head_time_per_token",
+                "act_bytes_per_token", "ckpt_bytes_per_token", "kv_bytes_per_token", "logits_bytes_per_token",
+                "hidden_bytes_per_token", "context_bytes_per_token", "output_bytes_per_token",
+                "bwd_transient_bytes_per_token", "head_bwd_transient_bytes_per_token", "ckpt_chunk_bytes_per_token")
+
+    def with_parallel(self, *, sp: int = 1, state_shards: int | None = None, zero3: bool = False) -> "CostModel":
+        """This model for a stage of ``sp`` GPUs (Ulysses inside attention) whose state is
+        sharded over ``state_shards`` ranks (default ``sp``: one replica; ``dp * sp`` with
+        ``dp`` replicas), per GPU; ``zero3``: weights and gradients sharded too (module
+        docstring). Relative to this model's own ``sp``, so ``m.with_parallel(sp=8)`` and
+        ``m.with_parallel(sp=2).with_parallel(sp=8)`` agree.
+
+        Raises :class:`~.types.PlanError` when ``sp`` does not divide the attention heads
+        (Ulysses gives each GPU ``H / sp`` whole heads).
+        """
+        from .types import PlanError
+
+        sp = int(sp)
+        shards = sp if state_shards is None else int(state_shards)
+        if sp < 1 or shards < 1:
+            raise PlanError(f"the sequence-parallel size must be >= 1 (got sp={sp}, state_shards={shards})")
+        if self.num_heads and self.num_heads % sp:
+            raise PlanError(f"sequence-parallel size {sp} does not divide the model's {self.num_heads} attention "
+                            "heads (Ulysses gives each GPU whole heads); choose a divisor of the heads for the "
+                            "sequence-parallel size (concertina plan --sp)")
+        ratio = self.sp / sp
+        changes: dict[str, Any] = {name: getattr(self, name) * ratio for name in self._PER_GPU}
+        # K/V heads fewer than sp GPUs: each GPU holds (and receives) one replicated K/V head
+        rep = lambda n: max(1.0, n / self.num_kv_heads) if self.num_kv_heads else 1.0  # noqa: E731
+        changes["kv_bytes_per_token"] *= rep(sp) / rep(self.sp)
+        changes.update(sp=sp, state_shards=shards, zero3=bool(zero3))
+        if shards > 1 and not self.sharded_bytes_per_param:
+            keep = min(self.static_bytes_per_param, 2.0 * self.dtype_bytes)  # weights and gradients
+            changes.update(static_bytes_per_param=keep, sharded_bytes_per_param=self.static_bytes_per_param - keep)
+        return dataclasses.replace(self, **changes)
+
+    def for_plan(self, plan: Any) -> "CostModel":
+        """The model a plan runs under: this one, unless the plan records its own stage size
+        and sharding (knobs ``sp``, ``state_shards``, ``zero3``: the ``sp-only`` baseline's plans,
+        which run the replica's GPUs as one stage)."""
+        sp = plan.knob("sp")
+        if sp is None:
+            return self
+        shards = int(plan.knob("state_shards", sp))
+        zero3 = bool(plan.knob("zero3", False))
+        if (int(sp), shards, zero3) == (self.sp, self.state_shards, self.zero3):
+            return self
+        return self.with_parallel(sp=int(sp), state_shards=shards, zero3=zero3)
 
     def fit(self, samples: Sequence[ProfileSample], *, dense_mask: bool = False) -> "CostModel":
         """This model with its decoder-layer time coefficients (and activation bytes per token)
@@ -220,13 +346,76 @@ class CostModel:
         return fit_profile(self, samples, dense_mask=dense_mask)
 
     # ------------------------------------------------------------------ time
-    def layer_fwd_time(self, slices: Sequence[Slice]) -> float:
+    def layer_compute_time(self, slices: Sequence[Slice]) -> float:
+        """Forward compute of one decoder layer on one GPU (no communication)."""
         tok = sum(s.length for s in slices)
         if self.alpha_mask and needs_mask([(s.context, s.length) for s in slices]):
             attn = self.alpha_mask * tok * sum(s.context + s.length for s in slices)
         else:
             attn = self.alpha_attn * attn_pairs(slices)
         return attn + self.alpha_tok * tok + self.beta
+
+    def layer_fwd_time(self, slices: Sequence[Slice]) -> float:
+        """Forward of one decoder layer: compute, the four all-to-alls (``sp > 1``), and with
+        ``zero3`` at least the gather of its weights."""
+        t = self.layer_compute_time(slices)
+        if self.sp == 1 and not self.zero3:
+            return t
+        t += self.a2a_time(sum(s.length for s in slices))
+        return max(t, self.gather_time()) if self.zero3 else t
+
+    def layer_bwd_time(self, slices: Sequence[Slice]) -> float:
+        """Backward of one decoder layer (recompute excluded)."""
+        t = self.bwd_factor * self.layer_compute_time(slices)
+        if self.sp == 1 and not self.zero3:
+            return t
+        t += self.a2a_time(sum(s.length for s in slices))
+        return max(t, 2.0 * self.gather_time()) if self.zero3 else t
+
+    def _link(self, group: int) -> tuple[float, float, float]:
+        """``(latency, intra bandwidth, inter bandwidth)`` of a collective over ``group`` GPUs,
+        and whether it leaves the node (inter bandwidth 0 when it does not)."""
+        if group <= self.gpus_per_node:
+            return self.intra_node_latency_s, self.intra_node_bandwidth, 0.0
+        return self.inter_node_latency_s, self.intra_node_bandwidth, self.inter_node_bandwidth
+
+    def a2a_time(self, tokens: int) -> float:
+        """The four all-to-alls of one decoder layer in one direction for a chunk of ``tokens``
+        tokens (module docstring); 0 at ``sp = 1``."""
+        sp = self.sp
+        if sp <= 1:
+            return 0.0
+        moved = self._a2a_bytes(sp) * tokens / sp * (sp - 1) / sp
+        lat, intra, inter = self._link(sp)
+        if not inter:
+            return 4 * lat + moved / intra
+        g = self.gpus_per_node
+        return 4 * lat + max(moved * (sp - g) / (sp - 1) / inter, moved * (g - 1) / (sp - 1) / intra)
+
+    def _a2a_bytes(self, sp: int) -> float:
+        """Bytes per token of the four tensors, K and V replicated up to ``sp`` heads."""
+        if not self.num_kv_heads or not self.num_heads or sp <= self.num_kv_heads:
+            return self.a2a_bytes_per_token
+        per_head = self.a2a_bytes_per_token / (2 * (self.num_heads + self.num_kv_heads))
+        return 2 * per_head * (self.num_heads + sp)
+
+    def gather_time(self) -> float:
+        """``zero3``: all-gather of one decoder layer's weights over the ``state_shards`` ranks
+        (a reduce-scatter of its gradients costs the same)."""
+        n = self.state_shards
+        if n <= 1:
+            return 0.0
+        lat, intra, inter = self._link(n)
+        return lat + self.layer_params * self.dtype_bytes * (n - 1) / n / (inter or intra)
+
+    def step_sync_time(self, layout: StageLayout, stage: int) -> float:
+        """Once per step (not ``zero3``): gathering the stage's weights before its first chunk and
+        reduce-scattering its gradients after its last backward, over ``state_shards`` ranks."""
+        n = self.state_shards
+        if n <= 1 or self.zero3:
+            return 0.0
+        lat, intra, inter = self._link(n)
+        return 2 * (lat + self._stage_params(layout, stage) * self.dtype_bytes * (n - 1) / n / (inter or intra))
 
     def fwd_time(self, layout: StageLayout, stage: int, chunk: Chunk) -> float:
         """Forward time of ``chunk`` on ``stage`` (its layers, plus embedding / head)."""
@@ -239,10 +428,29 @@ class CostModel:
 
     def bwd_time(self, layout: StageLayout, stage: int, chunk: Chunk, recompute_layers: int = 0) -> float:
         """Backward time, including ``recompute_layers`` extra layer forwards."""
-        return self.bwd_factor * self.fwd_time(layout, stage, chunk) + self.recompute_time(chunk, recompute_layers)
+        if self.sp == 1 and not self.zero3:
+            return self.bwd_factor * self.fwd_time(layout, stage, chunk) + self.recompute_time(chunk, recompute_layers)
+        t = layout.num_stage_layers(stage) * self.layer_bwd_time(chunk.slices)
+        if layout.has_embedding(stage):
+            t += self.bwd_factor * self.embed_time_per_token * chunk.num_tokens
+        if layout.has_head(stage):
+            t += self.bwd_factor * self.head_time_per_token * chunk.num_tokens
+        return t + self.recompute_time(chunk, recompute_layers)
 
     def recompute_time(self, chunk: Chunk, recompute_layers: int) -> float:
-        return recompute_layers * self.recompute_factor * self.layer_fwd_time(chunk.slices)
+        """Extra forwards of ``recompute_layers`` layers in the chunk's backward (their
+        all-to-alls included; ``zero3``: the weights the backward gathers serve them)."""
+        if self.sp == 1 and not self.zero3:
+            return recompute_layers * self.recompute_factor * self.layer_fwd_time(chunk.slices)
+        return recompute_layers * (self.recompute_factor * self.layer_compute_time(chunk.slices)
+                                   + self.a2a_time(chunk.num_tokens))
+
+    def comm_time(self, layout: StageLayout, stage: int, chunk: Chunk, backward: bool,
+                  recompute_layers: int = 0) -> float:
+        """The all-to-all share of a forward (or backward, with its recomputed layers' own) of
+        ``chunk`` on ``stage``: what the Gantt chart draws as communication."""
+        a = self.a2a_time(chunk.num_tokens)
+        return a * (layout.num_stage_layers(stage) + (recompute_layers if backward else 0))
 
     def p2p_time(self, chunk: Chunk) -> float:
         """Time to send one chunk's hidden states (or their gradient) to the next stage."""
@@ -302,12 +510,26 @@ class CostModel:
             layer -= self.logits_bytes_per_token
         return max(layer, head, 0.0) * tok
 
-    def static_memory(self, layout: StageLayout, stage: int) -> float:
+    def _stage_params(self, layout: StageLayout, stage: int) -> int:
         params = layout.num_stage_layers(stage) * self.layer_params
         if layout.has_embedding(stage):
             params += self.embed_params
         if layout.has_head(stage):
             params += self.head_params
+        return params
+
+    def static_memory(self, layout: StageLayout, stage: int) -> float:
+        """Weights, gradients and optimizer state on one GPU of ``stage`` (module docstring):
+        ``static_bytes_per_param`` whole and ``sharded_bytes_per_param`` over ``state_shards``
+        per parameter; ``zero3``: everything over ``state_shards``, plus the gathered weights of
+        two layers and of the larger of embedding and head."""
+        params = self._stage_params(layout, stage)
+        if self.zero3:
+            per = (self.static_bytes_per_param + self.sharded_bytes_per_param) / self.state_shards
+            gathered = 2 * self.layer_params + max(self.embed_params, self.head_params)
+            return params * per + gathered * self.dtype_bytes
+        if self.sharded_bytes_per_param:
+            return params * (self.static_bytes_per_param + self.sharded_bytes_per_param / self.state_shards)
         return params * self.static_bytes_per_param
 
     # ------------------------------------------------------------------ serialization

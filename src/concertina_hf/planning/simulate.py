@@ -39,6 +39,17 @@ them, so the planner's constraints and the simulator's peaks cannot disagree.
 :func:`backward_slack` sweeps a simulated step backwards: how long each backward can slip
 without delaying the step (the recompute planner hides recomputation there).
 
+A stage of ``sp`` GPUs (:meth:`CostModel.with_parallel`) needs nothing else here: durations and
+bytes are per GPU and include the all-to-alls (``SimResult.comm_time_s`` adds them up, the Gantt
+chart draws them); with sharded state, the once-per-step gather of the weights and
+reduce-scatter of the gradients (``CostModel.step_sync_time``, the slowest stage's) is added to
+the step time. A plan recording its own stage size (the ``sp-only`` baseline's knobs ``sp``,
+``state_shards``, ``zero3``) runs under ``cost.for_plan(plan)``. Its knob ``data_parallel = d``
+(one stage only) makes the pipeline groups *rounds*: each group's chunks (at most ``d``) run at
+once on ``d`` groups of GPUs, every forward of a round starting together and every backward
+after the round's slowest forward (ZeRO-3's per-layer collectives keep the groups in step);
+``stage_busy_s`` is then the mean over the ``d`` groups, so the bubble is their idle time.
+
 Cost: every step is started exactly once; stages are swept alternately top-down and bottom-up,
 so a 1F1B plan of ``N`` chunks on ``p`` stages needs about ``N`` sweeps of ``p`` stages. Each
 chunk's time and memory terms come from the cost model once per stage shape (layer count,
@@ -75,6 +86,8 @@ class SimResult:
     action_times: dict  # compute Action -> (start_s, end_s)
     bubble_fraction: float  # sum(bubble) / (p * step_time)
     recompute_fraction: float  # recompute_time / sum(busy)
+    comm_time_s: float = 0.0  # all-to-alls inside the stages (sp > 1), summed over stages
+    sync_time_s: float = 0.0  # once-per-step weight gather + gradient reduce-scatter (in step_time_s)
 
     def stats(self) -> PlanStats:
         return PlanStats(
@@ -143,7 +156,7 @@ def memory_moments(plan: Plan, cost: CostModel, stage: int) -> list[MemoryMoment
     (they do not depend on recompute).
     """
     kv = _kv_grad_plan(plan, split_sequence_ids(plan))
-    return [MemoryMoment(stage, *row) for row in _moments(plan, cost, stage, *kv)]
+    return [MemoryMoment(stage, *row) for row in _moments(plan, cost.for_plan(plan), stage, *kv)]
 
 
 def _moments(plan: Plan, cost: CostModel, stage: int, alloc: dict[int, list[int]], free: dict[int, int]):
@@ -400,10 +413,14 @@ def simulate(plan: Plan, cost: CostModel, *, program: Program | None = None) -> 
     """Run ``plan`` under ``cost`` (see the module docstring); raise :class:`PlanError` if its
     program cannot run. ``program``: the lowered program to run instead of ``lower(plan)``
     (the same compute actions; a test passes a hand-edited one)."""
+    cost = cost.for_plan(plan)
     p = plan.num_stages
     n = plan.num_chunks
     lay = plan.layout
     chunks = plan.chunks
+    lanes = int(plan.knob("data_parallel", 1))
+    if lanes > 1 and p != 1:
+        raise PlanError(f"knob data_parallel={lanes} needs a plan of one stage, not {p}")
     if len(plan.schedule) != p:
         raise PlanError(f"schedule has {len(plan.schedule)} stages, layout has {p}")
     rec = plan.recompute
@@ -440,10 +457,22 @@ def simulate(plan: Plan, cost: CostModel, *, program: Program | None = None) -> 
                     memo[kr] = cost.recompute_time(c, r)
                 rec_total += memo[kr]
     busy = [sum(fdur[s]) + sum(bdur[s]) for s in range(p)]
+    comm = 0.0
+    if cost.sp > 1:
+        for c in chunks:
+            for s in range(p):
+                comm += cost.comm_time(lay, s, c, False) + cost.comm_time(lay, s, c, True, rec[s][c.index])
 
     # ---------------------------------------------------------------- timing
-    fstart, fend, bstart, bend, free_at = _run(program, _compile(program), fdur, bdur, p2p)
-    step = max(free_at) if p else 0.0
+    if lanes > 1:
+        fstart, fend, bstart, bend, free_at = _run_rounds(plan, lanes, fdur[0], bdur[0])
+        busy = [busy[0] / lanes]
+        rec_total /= lanes
+        comm /= lanes
+    else:
+        fstart, fend, bstart, bend, free_at = _run(program, _compile(program), fdur, bdur, p2p)
+    sync = max((cost.step_sync_time(lay, s) for s in range(p)), default=0.0)
+    step = (max(free_at) if p else 0.0) + sync
     # clamp float noise: a stage never works longer than the step
     bubble = tuple(max(0.0, step - b) for b in busy)
     sum_busy = sum(busy)
@@ -500,7 +529,27 @@ def simulate(plan: Plan, cost: CostModel, *, program: Program | None = None) -> 
         action_times=action_times,
         bubble_fraction=(sum(bubble) / (p * step)) if step > 0 else 0.0,
         recompute_fraction=(rec_total / sum_busy) if sum_busy > 0 else 0.0,
+        comm_time_s=comm,
+        sync_time_s=sync,
     )
+
+
+def _run_rounds(plan: Plan, lanes: int, fdur: list[float], bdur: list[float]):
+    """Timing of a one-stage plan whose groups are rounds run on ``lanes`` groups of GPUs at
+    once (module docstring); the same tuple as :func:`_run`."""
+    n = plan.num_chunks
+    fstart, fend, bstart, bend = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
+    t = 0.0
+    for members in plan.groups:
+        if len(members) > lanes:
+            raise PlanError(f"a round of {len(members)} chunks {list(members)} on data_parallel={lanes} groups of GPUs")
+        tf = max(fdur[c] for c in members)
+        tb = max(bdur[c] for c in members)
+        for c in members:
+            fstart[c], fend[c] = t, t + fdur[c]
+            bstart[c], bend[c] = t + tf, t + tf + bdur[c]
+        t += tf + tb
+    return [fstart], [fend], [bstart], [bend], [t]
 
 
 def backward_slack(plan: Plan, cost: CostModel, res: SimResult) -> list[list[float]]:
@@ -511,9 +560,10 @@ def backward_slack(plan: Plan, cost: CostModel, res: SimResult) -> list[list[flo
     (next action on the stage; ``F(s+1, c)`` after ``F(s, c)``; ``B(s-1, c)`` after ``B(s, c)``,
     each cross-stage edge carrying one message).
     """
+    cost = cost.for_plan(plan)
     p, n = plan.num_stages, plan.num_chunks
     at = res.action_times
-    T = res.step_time_s
+    T = res.step_time_s - res.sync_time_s
     FWD = ActionKind.FORWARD
     p2p = [cost.p2p_time(c) for c in plan.chunks]
     lf_start: list[list[float | None]] = [[None] * n for _ in range(p)]  # latest start of F

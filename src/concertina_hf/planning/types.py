@@ -218,6 +218,9 @@ class Plan:
     layer of the stage recomputes.
     ``memory_budget_bytes``: per-stage budget the plan was made for (0 when unconstrained).
     ``knobs``: the strategy's chosen settings, as ``(name, value)`` pairs (e.g. token budget).
+    A plan that runs on another layout than the pipeline's records it there (the ``sp-only``
+    baseline: ``sp``, ``state_shards``, ``zero3``, ``data_parallel``; see
+    :mod:`~concertina_hf.planning.simulate`).
     """
 
     strategy: str
@@ -377,6 +380,13 @@ class Plan:
                     raise PlanError(f"recompute[{st}][{ci}] = {r} outside 0..{n}")
         if self.memory_budget_bytes and len(self.memory_budget_bytes) != p:
             raise PlanError("memory_budget_bytes must have one entry per stage")
+        lanes = int(self.knob("data_parallel", 1))
+        if lanes > 1:  # the groups are rounds run at once on `lanes` groups of GPUs (simulate.py)
+            if p != 1:
+                raise PlanError(f"knob data_parallel={lanes} needs a plan of one stage, not {p}")
+            wide = next((g for g in self.groups if len(g) > lanes), None)
+            if wide is not None:
+                raise PlanError(f"a round of {len(wide)} chunks {list(wide)} on data_parallel={lanes} groups of GPUs")
         return self
 
     # ------------------------------------------------------------------ serialization

@@ -9,7 +9,9 @@ its ``run`` and a line here.
 - ``adaptive`` (the method, docs/architecture.md "The planner"; :mod:`.adaptive`, searching with :mod:`.search`);
 - ``packed`` and ``split``, the tuned baselines (:mod:`.baselines`);
 - ``no-recompute`` / ``full-recompute``, adaptive's chunking search with recompute fixed
-  (:mod:`.adaptive`).
+  (:mod:`.adaptive`);
+- ``sp-only``, what users run today without a pipeline: the replica's GPUs in Ulysses groups
+  with ZeRO-3 (:mod:`.sp_only`); simulated only, the trainer refuses it.
 
 All strategies use the same order (longest first, packed chunks spread behind the split chains)
 and the same 1F1B schedule (:func:`~..schedule.build_schedule` with ``prefetch=True``). A
@@ -31,8 +33,9 @@ from ..types import Plan, PlanError, StageLayout
 from .adaptive import ADAPTIVE_KNOBS, CHUNKING_KNOBS, plan_adaptive, plan_full_recompute, plan_no_recompute
 from .baselines import PACKED_KNOBS, SPLIT_KNOBS, plan_packed, plan_split
 from .common import PlanRequest
+from .sp_only import SP_ONLY_KNOBS, plan_sp_only
 
-__all__ = ["REGISTRY", "STRATEGIES", "PlanRequest", "Strategy", "ideal_step_time", "plan_step"]
+__all__ = ["PIPELINE_STRATEGIES", "REGISTRY", "STRATEGIES", "PlanRequest", "Strategy", "ideal_step_time", "plan_step"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +50,10 @@ class Strategy:
     """Plans one checked request; raises :class:`~..recompute.InfeasiblePlanError`."""
     description: str
     """One line for help texts."""
+    pipeline: bool = True
+    """Its plans run on the request's pipeline stages (the trainer can execute them); ``False``:
+    a baseline simulated on another layout of the same GPUs (recorded in the plan's knobs),
+    which checks its own static memory and which the trainer refuses."""
 
 
 REGISTRY: tuple[Strategy, ...] = (
@@ -56,16 +63,22 @@ REGISTRY: tuple[Strategy, ...] = (
     Strategy("split", SPLIT_KNOBS, plan_split, "long sequences in N equal slices (Seq1F1B-like), uniform recompute"),
     Strategy("no-recompute", CHUNKING_KNOBS, plan_no_recompute, "adaptive's chunking with no recompute"),
     Strategy("full-recompute", CHUNKING_KNOBS, plan_full_recompute, "adaptive's chunking, every layer recomputed"),
+    Strategy("sp-only", SP_ONLY_KNOBS, plan_sp_only,
+             "no pipeline: the replica's GPUs in Ulysses groups with ZeRO-3 (DeepSpeed ALST; simulated only)",
+             pipeline=False),
 )
 #: the strategies' names, the method first
 STRATEGIES = tuple(s.name for s in REGISTRY)
+#: the strategies the trainer runs (their plans use the pipeline's stages)
+PIPELINE_STRATEGIES = tuple(s.name for s in REGISTRY if s.pipeline)
 _BY_NAME = {s.name: s for s in REGISTRY}
 
 
 def ideal_step_time(seq_lens: Sequence[int], cost: CostModel, layout: StageLayout) -> float:
     """A lower bound of the step time: forward and backward of every token through every layer,
     the embedding and the head, with no recompute, no per-chunk overhead (``beta``), no bubble
-    and no communication, spread evenly over the stages."""
+    and no communication, spread evenly over the stages (and, the coefficients being per GPU,
+    over each stage's ``cost.sp`` GPUs)."""
     per_token = cost.embed_time_per_token + cost.head_time_per_token
     total = 0.0
     for n in seq_lens:
@@ -116,7 +129,7 @@ def plan_step(
         raise PlanError(f"the stage layout has {layout.num_layers} layers but the cost model {cost.num_layers}; "
                         "build both from the same model config")
     budgets = stage_budgets(memory_budget_bytes, layout.num_stages)
-    for s, b in enumerate(budgets):  # no plan fits: every peak is static memory plus activations
+    for s, b in enumerate(budgets if record.pipeline else ()):  # no plan fits: every peak is static memory plus activations
         if b and cost.static_memory(layout, s) >= b:
             raise InfeasiblePlanError(
                 f"{strategy}: stage {s}'s memory budget of {b} bytes ({b / 2**30:.3g} GiB) is below its static "

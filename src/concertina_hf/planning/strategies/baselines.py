@@ -24,7 +24,7 @@ from .common import (
     GIB, N_CANDIDATES, PlanRequest, describe_longest, finish, overshoot, plan_of, token_budget_candidates, worst_stage,
 )
 
-__all__ = ["PACKED_KNOBS", "SPLIT_KNOBS", "plan_packed", "plan_split"]
+__all__ = ["PACKED_KNOBS", "SPLIT_KNOBS", "plan_packed", "plan_split", "uniform_search"]
 
 #: packed's settings (searched unless given)
 PACKED_KNOBS = ("token_budget", "recompute_layers")
@@ -32,7 +32,7 @@ PACKED_KNOBS = ("token_budget", "recompute_layers")
 SPLIT_KNOBS = ("num_slices", "recompute_layers")
 
 
-def _uniform_search(plan: Plan, cost: CostModel, budgets: tuple[int, ...],
+def uniform_search(plan: Plan, cost: CostModel, budgets: tuple[int, ...],
                     fixed: int | None) -> tuple[int, Plan, SimResult] | tuple[None, Plan, SimResult]:
     """The fewest uniform recompute layers that fit (time grows with recompute, memory falls),
     or ``fixed``; ``(None, plan, sim)`` at full recompute when nothing fits."""
@@ -99,7 +99,7 @@ def _plan_baseline(strategy: str, req: PlanRequest) -> Plan:
     closest = None
     for name, value, size in settings:
         ch = batch.by_tokens(size, split=(strategy == "split"))
-        r, plan, sim = _uniform_search(plan_of(strategy, ch, layout), cost, budgets, fixed_r)
+        r, plan, sim = uniform_search(plan_of(strategy, ch, layout), cost, budgets, fixed_r)
         if r is None:
             over = overshoot(sim.peak_memory_bytes, budgets)
             if closest is None or over < closest[0]:
