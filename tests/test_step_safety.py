@@ -22,7 +22,8 @@ One process (default tier):
   recomputed layer replays its forward's masks; one-process resume reproduces the uninterrupted
   run with dropout.
 
-Two processes (pp = 2, gloo, ``slow``), one launch: layer i of stage 0 and of stage 1 draw from
+Two processes (pp = 2, gloo, ``slow``), one launch: a wrong model is refused on both ranks
+with rank 0's verdict; layer i of stage 0 and of stage 1 draw from
 different streams; resume at pp = 2 with attention dropout ends on the uninterrupted run's
 weights; a NaN on stage 1 at step 2 with ``"skip"`` leaves the step-1 weights and logs the
 counter; then with ``"raise"`` both ranks exit non-zero with the message.
@@ -182,9 +183,10 @@ def test_self_check_catches_a_model_made_wrong(wrong, expected):
 def test_a_layer_dropping_its_keyword_arguments_is_caught_or_reproduced():
     """A decoder layer that does not pass ``**kwargs`` to its attention (StableLM, Nemotron): the
     chunk context must still reach attention, or the self-check must refuse the model."""
-    from concertina_hf.self_check import SelfCheckError, check_model
-    from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
     from _runtime_cases import make_plan
+    from concertina_hf.planning import StageLayout
+    from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
+    from concertina_hf.self_check import SelfCheckError, check_model
 
     model = _tiny("llama")
     reference = copy.deepcopy(model)
@@ -204,8 +206,7 @@ def test_a_layer_dropping_its_keyword_arguments_is_caught_or_reproduced():
         return
     # passed: then the runtime must really compute what HF computes on such a model
     ids = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)) for n in (30, 9, 7)]
-    plan = make_plan((30, 9, 7), [[(0, 0, 12)], [(0, 12, 18), (1, 0, 9)], [(2, 0, 7)]],
-                     __import__("concertina_hf.planning", fromlist=["StageLayout"]).StageLayout.even(4, 1))
+    plan = make_plan((30, 9, 7), [[(0, 0, 12)], [(0, 12, 18), (1, 0, 9)], [(2, 0, 7)]], StageLayout.even(4, 1))
     got = PipelineExecutor(PipelineWrapper(model, plan.layout, 0)).run_step(plan, ids, ids, train=False).loss_sum
     n = sum(len(t) - 1 for t in ids)
     with torch.no_grad():
@@ -475,6 +476,15 @@ def _worker(out: str) -> None:
                                            **dict(COMMON, **kw))
 
     info: dict = {}
+    # 0. a model the runtime does not reproduce: refused on every rank with rank 0's verdict
+    from concertina_hf.self_check import SelfCheckError
+
+    try:
+        ConcertinaTrainer(model=_bypassing_layer(_tiny("qwen2")), args=args("refused"), train_dataset=_dataset())
+        info["refused"] = None
+    except SelfCheckError as exc:
+        info["refused"] = str(exc)
+
     # 1. each stage's layer draws from its own stream: the first numbers drawn inside layer i
     trainer = ConcertinaTrainer(model=model(), args=args("streams", max_steps=1), train_dataset=_dataset())
     rank = trainer.topology.rank
@@ -564,6 +574,9 @@ def test_pp2_dropout_streams_resume_and_nonfinite_steps(tmp_path):
         assert path.exists(), f"rank {r} did not finish the first scenarios:\n{stderr[r][-6000:]}"
         infos.append(json.loads(path.read_text()))
 
+    # the self-check's verdict reached both ranks
+    assert infos[0]["refused"] and infos[0]["refused"] == infos[1]["refused"], infos
+    assert "model type 'qwen2'" in infos[1]["refused"]
     # stage 0's layer 0 and stage 1's layer 1 (its layer 0 of the stage) draw different numbers
     assert infos[0]["draws"] and infos[1]["draws"]
     assert infos[0]["draws"][0] != infos[1]["draws"][0], infos
