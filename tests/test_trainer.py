@@ -136,8 +136,8 @@ def test_constructor_refusals_name_the_argument(tmp_path):
     with pytest.raises(TypeError, match="ConcertinaTrainingArguments"):
         ConcertinaTrainer(model=_model(), args=TrainingArguments(output_dir=str(tmp_path), report_to=[]))
     args = ConcertinaTrainingArguments(output_dir=str(tmp_path), report_to=[])
-    with pytest.raises(NotImplementedError, match="compute_metrics"):
-        ConcertinaTrainer(model=_model(), args=args, compute_metrics=lambda p: {})
+    with pytest.raises(NotImplementedError, match="compute_loss_func"):
+        ConcertinaTrainer(model=_model(), args=args, compute_loss_func=lambda o, y, n: 0.0)
     model = _model()
     with pytest.raises(ValueError, match="optimizer_cls_and_kwargs"):
         ConcertinaTrainer(model=model, args=args, optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None))

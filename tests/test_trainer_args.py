@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import os
+
 import pytest
 from transformers import HfArgumentParser
 
@@ -70,6 +72,20 @@ def test_checkpointing_by_habit_is_left_to_the_planner_saying_so(tmp_path, field
     assert not args.activation_checkpointing_kwargs
     msgs = [r.getMessage() for r in caplog.records if r.name == "concertina_hf.args"]
     assert len(msgs) == 1 and msgs[0].startswith(f"{field}=True") and "use_reentrant" in msgs[0], msgs
+
+
+def test_torch_compile_is_ignored_with_one_warning_saying_why(tmp_path, caplog, monkeypatch):
+    import concertina_hf.args as mod
+
+    monkeypatch.setattr(mod, "_COMPILE_WARNED", False)
+    monkeypatch.delenv("ACCELERATE_DYNAMO_BACKEND", raising=False)
+    with caplog.at_level("WARNING", logger="concertina_hf.args"):
+        first = _args(tmp_path, torch_compile=True)
+        second = _args(tmp_path, torch_compile_mode="max-autotune")
+    assert not first.torch_compile and not second.torch_compile and second.torch_compile_mode is None
+    assert "ACCELERATE_DYNAMO_BACKEND" not in os.environ  # nothing exported to accelerate
+    msgs = [r.getMessage() for r in caplog.records if r.name == "concertina_hf.args"]
+    assert len(msgs) == 1 and msgs[0].startswith("torch_compile is ignored") and "not compiled" in msgs[0], msgs
 
 
 def test_precision_bf16_accepted_fp16_refused(tmp_path, monkeypatch):

@@ -3,6 +3,7 @@ on noisy steps keeps the chunk counts within 2x; StepPlanner falls back from a r
 
 from __future__ import annotations
 
+import os
 import random
 
 import datasets
@@ -158,3 +159,20 @@ def test_console_shows_a_compact_line_and_trackers_get_every_statistic(tmp_path,
     assert not any("concertina/" in ln for ln in lines) and max(map(len, lines)) < 300, lines
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logged) == 2 and all("concertina/recompute_layers" in h for h in logged)
+
+
+def test_default_run_draws_its_last_step_and_logs_where(tmp_path, caplog):
+    """concertina_gantt_steps left at 0: one chart, the last step's, in <output_dir>/gantt, its path
+    in the log; -1 draws none."""
+    ds, model = _tiny_run(seed=1, num_docs=12)
+    common = dict(report_to=[], max_steps=3, per_device_train_batch_size=4, save_strategy="no", disable_tqdm=True,
+                  concertina_max_tokens_per_chunk=32)
+    with caplog.at_level("INFO", logger="concertina_hf.callbacks"):
+        ConcertinaTrainer(model=model, args=ConcertinaTrainingArguments(output_dir=str(tmp_path / "a"), **common),
+                          train_dataset=ds).train()
+    assert sorted(os.listdir(tmp_path / "a" / "gantt")) == ["step-3.png"]
+    assert any(str(tmp_path / "a" / "gantt" / "step-3.png") in r.getMessage() for r in caplog.records)
+    _, model = _tiny_run(seed=1, num_docs=12)
+    ConcertinaTrainer(model=model, train_dataset=ds, args=ConcertinaTrainingArguments(
+        output_dir=str(tmp_path / "b"), concertina_gantt_steps=-1, **common)).train()
+    assert not (tmp_path / "b" / "gantt").exists()

@@ -73,6 +73,27 @@ def _summary(trainer) -> dict:
             "split_chunks": [h.get("concertina/chunks_split", 0.0) for h in logs]}
 
 
+def _token_accuracy(eval_preds):
+    """run_clm.py's compute_metrics (with preprocess_logits_for_metrics = argmax), see test_metrics.py."""
+    preds, labels = eval_preds
+    return {"accuracy": float((preds[:, :-1].reshape(-1) == labels[:, 1:].reshape(-1)).mean())}
+
+
+def _metrics_and_predictions(trainer, logits_path: str) -> dict:
+    """run_clm.py's token accuracy through evaluate() and predict(), and predict()'s raw logits."""
+    trainer.compute_metrics = _token_accuracy
+    trainer.preprocess_logits_for_metrics = lambda logits, labels: logits.argmax(dim=-1)
+    ev = trainer.evaluate()
+    pred = trainer.predict(_dataset(8, seed=1))
+    trainer.compute_metrics = trainer.preprocess_logits_for_metrics = None
+    raw = trainer.predict(_dataset(8, seed=1))
+    os.makedirs(os.path.dirname(logits_path), exist_ok=True)
+    torch.save({"logits": torch.as_tensor(raw.predictions), "labels": torch.as_tensor(raw.label_ids)}, logits_path)
+    return {"eval_accuracy": ev["eval_accuracy"], "eval_loss_with_metrics": ev["eval_loss"],
+            "predicted_ids": pred.predictions.tolist(), "predicted_labels": pred.label_ids.tolist(),
+            "test_accuracy": pred.metrics["test_accuracy"], "test_loss": pred.metrics["test_loss"]}
+
+
 # ---------------------------------------------------------------------------------- workers
 def _worker_pp2(out: str) -> None:
     from transformers import DataCollatorWithFlattening
@@ -94,9 +115,11 @@ def _worker_pp2(out: str) -> None:
                                     eval_dataset=_dataset(8, seed=1), data_collator=collator)
         metrics = trainer.train().metrics
         info = _summary(trainer)
-        info["train_samples_per_second"], info["train_runtime"] = metrics["train_samples_per_second"], \
-            metrics["train_runtime"]
+        for k in ("train_samples_per_second", "train_tokens_per_second", "train_runtime"):
+            info[k] = metrics[k]
         info["eval_loss"] = trainer.evaluate()["eval_loss"]
+        if arch == "llama":
+            info.update(_metrics_and_predictions(trainer, os.path.join(d, f"logits-rank{trainer.topology.rank}.pt")))
         info["layer_ranges"] = [list(r) for r in trainer.layout.layer_ranges]
         info["stage_params"] = sorted(n for n, _ in trainer.model.named_parameters())
         info["cost_model"] = trainer.replan.cost_model.to_dict()
@@ -187,6 +210,8 @@ def _reference(arch: str, out, **overrides) -> tuple[dict, dict]:
     ref.train()
     info = _summary(ref)
     info["eval_loss"] = ref.evaluate()["eval_loss"]
+    if arch == "llama" and not overrides:
+        info.update(_metrics_and_predictions(ref, str(out / "logits.pt")))
     return info, {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
 
 
@@ -238,6 +263,23 @@ def test_pp2_matches_trainer_for_llama_and_qwen2(tmp_path):
         # throughput counts the sequences the one replica trained on (not once per pipeline rank)
         samples = COMMON["max_steps"] * COMMON["per_device_train_batch_size"] * COMMON["gradient_accumulation_steps"]
         assert info["train_samples_per_second"] * info["train_runtime"] == pytest.approx(samples, rel=2e-2)
+        # tokens per second: the replica's trained tokens (one epoch of the 24 rows) / train_runtime
+        tokens = sum(len(r["input_ids"]) for r in _dataset())
+        assert info["train_tokens_per_second"] == pytest.approx(tokens / info["train_runtime"], rel=1e-3)
+        if arch == "llama":  # run_clm.py's metrics and predict() at pp=2, on both ranks, as Trainer's
+            for r in ranks:
+                assert r["eval_accuracy"] == ref_info["eval_accuracy"] and 0 < r["eval_accuracy"]
+                assert abs(r["eval_loss_with_metrics"] - ref_info["eval_loss"]) < 1e-5
+                assert r["predicted_ids"] == ref_info["predicted_ids"]
+                assert r["predicted_labels"] == ref_info["predicted_labels"]
+                assert r["test_accuracy"] == ref_info["test_accuracy"]
+                assert abs(r["test_loss"] - ref_info["test_loss"]) < 1e-5
+                got = torch.load(tmp_path / arch / f"logits-rank{ranks.index(r)}.pt")
+                want = torch.load(tmp_path / f"ref-{arch}" / "logits.pt")
+                assert got["logits"].shape == want["logits"].shape
+                # the trained weights already differ by up to 1e-4 (relative, see above): logits by ~5e-5
+                torch.testing.assert_close(got["logits"], want["logits"], atol=1e-4, rtol=1e-4)
+                assert torch.equal(got["labels"], want["labels"])
         # checkpoints: standard model files plus one optimizer shard per stage; resume = same end
         names = set(os.listdir(tmp_path / arch / "checkpoint-2"))
         assert {"model.safetensors", "config.json", "optimizer.stage0-of-2.pt", "optimizer.stage1-of-2.pt",

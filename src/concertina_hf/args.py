@@ -198,7 +198,9 @@ class ConcertinaTrainingArguments(TrainingArguments):
     concertina_gantt_steps: int = _option(
         0,
         "Every N optimizer steps write the step's planned and measured Gantt chart to "
-        "<output_dir>/gantt/ (and to wandb when it is a tracker); 0 disables.",
+        "<output_dir>/gantt/step-<n>.png (and to wandb when it is a tracker). The last step's "
+        "chart is written at the end of train() in any case (0: only that one; -1: none). Needs "
+        "matplotlib (the viz extra).",
     )
     concertina_nonfinite: str = _option(
         "raise",
@@ -225,6 +227,10 @@ class ConcertinaTrainingArguments(TrainingArguments):
         # the alias the user wrote (transformers 5 resolves gradient_checkpointing* into activation_checkpointing*)
         asked = "activation_checkpointing" if self.activation_checkpointing else (
             "gradient_checkpointing" if self.gradient_checkpointing else None)
+        compile_asked = [f for f in ("torch_compile", "torch_compile_backend", "torch_compile_mode") if getattr(self, f)]
+        if compile_asked:  # off before TrainingArguments exports it to accelerate's environment
+            _warn_compile_ignored(compile_asked)
+            self.torch_compile, self.torch_compile_backend, self.torch_compile_mode = False, None, None
         super().__post_init__()
         if asked:
             self._leave_recompute_to_the_planner(asked)
@@ -285,8 +291,9 @@ class ConcertinaTrainingArguments(TrainingArguments):
             raise ValueError(
                 f"concertina_nonfinite={self.concertina_nonfinite!r}: choose one of {', '.join(NONFINITE_MODES)}"
             )
-        if self.concertina_gantt_steps < 0:
-            raise ValueError(f"concertina_gantt_steps must be >= 0, got {self.concertina_gantt_steps}")
+        if self.concertina_gantt_steps < -1:
+            raise ValueError(f"concertina_gantt_steps must be -1 (no chart), 0 (the last step's) or a positive "
+                             f"number of steps, got {self.concertina_gantt_steps}")
         if not 0 < self.concertina_memory_fraction <= 1:
             raise ValueError(f"concertina_memory_fraction must be in (0, 1], got {self.concertina_memory_fraction}")
         try:
@@ -300,6 +307,24 @@ class ConcertinaTrainingArguments(TrainingArguments):
     def memory_budget(self) -> str | tuple[int, ...] | None:
         """The parsed ``concertina_memory_budget`` (see :func:`parse_memory_budget`)."""
         return parse_memory_budget(self.concertina_memory_budget)
+
+
+_COMPILE_WARNED = False
+
+
+def _warn_compile_ignored(fields: list[str]) -> None:
+    """Once per process: ``torch_compile`` is not applied, and why."""
+    global _COMPILE_WARNED
+    if _COMPILE_WARNED:
+        return
+    _COMPILE_WARNED = True
+    logger.warning(
+        f"{'/'.join(fields)} is ignored by ConcertinaTrainer: the model is not compiled. The pipeline runs each "
+        "stage's decoder layers on chunks whose token count changes every step, and attention goes through the "
+        "'concertina' backend's Python K/V store shared by a sequence's slices, so a compiled graph would break "
+        "at every layer's attention and recompile for new chunk shapes. Remove torch_compile (and "
+        "torch_compile_backend / torch_compile_mode) to silence this warning."
+    )
 
 
 def _has_accelerator() -> bool:

@@ -17,8 +17,10 @@ callback keeps what a ``TrainerCallback`` is for:
   bubble fraction, recompute layers (total and per stage), predicted and measured activation
   peak per stage, planning time (and how long the step waited for its plan), cost-model refits
   (accepted, rejected, undone by a fallback).
-- Every ``concertina_gantt_steps`` steps it writes the step's planned and measured Gantt chart
-  to ``<output_dir>/gantt/step-<n>.png`` (and to wandb as an image when wandb is a tracker).
+- At the end of ``train()`` it writes the last step's planned and measured Gantt chart to
+  ``<output_dir>/gantt/step-<n>.png`` (and every ``concertina_gantt_steps`` steps when that is
+  positive; -1 draws none), logs its path, and sends it to wandb as an image when wandb is a
+  tracker.
 
 Costs per step: one small gather on the pipeline group; a refit is a least-squares fit over at
 most ``max_samples`` samples and a prediction of the held-out ones.
@@ -104,6 +106,9 @@ class ReplanCallback(TrainerCallback):
         self._memory_ratio = 1.0  # largest measured / predicted activation peak seen since the last refit
         self._steps_recorded = 0
         self._pending_logs: dict[str, float] | None = None
+        #: tokens this replica trained on since the last train() began (every rank counts them)
+        self.tokens_trained = 0
+        self._drawn_step: int | None = None
 
     def bind(self, trainer) -> None:
         """Attach to a :class:`ConcertinaTrainer` (called by its constructor)."""
@@ -134,6 +139,7 @@ class ReplanCallback(TrainerCallback):
         }
         gathered = self.topology.gather_in_pipeline(mine)
         self._steps_recorded += 1
+        self.tokens_trained += sum(plan.seq_lens)
         if not self.topology.is_planner:
             return None
         per_stage = sorted(gathered, key=lambda m: m["stage"])
@@ -199,13 +205,25 @@ class ReplanCallback(TrainerCallback):
             logs["concertina/cost_model_fallbacks"] = float(len(getattr(self.planner, "fallbacks", ())))
             self._pending_logs = logs
         n = args.concertina_gantt_steps
-        if n and state.global_step % n == 0 and state.is_world_process_zero:
-            self.write_gantt(stats, os.path.join(args.output_dir, "gantt", f"step-{state.global_step}.png"),
-                             state.global_step)
+        if n > 0 and state.global_step % n == 0 and state.is_world_process_zero:
+            self._draw(stats, args, state.global_step)
+
+    def _draw(self, stats: StepStats, args, step: int) -> None:
+        path = self.write_gantt(stats, os.path.join(args.output_dir, "gantt", f"step-{step}.png"), step)
+        if path is not None:
+            self._drawn_step = step
+            logger.info("concertina: the schedule of step %d is drawn in %s", step, path)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.tokens_trained = 0
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.planner is not None:
             self.planner.close()  # the planning thread; a later train() starts a new one
+        stats = self.last
+        if (self.trainer is not None and stats is not None and args.concertina_gantt_steps >= 0
+                and state.is_world_process_zero and self._drawn_step != state.global_step):
+            self._draw(stats, args, state.global_step)  # the last step's chart
 
     def pop_pending_logs(self) -> dict[str, float]:
         """The statistics waiting for the step's log entry (empty when none)."""
@@ -219,7 +237,8 @@ class ReplanCallback(TrainerCallback):
 
             os.makedirs(os.path.dirname(path), exist_ok=True)
             sim = simulate(stats.plan, self.cost_model)
-            plot_gantt(stats.plan, sim, path, measured=stats.action_times, cost=self.cost_model,
+            source = getattr(getattr(self.trainer, "setup", None), "budget_source", None)
+            plot_gantt(stats.plan, sim, path, measured=stats.action_times, cost=self.cost_model, budget_source=source,
                        title=f"step {step}: {stats.plan.num_chunks} chunks, predicted "
                              f"{sim.step_time_s:.3f}s, measured {stats.measured_step_time_s:.3f}s")
         except ImportError as e:

@@ -31,7 +31,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-__all__ = ["LengthAwareCollator", "padding_targets", "padding_warning", "split_sequences"]
+__all__ = ["LengthAwareCollator", "padding_targets", "padding_warning", "sequence_places",
+           "split_sequences"]
 
 logger = logging.getLogger(__name__)
 
@@ -183,19 +184,21 @@ def split_sequences(batch: Mapping[str, Any]) -> tuple[list[torch.Tensor], list[
     padded ``[B, L]`` batch with ``attention_mask`` (pad positions dropped); a ``[B, L]`` batch
     without mask (every row is a whole sequence). Without ``labels`` the labels are the inputs.
     """
-    input_ids = batch["input_ids"]
-    if not isinstance(input_ids, torch.Tensor):
-        input_ids = torch.as_tensor(input_ids)
-    labels = batch.get("labels")
-    if labels is None:
-        labels = input_ids
-    elif not isinstance(labels, torch.Tensor):
-        labels = torch.as_tensor(labels)
-    if labels.shape != input_ids.shape:
-        raise ValueError(f"labels shape {tuple(labels.shape)} differs from input_ids shape {tuple(input_ids.shape)}")
-    if input_ids.dim() == 1:
-        input_ids, labels = input_ids[None], labels[None]
+    input_ids, labels = _rows(batch)
+    places = sequence_places(batch)
+    return [input_ids[r][cols] for r, cols in places], [labels[r][cols] for r, cols in places]
 
+
+def sequence_places(batch: Mapping[str, Any]) -> list[tuple[int, slice | torch.Tensor]]:
+    """Where each sequence of :func:`split_sequences` sits in the batch's ``[B, L]`` rows:
+    ``(row, columns)`` per sequence, ``columns`` a slice or a boolean mask of the row (so
+    ``input_ids[row][columns]`` is the sequence). Per-token results laid out this way have the
+    batch's shape, as the HF model's logits do.
+
+    >>> sequence_places({"input_ids": torch.tensor([[5, 6, 7, 8]]), "seq_lens": torch.tensor([3, 1])})
+    [(0, slice(0, 3, None)), (0, slice(3, 4, None))]
+    """
+    input_ids, _ = _rows(batch)
     lens: list[int] | None = None
     if batch.get("seq_lens") is not None:
         lens = [int(n) for n in torch.as_tensor(batch["seq_lens"]).reshape(-1).tolist()]
@@ -221,18 +224,30 @@ def split_sequences(batch: Mapping[str, Any]) -> tuple[list[torch.Tensor], list[
             raise ValueError(
                 f"sequence lengths sum to {sum(lens)} but the flattened batch holds {input_ids.shape[1]} tokens"
             )
-        return list(input_ids[0].split(lens)), list(labels[0].split(lens))
+        starts = [sum(lens[:i]) for i in range(len(lens))]
+        return [(0, slice(a, a + n)) for a, n in zip(starts, lens)]
 
     mask = batch.get("attention_mask")
-    seqs, labs = [], []
+    places: list[tuple[int, slice | torch.Tensor]] = []
     for r in range(input_ids.shape[0]):
-        if mask is None:
-            keep = slice(None)
-            x, y = input_ids[r, keep], labels[r, keep]
-        else:
-            m = torch.as_tensor(mask[r]).bool()
-            x, y = input_ids[r][m], labels[r][m]
-        if x.numel():
-            seqs.append(x)
-            labs.append(y)
-    return seqs, labs
+        cols = slice(None) if mask is None else torch.as_tensor(mask[r]).bool()
+        if input_ids[r][cols].numel():
+            places.append((r, cols))
+    return places
+
+
+def _rows(batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids`` and ``labels`` (the inputs when there are none) as ``[B, L]`` tensors."""
+    input_ids = batch["input_ids"]
+    if not isinstance(input_ids, torch.Tensor):
+        input_ids = torch.as_tensor(input_ids)
+    labels = batch.get("labels")
+    if labels is None:
+        labels = input_ids
+    elif not isinstance(labels, torch.Tensor):
+        labels = torch.as_tensor(labels)
+    if labels.shape != input_ids.shape:
+        raise ValueError(f"labels shape {tuple(labels.shape)} differs from input_ids shape {tuple(input_ids.shape)}")
+    if input_ids.dim() == 1:
+        input_ids, labels = input_ids[None], labels[None]
+    return input_ids, labels

@@ -155,13 +155,14 @@ class Topology:
         return torch.cat(parts).to(tensor.device)
 
     # ------------------------------------------------------------------ objects in the pipeline
-    def broadcast_in_pipeline(self, obj: Any) -> Any:
-        """``obj`` of pipeline rank 0 on every rank of the pipeline."""
+    def broadcast_in_pipeline(self, obj: Any, src_stage: int = 0) -> Any:
+        """``obj`` of pipeline stage ``src_stage`` on every rank of the pipeline."""
         if self.pipeline_size == 1:
             return obj
         box = [obj]
-        with self._waiting(f"an object from pipeline stage 0 (rank {self.pp_ranks[0]})"):
-            dist.broadcast_object_list(box, src=self.pp_ranks[0], group=self.pp_group)
+        src = self.pp_ranks[src_stage]
+        with self._waiting(f"an object from pipeline stage {src_stage} (rank {src})"):
+            dist.broadcast_object_list(box, src=src, group=self.pp_group)
         return box[0]
 
     def gather_in_pipeline(self, obj: Any) -> list[Any] | None:

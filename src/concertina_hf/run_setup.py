@@ -26,7 +26,8 @@ from .checkpoint import layout_cost_model
 from .distributed import Topology
 from .planning import CostModel, DeviceSpec, StageLayout, partition_layers, stage_budgets
 
-__all__ = ["RunSetup", "check_static_memory", "check_trainer_arguments", "count_frozen_parameters", "resolve_run"]
+__all__ = ["RunSetup", "budget_source", "check_static_memory", "check_trainer_arguments", "count_frozen_parameters",
+           "resolve_run"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ class RunSetup:
     solver: str
     solver_time_limit_s: float
     max_tokens_per_chunk: int | None
+    #: where the budgets came from, in words (shown with them in the Gantt chart's memory panel)
+    budget_source: str = ""
 
 
 def resolve_run(args: ConcertinaTrainingArguments, model: nn.Module, topology: Topology) -> RunSetup:
@@ -67,6 +70,7 @@ def resolve_run(args: ConcertinaTrainingArguments, model: nn.Module, topology: T
         device_memory_bytes=device_memory, strategy=args.concertina_strategy, solver=args.concertina_solver,
         solver_time_limit_s=args.concertina_solver_time_limit,
         max_tokens_per_chunk=args.concertina_max_tokens_per_chunk,
+        budget_source=budget_source(args, device_memory, args.device),
     )
 
 
@@ -106,6 +110,15 @@ def memory_budgets(args: ConcertinaTrainingArguments, device_memory: int, num_st
     elif budget is None:
         budget = 0
     return stage_budgets(budget, num_stages, setting="concertina_memory_budget")
+
+
+def budget_source(args: ConcertinaTrainingArguments, device_memory: int, device) -> str:
+    """Where :func:`memory_budgets` took the budget from, e.g. ``"auto: 0.9 x 80 GiB of GPU memory"``."""
+    if args.memory_budget == "auto":
+        where = "GPU memory" if getattr(device, "type", str(device)) == "cuda" else "CPU memory per local process"
+        return (f"concertina_memory_budget='auto': {args.concertina_memory_fraction:g} x "
+                f"{device_memory / 2**30:.3g} GiB of {where}")
+    return f"concertina_memory_budget={args.concertina_memory_budget!r}"
 
 
 def check_static_memory(cost: CostModel, layout: StageLayout, budgets: tuple[int, ...]) -> None:

@@ -39,8 +39,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rota
 from .args import ConcertinaTrainingArguments
 from .callbacks import ReplanCallback, use_compact_console
 from .checkpoint import StageCheckpointer
-from .collator import LengthAwareCollator, split_sequences
+from .collator import LengthAwareCollator
 from .distributed import Topology, global_grad_norm, reduce_gradients
+from .evaluation import PipelinePredictor
 from .integrations.peft import base_model_of
 from .run_setup import check_trainer_arguments, resolve_run
 from .self_check import self_check
@@ -62,8 +63,9 @@ class ConcertinaTrainer(Trainer):
     :func:`split_sequences` understands (``DataCollatorWithFlattening``, padding collators with an
     ``attention_mask``). Not supported: ``model_init`` (hyperparameter search), a ready-made
     optimizer in ``optimizers`` (use ``optimizer_cls_and_kwargs``; the stage only holds part of the
-    parameters), ``compute_loss_func`` and ``compute_metrics`` / ``preprocess_logits_for_metrics``
-    (logits stay on the last stage; evaluation reports the loss).
+    parameters), ``compute_loss_func``. ``compute_metrics`` / ``preprocess_logits_for_metrics`` work
+    as in ``Trainer``; the latter runs on the last stage per slice of a sequence, so it must work
+    token by token (see :mod:`~concertina_hf.evaluation`).
 
     After construction: ``self.pipeline`` (the :class:`PipelineWrapper` of this rank's stage),
     ``self.executor``, ``self.topology``, ``self.setup`` (``self.cost_model``, ``self.layout``),
@@ -93,9 +95,7 @@ class ConcertinaTrainer(Trainer):
         from .runtime.rng import StageRNG
 
         args = args if args is not None else ConcertinaTrainingArguments(output_dir="tmp_trainer")
-        check_trainer_arguments(model, args, optimizers, model_init=model_init, compute_loss_func=compute_loss_func,
-                                compute_metrics=compute_metrics,
-                                preprocess_logits_for_metrics=preprocess_logits_for_metrics)
+        check_trainer_arguments(model, args, optimizers, model_init=model_init, compute_loss_func=compute_loss_func)
         _ = args.device  # the process group must exist before the model is split: the stage is the pipeline rank
         self.topology = Topology.build(args)
         hf_model = base_model_of(model)  # a PeftModel's HF model; the wrapper keeps the PeftModel to save adapters
@@ -120,12 +120,14 @@ class ConcertinaTrainer(Trainer):
             model=self.pipeline.model, args=args,
             data_collator=self._default_data_collator() if data_collator is None else data_collator,
             train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
-            callbacks=callbacks, optimizers=optimizers, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs, **kwargs,
+            callbacks=callbacks, optimizers=optimizers, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+            compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess_logits_for_metrics, **kwargs,
         )
         # each process draws its stage's dropout from its own stream (every rank is seeded alike)
         self.executor = PipelineExecutor(self.pipeline, pp_group=self.topology.pp_group, device=args.device,
                                          rng=StageRNG(args.seed, self.topology.rank, args.device))
         self.guard = StepGuard(args.concertina_nonfinite, self.topology)
+        self.predictor = PipelinePredictor(self.executor, self.planner, self.steps, self.topology)
         self.replan.bind(self)
         use_compact_console(self.callback_handler)
 
@@ -237,10 +239,14 @@ class ConcertinaTrainer(Trainer):
         self.state.num_input_tokens_seen += int(self.topology.all_reduce_replicas(n))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """The Trainer's log, with the step's plan statistics (ReplanCallback) in the loss entry."""
+        """The Trainer's log, with the step's plan statistics (ReplanCallback) in the loss entry and
+        ``train_tokens_per_second`` (tokens trained over all replicas / ``train_runtime``) at the end."""
         if "loss" in logs:
             logs.update(self.replan.pop_pending_logs())
             self.guard.amend_logs(logs)
+        if "train_samples_per_second" in logs and logs.get("train_runtime"):  # the end of train()
+            tokens = self.topology.all_reduce_replicas(self.replan.tokens_trained)
+            logs["train_tokens_per_second"] = round(tokens / logs["train_runtime"], 3)
         super().log(logs, start_time)
 
     # ------------------------------------------------------------------ setup of the training loop
@@ -267,26 +273,27 @@ class ConcertinaTrainer(Trainer):
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix="eval"):
         self.gather_function = self._gather_over_replicas
-        with self.topology.failing_together("evaluation"):
-            return super().evaluation_loop(dataloader, description, prediction_loss_only=True, ignore_keys=ignore_keys,
-                                           metric_key_prefix=metric_key_prefix)
+        # applied per slice on the last stage (PipelinePredictor), not to the batch's logits by the loop
+        preprocess, self.preprocess_logits_for_metrics = self.preprocess_logits_for_metrics, None
+        self.predictor.preprocess = preprocess
+        try:
+            with self.topology.failing_together("evaluation"):
+                return super().evaluation_loop(dataloader, description, prediction_loss_only=prediction_loss_only,
+                                               ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        finally:
+            self.preprocess_logits_for_metrics, self.predictor.preprocess = preprocess, None
 
     def _gather_over_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``gather_for_metrics`` over the data-parallel group only (stages hold the same values)."""
-        if self.topology.data_parallel_size == 1:
-            return tensor
+        """``gather_for_metrics`` over the data-parallel group only (stages hold the same values),
+        the last batch cut to the dataset's remainder as accelerate does (also with one replica)."""
         tensor = self.topology.all_gather_replicas(tensor)
         gs = self.accelerator.gradient_state
         return tensor[: gs.remainder] if gs.end_of_dataloader and gs.remainder > 0 else tensor
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """The batch's mean token loss through the pipeline (forward only); no logits."""
-        seqs, labels = split_sequences(inputs)
-        self.steps.check_token_ids(seqs, 0)
-        plan = self.planner.plan(self.planner.submit([int(s.numel()) for s in seqs], background=False))
-        with torch.no_grad(), self.compute_loss_context_manager(), self.accelerator.autocast():
-            result = self.executor.run_step(plan, seqs, labels, train=False)
-        return torch.tensor(float(result.loss), device=self.args.device), None, None
+        """Trainer's ``(loss, logits or preprocessed logits, labels)`` of the batch through the pipeline."""
+        with self.compute_loss_context_manager(), self.accelerator.autocast():
+            return self.predictor.step(inputs, self.label_names, prediction_loss_only, self.args.device)
 
     def end(self) -> None:
         """Finish the trackers and destroy the process group, once every rank got here (call it

@@ -10,8 +10,14 @@
    indices on bars wide enough to hold them;
 2. the *measured* schedule, when given (actual start / end per action, e.g. from the runtime's
    timers), on the same time axis so gaps between plan and reality show;
-3. every stage's memory over time (``sim.memory_timeline``, a step function) with its budget
-   as a dashed line.
+3. every stage's memory over time (``sim.memory_timeline``, a step function) in a unit that
+   fits the data (KiB, MiB or GiB), with its budget as a dashed line labelled with its value
+   and, when given, where it came from; a budget far above the data (the CPU's ``auto`` budget)
+   is named in the legend and the panel scales to the data instead of flattening it.
+
+The legend shows the chunk kinds present with their count, and the forward (light), backward
+(dark) and recompute (hatched) shades drawn in the color of the plan's most common kind, as the
+bars are.
 
 matplotlib is an optional dependency (``pip install concertina_hf[viz]``); it is imported only
 here, through its object API with the Agg canvas, so the global backend is left alone. Drawing
@@ -122,6 +128,7 @@ def plot_gantt(
     title: str | None = None,
     *,
     cost: Any = None,
+    budget_source: str | None = None,
     dpi: int = 130,
 ) -> str:
     """Draw ``plan`` as simulated by ``sim`` (a :class:`~concertina_hf.planning.simulate.SimResult`)
@@ -130,7 +137,8 @@ def plot_gantt(
     ``measured``: actual ``(action, start_s, end_s)`` of a run, flat or per stage; drawn under
     the plan on the same time axis (times are shifted so the earliest start is 0). ``cost``:
     the :class:`~concertina_hf.planning.cost.CostModel` the plan was simulated with, to hatch
-    the exact recompute part of each backward.
+    the exact recompute part of each backward. ``budget_source``: where the memory budget came
+    from (e.g. ``"auto: 0.9 x 80 GiB"``), shown with it.
     """
     Figure, FigureCanvasAgg, Patch = _matplotlib()
     if cost is not None and hasattr(cost, "for_plan"):
@@ -157,30 +165,47 @@ def plot_gantt(
 
     mem_ax = axes[-1]
     budgets = list(plan.memory_budget_bytes)
+    peak = max([b for points in sim.memory_timeline for _, b in points] + [1])
+    unit, scale = _memory_unit(peak)
     for s, points in enumerate(sim.memory_timeline):
         color = _STAGE_COLORS[s % len(_STAGE_COLORS)]
         xs = [t for t, _ in points] + [span]
-        ys = [b / _GIB for _, b in points]
+        ys = [b / scale for _, b in points]
         ys.append(ys[-1] if ys else 0.0)
         mem_ax.step(xs, ys, where="post", color=color, linewidth=1.0, label=f"stage {s}")
-        if budgets and budgets[s] > 0 and (s == 0 or len(set(budgets)) > 1):
-            mem_ax.axhline(budgets[s] / _GIB, color=color if len(set(budgets)) > 1 else "black",
-                           linestyle="--", linewidth=0.9)
-    if budgets and any(budgets):
-        mem_ax.plot([], [], color="black", linestyle="--", linewidth=0.9, label="budget")
-    mem_ax.set_ylabel("memory (GiB)")
+    top = peak * 1.15
+    shown = [b for b in budgets if b > 0]
+    if shown:
+        # a budget within 3x of the data is drawn; one far above it would flatten the curves to the
+        # axis (the CPU's 'auto' budget): the panel keeps the data's scale and the legend names it
+        drawn = [b for b in shown if b <= 3 * peak]
+        if drawn:
+            top = max(top, max(drawn) * 1.08)
+        same = len(set(shown)) == 1
+        value = " / ".join(_fmt_bytes(b) for b in (shown[:1] if same else shown))
+        where = f" ({budget_source})" if budget_source else ""
+        off = "" if len(drawn) == len(shown) else ", above this panel"
+        label = f"budget {value}{'' if same else ' per stage'}{where}{off}"
+        for s, b in enumerate(budgets):
+            if 0 < b <= 3 * peak and (s == 0 or not same):
+                mem_ax.axhline(b / scale, color="black" if same else _STAGE_COLORS[s % len(_STAGE_COLORS)],
+                               linestyle="--", linewidth=0.9)
+        mem_ax.plot([], [], color="black", linestyle="--", linewidth=0.9, label=label)
+    mem_ax.set_ylabel(f"memory ({unit})")
     mem_ax.set_xlabel("time (s)")
-    mem_ax.set_ylim(bottom=0)
+    mem_ax.set_ylim(0, top / scale)
     mem_ax.grid(alpha=0.3)
-    mem_ax.legend(loc="upper right", fontsize=7, ncol=min(p + 1, 6))
+    mem_ax.legend(loc="upper left", fontsize=7, ncol=min(p + 1, 6))
 
     counts = plan.chunk_counts()
-    handles = [Patch(facecolor=KIND_COLORS[k], label=f"{k.value} ({counts[k.value]})") for k in ChunkKind]
+    present = [k for k in ChunkKind if counts.get(k.value, 0)]
+    handles = [Patch(facecolor=KIND_COLORS[k], alpha=0.95, label=f"{k.value} ({counts[k.value]})") for k in present]
+    shade = KIND_COLORS[max(present, key=lambda k: counts[k.value])] if present else "grey"
     handles += [
-        Patch(facecolor="grey", alpha=0.45, label="forward"),
-        Patch(facecolor="grey", alpha=0.95, label="backward"),
-        Patch(facecolor="white", edgecolor="black", hatch="////",
-              label="recompute" if cost is not None else "backward with recompute"),
+        Patch(facecolor=shade, alpha=0.45, label="forward (light)"),
+        Patch(facecolor=shade, alpha=0.95, label="backward (dark)"),
+        Patch(facecolor=shade, alpha=0.95, edgecolor="white", hatch="////",
+              label="recompute (hatched)" if cost is not None else "backward with recompute (hatched)"),
     ]
     if cost is not None and getattr(cost, "sp", 1) > 1:
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="....", label=f"all-to-all (sp={cost.sp})"))
@@ -191,10 +216,23 @@ def plot_gantt(
     fig.suptitle(
         f"{head}\npredicted step {sim.step_time_s:.3g} s, bubble {sim.bubble_fraction:.1%}, "
         f"recompute {sim.recompute_fraction:.1%}, peak memory "
-        + " / ".join(f"{b / _GIB:.1f}" for b in sim.peak_memory_bytes) + " GiB",
+        + " / ".join(_fmt_bytes(b) for b in sim.peak_memory_bytes),
         fontsize=10,
     )
     fig.tight_layout()
     out = os.fspath(path)
     fig.savefig(out)
     return out
+
+
+def _memory_unit(peak_bytes: float) -> tuple[str, float]:
+    """The unit (KiB, MiB, GiB) in which ``peak_bytes`` reads as a number from 1 to 1024."""
+    for unit, scale in (("GiB", _GIB), ("MiB", float(2**20))):
+        if peak_bytes >= scale:
+            return unit, scale
+    return "KiB", 1024.0
+
+
+def _fmt_bytes(b: float) -> str:
+    unit, scale = _memory_unit(b)
+    return f"{b / scale:.3g} {unit}"

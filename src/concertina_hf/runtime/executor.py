@@ -55,7 +55,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -234,8 +234,13 @@ class PipelineExecutor:
 
     # ------------------------------------------------------------------ step
     def run_step(self, plan: Plan, input_ids: Sequence[torch.Tensor], labels: Sequence[torch.Tensor] | None = None,
-                 num_items_in_batch: int | None = None, train: bool = True) -> StepResult:
-        """Execute this stage's part of ``plan`` (see the module docstring)."""
+                 num_items_in_batch: int | None = None, train: bool = True,
+                 on_logits: Callable[[Sequence[SliceSpec], torch.Tensor], None] | None = None) -> StepResult:
+        """Execute this stage's part of ``plan`` (see the module docstring).
+
+        ``on_logits(slices, logits)``: called on the last stage after each chunk's forward with the
+        chunk's slices and its detached ``[1, tokens, vocab]`` logits (``slices[i].offset`` is where
+        slice ``i`` starts in them), so a caller keeps what it needs of them chunk by chunk."""
         self._check(plan, input_ids, labels)
         if labels is None:
             labels = input_ids
@@ -248,7 +253,7 @@ class PipelineExecutor:
         # forward's state themselves).
         amp = autocast_dtype(dev.type)
         wire_dtype = self.wire_dtype(amp)
-        step = _Step(self, plan, input_ids, labels, divisor, train)
+        step = _Step(self, plan, input_ids, labels, divisor, train, on_logits)
         program = self._program(plan, train)
         meter = self.meter
         meter.release_all()
@@ -363,8 +368,10 @@ class _Step:
     """
 
     def __init__(self, ex: PipelineExecutor, plan: Plan, input_ids: Sequence[torch.Tensor],
-                 labels: Sequence[torch.Tensor], divisor: float, train: bool) -> None:
+                 labels: Sequence[torch.Tensor], divisor: float, train: bool,
+                 on_logits: Callable[[Sequence[SliceSpec], torch.Tensor], None] | None = None) -> None:
         self.w = w = ex.wrapper
+        self.on_logits = on_logits
         self.meter = ex.meter
         self.plan = plan
         self.train = train
@@ -420,7 +427,13 @@ class _Step:
                         meter.release(("kv", s.seq, earlier.start))
         if w.is_last:
             targets = torch.cat([_targets(self.labels[s.seq], s) for s in slices])
-            chunk_loss = w.head_loss_sum(y, targets)
+            if self.on_logits is None:
+                chunk_loss = w.head_loss_sum(y, targets)
+            else:  # the same loss, the logits handed to the caller on the way
+                logits = w.head_logits(y)
+                chunk_loss = w.loss_sum(logits, targets)
+                self.on_logits(slices, logits.detach())
+                del logits
             self.loss_sum += chunk_loss.detach()
             self.sums.append((f"F{c}", chunk_loss.detach().float()))
             if train:

@@ -81,6 +81,8 @@ class _StageView:
 
     run_layers = PipelineWrapper.run_layers
     head_loss_sum = PipelineWrapper.head_loss_sum
+    head_logits = PipelineWrapper.head_logits
+    loss_sum = PipelineWrapper.loss_sum
     embed = PipelineWrapper.embed
 
     def __init__(self, layers: Sequence[nn.Module], rotary: nn.Module, norm: nn.Module | None,

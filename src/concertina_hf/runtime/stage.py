@@ -232,7 +232,14 @@ class PipelineWrapper(nn.Module):
     def head_loss_sum(self, hidden: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
         """Last stage: final norm, LM head, and the summed float32 token cross-entropy (targets
         already shifted; -100 ignored), like HF's ``ForCausalLMLoss``."""
-        logits = self.model.lm_head(self.model.model.norm(hidden))
+        return self.loss_sum(self.head_logits(hidden), targets_T)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Last stage: the logits of HF's ``forward`` (final norm, LM head) for ``hidden``."""
+        return self.model.lm_head(self.model.model.norm(hidden))
+
+    def loss_sum(self, logits: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
+        """The summed float32 token cross-entropy of ``logits`` (targets shifted; -100 ignored)."""
         vocab = logits.shape[-1]
         return F.cross_entropy(logits.float().view(-1, vocab), targets_T, ignore_index=-100, reduction="sum")
 
