@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -146,3 +147,28 @@ def test_gantt_with_measured_schedule_and_missing_matplotlib(files, tmp_path, mo
     monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
     with pytest.raises(ImportError, match=r"pip install concertina_hf\[viz\]"):
         plot_gantt(plan, sim, tmp_path / "x.png")
+
+
+def test_help_lists_strategies_and_each_default_once(capsys):
+    from concertina_hf.planning import STRATEGIES
+
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--help"])
+    out = capsys.readouterr().out
+    entries = {e.split()[0]: " ".join(e.split()) for e in re.split(r"\n  (?=--)", out)[1:]}  # one per option
+    strategy = entries["--strategy"].replace("- ", "-")  # argparse wraps lines at hyphens
+    assert all(name in strategy for name in STRATEGIES), strategy
+    assert "(default: None)" not in out and "(default: False)" not in out
+    for flag, entry in entries.items():
+        assert entry.count("default") <= 1, entry
+    for flag in ("--seed", "--pp", "--solver", "--model-config", "--strategy", "--memory-gb"):
+        assert entries[flag].count("default") == 1, entries[flag]
+    assert "dataset) (default: 0)" in entries["--seed"]
+
+
+def test_budget_errors_name_the_commands_flags(files, capsys):
+    """`concertina plan --memory-gb 1` style errors name --memory-gb / --pp, not trainer fields."""
+    rc = cli.main(_base(files, "--memory-gb", "0.0001", "--strategy", "all"))
+    out = capsys.readouterr().out
+    assert rc == 1 and "does not fit" in out
+    assert "concertina_" not in out and "--memory-gb" in out and "--pp" in out, out

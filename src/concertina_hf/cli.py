@@ -31,7 +31,7 @@ import sys
 import time
 from typing import Any, Sequence
 
-__all__ = ["MODEL_PRESETS", "build_parser", "load_model_config", "main", "run_plan"]
+__all__ = ["MODEL_PRESETS", "build_parser", "in_cli_words", "load_model_config", "main", "run_plan"]
 
 _GIB = 2**30
 
@@ -240,7 +240,7 @@ def run_plan(args) -> list[dict[str, Any]]:
                              max_tokens_per_chunk=args.max_tokens_per_chunk,
                              solver=args.solver, time_limit_s=args.time_limit)
         except errors as e:
-            records.append({"strategy": strategy, "fits": False, "reason": str(e),
+            records.append({"strategy": strategy, "fits": False, "reason": in_cli_words(str(e)),
                             "plan_time_s": time.perf_counter() - t0})
             continue
         plan_s = time.perf_counter() - t0
@@ -333,7 +333,9 @@ def _cmd_plan(args) -> int:
         gpath = pathlib.Path(args.gantt)
         for r in targets:
             path = gpath.with_name(f"{gpath.stem}-{r['strategy']}{gpath.suffix}") if args.gantt_all else gpath
-            plot_gantt(r["_plan"], r["_sim"], path, cost=args._cost,
+            source = (f"--memory-gb {args.memory_gb:g}" if args.memory_gb is not None
+                      else f"the memory of --device {args.device} x {args.gpus_per_stage}")
+            plot_gantt(r["_plan"], r["_sim"], path, cost=args._cost, budget_source=source,
                        title=f"{r['strategy']}: {len(lens)} sequences, {args.model_config}, pp {args.pp}"
                              + (f" x sp {args._sp}" if args._sp > 1 else ""))
             print(f"wrote {path}")
@@ -341,8 +343,43 @@ def _cmd_plan(args) -> int:
 
 
 # ---------------------------------------------------------------------------------- parser
+class _OneDefaultFormatter(argparse.HelpFormatter):
+    """Each option's default once: appended when it means something (not None / False) and the
+    help does not already say it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if "default" in text or unset or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+#: the trainer's setting names in the planner's messages, and the flags of ``concertina plan`` doing the same
+_FLAG_OF_SETTING = (
+    ("memory_budget_bytes (concertina_memory_budget)", "--memory-gb"),
+    ("the budget (concertina_memory_budget)", "--memory-gb"),
+    ("concertina_memory_budget", "--memory-gb"),
+    ("concertina_pipeline_size; --pp of `concertina plan`", "--pp"),
+    ("concertina_pipeline_size", "--pp"),
+    ("concertina_max_tokens_per_chunk", "--max-tokens-per-chunk"),
+    ("lower max_tokens_per_chunk", "lower --max-tokens-per-chunk"),
+    ("concertina_solver", "--solver"),
+    ("concertina_strategy", "--strategy"),
+)
+
+
+def in_cli_words(message: str) -> str:
+    """A planner message with the trainer's setting names replaced by this command's flags."""
+    for setting, flag in _FLAG_OF_SETTING:
+        message = message.replace(setting, flag)
+    if "more pipeline stages" in message and "--pp" not in message:
+        message = message.replace("more pipeline stages", "more pipeline stages (--pp)")
+    return message
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from .planning import SOLVERS
+    from .planning import SOLVERS, STRATEGIES
 
     ap = argparse.ArgumentParser(
         prog="concertina",
@@ -353,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
         "plan", help="plan one step for a batch of sequence lengths and compare strategies",
         description="Plan one training step under each strategy and compare predicted step time, "
                     "bubbles, recompute and memory.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_OneDefaultFormatter,
     )
     src = p.add_argument_group("sequence lengths (one source)")
     one = src.add_mutually_exclusive_group(required=True)
@@ -365,12 +402,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="data files for a builder dataset (--dataset json|text|parquet|csv)")
     src.add_argument("--split", default="train", help="dataset split (slicing like train[:1000] works)")
     src.add_argument("--text-column", default="text", help="dataset column holding the text")
-    src.add_argument("--tokenizer", default=None, help="tokenizer name or path (default: the bundled one)")
+    src.add_argument("--tokenizer", default=None, help="tokenizer name or path (default: the bundled one, 8192 tokens)")
     src.add_argument("--num-seqs", type=int, default=None,
                      help="sequences in the batch (distribution: default 512; file/dataset: a seeded sample)")
     src.add_argument("--max-len", "--max-length", dest="max_len", type=int, default=None,
                      help="truncate sequences to this many tokens (distribution default 65536)")
-    src.add_argument("--seed", type=int, default=0)
+    src.add_argument("--seed", type=int, default=0,
+                     help="seed of the sampled lengths (--distribution, or --num-seqs of a file or dataset)")
 
     m = p.add_argument_group("model and hardware")
     m.add_argument("--model-config", default="llama-13b",
@@ -394,11 +432,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--gpus-per-node", type=int, default=None, help="GPUs of one node (overrides --device)")
 
     s = p.add_argument_group("planner")
-    s.add_argument("--strategy", action="append", default=None,
-                   help="strategy (repeatable or comma separated), or all")
+    s.add_argument("--strategy", action="append", default=None, metavar="NAME",
+                   help=f"one of {', '.join(STRATEGIES)}, or all; repeatable or comma separated (default: all)")
     s.add_argument("--solver", choices=SOLVERS, default="ilp", help="recompute solver")
     s.add_argument("--time-limit", type=float, default=1.0, help="ILP time limit per call, seconds")
-    s.add_argument("--max-tokens-per-chunk", type=int, default=None, help="token cap of one chunk")
+    s.add_argument("--max-tokens-per-chunk", type=int, default=None,
+                   help="token cap of one chunk (default: none, the planner chooses)")
 
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="OUT", default=None, help="write the results as a JSON list")

@@ -195,7 +195,7 @@ def plot_gantt(
     mem_ax.set_xlabel("time (s)")
     mem_ax.set_ylim(0, top / scale)
     mem_ax.grid(alpha=0.3)
-    mem_ax.legend(loc="upper left", fontsize=7, ncol=min(p + 1, 6))
+    mem_ax.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), fontsize=7, ncol=p + 1, frameon=False)  # above the curves
 
     counts = plan.chunk_counts()
     present = [k for k in ChunkKind if counts.get(k.value, 0)]
