@@ -16,8 +16,9 @@ replica 0 (global rank 0):
    chunks: a *split* chunk (the first 10 tokens of sequence 0), a *hybrid* chunk (its other 14
    tokens, which attend to the first 10 through the stored K/V, plus sequence 1 whole), and a
    *packed* chunk (sequences 2 and 3), the hybrid chunk's first layer recomputed in backward.
-   The model runs on its own device and dtype, in eval mode (no dropout), through a shallow
-   prefix of its decoder layers: the shortest one holding every kind of layer the model has
+   The model runs in its dtype on the training device (only the probed modules are moved there,
+   and back: a model still on the CPU when the trainer is built is not copied whole to the GPU),
+   in eval mode (no dropout), through a shallow prefix of its decoder layers: the shortest one holding every kind of layer the model has
    (by module structure, ``attention_type`` and ``config.layer_types``; at least 2 layers).
 2. **Per-token losses.** The runtime's loss of each slice of each sequence (the stage's head
    called once more per slice, without gradient, on that slice's targets alone) against the HF model run on each
@@ -90,14 +91,14 @@ class _Finding:
         return f"{self.what}: runtime {self.runtime:.6g}, HF {self.hf:.6g}"
 
 
-def self_check(model: nn.Module, topology: Topology) -> None:
-    """Run :func:`check_model` on global rank 0 and broadcast its verdict: every rank raises
-    :class:`SelfCheckError` with the same message, or none does. Collective."""
+def self_check(model: nn.Module, topology: Topology, device: torch.device | str | None = None) -> None:
+    """Run :func:`check_model` on global rank 0 (on ``device``) and broadcast its verdict: every
+    rank raises :class:`SelfCheckError` with the same message, or none does. Collective."""
     verdict = None
     if topology.rank == 0:
         t0 = time.perf_counter()
         try:
-            check_model(model)
+            check_model(model, device)
         except SelfCheckError as exc:
             verdict = str(exc)
         except Exception as exc:  # the runtime itself failed on the probe: a refusal too
@@ -113,20 +114,26 @@ def self_check(model: nn.Module, topology: Topology) -> None:
         raise SelfCheckError(verdict)
 
 
-def check_model(model: nn.Module) -> None:
+def check_model(model: nn.Module, device: torch.device | str | None = None) -> None:
     """The checks of the module docstring on this process; :class:`SelfCheckError` on a mismatch.
-    ``model``: an HF causal LM, or a ``PeftModel`` around one (its adapters are in the layers)."""
+    ``model``: an HF causal LM, or a ``PeftModel`` around one (its adapters are in the layers).
+    ``device``: where to run the probe (default: where the model is); only the probed modules
+    (the prefix layers, the embedding, the head) go there, and back afterwards."""
     from .integrations.peft import base_model_of
 
     hf = base_model_of(model)
     kind = _model_type(hf)
-    dev = next(hf.parameters()).device
+    home = next(hf.parameters()).device
+    dev = home if device is None else torch.device(device)
+    if dev.type == home.type and (dev.type != "cuda" or dev.index == home.index):
+        dev = home
     dtype = next(hf.parameters()).dtype
     loss_tol, grad_tol = _TOL.get(dtype, _TOL_LOW)
     ids, labels = _probe_batch(int(hf.config.vocab_size), dev)
-    with _preserved(hf), torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+    with _preserved(hf, home), torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         k = probe_layers(hf)
         hf.model.layers = nn.ModuleList(list(hf.model.layers)[:k])
+        hf.to(dev)  # the probed modules only (a no-op when the model is there already)
         checked = _checked_parameters(hf)
         for p in hf.parameters():
             p.requires_grad_(False)
@@ -331,8 +338,9 @@ def _model_type(model: nn.Module) -> str:
 
 
 @contextmanager
-def _preserved(model: nn.Module) -> Iterator[None]:
-    """Restore everything the probe touches on ``model`` (see the module docstring)."""
+def _preserved(model: nn.Module, home: torch.device) -> Iterator[None]:
+    """Restore everything the probe touches on ``model`` (see the module docstring); the probed
+    modules go back to ``home``."""
     params = list(model.parameters())
     grads = [p.grad for p in params]
     flags = [p.requires_grad for p in params]
@@ -353,6 +361,7 @@ def _preserved(model: nn.Module) -> Iterator[None]:
             m.training = t
         for m in ckpt:
             m.gradient_checkpointing = True
+        model.to(home)
         if layers is not None:
             inner.layers = layers
         if attn is not None and model.config._attn_implementation != attn:

@@ -102,7 +102,7 @@ class ConcertinaTrainer(Trainer):
         self.setup = resolve_run(args, hf_model, self.topology)
         self.cost_model, self.layout = self.setup.cost_model, self.setup.layout
         if args.concertina_self_check:  # before the model is split: its numbers against HF's, on rank 0
-            self_check(model, self.topology)
+            self_check(model, self.topology, args.device)
         # The saved config must name an attention every HF install has, not the runtime's backend.
         self._saved_attn_implementation = getattr(hf_model.config, "_attn_implementation", None) or "sdpa"
         self.pipeline = PipelineWrapper(model, self.layout, self.topology.stage)
