@@ -83,7 +83,7 @@ class StepGuard:
         self.without_targets = 0
         #: the last checked step was dropped (its gradients are gone; its grad norm is NaN)
         self.dropped = False
-        self._window: list[float] = []  # the steps' losses since the last log entry
+        self._window = (0.0, 0)  # sum and number of the steps' losses since the last log entry
 
     # ------------------------------------------------------------------ the verdict
     def check(self, step: int, plan: Plan, result: Any, params: Sequence[torch.nn.Parameter],
@@ -136,17 +136,18 @@ class StepGuard:
     def step_loss(self, loss: float, num_items_total: int) -> float:
         """The loss the step reports (NaN for a step without target), kept for the log entry."""
         value = float("nan") if num_items_total == 0 else float(loss)
-        self._window.append(value)
+        total, n = self._window
+        self._window = (total + value, n + 1)  # a NaN stays NaN until the next log entry
         return value
 
     # ------------------------------------------------------------------ logs
     def amend_logs(self, logs: dict[str, float]) -> None:
         """Add ``concertina/loss`` and the counters to a training log entry (one with ``loss``) and
         show the Trainer's ``loss`` as NaN when one of its steps was (see the module docstring)."""
-        window, self._window = self._window, []
-        if not window:
+        (total, n), self._window = self._window, (0.0, 0)
+        if not n:
             return
-        mean = sum(window) / len(window)  # NaN when one step's loss was
+        mean = total / n  # NaN when one step's loss was
         logs["concertina/loss"] = mean
         logs["concertina/nonfinite_steps_skipped"] = float(self.nonfinite_skipped)
         logs["concertina/steps_without_targets"] = float(self.without_targets)
