@@ -42,7 +42,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from concertina_hf import data  # noqa: E402
 from concertina_hf.cli import MODEL_PRESETS  # noqa: E402
 from concertina_hf.planning import (  # noqa: E402
-    STRATEGIES, CostModel, DeviceSpec, InfeasiblePlanError, PlanError, ideal_step_time, partition_layers, plan_step,
+    PIPELINE_STRATEGIES, CostModel, DeviceSpec, InfeasiblePlanError, PlanError, ideal_step_time, partition_layers,
+    plan_step,
     simulate,
 )
 
@@ -68,7 +69,9 @@ def run_setting(name: str, lens: list[int], cost: CostModel, num_stages: int, bu
     layout = partition_layers(cost, num_stages)
     ideal = ideal_step_time(lens, cost, layout)
     rows = []
-    for strategy in STRATEGIES:
+    # the pipeline strategies; sp-only (another layout of per-GPU devices, not these aggregate
+    # stages) is compared in benchmarks/paper_layout.py
+    for strategy in PIPELINE_STRATEGIES:
         solvers = ("ilp", "greedy") if strategy == "adaptive" else ("ilp",)
         for solver in solvers:
             # only adaptive's timing is repeated; the baselines do not use the solver

@@ -82,7 +82,7 @@ def run(seconds: float, seed: int, call_limit: int) -> dict:
             plan = plan_step(c["lens"], c["cost"], c["layout"], c["budget"], c["strategy"],
                              max_tokens_per_chunk=c["cap"])
             plan.validate()
-            if not fits(plan, c["cost"], [c["budget"]] * c["layout"].num_stages):
+            if not fits(plan, c["cost"], c["budget"]):  # one size: sp-only plans have one stage
                 violations.append(dict(case, what="plan over its budget"))
         except _CallLimit:
             case["stopped"] = True

@@ -246,7 +246,8 @@ def test_cli_plan_with_sp(tmp_path, capsys):
             "--model-config", "llama-13b", "--pp", "4", "--device", "a800",
             "--solver", "greedy"]
     out = tmp_path / "o.json"
-    assert cli.main([*base, "--strategy", "adaptive,sp-only", "--sp", "8", "--memory-gb", "80", "--json", str(out)]) == 0
+    rc = cli.main([*base, "--strategy", "adaptive,sp-only", "--sp", "8", "--memory-gb", "80", "--json", str(out)])
+    assert rc == 0
     text = capsys.readouterr().out
     assert "8 GPUs each (Ulysses)" in text and "80.0 GiB per GPU" in text and "sp-only" in text
     import json

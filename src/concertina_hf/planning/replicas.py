@@ -47,7 +47,8 @@ def sequence_cost(n: int, cost: CostModel) -> float:
     """Forward and backward compute of one ``n``-token sequence through the whole model (the
     ideal bound's term: no recompute, overhead or bubble); superlinear in ``n``."""
     layer = cost.alpha_attn * n * n + cost.alpha_tok * n
-    return (1.0 + cost.bwd_factor) * (cost.num_layers * layer + (cost.embed_time_per_token + cost.head_time_per_token) * n)
+    ends = (cost.embed_time_per_token + cost.head_time_per_token) * n
+    return (1.0 + cost.bwd_factor) * (cost.num_layers * layer + ends)
 
 
 def lpt_assign(weights: Sequence[float], num_bins: int) -> list[list[int]]:
