@@ -136,8 +136,8 @@ def load_data(data_args: DataArguments, tokenizer):
         data_files = data_files[0]
     raw = load_text_dataset(data_args.dataset, config=data_args.dataset_config, split=data_args.dataset_split,
                             text_column=data_args.text_column, streaming=data_args.streaming,
-                            data_files=data_files, max_files=data_args.max_files)
-    tokenized = tokenize_dataset(raw, tokenizer, data_args.text_column, data_args.max_length)
+                            data_files=data_files, max_files=data_args.max_files, flags="recipe")
+    tokenized = tokenize_dataset(raw, tokenizer, data_args.text_column, data_args.max_length, flags="recipe")
     k = data_args.eval_samples
     if k <= 0:
         return tokenized, None
@@ -166,7 +166,10 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(
         model_args.tokenizer_name or model_args.model_name_or_path or bundled_tokenizer_path())
     with args.main_process_first(desc="tokenizing the dataset"):
-        train_ds, eval_ds = load_data(data_args, tokenizer)
+        try:
+            train_ds, eval_ds = load_data(data_args, tokenizer)
+        except ValueError as e:  # a dataset or column that is not there: the message names the flag
+            raise SystemExit(f"train_long_context.py: {e}") from None
 
     set_seed(args.seed)  # every rank builds the same initial model
     model = build_model(model_args, tokenizer, data_args.max_length)

@@ -87,12 +87,26 @@ def test_local_json_through_the_same_call(tmp_path, tokenizer):
     tok = data.tokenize_dataset(ds, tokenizer, text_column="body", add_eos=False)
     assert tok.column_names == ["input_ids", "length"]
     assert tok["length"][0] < tok["length"][1] < tok["length"][2]
-    with pytest.raises(ValueError, match="--text-column"):
+    with pytest.raises(ValueError, match="Set text_column= to the column"):
         data.load_text_dataset("json", data_files=str(path), cache_dir=tmp_path / "c")
+    with pytest.raises(ValueError, match="Set --text-column to the column"):
+        data.load_text_dataset("json", data_files=str(path), cache_dir=tmp_path / "c", flags="cli")
     direct = data.load_text_dataset(str(path), text_column="body", cache_dir=tmp_path / "c")
     assert direct["id"] == [1, 5, 50]
     stream = data.load_text_dataset("json", data_files=str(path), text_column="body", streaming=True)
     assert [r["id"] for r in stream] == [1, 5, 50]
+
+
+@pytest.mark.parametrize("flags, dataset_flag", [("cli", "--dataset"), ("recipe", "--dataset"), ("python", "dataset=")])
+def test_missing_datasets_are_named_with_the_setting_to_change(tmp_path, flags, dataset_flag, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for path in ("/no/such/path", "./missing.jsonl", str(tmp_path / "gone" / "docs")):
+        with pytest.raises(ValueError, match=f"^{dataset_flag} '.*': no such file or directory. Give a local"):
+            data.load_text_dataset(path, flags=flags)
+    # a Hub name that is not there (offline): datasets' error, in a sentence naming the settings
+    with pytest.raises(ValueError, match=f"could not load {dataset_flag} 'no-such-org/no-such-dataset' .*"
+                                         "HF_HUB_OFFLINE is set.*Check " + dataset_flag):
+        data.load_text_dataset("no-such-org/no-such-dataset", flags=flags)
 
 
 def test_read_lengths_formats(tmp_path):

@@ -84,6 +84,17 @@ def test_no_arguments_mean_the_embedded_default():
     assert args.concertina_cost_model == "online" and args.report_to in ([], ["none"], "none")
 
 
+@pytest.mark.parametrize("extra, words", [
+    (["--dataset", "/no/such/path"], "--dataset '/no/such/path': no such file or directory"),
+    (["--dataset", "stdlib", "--max_files", "2", "--text_column", "wrong"],
+     "dataset 'stdlib' .* has no column 'wrong'; its columns are .*Set --text_column to the column holding the text"),
+])
+def test_missing_dataset_or_column_stops_naming_the_flag(tmp_path, monkeypatch, extra, words):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(SystemExit, match="^train_long_context.py: " + words):
+        _recipe_module().main(["--output_dir", str(tmp_path / "out"), *extra])
+
+
 def test_single_process_with_a_local_file_through_load_dataset(tmp_path, monkeypatch):
     docs = tmp_path / "docs.jsonl"
     lines = [json.dumps({"content": "def f(x):\n    return x * %d\n" % i * (1 + i % 7)}) for i in range(40)]

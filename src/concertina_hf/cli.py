@@ -129,8 +129,8 @@ def _lengths(args) -> tuple[list[int], str]:
         tok_path = args.tokenizer or data.bundled_tokenizer_path()
         tokenizer = AutoTokenizer.from_pretrained(tok_path)
         ds = data.load_text_dataset(args.dataset, config=args.dataset_config, split=args.split,
-                                    text_column=args.text_column, data_files=args.data_files)
-        ds = data.tokenize_dataset(ds, tokenizer, text_column=args.text_column, max_length=args.max_len)
+                                    text_column=args.text_column, data_files=args.data_files, flags="cli")
+        ds = data.tokenize_dataset(ds, tokenizer, text_column=args.text_column, max_length=args.max_len, flags="cli")
         lens = [int(x) for x in ds["length"] if int(x) > 0]
         src = f"dataset {args.dataset} ({args.split}, column {args.text_column}, tokenizer {tok_path})"
     else:

@@ -129,6 +129,7 @@ def load_text_dataset(
     data_files: Any = None,
     max_files: int | None = None,
     cache_dir: str | os.PathLike | None = None,
+    flags: str = "python",
 ):
     """Load a text dataset through ``datasets.load_dataset``.
 
@@ -142,7 +143,11 @@ def load_text_dataset(
     stdlib JSON lines go and ``load_dataset``'s cache (default: ``HF_DATASETS_CACHE``, else
     ``~/.cache/concertina_hf``).
 
-    Raises ``ValueError`` naming ``--text-column`` when ``text_column`` is not a column.
+    Errors are ``ValueError`` in the project's words, naming the setting to change as the caller
+    spells it (``flags``: ``"cli"`` for ``concertina plan``'s ``--text-column``, ``"recipe"`` for
+    ``--text_column``, ``"python"`` for ``text_column=``): a local path that does not exist, a
+    dataset ``datasets`` cannot load (not found, offline, unknown config or split), a missing
+    text column.
     """
     import datasets
 
@@ -161,16 +166,49 @@ def load_text_dataset(
         suffix = local.suffix.lower()
         if data_files is None and local.is_file() and suffix in _BUILDER_BY_SUFFIX:
             name, data_files = _BUILDER_BY_SUFFIX[suffix], str(local)
+        if data_files is None and _looks_local(name) and not local.exists():
+            raise ValueError(
+                f"{_flag('dataset', flags)} {name!r}: no such file or directory. Give a local data file "
+                f"({', '.join(sorted(_BUILDER_BY_SUFFIX))}), a directory of them, 'stdlib' (the standard library's "
+                "sources, offline), or a Hub dataset name")
         if data_files is not None:
             kwargs["data_files"] = data_files
-        ds = datasets.load_dataset(name, config, **kwargs)
+        try:
+            ds = datasets.load_dataset(name, config, **kwargs)
+        except (FileNotFoundError, ConnectionError, ValueError, datasets.exceptions.DatasetNotFoundError) as e:
+            offline = " (HF_HUB_OFFLINE is set: a Hub dataset must already be in the cache)" \
+                if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False") else ""
+            raise ValueError(
+                f"could not load {_flag('dataset', flags)} {name!r} (config {config!r}, split {split!r}"
+                f"{', data files ' + repr(data_files) if data_files is not None else ''}){offline}: "
+                f"{type(e).__name__}: {e}. Check {_flag('dataset', flags)}, {_flag('dataset_config', flags)}, "
+                f"{_flag('split', flags)} and {_flag('data_files', flags)}") from e
     columns = _column_names(ds)
     if columns is not None and text_column not in columns:
         raise ValueError(
             f"dataset {name!r} (split {split!r}) has no column {text_column!r}; its columns are "
-            f"{sorted(columns)}. Set --text-column (text_column=...) to the column holding the text."
+            f"{sorted(columns)}. Set {_flag('text_column', flags)} to the column holding the text."
         )
     return ds
+
+
+#: how each caller spells a setting: the name of the command-line flag or keyword to change
+_FLAG_STYLES = {
+    "cli": {"dataset": "--dataset", "dataset_config": "--dataset-config", "split": "--split",
+            "data_files": "--data-files", "text_column": "--text-column", "max_length": "--max-len"},
+    "recipe": {"dataset": "--dataset", "dataset_config": "--dataset_config", "split": "--dataset_split",
+               "data_files": "--data_files", "text_column": "--text_column", "max_length": "--max_length"},
+}
+
+
+def _flag(setting: str, flags: str) -> str:
+    return _FLAG_STYLES.get(flags, {}).get(setting, f"{setting}=")
+
+
+def _looks_local(name: str) -> bool:
+    """A path rather than a Hub id (``org/name``): absolute, relative with ``./``, ``~``, or a data file suffix."""
+    return (os.path.isabs(name) or name.startswith(("./", "../", "~")) or name.count("/") >= 2
+            or pathlib.Path(name).suffix.lower() in _BUILDER_BY_SUFFIX)
 
 
 def _column_names(ds) -> list[str] | None:
@@ -180,7 +218,8 @@ def _column_names(ds) -> list[str] | None:
     return None if cols is None else list(cols)
 
 
-def tokenize_dataset(ds, tokenizer, text_column: str = "text", max_length: int | None = None, add_eos: bool = True):
+def tokenize_dataset(ds, tokenizer, text_column: str = "text", max_length: int | None = None, add_eos: bool = True,
+                     flags: str = "python"):
     """Tokenize ``ds[text_column]`` into ``input_ids`` and ``length`` (other columns dropped).
 
     No special tokens are added except one EOS at the end of each document (``add_eos``);
@@ -192,13 +231,13 @@ def tokenize_dataset(ds, tokenizer, text_column: str = "text", max_length: int |
     if columns is not None and text_column not in columns:
         raise ValueError(
             f"dataset has no column {text_column!r}; its columns are {sorted(columns)}. "
-            "Set --text-column (text_column=...) to the column holding the text."
+            f"Set {_flag('text_column', flags)} to the column holding the text."
         )
     eos = tokenizer.eos_token_id
     if add_eos and eos is None:
         raise ValueError("the tokenizer has no eos_token; pass add_eos=False or use a tokenizer with one")
     if max_length is not None and max_length < 1:
-        raise ValueError(f"max_length must be at least 1, got {max_length}; set --max-length accordingly")
+        raise ValueError(f"max_length must be at least 1, got {max_length}; set {_flag('max_length', flags)}")
 
     def encode(batch):
         ids = tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]
