@@ -213,7 +213,7 @@ class ConcertinaTrainingArguments(TrainingArguments):
     concertina_self_check: bool = _option(
         True,
         "At construction, before the model is split, run a tiny packed and split probe through the runtime's "
-        "own stage computations and compare per-token losses and a few gradients with the HF model run on each "
+        "own stage computations and compare the loss of each slice and a few gradients with the HF model run on each "
         "sequence alone, and HF's training loss with plain cross-entropy (auxiliary losses); a mismatch refuses "
         "the model, naming its type and what differs.",
     )

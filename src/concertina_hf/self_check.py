@@ -20,7 +20,7 @@ replica 0 (global rank 0):
    and back: a model still on the CPU when the trainer is built is not copied whole to the GPU),
    in eval mode (no dropout), through a shallow prefix of its decoder layers: the shortest one holding every kind of layer the model has
    (by module structure, ``attention_type`` and ``config.layer_types``; at least 2 layers).
-2. **Per-token losses.** The runtime's loss of each slice of each sequence (the stage's head
+2. **Slice losses.** The runtime's loss of each slice of each sequence (the stage's head
    called once more per slice, without gradient, on that slice's targets alone) against the HF model run on each
    sequence alone (``use_cache=False``), cross-entropy of its logits summed over the same
    tokens. A difference on every sequence points at work outside the layers; one on the slice
@@ -157,7 +157,7 @@ def check_model(model: nn.Module, device: torch.device | str | None = None) -> N
            if not abs(rt - hf) <= loss_tol * max(abs(hf), 1.0)]
     if bad:
         where = _diagnose(bad, len(hf_slices))
-        problems.append(f"per-token losses differ on {len(bad)} of {len(hf_slices)} probe slices ({where}); worst: "
+        problems.append(f"slice losses differ on {len(bad)} of {len(hf_slices)} probe slices ({where}); worst: "
                         f"{max(bad, key=lambda f: abs(f.runtime - f.hf))}")
     grad_bad = []
     # a parameter whose gradient is nearly 0 compares its float noise: relative to at least 1% of the
