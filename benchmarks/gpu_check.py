@@ -11,11 +11,15 @@ a. **attention**: the ``"concertina"`` attention backend
    (:func:`~concertina_hf.runtime.attention.concertina_attention_forward`), forward and backward,
    against HF's SDPA attention (``sdpa_attention_forward``) run on each sequence alone, for a
    packed chunk, a sequence split over three chunks (K/V carried to later slices, the last chunk
-   hybrid), GQA, and a sliding window shorter than the context. Both are compared with a float32
-   reference (float64 on CPU) of HF's SDPA; the backend passes where its relative error (Frobenius
-   norm over all sequences, for the output and the gradients of query, key and value) is at most
-   twice HF's own or ``torch.testing``'s default rtol for the dtype (bf16 1.6e-2, float32 1.3e-6),
-   whichever is larger. The attention ops and kernels that ran are recorded (torch profiler).
+   hybrid), GQA, and a sliding window shorter than the context; and, where the backend takes them,
+   soft-capping and attention sinks against HF's eager formulas of Gemma2 and gpt-oss (SDPA has
+   neither; a backend whose signature lacks them would ignore them, so those cases are then
+   skipped with that reason). Both are compared with a float32 reference (float64 on CPU) of the
+   same HF function; the backend passes where its relative error (Frobenius norm over all
+   sequences, for the output and the gradients of query, key, value and sinks) is at most twice
+   HF's own or ``torch.testing``'s default rtol for the dtype (bf16 1.6e-2, float32 1.3e-6),
+   whichever is larger. The attention ops and kernels that ran are recorded (torch profiler, and
+   the backend's own ``kernels_used`` where it has one).
 b. **trainer**: ``ConcertinaTrainer`` at pp=1 against ``transformers.Trainer`` (padding-free
    ``DataCollatorWithFlattening``, HF's checkpointing of every layer so that a 32K-token step fits
    with float32 weights and Adam), both ``bf16=True``, from the same initial weights of a ~1B
@@ -92,7 +96,7 @@ H200_BF16_DENSE_PEAK_FLOPS = 989e12
 DEFAULT_RTOL = {torch.float32: 1.3e-6, torch.bfloat16: 1.6e-2, torch.float16: 1e-3, torch.float64: 1e-7}
 
 SECTIONS = {
-    "a": "attention backend vs HF SDPA per sequence (forward and backward)",
+    "a": "attention backend vs HF attention per sequence (forward and backward)",
     "b": "ConcertinaTrainer (pp=1) vs Trainer: loss",
     "c": "profiler: layer time vs chunk tokens, cost-model error on held-out chunks",
     "d": "MFU of a chunk's forward+backward",
@@ -111,6 +115,9 @@ class AttnCase:
     kv_heads: int
     head_dim: int
     window: int | None = None
+    softcap: float | None = None  # attention logit soft-capping (Gemma2): HF's eager reference
+    sinks: bool = False  # attention sinks, one logit per head (gpt-oss's s_aux): HF's eager reference
+    q_scale: float = 1.0  # larger logits, so that soft-capping changes the result
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +163,10 @@ GPU_SIZES = Sizes(
                  (((1, 0, 1200), (2, 0, 800), (3, 0, 333)), ((0, 0, 3000),), ((0, 3000, 2000),)), 32, 4, 64),
         AttnCase("sliding window 1024 (GQA, split)", (4000, 1500, 600),
                  (((0, 0, 1500),), ((0, 1500, 2500), (1, 0, 1500), (2, 0, 600))), 32, 4, 64, window=1024),
+        AttnCase("soft-capping 2 (GQA, split)", (3000, 900, 400),
+                 (((0, 0, 1200),), ((0, 1200, 1800), (1, 0, 900), (2, 0, 400))), 32, 4, 64, softcap=2.0, q_scale=3.0),
+        AttnCase("sinks (GQA, split)", (2500, 700, 300),
+                 (((0, 0, 1000),), ((0, 1000, 1500), (1, 0, 700), (2, 0, 300))), 32, 4, 64, sinks=True),
     ),
     trainer_lens=(8192, 32768, 16384, 12288, 24576, 10240),
     trainer_max_tokens_per_chunk=16384,
@@ -184,6 +195,10 @@ CPU_SIZES = Sizes(
                  (((1, 0, 20), (2, 0, 15), (3, 0, 7)), ((0, 0, 40),), ((0, 40, 30),)), 4, 2, 16),
         AttnCase("sliding window 16 (GQA, split)", (60, 25, 10),
                  (((0, 0, 24),), ((0, 24, 36), (1, 0, 25), (2, 0, 10))), 4, 2, 16, window=16),
+        AttnCase("soft-capping 2 (GQA, split)", (50, 18, 9),
+                 (((0, 0, 20),), ((0, 20, 30), (1, 0, 18), (2, 0, 9))), 4, 2, 16, softcap=2.0, q_scale=3.0),
+        AttnCase("sinks (GQA, split)", (45, 16, 7),
+                 (((0, 0, 19),), ((0, 19, 26), (1, 0, 16), (2, 0, 7))), 4, 2, 16, sinks=True),
     ),
     trainer_lens=(64, 256, 128, 96, 192, 80),
     trainer_max_tokens_per_chunk=128,
@@ -335,14 +350,24 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class _AttnModule(torch.nn.Module):
-    """What both attention functions read from the HF attention module: its layer index (the
-    backend keys K/V by it), the GQA group size and causality (HF's SDPA path)."""
+    """What the attention functions read from the HF attention module: its layer index (the
+    backend keys K/V by it), the GQA group size, causality, head size, and (gpt-oss) the sinks."""
 
-    def __init__(self, heads: int, kv_heads: int) -> None:
+    def __init__(self, case: "AttnCase", sinks: torch.Tensor | None = None) -> None:
         super().__init__()
         self.layer_idx = 0
-        self.num_key_value_groups = heads // kv_heads
+        self.num_key_value_groups = case.heads // case.kv_heads
+        self.head_dim = case.head_dim
         self.is_causal = True
+        self.sinks = None if sinks is None else torch.nn.Parameter(sinks)
+        self.eval()  # HF's eager functions apply dropout with module.training (at p=0 anyway)
+
+
+def _case_mask(n: int, window: int | None, device: torch.device) -> tuple[torch.Tensor | None, str]:
+    """The reference's mask of one sequence alone: none (``is_causal``) or HF's sliding window."""
+    if window is None:
+        return None, "is_causal"
+    return _hf_window_mask(n, window, device)
 
 
 def _hf_window_mask(n: int, window: int, device: torch.device) -> tuple[torch.Tensor, str]:
@@ -366,21 +391,44 @@ def _leaves(ts: Sequence[torch.Tensor], device, dtype) -> list[torch.Tensor]:
     return [t.detach().to(device=device, dtype=dtype, copy=True).requires_grad_() for t in ts]
 
 
-def _hf_per_sequence(case: AttnCase, inputs, dtype, device, scale) -> tuple[dict, str]:
-    """HF's SDPA attention on each sequence alone, forward and backward: out, dq, dk, dv per sequence."""
+def _hf_attention(case: AttnCase) -> tuple[Callable, str]:
+    """HF's attention function for the case: SDPA, or the eager formula of the model family that
+    has the feature (SDPA implements neither soft-capping nor sinks)."""
+    if case.softcap is not None:
+        from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+        return eager_attention_forward, "HF Gemma2 eager_attention_forward"
+    if case.sinks:
+        from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+        return eager_attention_forward, "HF gpt-oss eager_attention_forward"
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    module = _AttnModule(case.heads, case.kv_heads)
+    return sdpa_attention_forward, "HF sdpa_attention_forward"
+
+
+def _hf_per_sequence(case: AttnCase, inputs, dtype, device, scale) -> tuple[dict, str]:
+    """HF's attention on each sequence alone, forward and backward: out, dq, dk, dv (and the
+    sinks' gradient) per sequence."""
+    fn, name = _hf_attention(case)
+    eager = not name.endswith("sdpa_attention_forward")
+    module = _AttnModule(case, None if inputs[4] is None else inputs[4].to(device=device, dtype=dtype, copy=True))
     q, k, v = (_leaves(ts, device, dtype) for ts in inputs[:3])
-    outs, source = [], "is_causal"
+    outs, source = [], ""
     for i, n in enumerate(case.seq_lens):
-        mask = None
-        if case.window is not None:
-            mask, source = _hf_window_mask(n, case.window, device)
-        o, _ = sdpa_attention_forward(module, q[i], k[i], v[i], mask, dropout=0.0, scaling=scale)
+        mask, source = _case_mask(n, case.window, device)
+        if eager:  # HF's eager functions take an additive mask: 0 / the dtype's min, as HF builds it
+            allowed = mask if mask is not None else torch.ones(n, n, dtype=torch.bool, device=device).tril().view(1, 1, n, n)
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+            source = source if case.window is not None else "causal"
+        extra = {"softcap": case.softcap} if case.softcap is not None else {}
+        o, _ = fn(module, q[i], k[i], v[i], mask, dropout=0.0, scaling=scale, **extra)
         o.backward(inputs[3][i].to(device=device, dtype=o.dtype))
         outs.append(o.detach())
-    return dict(out=outs, dq=[t.grad for t in q], dk=[t.grad for t in k], dv=[t.grad for t in v]), source
+    out = dict(out=outs, dq=[t.grad for t in q], dk=[t.grad for t in k], dv=[t.grad for t in v])
+    if module.sinks is not None:
+        out["dsinks"] = [module.sinks.grad]
+    return out, f"{name} (mask: {source})"
 
 
 def _concertina(case: AttnCase, inputs, dtype, device, scale) -> dict:
@@ -389,8 +437,13 @@ def _concertina(case: AttnCase, inputs, dtype, device, scale) -> dict:
     chunk's backward also pushing the gradients later slices left on its K/V leaves."""
     from concertina_hf.runtime.attention import ChunkAttentionContext, KVStore, SliceSpec, concertina_attention_forward
 
-    module = _AttnModule(case.heads, case.kv_heads)
+    module = _AttnModule(case, None if inputs[4] is None else inputs[4].to(device=device, dtype=dtype, copy=True))
     q, k, v = (_leaves(ts, device, dtype) for ts in inputs[:3])
+    extra: dict[str, Any] = {}
+    if case.softcap is not None:
+        extra["softcap"] = case.softcap
+    if module.sinks is not None:
+        extra["s_aux"] = module.sinks  # what gpt-oss's attention passes
     store = KVStore()
     done = []
     for chunk in case.chunks:
@@ -400,11 +453,14 @@ def _concertina(case: AttnCase, inputs, dtype, device, scale) -> dict:
             off += length
 
         def cat(ts):
-            return torch.cat([ts[s.seq][:, :, s.start:s.start + s.length] for s in specs], dim=2)
+            # [1, heads, T, D] laid out token-major, as HF's projections hand them over
+            # (``proj(x).view(1, T, heads, D).transpose(1, 2)``)
+            return torch.cat([ts[s.seq].transpose(1, 2)[:, s.start:s.start + s.length] for s in specs],
+                             dim=1).transpose(1, 2)
 
         ctx = ChunkAttentionContext(specs, store, device, requires_grad=True)
         o, _ = concertina_attention_forward(module, cat(q), cat(k), cat(v), None, dropout=0.0, scaling=scale,
-                                            sliding_window=case.window, concertina_ctx=ctx)
+                                            sliding_window=case.window, concertina_ctx=ctx, **extra)
         done.append((specs, o))
     outs = [torch.empty(1, n, case.heads, case.head_dim, device=device, dtype=dtype) for n in case.seq_lens]
     for specs, o in done:
@@ -426,7 +482,25 @@ def _concertina(case: AttnCase, inputs, dtype, device, scale) -> dict:
                 store.free_slice(s.seq, s.start)
     if len(store):
         raise RuntimeError(f"{len(store)} K/V entries left in the store after every backward")
-    return dict(out=outs, dq=[t.grad for t in q], dk=[t.grad for t in k], dv=[t.grad for t in v])
+    out = dict(out=outs, dq=[t.grad for t in q], dk=[t.grad for t in k], dv=[t.grad for t in v])
+    if module.sinks is not None:
+        out["dsinks"] = [module.sinks.grad]
+    return out
+
+
+def _backend_supports(case: AttnCase) -> str | None:
+    """Why the backend in this tree cannot run ``case`` (``None`` when it can): a keyword it does
+    not take would land in its ``**kwargs`` and be ignored."""
+    import inspect
+
+    from concertina_hf.runtime.attention import concertina_attention_forward
+
+    params = inspect.signature(concertina_attention_forward).parameters
+    if case.softcap is not None and "softcap" not in params:
+        return "the backend has no softcap parameter (it would ignore soft-capping)"
+    if case.sinks and "s_aux" not in params:
+        return "the backend has no s_aux parameter (it would ignore the sinks)"
+    return None
 
 
 _ATTN_OP = re.compile(r"attention|attn|flash|varlen|sdpa|fmha|cudnn", re.IGNORECASE)
@@ -439,6 +513,8 @@ def _kernel_summary(names: Sequence[str]) -> str:
              ("cudnn_attention", "SDPA cuDNN"), ("flash_attention_for_cpu", "SDPA CPU flash"),
              ("attention_math", "SDPA math")]
     found = [label for key, label in rules if any(key in n.lower() for n in names)]
+    if not found and not names:
+        return "no fused attention op (eager matmul + softmax)"
     return " + ".join(dict.fromkeys(found)) or "unknown"
 
 
@@ -471,18 +547,25 @@ def section_attention(chk: Check, rec: dict) -> None:
     rec["results"]["flash_attn_installed"] = flash_attn_available()
     rec["results"]["torch_varlen_attn"] = _has_varlen()
     rec["results"]["cases"] = cases = []
+    rec["results"]["skipped_cases"] = []
     tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # a float32 reference
     try:
         for i, case in enumerate(chk.sizes.attn_cases):
             chk.check_budget(f"attention case {case.name!r}")
+            why = _backend_supports(case)
+            if why is not None:
+                rec["results"]["skipped_cases"].append(dict(name=case.name, reason=why))
+                continue
             t0 = time.perf_counter()
             g = torch.Generator().manual_seed(chk.seed + i)
             inputs = tuple([torch.randn(1, h, n, case.head_dim, generator=g) for n in case.seq_lens]
                            for h in (case.heads, case.kv_heads, case.kv_heads))
             inputs += ([torch.randn(1, n, case.heads, case.head_dim, generator=g) for n in case.seq_lens],)
+            inputs[0][:] = [t * case.q_scale for t in inputs[0]]
             # inputs rounded to the check's dtype first: every run sees the same values
             inputs = tuple([t.to(dtype).float() for t in ts] for ts in inputs)
+            inputs += (torch.randn(case.heads, generator=g).to(dtype).float() if case.sinks else None,)
             scale = case.head_dim ** -0.5
             ops: list[str] = []
             if dev.type == "cuda":
@@ -495,7 +578,7 @@ def section_attention(chk: Check, rec: dict) -> None:
             hf, mask_source = _hf_per_sequence(case, inputs, dtype, dev, scale)
             ref, _ = _hf_per_sequence(case, inputs, ref_dtype, dev, scale)
             errors, ok = {}, True
-            for name in ("out", "dq", "dk", "dv"):
+            for name in [t for t in ("out", "dq", "dk", "dv", "dsinks") if t in ref]:
                 cat = [torch.cat([t.reshape(-1) for t in x[name]]) for x in (ours, hf, ref)]
                 e_ours, e_hf, e_ours_hf = _rel(cat[0], cat[2]), _rel(cat[1], cat[2]), _rel(cat[0], cat[1])
                 limit = max(2.0 * e_hf, floor)
@@ -507,28 +590,47 @@ def section_attention(chk: Check, rec: dict) -> None:
             cases.append(dict(
                 name=case.name, seq_lens=list(case.seq_lens), chunks=[[list(s) for s in c] for c in case.chunks],
                 heads=case.heads, kv_heads=case.kv_heads, head_dim=case.head_dim, window=case.window,
+                softcap=case.softcap, sinks=case.sinks,
                 errors=errors, worst_error_over_limit=worst, passed=bool(ok), ops=ops, kernel=_kernel_summary(ops),
-                reference=f"HF sdpa_attention_forward per sequence in {str(ref_dtype).replace('torch.', '')} "
-                          f"(mask: {mask_source})",
+                backend_kernels_so_far=_backend_kernels(),
+                reference=f"{mask_source} per sequence, in {str(dtype).replace('torch.', '')} and "
+                          f"{str(ref_dtype).replace('torch.', '')}",
                 cuda_peak_bytes=peak,
                 # what a dense T x S mask of the largest chunk would take in the dtype (0 / -inf)
                 dense_mask_bytes_largest_chunk=max(t * s for t, s in zip(tokens, keys)) * _dtype_bytes(dtype),
                 wall_s=time.perf_counter() - t0))
             add_check(rec, f"{case.name}: error / tolerance (worst of out, dq, dk, dv)", worst,
-                      "<= 1 (error vs the fp32 reference at most 2x HF SDPA's own, or torch's default rtol)", ok)
+                      "<= 1 (error vs HF's reference in higher precision at most 2x HF's own, or torch's rtol)", ok)
             del ours, hf, ref, inputs
             chk.cleanup()
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     rec["results"]["kernels"] = sorted({c["kernel"] for c in cases})
+    rec["results"]["backend_kernels_used"] = _backend_kernels()
+
+
+def _backend_kernels() -> list[str] | None:
+    """The kernels the backend says ran in this process (``kernels_used``, where it reports them)."""
+    from concertina_hf.runtime import attention
+
+    used = getattr(attention, "kernels_used", None)
+    return list(used()) if callable(used) else None
 
 
 def _has_varlen() -> bool:
+    """torch's ``varlen_attn`` is there (the backend's own test where it has one; importing the
+    module itself pulls in torch._dynamo, seconds on a busy CPU)."""
+    import importlib.util
+
+    from concertina_hf.runtime import attention
+
+    own = getattr(attention, "torch_varlen_available", None)
+    if callable(own):
+        return bool(own())
     try:
-        import torch.nn.attention.varlen as varlen
-    except Exception:
+        return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+    except ModuleNotFoundError:
         return False
-    return hasattr(varlen, "varlen_attn")
 
 
 def _dtype_bytes(dtype: torch.dtype) -> int:
