@@ -137,3 +137,32 @@ def test_doctests_pass():
 
     result = doctest.testmod(args_module)
     assert result.attempted >= 1 and result.failed == 0
+
+
+def test_readme_states_the_defaults_of_the_arguments_and_of_the_recipe():
+    """One truth per default: the README's options table gives each concertina_* field's default
+    as the dataclass has it (and lists every field); its recipe sentence gives RECIPE_DEFAULTS."""
+    import importlib.util
+    import pathlib
+    import re
+    import sys
+
+    from concertina_hf import ConcertinaTrainingArguments
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    table = dict(re.findall(r"^\| `(concertina_\w+)` \| `([^`]*)` \|", readme, flags=re.M))
+    fields = {f.name: f.default for f in dataclasses.fields(ConcertinaTrainingArguments)
+              if f.name.startswith("concertina_")}
+    assert set(table) == set(fields), set(table) ^ set(fields)
+    for name, default in fields.items():
+        assert table[name] == repr(default), (name, table[name], default)
+    spec = importlib.util.spec_from_file_location("train_long_context", root / "recipes" / "train_long_context.py")
+    recipe = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = recipe
+    spec.loader.exec_module(recipe)
+    sentence = " ".join(readme.split("The recipe sets its own for the embedded", 1)[1].split("\n\n", 1)[0].split())
+    for key, value in recipe.RECIPE_DEFAULTS.items():
+        if key.startswith("concertina_"):
+            assert f"`{key}={value}`" in sentence, (key, value, sentence)
+    assert f"{recipe.RECIPE_DEFAULTS['max_steps']} steps" in sentence

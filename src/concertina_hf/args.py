@@ -131,13 +131,13 @@ class ConcertinaTrainingArguments(TrainingArguments):
 
     concertina_pipeline_size: int | None = _option(
         None,
-        "Pipeline stages per replica (processes per pipeline). Default: number of processes "
+        "Pipeline stages per replica (processes per pipeline). None: the number of processes "
         "divided by concertina_data_parallel_size.",
     )
     concertina_data_parallel_size: int | None = _option(
         None,
         "Data-parallel pipeline replicas; each sees its own share of every step's sequences and "
-        "gradients are all-reduced across replicas. Default: number of processes divided by "
+        "gradients are all-reduced across replicas. None: the number of processes divided by "
         "concertina_pipeline_size (1 when neither is set).",
     )
     concertina_memory_budget: str = _option(
@@ -160,7 +160,8 @@ class ConcertinaTrainingArguments(TrainingArguments):
     concertina_max_tokens_per_chunk: int | None = _option(
         None,
         "Upper bound on the tokens of one pipeline chunk; longer sequences are split into "
-        "slices. Default: chosen by the planner.",
+        "slices. None: no fixed cap, the planner sizes chunks from the memory budget and the "
+        "step's balanced time target.",
     )
     concertina_solver: str = _option(
         "ilp",
