@@ -123,23 +123,21 @@ def test_profile_fits_exact_bytes_and_leaves_the_model_alone(profiled):
     assert model.config._attn_implementation == "sdpa"
     assert all(p.grad is None for p in model.parameters())
     # times (one noisy repeat of millisecond kernels: only their shape is checked): longer
-    # chunks cost more, backward more than half the forward; the CPU SDPA path attends densely
-    # over T x S when a chunk needs a mask, and that is fitted
+    # chunks cost more, backward more than half the forward; the attention runs per slice (no
+    # backend attends densely over T x S), so the fitted model has no per-pair mask term
     short, long = (Slice(0, 0, 64),), (Slice(0, 0, 512),)
     assert 0 < cost.layer_fwd_time(short) < cost.layer_fwd_time(long)
     assert cost.bwd_factor > 0.5 and cost.head_time_per_token > 0
-    assert cost.alpha_mask > 0
+    assert cost.alpha_mask == 0
     # bytes of float32 tensors, exactly: a recomputed layer keeps its input, and the checkpoint
     # closures keep the chunk's rotary tables (cos, sin; saved layers keep them too: spread over
-    # the 4 profiled layers) and, once per chunk with any recompute, 4 int64 position/sequence
-    # index tensors; a non-final slice keeps its K and V; the mask is one float per (query, key)
-    # (the context does not keep the boolean mask it is built from, even when layers recompute
-    # and checkpoint closures keep the context); the head keeps at least the float32
-    # log-probabilities
+    # the 4 profiled layers) and, once per chunk with any recompute, the context's int64
+    # positions; a non-final slice keeps its K and V; no mask is kept (masks are per slice, built
+    # in forward and again in backward); the head keeps at least the float32 log-probabilities
     assert cost.ckpt_bytes_per_token == pytest.approx(4 * h + 2 * 4 * 16 / NUM_LAYERS)
-    assert cost.ckpt_chunk_bytes_per_token == pytest.approx(4 * 8)
+    assert cost.ckpt_chunk_bytes_per_token == pytest.approx(8)
     assert cost.kv_bytes_per_token == pytest.approx(4 * 2 * kv_dim)
-    assert cost.mask_bytes_per_pair == pytest.approx(4.0, rel=1e-3)
+    assert cost.mask_bytes_per_pair == 0
     assert 4 * VOCAB <= cost.logits_bytes_per_token <= 4 * VOCAB + 16 * h
     assert cost.hidden_bytes_per_token == cost.output_bytes_per_token == 4 * h
     n_layer = sum(p.numel() for p in model.model.layers[0].parameters())
@@ -174,7 +172,7 @@ def test_fitted_bytes_predict_unseen_chunks(kind, profiled):
                                repeats=0, num_layers=NUM_LAYERS)
         measured = sample.act_bytes * NUM_LAYERS
         predicted = cost.act_memory(lay, 0, chunk, rec) - cost.logits_bytes_per_token * chunk.num_tokens
-        # one float mask with or without recompute; index tensors over the keys of a slice with context, under
+        # no mask with or without recompute; index tensors over the keys of a slice with context, under
         # recompute, are not modelled (< 1%)
         assert 0.99 * measured <= predicted <= 1.03 * measured, (kind, shape, ckind, rec, measured, predicted)
 
@@ -193,7 +191,7 @@ def test_profile_under_bf16_autocast(profiled):
     assert explicit.act_bytes_per_token == cost.act_bytes_per_token
     assert cost.act_bytes_per_token < 0.8 * cost32.act_bytes_per_token
     assert cost.kv_bytes_per_token == pytest.approx(cost32.kv_bytes_per_token / 2)
-    assert cost.mask_bytes_per_pair == pytest.approx(2.0, rel=1e-3)
+    assert cost.mask_bytes_per_pair == 0
     assert cost.static_bytes_per_param > cost32.static_bytes_per_param
     assert all(p.grad is None for p in model.parameters())
     lay = StageLayout(NUM_LAYERS, ((0, NUM_LAYERS),))

@@ -71,20 +71,21 @@ def test_backend_registered_and_plain_forward_falls_back_to_sdpa():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_context_layout_and_mask():
+def test_context_layout_and_masks():
+    from concertina_hf.runtime.attention import _segment_mask
+
     store = KVStore()
     # a tail slice [10, 14) of sequence 0 packed with a whole sequence 3 of 3 tokens
     ctx = ChunkAttentionContext([SliceSpec(0, 10, 4, 0, True), SliceSpec(3, 0, 3, 4, True)], store, "cpu", True)
     assert ctx.position_ids.tolist() == [[10, 11, 12, 13, 0, 1, 2]]
     assert ctx.cu_seqlens_q.tolist() == [0, 4, 7] and ctx.cu_seqlens_k.tolist() == [0, 14, 17]
-    m = ctx.mask(None)[0, 0]
-    assert m.shape == (7, 17)
-    # query 0 (token 10 of seq 0) sees keys 0..10 of seq 0, nothing of seq 3
-    assert m[0].tolist() == [True] * 11 + [False] * 6
-    # query 6 (token 2 of seq 3) sees exactly tokens 0..2 of seq 3
-    assert m[6].tolist() == [False] * 14 + [True] * 3
-    w = ctx.mask(4)[0, 0]
-    assert w[3].nonzero().flatten().tolist() == [10, 11, 12, 13]  # window of 4 ending at token 13
+    # per slice: its queries against [prefix, own]; a whole sequence is plain causal (no mask)
+    m = _segment_mask(10, 4, 0, None, torch.device("cpu"))
+    assert m.shape == (4, 14)
+    assert m[0].tolist() == [True] * 11 + [False] * 3  # token 10 sees keys 0..10
+    assert _segment_mask(0, 3, 0, None, torch.device("cpu")) is None
+    w = _segment_mask(10, 4, 7, 4, torch.device("cpu"))  # window of 4: keys from position 7 on
+    assert w.shape == (4, 7) and (w[3].nonzero().flatten() + 7).tolist() == [10, 11, 12, 13]
     with pytest.raises(RuntimeError, match="before token 10 .* incomplete"):
         store.prefix(0, 10, layer=0)
 
@@ -107,7 +108,7 @@ def test_kv_store_set_if_absent_and_free():
 def test_context_attention_saves_pieces_not_the_concatenation():
     """A late slice (context 40, 4 tokens) attending to an earlier slice's stored K/V: same
     output and gradients as cat + SDPA, without saving the 44-token concatenated K/V."""
-    from concertina_hf.runtime.attention import _sdpa_path, concertina_attention_forward
+    from concertina_hf.runtime.attention import _segments_sdpa, concertina_attention_forward
 
     torch.manual_seed(0)
     module = torch.nn.Module()
@@ -128,8 +129,8 @@ def test_context_attention_saves_pieces_not_the_concatenation():
             if fused:
                 out, _ = concertina_attention_forward(module, q, k, v, None, scaling=D ** -0.5, concertina_ctx=ctx)
             else:
-                kS, vS = ctx.keys(0, k, v)
-                out = _sdpa_path(module, q, kS, vS, ctx, 0.0, D ** -0.5, None)
+                ctx.store_own(0, k, v)
+                out = _segments_sdpa(ctx, 0, q, k, v, D ** -0.5, None, 0.0).transpose(1, 2)
         saved = meter.current_bytes
         (e,) = store.entries(0, 0)
         grads = torch.autograd.grad(out.square().sum(), [q, k, v, e.k_leaf, e.v_leaf])

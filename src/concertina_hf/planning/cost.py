@@ -23,13 +23,15 @@ activations, the concatenated keys and values it attends to (``context_bytes_per
 layer and context token; a non-final slice with context also keeps its own K/V in the store,
 counted with the same coefficient); an explicit attention mask, built once per chunk when the
 chunk is not one whole sequence, holds ``mask_bytes_per_pair * T * S`` bytes (``T`` tokens,
-``S = T + sum C`` keys; SDPA backends, not flash-attn); a stage other than the last keeps its
+``S = T + sum C`` keys; a former CPU backend; the current one attends per slice and keeps no
+mask, so new profiles fit 0); a stage other than the last keeps its
 output until the backward (``output_bytes_per_token``); a chunk with any recomputed layer keeps,
 once, what the checkpoint closures hold beyond the layers' inputs and what saved layers keep too
 (``ckpt_chunk_bytes_per_token``: the attention context's index tensors), a step at ``r >= 1`` that
 the recompute planner's linear model over-approximates by ``(r - 1)`` times it (conservative). Backends that compute attention densely
-over ``T x S`` whenever a chunk needs a mask (SDPA on CPU) cost ``alpha_mask * T * S`` per layer
-instead of ``alpha_attn * pairs`` on such chunks (``alpha_mask = 0``: flash-attn's varlen kernel).
+over ``T x S`` whenever a chunk needs a mask (the former CPU backend) cost ``alpha_mask * T * S``
+per layer instead of ``alpha_attn * pairs`` on such chunks (``alpha_mask = 0``: every current
+backend attends per slice or per varlen segment; kept for cost models saved before).
 During a chunk's backward the stage briefly holds more than its activations: the hidden-state
 gradients in and out (``2 * hidden_bytes_per_token``), or, when measured, the peak extra of a
 decoder layer's backward (``bwd_transient_bytes_per_token``: gradients of its intermediate

@@ -66,7 +66,6 @@ from .attention import (
     KVStore,
     SliceSpec,
     autocast_dtype as _caller_autocast,
-    flash_attn_available,
     register_attention,
 )
 from .memory import CudaPeakMeter, LiveTensorMeter
@@ -109,7 +108,7 @@ class Probe:
     vocab_size: int
     num_kv_heads: int
     head_dim: int
-    dense_mask: bool  # attention is dense over T x S on chunks that need a mask (not flash-attn)
+    dense_mask: bool  # attention is dense over T x S on chunks that need a mask (no backend is, now)
     config: Any
     own_params: list[nn.Parameter]  # parameters of the caller's modules used in place
     exclude: list[torch.Tensor]  # parameters and buffers: never counted as activation bytes
@@ -436,8 +435,9 @@ def _probe_modules(model_or_wrapper: Any, num_layers: int | None, device: Any) -
         vocab_size=int(c.vocab_size),
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        # the runtime takes flash-attn's varlen kernel only on CUDA in half precision
-        dense_mask=not (dev.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flash_attn_available()),
+        # every attention path runs per slice (varlen or one call per slice): none attends
+        # densely over T x S keys, so the fitted cost model has no per-pair mask term
+        dense_mask=False,
         config=c,
         own_params=own,
         exclude=exclude,

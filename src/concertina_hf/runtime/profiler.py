@@ -23,9 +23,9 @@ autocast state) and measures:
 :func:`measure_chunk` measures one shape alone (a :class:`ProfileSample`).
 
 Fit (:mod:`concertina_hf.planning.fit`). Times go to :func:`~concertina_hf.planning.fit.fit_profile`
-(``alpha_attn``, ``alpha_tok``, ``beta``, ``bwd_factor``; plus ``alpha_mask`` on SDPA backends,
-which compute attention densely over ``T x S`` keys whenever a chunk needs a mask, i.e.
-everywhere but flash-attn). Bytes with no recompute:
+(``alpha_attn``, ``alpha_tok``, ``beta``, ``bwd_factor``; ``alpha_mask`` only for a backend that
+computes attention densely over ``T x S`` keys whenever a chunk needs a mask: none does now, the
+attention runs per slice, so it stays 0). Bytes with no recompute:
 :func:`~concertina_hf.planning.fit.fit_activation_bytes`, non-negative least squares of ``bytes
 = layers * (act * T + ctx * context_tokens) + mask * T * S`` over every shape ->
 ``act_bytes_per_token``, ``context_bytes_per_token``, ``mask_bytes_per_pair``; with full

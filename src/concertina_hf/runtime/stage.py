@@ -45,7 +45,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..integrations.peft import base_model_of, check_peft_model, is_peft_model
 from ..planning.types import StageLayout
-from .attention import ChunkAttentionContext, register_attention
+from .attention import ChunkAttentionContext, chunk_context, register_attention, step_active
 
 __all__ = ["EMBED_WEIGHT", "HEAD_WEIGHT", "PipelineWrapper"]
 
@@ -78,6 +78,12 @@ def _require(obj: Any, path: str) -> Any:
             )
         cur = getattr(cur, part)
     return cur
+
+
+def _layer_call(layer: nn.Module, ctx: ChunkAttentionContext, hidden: torch.Tensor, **kwargs: Any) -> Any:
+    """One decoder layer with ``ctx`` as the chunk context (what checkpointing wraps and replays)."""
+    with chunk_context(ctx):
+        return layer(hidden, **kwargs)
 
 
 class PipelineWrapper(nn.Module):
@@ -216,17 +222,22 @@ class PipelineWrapper(nn.Module):
     def run_layers(self, hidden: torch.Tensor, ctx: ChunkAttentionContext, num_recompute: int = 0) -> torch.Tensor:
         """This stage's decoder layers on a chunk; the first ``num_recompute`` run under
         non-reentrant activation checkpointing (only their inputs and the K/V of non-final
-        slices stay alive until backward)."""
+        slices stay alive until backward).
+
+        The context reaches the attention as the ``concertina_ctx`` keyword and, for layers that
+        drop ``**kwargs``, through :func:`~.attention.chunk_context`, set inside the function
+        that checkpointing wraps so that its replay in backward sees it too."""
         pos = ctx.position_ids
         cos_sin = self.model.model.rotary_emb(hidden, pos)
-        for i, layer in enumerate(self.decoder_layers):
-            call = functools.partial(layer, attention_mask=None, position_ids=pos, position_embeddings=cos_sin,
-                                     use_cache=False, concertina_ctx=ctx)
-            if i < num_recompute and torch.is_grad_enabled():
-                out = checkpoint(call, hidden, use_reentrant=False)
-            else:
-                out = call(hidden)
-            hidden = out[0] if isinstance(out, tuple) else out
+        with step_active():
+            for i, layer in enumerate(self.decoder_layers):
+                call = functools.partial(_layer_call, layer, ctx, attention_mask=None, position_ids=pos,
+                                         position_embeddings=cos_sin, use_cache=False, concertina_ctx=ctx)
+                if i < num_recompute and torch.is_grad_enabled():
+                    out = checkpoint(call, hidden, use_reentrant=False)
+                else:
+                    out = call(hidden)
+                hidden = out[0] if isinstance(out, tuple) else out
         return hidden
 
     def head_loss_sum(self, hidden: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,333 @@
+"""The ``"concertina"`` attention backend against HF's own attention on each sequence alone.
+
+Each case runs chunks (packed sequences, slices of a sequence carrying K/V to later slices,
+tails packed with whole sequences) through :func:`concertina_attention_forward` the way the
+executor does (forward in chunk order, storing non-final slices' K/V; backward in reverse with
+the gradients later slices left on the stored leaves), and compares every sequence's output and
+the gradients of its query, key and value with HF's ``sdpa_attention_forward`` (or the model's
+own eager attention, for soft-capping and sinks) on that sequence alone. Plus: a decoder layer
+that drops ``**kwargs`` (StableLM) through the runtime, refusals naming keyword and model type.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+
+from _runtime_cases import VOCAB, batch, make_plan, reference, compare_grads
+from concertina_hf.planning import StageLayout
+from concertina_hf.runtime import ChunkAttentionContext, KVStore, PipelineExecutor, PipelineWrapper, SliceSpec
+from concertina_hf.runtime import attention as A
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+# sequences (lengths) and chunks [(seq, start, length), ...]: packed, split with carry, tails packed
+LENS = {0: 23, 1: 9, 2: 6, 3: 14}
+CHUNKS = {
+    "packed": [[(0, 0, 23)], [(1, 0, 9), (2, 0, 6), (3, 0, 14)]],
+    "split": [[(0, 0, 7)], [(0, 7, 5)], [(0, 12, 11)], [(3, 0, 6)], [(3, 6, 8), (1, 0, 9), (2, 0, 6)]],
+    "hybrid": [[(3, 0, 5), (1, 0, 9)], [(0, 0, 10), (3, 5, 4)], [(2, 0, 6), (0, 10, 13), (3, 9, 5)]],
+}
+
+
+def _module(heads: int, kv_heads: int, model_type: str = "test", sinks: torch.Tensor | None = None):
+    m = torch.nn.Module()
+    m.layer_idx = 0
+    m.config = types.SimpleNamespace(model_type=model_type)
+    m.num_key_value_groups = heads // kv_heads
+    m.is_causal = True
+    m.head_dim = None
+    if sinks is not None:
+        m.sinks = sinks
+    return m
+
+
+def _tensors(H, K, D, Dv, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for s, n in LENS.items():
+        q = (torch.randn(1, H, n, D, generator=g) * scale).requires_grad_()
+        k = (torch.randn(1, K, n, D, generator=g) * scale).requires_grad_()
+        v = torch.randn(1, K, n, Dv, generator=g).requires_grad_()
+        w = torch.randn(1, n, H, Dv, generator=g)  # weights of the loss sum(out * w)
+        out[s] = (q, k, v, w)
+    return out
+
+
+def _run_backend(module, data, chunks, **kw):
+    """Forward in chunk order, backward in reverse, as the executor does. -> per sequence (out, dq, dk, dv)."""
+    store = KVStore()
+    done = []
+    for chunk in chunks:
+        specs, off = [], 0
+        for seq, start, n in chunk:
+            specs.append(SliceSpec(seq, start, n, off, start + n == LENS[seq]))
+            off += n
+        ctx = ChunkAttentionContext(specs, store, "cpu", True)
+        q, k, v = (torch.cat([data[s.seq][j][:, :, s.start:s.start + s.length] for s in specs], dim=2)
+                   for j in range(3))
+        out, _ = A.concertina_attention_forward(module, q, k, v, None, concertina_ctx=ctx, **kw)
+        done.append((specs, out))
+    for specs, out in reversed(done):
+        g = torch.cat([data[s.seq][3][:, s.start:s.start + s.length] for s in specs], dim=1)
+        tensors, grads = [out], [g]
+        for s in specs:
+            if not s.final:
+                for e in store.entries(s.seq, s.start):
+                    for t, leaf in ((e.k, e.k_leaf), (e.v, e.v_leaf)):
+                        if leaf.grad is not None:
+                            tensors.append(t)
+                            grads.append(leaf.grad)
+        torch.autograd.backward(tensors, grads)
+        for s in specs:
+            if not s.final:
+                store.free_slice(s.seq, s.start)
+    assert len(store) == 0
+    outs = {s: [] for s in LENS}
+    for specs, out in done:
+        for s in specs:
+            outs[s.seq].append(out[:, s.offset:s.offset + s.length].detach())
+    return {s: (torch.cat(outs[s], dim=1), *(t.grad.clone() for t in data[s][:3])) for s in LENS}
+
+
+def _run_reference(module, data, fn, window=None, **kw):
+    """HF's attention ``fn`` on each sequence alone (its own mask: causal, sliding window)."""
+    res = {}
+    for s, n in LENS.items():
+        q, k, v, w = (t.detach().clone().requires_grad_(t.requires_grad) for t in data[s])
+        i = torch.arange(n)
+        allowed = i[None, :] <= i[:, None]
+        if window is not None:
+            allowed &= (i[:, None] - i[None, :]) < window
+        if fn is _hf_sdpa:
+            mask = allowed[None, None]
+        else:  # eager functions add the mask
+            mask = torch.zeros(1, 1, n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        out, _ = fn(module, q, k, v, mask, **kw)
+        (out * w).sum().backward()
+        res[s] = (out.detach(), q.grad, k.grad, v.grad)
+    return res
+
+
+def _hf_sdpa(*a, **kw):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(*a, **kw)
+
+
+def _compare(got, want, tol=TOL):
+    for s in LENS:
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got[s], want[s]):
+            torch.testing.assert_close(a, b, **tol, msg=lambda m: f"sequence {s} {name}: {m}")
+
+
+# ---------------------------------------------------------------------------- against HF per sequence
+@pytest.mark.parametrize("chunking", sorted(CHUNKS))
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+def test_matches_hf_sdpa_per_sequence(chunking, heads):
+    H, K = heads
+    module = _module(H, K)
+    data = _tensors(H, K, 8, 8)
+    got = _run_backend(module, data, CHUNKS[chunking], scaling=8 ** -0.5)
+    _compare(got, _run_reference(module, data, _hf_sdpa, scaling=8 ** -0.5))
+    assert "sdpa-cpu-flash on cpu" in A.kernels_used()
+
+
+@pytest.mark.parametrize("window", [3, 8])
+def test_sliding_window(window):
+    """Windows shorter than slices and than contexts: earlier slices' keys partly out of the
+    window (cut from the front of the prefix), and whole earlier slices out of it."""
+    module = _module(4, 2)
+    data = _tensors(4, 2, 8, 8, seed=1)
+    got = _run_backend(module, data, CHUNKS["split"], scaling=0.3, sliding_window=window)
+    _compare(got, _run_reference(module, data, _hf_sdpa, window=window, scaling=0.3))
+
+
+def test_mla_value_head_dim():
+    """DeepSeek-V3's MLA: query/key heads of 12, value heads of 8 (and the reverse)."""
+    for d, dv in ((12, 8), (8, 12)):
+        module = _module(4, 4)
+        data = _tensors(4, 4, d, dv, seed=2)
+        got = _run_backend(module, data, CHUNKS["hybrid"], scaling=d ** -0.5)
+        _compare(got, _run_reference(module, data, _hf_sdpa, scaling=d ** -0.5))
+
+
+def test_softcap_matches_gemma2_eager():
+    """Gemma2's attention soft-capping, with query/key scales that make it bite (scores of tens)."""
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    module = _module(4, 2, "gemma2")
+    data = _tensors(4, 2, 8, 8, seed=3, scale=3.0)
+    kw = dict(scaling=8 ** -0.5, softcap=5.0)
+    got = _run_backend(module, data, CHUNKS["hybrid"], sliding_window=8, **kw)
+    want = _run_reference(module, data, eager_attention_forward, window=8, **kw)
+    _compare(got, want)
+    # the cap matters here: without it the result is far away
+    plain = _run_reference(module, data, eager_attention_forward, window=8, scaling=8 ** -0.5)
+    assert (plain[0][0] - want[0][0]).abs().max() > 0.1
+    assert "eager-per-segment on cpu" in A.kernels_used()
+
+
+def test_sinks_match_gpt_oss_eager():
+    """gpt-oss's attention sinks (``s_aux``, one logit per head): output, q/k/v and sink gradients."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    g = torch.Generator().manual_seed(4)
+    sinks_a = torch.randn(4, generator=g).mul(2).requires_grad_()
+    sinks_b = sinks_a.detach().clone().requires_grad_()
+    data = _tensors(4, 2, 8, 8, seed=4)
+    got = _run_backend(_module(4, 2, "gpt_oss", sinks_a), data, CHUNKS["split"], scaling=0.35, s_aux=sinks_a,
+                       sliding_window=5)
+    want = _run_reference(_module(4, 2, "gpt_oss", sinks_b), data, eager_attention_forward, window=5, scaling=0.35)
+    _compare(got, want)
+    torch.testing.assert_close(sinks_a.grad, sinks_b.grad, **TOL)
+
+
+def test_dropout_path_runs():
+    """With attention dropout (per-segment SDPA on CPU): outputs differ from the dropout-free
+    result by dropout's noise only, gradients reach queries, keys, values and the earlier slices."""
+    module = _module(4, 2)
+    data = _tensors(4, 2, 8, 8, seed=5)
+    torch.manual_seed(0)
+    got = _run_backend(module, data, CHUNKS["hybrid"], scaling=0.35, dropout=0.3)
+    want = _run_reference(module, data, _hf_sdpa, scaling=0.35)
+    for s in LENS:
+        assert not torch.allclose(got[s][0], want[s][0])
+        assert all(torch.isfinite(t).all() and t.abs().sum() > 0 for t in got[s])
+    assert "sdpa-per-segment on cpu" in A.kernels_used()
+
+
+def test_no_mask_bigger_than_a_segment(monkeypatch):
+    """CPU: masks are built per segment (queries x their own keys), never T x S."""
+    shapes = []
+    real = A._segment_mask
+
+    def spy(start, length, lo, window, device):
+        m = real(start, length, lo, window, device)
+        shapes.append(None if m is None else tuple(m.shape))
+        return m
+
+    monkeypatch.setattr(A, "_segment_mask", spy)
+    module = _module(4, 2)
+    data = _tensors(4, 2, 8, 8)
+    _run_backend(module, data, CHUNKS["hybrid"], scaling=0.35)
+    # packed whole sequences need no mask; (0, 10, 13) -> 13 x 23; (3, 5, 4) -> 4 x 9; (3, 9, 5) -> 5 x 14
+    assert {s for s in shapes if s is not None} == {(13, 23), (4, 9), (5, 14)}
+
+
+# ---------------------------------------------------------------------------- context delivery
+def _stablelm(seed=0):
+    from transformers import AutoModelForCausalLM, StableLmConfig
+
+    cfg = StableLmConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, partial_rotary_factor=0.5)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    return model.float()
+
+
+def test_layer_that_drops_kwargs_gets_the_context():
+    """StableLM's decoder layer does not pass ``**kwargs`` to its attention: the context still
+    arrives (context variable), with and without recompute (the checkpoint replay in backward)."""
+    import inspect
+
+    from transformers.models.stablelm import modeling_stablelm
+
+    assert "**kwargs" not in inspect.getsource(modeling_stablelm.StableLmDecoderLayer.forward).split(
+        "self.self_attn(")[1].split(")")[0]
+    model = _stablelm()
+    lens = (30, 9, 7, 5)
+    ids, labels = batch(lens)
+    ref_loss, ref_grads = reference(model, ids, labels)
+    layout = StageLayout.even(2, 1)
+    w = PipelineWrapper(copy.deepcopy(model), layout, 0)
+    ex = PipelineExecutor(w)
+    chunks = [[(0, 0, 12)], [(0, 12, 10)], [(0, 22, 8), (1, 0, 9)], [(2, 0, 7), (3, 0, 5)]]
+    for rec in ("none", "full"):
+        w.zero_grad(set_to_none=True)
+        res = ex.run_step(make_plan(lens, chunks, layout, rec), ids, labels)
+        assert abs(res.loss - ref_loss) / abs(ref_loss) < 1e-5, rec
+        assert compare_grads(w, ref_grads, 1e-4) == [], rec
+
+
+def test_context_variable_alone_and_kwarg_agree():
+    module = _module(4, 2)
+    data = _tensors(4, 2, 8, 8)
+    specs = [SliceSpec(1, 0, 9, 0, True), SliceSpec(2, 0, 6, 9, True)]
+    q, k, v = (torch.cat([data[s.seq][j].detach() for s in specs], dim=2) for j in range(3))
+    ctx = ChunkAttentionContext(specs, KVStore(), "cpu", False)
+    a, _ = A.concertina_attention_forward(module, q, k, v, None, concertina_ctx=ctx)
+    with A.chunk_context(ctx):
+        assert A.current_context() is ctx
+        b, _ = A.concertina_attention_forward(module, q, k, v, None)
+    assert A.current_context() is None
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_no_context_during_a_step_raises_and_plain_call_falls_back():
+    module = _module(4, 2, "stablelm")
+    q, k, v = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    out, _ = A.concertina_attention_forward(module, q, k, v, None)  # outside a step: HF SDPA
+    want, _ = _hf_sdpa(module, q, k, v, None)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    with A.step_active():
+        with pytest.raises(RuntimeError, match="'stablelm'.*without a chunk context while a pipeline step runs"):
+            A.concertina_attention_forward(module, q, k, v, None)
+
+
+# ---------------------------------------------------------------------------- keywords
+def test_unknown_or_non_neutral_keywords_raise_naming_them():
+    module = _module(4, 2, "mymodel")
+    q, k, v = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    ctx = ChunkAttentionContext([SliceSpec(0, 0, 5, 0, True)], KVStore(), "cpu", False)
+    with pytest.raises(ValueError, match="keyword 'frobnicate'.*'mymodel'"):
+        A.concertina_attention_forward(module, q, k, v, None, concertina_ctx=ctx, frobnicate=1)
+    with pytest.raises(ValueError, match="keyword 'frobnicate'.*'mymodel'"):  # also without a context
+        A.concertina_attention_forward(module, q, k, v, None, frobnicate=1)
+    with pytest.raises(ValueError, match="position_bias=a tensor.*'mymodel'"):
+        A.concertina_attention_forward(module, q, k, v, None, concertina_ctx=ctx, position_bias=torch.zeros(1))
+    with pytest.raises(ValueError, match="'mymodel'.*attention_mask"):
+        A.concertina_attention_forward(module, q, k, v, torch.ones(1, 1, 5, 5, dtype=torch.bool), concertina_ctx=ctx)
+    with pytest.raises(ValueError, match="'mymodel'.*is_causal=False"):
+        A.concertina_attention_forward(module, q, k, v, None, concertina_ctx=ctx, is_causal=False)
+    # harmless ones, as HF layers pass them
+    A.concertina_attention_forward(module, q, k, v, None, concertina_ctx=ctx, position_ids=torch.arange(5)[None],
+                                   use_cache=False, output_attentions=False, output_router_logits=True,
+                                   past_key_values=None, is_causal=True)
+
+
+def test_keywords_hf_layers_pass_are_implemented_or_listed():
+    """Every keyword the installed transformers' decoder models pass to ``attention_interface(``
+    is a parameter of the backend or in its documented lists (else it would raise at run time:
+    the point is that this list is looked at when transformers grows a keyword)."""
+    import inspect
+    import pathlib
+    import re
+
+    import transformers
+
+    params = set(inspect.signature(A.concertina_attention_forward).parameters)
+    known = params | set(A.IGNORED_KEYWORDS) | set(A.NEUTRAL_KEYWORDS)
+    root = pathlib.Path(transformers.__file__).parent / "models"
+    seen: dict[str, set[str]] = {}
+    for f in root.glob("*/modeling_*.py"):
+        src = f.read_text()
+        for m in re.finditer(r"attention_interface\(", src):
+            depth, j = 1, m.end()
+            while depth and j < len(src):
+                depth += {"(": 1, ")": -1}.get(src[j], 0)
+                j += 1
+            for kw in re.findall(r"(?<![\w.=])([a-z_]\w*)\s*=(?!=)", src[m.end():j - 1]):
+                seen.setdefault(kw, set()).add(f.parent.name)
+    # keywords of encoders, vision and speech towers (not causal LMs the runtime runs) are refused
+    assert {"softcap", "s_aux", "sliding_window", "scaling", "dropout"} <= set(seen)
+    unknown = {kw: sorted(ms)[:3] for kw, ms in seen.items() if kw not in known}
+    assert set(unknown) <= {"query", "key", "value", "deterministic"}, unknown
