@@ -6,7 +6,10 @@ Two launches, each checking many things:
   logged loss within 1e-5 and every parameter within 1e-4 (relative) of ``Trainer`` after 4
   steps of 6 sequences (2 micro-batches of 3), with sequences split into 16-token chunks and a
   memory budget that forces recomputation; the global gradient norm (clipping at 0.5) matches;
-  evaluation through the pipeline gives Trainer's eval loss; the saved directory loads with
+  evaluation through the pipeline gives Trainer's eval loss; ``run_clm.py``'s token accuracy
+  (``compute_metrics`` with ``preprocess_logits_for_metrics`` = argmax) and ``predict()`` (argmax
+  ids, raw logits, label ids) equal Trainer's on both ranks (Llama); ``train_tokens_per_second``
+  is the tokens trained / ``train_runtime``; the saved directory loads with
   ``AutoModelForCausalLM.from_pretrained``; resuming from the step-2 checkpoint (one optimizer
   shard per stage) ends on the same parameters. Qwen2 also runs with HF's own
   ``DataCollatorWithFlattening`` instead of ``LengthAwareCollator``, plans with a cost model
@@ -18,7 +21,8 @@ Two launches, each checking many things:
 - **pp = 2, bf16=True** (same launch): autocast mixed precision with float32 master weights,
   against ``Trainer(bf16=True)`` within bf16 tolerances.
 - **pp = 2 x dp = 2** (4 ranks): two replicas, each reading its half of every step; equals one
-  ``Trainer`` process with twice the per-device batch size.
+  ``Trainer`` process with twice the per-device batch size; metrics and ``predict()`` gathered
+  over the replicas in the dataset's order equal that process's.
 
 The reference trainings run in the pytest process; the workers are this file run by torchrun
 (without ``use_cpu``: ConcertinaTrainingArguments must turn it on by itself).
@@ -169,7 +173,8 @@ def _worker_dp2(out: str) -> None:
 
     args = ConcertinaTrainingArguments(output_dir=out, save_strategy="no", concertina_pipeline_size=2,
                                        concertina_max_tokens_per_chunk=16, **COMMON)
-    trainer = ConcertinaTrainer(model=_model("llama"), args=args, train_dataset=_dataset())
+    trainer = ConcertinaTrainer(model=_model("llama"), args=args, train_dataset=_dataset(),
+                                eval_dataset=_dataset(8, seed=1))
     t = trainer.topology
     assert (t.pipeline_size, t.data_parallel_size) == (2, 2)
     assert t.pp_ranks == (2 * t.replica, 2 * t.replica + 1) and t.dp_ranks == (t.stage, t.stage + 2)
@@ -177,6 +182,8 @@ def _worker_dp2(out: str) -> None:
     trainer.save_model(os.path.join(out, "final"))
     info = _summary(trainer)
     info["topology"] = [t.rank, t.stage, t.replica]
+    # each replica evaluates its share; the loop gathers them in the dataset's order
+    info.update(_metrics_and_predictions(trainer, os.path.join(out, f"logits-rank{t.rank}.pt")))
     with open(os.path.join(out, f"info-rank{t.rank}.json"), "w") as fh:
         json.dump(info, fh)
     trainer.end()
@@ -210,7 +217,7 @@ def _reference(arch: str, out, **overrides) -> tuple[dict, dict]:
     ref.train()
     info = _summary(ref)
     info["eval_loss"] = ref.evaluate()["eval_loss"]
-    if arch == "llama" and not overrides:
+    if arch == "llama" and set(overrides) <= {"per_device_train_batch_size"}:
         info.update(_metrics_and_predictions(ref, str(out / "logits.pt")))
     return info, {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
 
@@ -328,6 +335,14 @@ def test_pp2_dp2_matches_trainer_with_the_whole_global_batch(tmp_path):
     assert len(diffs) == 4 and max(diffs) < 1e-5, diffs
     worst, name = _worst_rel(ref_state, _load(tmp_path / "final"))
     assert worst < 1e-4, (name, worst)
+    # metrics and predict() over two replicas: every rank holds Trainer's, rows in the dataset's order
+    want = torch.load(tmp_path / "ref" / "logits.pt")
+    for r in ranks:
+        assert r["eval_accuracy"] == ref_info["eval_accuracy"] and r["predicted_ids"] == ref_info["predicted_ids"]
+        assert r["predicted_labels"] == ref_info["predicted_labels"]
+        assert abs(r["test_loss"] - ref_info["test_loss"]) < 1e-5
+        got = torch.load(tmp_path / f"logits-rank{r['topology'][0]}.pt")
+        torch.testing.assert_close(got["logits"], want["logits"], atol=1e-4, rtol=1e-4)
 
 
 if __name__ == "__main__":
