@@ -283,3 +283,17 @@ def test_doctests_pass():
     for module in (replicas, sp_only):
         result = doctest.testmod(module)
         assert result.attempted >= 1 and result.failed == 0, module.__name__
+
+
+def test_gantt_draws_all_to_alls_and_rounds(tmp_path):
+    pytest.importorskip("matplotlib")
+    from concertina_hf.viz import plot_gantt
+
+    cost = CostModel.from_hf_config(SMALL, DeviceSpec.cpu()).with_parallel(sp=2)
+    layout = StageLayout.even(8, 2)
+    lens = [9000, 4000, 2500, 900, 300, 120, 20]
+    for strategy in ("adaptive", "sp-only"):
+        plan = plan_step(lens, cost, layout, 0, strategy, solver="greedy")
+        sim = simulate(plan, cost)
+        out = plot_gantt(plan, sim, tmp_path / f"{strategy}.png", cost=cost)
+        assert (tmp_path / f"{strategy}.png").stat().st_size > 10_000 and out.endswith(".png")

@@ -79,6 +79,9 @@ def _normalize_measured(
 
 def _draw_schedule(ax, plan: Plan, times: Sequence[tuple[Action, float, float]], cost, span: float, label: str):
     p = plan.num_stages
+    lanes = int(plan.knob("data_parallel", 1))
+    # a plan of rounds (sp-only: groups of GPUs run a round's micro-batches at once): one row per group of GPUs
+    row = {c: k for g in plan.groups for k, c in enumerate(g)} if lanes > 1 else None
     # group bars by (stage, color, alpha, hatch) so each group is one broken_barh call
     groups: dict[tuple[int, str, float, str | None], list[tuple[float, float]]] = {}
     texts = []
@@ -86,34 +89,37 @@ def _draw_schedule(ax, plan: Plan, times: Sequence[tuple[Action, float, float]],
         chunk = plan.chunks[a.chunk]
         color = KIND_COLORS[chunk.kind]
         dur = max(t1 - t0, 0.0)
+        y = row[a.chunk] if row is not None else a.stage
         r = plan.recompute[a.stage][a.chunk] if plan.recompute else 0
         comm = 0.0
         if cost is not None and getattr(cost, "sp", 1) > 1:
             comm = min(dur, cost.comm_time(plan.layout, a.stage, chunk, a.kind is ActionKind.BACKWARD, r))
         if comm > 0:  # drawn at the end of the bar: one bar per action still
-            groups.setdefault((a.stage, color, 0.95 if a.kind is ActionKind.BACKWARD else 0.45, "...."),
+            groups.setdefault((y, color, 0.95 if a.kind is ActionKind.BACKWARD else 0.45, "...."),
                               []).append((t1 - comm, comm))
             dur -= comm
         if a.kind is ActionKind.FORWARD:
-            groups.setdefault((a.stage, color, 0.45, None), []).append((t0, dur))
+            groups.setdefault((y, color, 0.45, None), []).append((t0, dur))
         else:
             rec = 0.0
             if r:
                 # exact recompute share from the cost model; without it hatch the whole bar
                 rec = min(dur, cost.recompute_time(chunk, r)) if cost is not None else dur
             if rec > 0:
-                groups.setdefault((a.stage, color, 0.95, "////"), []).append((t0, rec))
+                groups.setdefault((y, color, 0.95, "////"), []).append((t0, rec))
             if dur - rec > 0:
-                groups.setdefault((a.stage, color, 0.95, None), []).append((t0 + rec, dur - rec))
+                groups.setdefault((y, color, 0.95, None), []).append((t0 + rec, dur - rec))
         if span > 0 and dur / span > 0.012 * max(1, len(str(a.chunk))):
-            texts.append((t0 + dur / 2, a.stage, str(a.chunk)))
+            texts.append((t0 + dur / 2, y, str(a.chunk)))
     for (stage, color, alpha, hatch), bars in groups.items():
         ax.broken_barh(bars, (stage - 0.4, 0.8), facecolors=color, alpha=alpha, hatch=hatch,
                        edgecolor="white", linewidth=0.3)
     for x, y, s in texts:
         ax.text(x, y, s, ha="center", va="center", fontsize=6, color="black")
+    names = [f"GPUs {k}" for k in range(lanes)] if row is not None else [f"stage {s}" for s in range(p)]
+    p = len(names)
     ax.set_yticks(range(p))
-    ax.set_yticklabels([f"stage {s}" for s in range(p)])
+    ax.set_yticklabels(names)
     ax.set_ylim(p - 0.5, -0.5)  # stage 0 on top, as in pipeline diagrams
     ax.set_xlim(0, span if span > 0 else 1)
     ax.set_ylabel(label)
@@ -143,7 +149,7 @@ def plot_gantt(
     Figure, FigureCanvasAgg, Patch = _matplotlib()
     if cost is not None and hasattr(cost, "for_plan"):
         cost = cost.for_plan(plan)  # a plan on its own layout (the sp-only baseline)
-    p = plan.num_stages
+    p = max(plan.num_stages, int(plan.knob("data_parallel", 1)))  # schedule rows
     planned = [(a, t0, t1) for a, (t0, t1) in sim.action_times.items()]
     meas = _normalize_measured(measured)
     span = max([sim.step_time_s] + [t1 for _, _, t1 in meas])

@@ -517,6 +517,8 @@ def simulate(plan: Plan, cost: CostModel, *, program: Program | None = None) -> 
                 peak = held
             action_times[a] = (t0, t1)
         peaks.append(math.ceil(peak))
+        if lanes > 1:  # groups of GPUs side by side: the busiest one's memory at each moment
+            points = _lanes_timeline(plan, points[0][1], fstart[0], bstart[0], bend[0], act, tr)
         timelines.append(tuple(points))
 
     return SimResult(
@@ -532,6 +534,20 @@ def simulate(plan: Plan, cost: CostModel, *, program: Program | None = None) -> 
         comm_time_s=comm,
         sync_time_s=sync,
     )
+
+
+def _lanes_timeline(plan: Plan, static: int, fstart, bstart, bend, act, tr) -> list[tuple[float, int]]:
+    """Memory over time of a plan of rounds: each group of GPUs holds its own chunk from its
+    forward to the end of its backward (transient buffers during the backward); the largest over
+    the groups at each moment. A round's chunks are all that is alive during it."""
+    out: list[tuple[float, int]] = [(0.0, static)]
+    for members in plan.groups:
+        times = sorted({fstart[c] for c in members} | {bstart[c] for c in members} | {bend[c] for c in members})
+        for t in times:
+            held = max((act[c] + (tr[c] if t >= bstart[c] else 0.0) for c in members if fstart[c] <= t < bend[c]),
+                       default=0.0)
+            out.append((t, math.ceil(static + held)))
+    return out
 
 
 def _run_rounds(plan: Plan, lanes: int, fdur: list[float], bdur: list[float]):
