@@ -131,3 +131,28 @@ def test_preprocess_that_is_not_per_token_is_refused_by_name(tmp_path):
         compute_metrics=compute_metrics, preprocess_logits_for_metrics=lambda logits, labels: logits.mean())
     with pytest.raises(RuntimeError, match="preprocess_logits_for_metrics returned .* one value per token"):
         trainer.evaluate(_blocks(3, 1))
+
+
+def _pad_collator(rows):
+    """Right padding with attention_mask, labels -100 at pads (DataCollatorForLanguageModeling's layout)."""
+    n = max(len(r["input_ids"]) for r in rows)
+    ids = torch.zeros(len(rows), n, dtype=torch.long)
+    mask = torch.zeros(len(rows), n, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r["input_ids"])] = torch.tensor(r["input_ids"])
+        mask[i, :len(r["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def test_predict_on_padded_batches_matches_trainer_at_every_token(tmp_path):
+    """A padding collator: Trainer's [rows, longest, vocab] layout; equal logits at every real
+    token, -100 at pad positions (where Trainer has the model's output on pad tokens)."""
+    ref, got = _pair(tmp_path, (_pad_collator, _pad_collator), _documents(8, 0), None)
+    p, q = ref.predict(_documents(7, 1)), got.predict(_documents(7, 1))
+    assert q.predictions.shape == p.predictions.shape
+    # the real tokens of the 7 rows, padded to the longest as Trainer's nested_concat pads its batches
+    real = np.asarray(_pad_collator([{"input_ids": r} for r in _documents(7, 1)["input_ids"]])["attention_mask"])
+    np.testing.assert_allclose(q.predictions[real == 1], p.predictions[real == 1], atol=1e-5, rtol=1e-5)
+    assert (q.predictions[real == 0] == -100).all()
+    np.testing.assert_array_equal(q.label_ids, p.label_ids)
+    assert q.metrics["test_loss"] == pytest.approx(p.metrics["test_loss"], abs=1e-5)
