@@ -102,10 +102,11 @@ def _run_reference(module, data, fn, window=None, **kw):
         allowed = i[None, :] <= i[:, None]
         if window is not None:
             allowed &= (i[:, None] - i[None, :]) < window
+        allowed = allowed.to(q.device)
         if fn is _hf_sdpa:
             mask = allowed[None, None]
         else:  # eager functions add the mask
-            mask = torch.zeros(1, 1, n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)
+            mask = torch.zeros(1, 1, n, n, device=q.device).masked_fill(~allowed, torch.finfo(torch.float32).min)
         out, _ = fn(module, q, k, v, mask, **kw)
         (out * w).sum().backward()
         res[s] = (out.detach(), q.grad, k.grad, v.grad)
@@ -331,3 +332,155 @@ def test_keywords_hf_layers_pass_are_implemented_or_listed():
     assert {"softcap", "s_aux", "sliding_window", "scaling", "dropout"} <= set(seen)
     unknown = {kw: sorted(ms)[:3] for kw, ms in seen.items() if kw not in known}
     assert set(unknown) <= {"query", "key", "value", "deterministic"}, unknown
+
+
+# ---------------------------------------------------------------------------- the varlen paths' plumbing
+def _fa2_reference(q, k, v, cu_q, cu_k, scale, left, causal, softcap=None):
+    """FlashAttention-2's varlen semantics, densely on CPU: segment ``i`` is queries
+    ``cu_q[i]:cu_q[i+1]`` against keys ``cu_k[i]:cu_k[i+1]``, the causal diagonal aligned
+    bottom-right, keys within ``left`` positions before it (``left < 0``: unbounded). q [T, H, D],
+    k/v [S, K, D] (K may divide H)."""
+    outs = []
+    for i in range(len(cu_q) - 1):
+        qs, ks, vs = q[cu_q[i]:cu_q[i + 1]], k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]]
+        sq, sk = qs.shape[0], ks.shape[0]
+        diag = torch.arange(sq)[:, None] + (sk - sq)
+        t = torch.arange(sk)[None, :]
+        allowed = (t <= diag) if causal else torch.ones(sq, sk, dtype=torch.bool)
+        if left >= 0:
+            allowed &= t >= diag - left
+        o = A._eager(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None], scale, softcap,
+                     None, 0.0, allowed=allowed)
+        outs.append(o[0].transpose(0, 1))
+    return torch.cat(outs, dim=0)
+
+
+def _fake_torch_varlen(params):
+    """torch's varlen_attn as releases spell it (``params``: its keyword names), on CPU."""
+    calls = []
+
+    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
+        assert set(kw) <= params, (set(kw), params)
+        calls.append(dict(kw))
+        if k.shape[1] != q.shape[1]:
+            assert kw.get("enable_gqa"), "different head counts without enable_gqa"
+        window = kw.get("window_size", (-1, -1))
+        assert window[1] in (-1, 0)
+        causal = kw.get("is_causal", False) or window == (-1, 0) or window[1] == 0
+        scale = kw.get("scale") or q.shape[-1] ** -0.5
+        return _fa2_reference(q, k, v, cu_q.tolist(), cu_k.tolist(), scale, window[0], causal)
+
+    return varlen_attn, calls
+
+
+TORCH_VARLEN_SIGNATURES = {
+    "2.13": frozenset({"return_aux", "scale", "window_size", "enable_gqa", "seqused_k", "block_table", "num_splits"}),
+    "is_causal+scale": frozenset({"is_causal", "return_aux", "scale"}),
+    "is_causal only": frozenset({"is_causal", "return_aux"}),
+}
+
+
+@pytest.mark.parametrize("sig", sorted(TORCH_VARLEN_SIGNATURES))
+def test_torch_varlen_path_plumbing(sig, monkeypatch):
+    """The varlen layout (``cu_seqlens`` from the context, keys ``[prefix, own]`` per slice) and
+    the keywords chosen for each torch release's ``varlen_attn`` signature (window, GQA, scale,
+    causal), run through a CPU stand-in with FlashAttention-2's bottom-right convention: equal to
+    HF per sequence, forward and backward. (The real kernel: the GPU test below.)"""
+    params = TORCH_VARLEN_SIGNATURES[sig]
+    fn, calls = _fake_torch_varlen(params)
+    monkeypatch.setattr(A, "_torch_varlen", lambda: (fn, params))
+    monkeypatch.setattr(A, "_choose", lambda *a, **k: "torch-varlen")
+    for window, (d, dv) in ((None, (8, 8)), (4, (12, 8))):
+        if window is not None and "window_size" not in params:
+            continue  # the backend takes per-slice SDPA there (test_choice_of_kernel)
+        module = _module(4, 2)
+        data = _tensors(4, 2, d, dv, seed=6)
+        got = _run_backend(module, data, CHUNKS["hybrid"], scaling=0.3, sliding_window=window)
+        _compare(got, _run_reference(module, data, _hf_sdpa, window=window, scaling=0.3))
+    assert calls and all(("scale" in c) == ("scale" in params) for c in calls)
+
+
+def test_flash_attn_path_plumbing(monkeypatch):
+    """flash-attn's ``flash_attn_varlen_func`` keywords (window, softcap, dropout 0) through a CPU stand-in."""
+    calls = []
+
+    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False,
+                               window_size=(-1, -1), softcap=0.0):
+        calls.append(dict(window_size=window_size, softcap=softcap))
+        assert causal and dropout_p == 0.0 and window_size[1] in (-1, 0)
+        return _fa2_reference(q, k, v, cu_q.tolist(), cu_k.tolist(), softmax_scale, window_size[0], True,
+                              softcap or None)
+
+    monkeypatch.setattr(A, "_flash_attn_fn", lambda: flash_attn_varlen_func)
+    monkeypatch.setattr(A, "_flash_attn_params", lambda: frozenset({"softcap", "window_size", "dropout_p"}))
+    monkeypatch.setattr(A, "_choose", lambda *a, **k: "flash-attn")
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    module = _module(4, 2, "gemma2")
+    data = _tensors(4, 2, 8, 8, seed=7, scale=3.0)
+    got = _run_backend(module, data, CHUNKS["split"], scaling=0.35, softcap=5.0, sliding_window=6)
+    _compare(got, _run_reference(module, data, eager_attention_forward, window=6, scaling=0.35, softcap=5.0))
+    assert calls[0] == dict(window_size=(5, 0), softcap=5.0)
+
+
+def test_per_segment_sdpa_path(monkeypatch):
+    """The CUDA fallback without a varlen kernel (and CPU with dropout): SDPA once per slice."""
+    module = _module(4, 2)
+    data = _tensors(4, 2, 12, 8, seed=8)
+    monkeypatch.setattr(A, "_choose", lambda *a, **k: "sdpa-per-segment")
+    got = _run_backend(module, data, CHUNKS["hybrid"], scaling=0.3, sliding_window=5)
+    _compare(got, _run_reference(module, data, _hf_sdpa, window=5, scaling=0.3))
+
+
+def test_choice_of_kernel(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert A.attention_kernel("cpu") == "sdpa-cpu-flash"
+    assert A._choose(cpu, torch.float32, dropout=0.1) == "sdpa-per-segment"
+    assert A._choose(cpu, torch.float32, softcap=30.0) == "eager-per-segment"
+    assert A._choose(cuda, torch.bfloat16, sink=True) == "eager-per-segment"
+    monkeypatch.setattr(A, "_flash_attn_fn", lambda: None)
+    monkeypatch.setattr(A, "_torch_varlen", lambda: (None, TORCH_VARLEN_SIGNATURES["2.13"]))
+    assert A.attention_kernel("cuda") == "torch-varlen"
+    assert A.attention_kernel("cuda", torch.float32) == "sdpa-per-segment"
+    assert A._choose(cuda, torch.bfloat16, dropout=0.1) == "sdpa-per-segment"  # varlen_attn has no dropout
+    assert A._choose(cuda, torch.bfloat16, softcap=30.0) == "eager-per-segment"
+    monkeypatch.setattr(A, "_torch_varlen", lambda: (None, TORCH_VARLEN_SIGNATURES["is_causal only"]))
+    assert A._choose(cuda, torch.bfloat16, window=128) == "sdpa-per-segment"  # no window_size there
+    assert A._choose(cuda, torch.bfloat16) == "torch-varlen"
+    monkeypatch.setattr(A, "_flash_attn_fn", lambda: object())
+    monkeypatch.setattr(A, "_flash_attn_params", lambda: frozenset({"softcap"}))
+    assert A._choose(cuda, torch.bfloat16, softcap=30.0, dropout=0.1, window=64) == "flash-attn"
+
+
+# ---------------------------------------------------------------------------- on a GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_kernels_match_hf_per_sequence(dtype):
+    """On CUDA: the kernel the backend picks (flash-attn, torch varlen_attn, or per-slice SDPA)
+    against HF's SDPA per sequence, forward and backward (bf16: within a few roundoffs)."""
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    for chunking in ("packed", "split", "hybrid"):
+        for window in (None, 5):
+            module = _module(4, 2)
+            data = {s: tuple(t.detach().to("cuda", dtype).requires_grad_(t.requires_grad) if j < 3
+                             else t.to("cuda", dtype) for j, t in enumerate(ts)) for s, ts in _tensors(4, 2, 64, 64).items()}
+            got = _run_backend_cuda(module, data, CHUNKS[chunking], scaling=0.125, sliding_window=window)
+            want = _run_reference(module, data, _hf_sdpa, window=window, scaling=0.125)
+            for s in LENS:
+                for a, b in zip(got[s], want[s]):
+                    torch.testing.assert_close(a.float(), b.float().to(a.device), **tol)
+    assert any(k.endswith("on cuda") for k in A.kernels_used())
+
+
+def _run_backend_cuda(module, data, chunks, **kw):
+    dev_ctx = ChunkAttentionContext.__init__
+
+    def on_cuda(self, slices, store, device, requires_grad):
+        dev_ctx(self, slices, store, "cuda", requires_grad)
+
+    ChunkAttentionContext.__init__ = on_cuda
+    try:
+        return _run_backend(module, data, chunks, **kw)
+    finally:
+        ChunkAttentionContext.__init__ = dev_ctx
