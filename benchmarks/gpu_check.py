@@ -211,7 +211,7 @@ CPU_SIZES = Sizes(
     mfu_target_tokens=(64, 128),
     mem_whole_tokens=128,
     mem_lens=(128, 64, 24, 12, 8, 6, 4),
-    repeats=2,
+    repeats=1,  # the smoke run checks the code path; its times are not targets
 )
 
 
@@ -259,6 +259,8 @@ class Check:
         self._stage: dict | None = None
         self.profiled_cost = None
         self.profiled_in = None
+        self.profile_info: dict = {}
+        self.profile_failures: list[str] = []
 
     # ------------------------------------------------------------------ helpers
     def elapsed(self) -> float:
@@ -312,18 +314,46 @@ class Check:
                                executor=PipelineExecutor(wrapper, device=self.device), analytic=analytic)
         return self._stage
 
-    def cost_model(self, record: dict):
-        """The profiled cost model of section (c), or one profiled now (section (e) alone)."""
-        if self.profiled_cost is None:
-            from concertina_hf.runtime.probe import build_probe
-            from concertina_hf.runtime.profiler import profile_cost_model
+    def probe(self):
+        """A probe of the first ``profile_layers`` layers of the stage (with its head and embedding)."""
+        from concertina_hf.runtime.probe import build_probe
 
-            st = self.stage()
-            probe = build_probe(st["wrapper"], num_layers=self.sizes.profile_layers, autocast_dtype=None)
-            self.profiled_cost = profile_cost_model(probe, max_tokens=self.sizes.profile_max_tokens,
-                                                    repeats=1, warmup=1, autocast_dtype=None)
-            self.profiled_in = "memory section (section c did not run)"
-            record["note"] = (record.get("note", "") + " cost model profiled in this section (repeats=1)").strip()
+        return build_probe(self.stage()["wrapper"], num_layers=self.sizes.profile_layers, autocast_dtype=None)
+
+    def cost_model(self, record: dict, repeats: int = 1, where: str = "memory section"):
+        """The profiled cost model (made once: by section (c), or by (e) when (c) did not run).
+        Profiled on chunks up to ``profile_max_tokens``, then half that if the first attempt
+        fails (e.g. out of memory); each failure is recorded in ``record``."""
+        from concertina_hf.runtime.profiler import profile_cost_model
+
+        if self.profiled_cost is None and self.profile_failures:
+            raise RuntimeError("no profiled cost model: profiling failed before (" + "; ".join(self.profile_failures) + ")")
+        if self.profiled_cost is None:
+            probe = self.probe()
+            for m in (self.sizes.profile_max_tokens, self.sizes.profile_max_tokens // 2):
+                samples: list = []
+                t0 = time.perf_counter()
+                failed = None
+                try:
+                    cost = profile_cost_model(probe, max_tokens=m, repeats=repeats, warmup=1, samples_out=samples,
+                                              autocast_dtype=None)
+                except OutOfTime:
+                    raise
+                except Exception as exc:  # recorded; the tensors of the failed attempt go with the frame
+                    failed = f"max_tokens={m}: {type(exc).__name__}: {exc}"[:600]
+                if failed is None:
+                    self.profiled_cost, self.profiled_in = cost, where
+                    self.profile_info = dict(max_tokens=m, profile_s=time.perf_counter() - t0, repeats=repeats,
+                                             fit_shapes=[[list(x) for x in smp.slices] for smp in samples],
+                                             dense_mask=bool(probe.dense_mask))
+                    break
+                self.profile_failures.append(failed)
+                record.setdefault("profile_failures", []).append(failed)
+                self.cleanup()
+            else:
+                raise RuntimeError("profiling failed: " + "; ".join(self.profile_failures))
+            if where != "profiler section":
+                record["note"] = (record.get("note", "") + f" cost model profiled in this section (repeats={repeats})").strip()
         return self.profiled_cost
 
 
@@ -339,6 +369,22 @@ def add_check(rec: dict, name: str, measured: float, target: str, passed: bool, 
     on the CPU smoke run; ``kind`` is ``correctness`` or ``performance``."""
     rec["checks"].append(dict(name=name, measured=float(measured), target=target, passed=bool(passed),
                               gpu_only=gpu_only, kind=kind, **extra))
+
+
+def _guarded(chk: "Check", rec: dict, what: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``, or ``None`` with the failure recorded (``rec["results"]["failures"]``) when it
+    raises (e.g. out of memory at the largest size): the section's other rows still run."""
+    failed = None
+    try:
+        return fn()
+    except OutOfTime:
+        raise
+    except Exception as exc:  # the failed run's tensors are freed with its frames, below
+        failed = f"{what}: {type(exc).__name__}: {exc}"[:800]
+        print(f"[gpu_check] {failed}\n{traceback.format_exc()[-3000:]}", file=sys.stderr, flush=True)
+    rec["results"].setdefault("failures", []).append(failed)
+    chk.cleanup()
+    return None
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -734,37 +780,36 @@ def _layer_time(cost, shape) -> float:
 
 
 def section_profiler(chk: Check, rec: dict) -> None:
-    from concertina_hf.runtime.probe import build_probe
-    from concertina_hf.runtime.profiler import measure_chunk, profile_cost_model
+    from concertina_hf.runtime.profiler import measure_chunk
 
     sz = chk.sizes
-    st = chk.stage()
-    probe = build_probe(st["wrapper"], num_layers=sz.profile_layers, autocast_dtype=None)
+    probe = chk.probe()
     measure_chunk(probe, ((0, sz.profile_max_tokens // 4),), repeats=1, warmup=1)  # kernels, handles, allocator
-    t0 = time.perf_counter()
-    samples: list = []
-    cost = profile_cost_model(probe, max_tokens=sz.profile_max_tokens, repeats=sz.repeats, warmup=1,
-                              samples_out=samples, autocast_dtype=None)
-    chk.profiled_cost, chk.profiled_in = cost, "profiler section"
-    profile_s = time.perf_counter() - t0
+    cost = chk.cost_model(rec["results"], repeats=sz.repeats, where="profiler section")
     fitted = {k: v for k, v in cost.to_dict().items()
               if k in ("alpha_attn", "alpha_mask", "alpha_tok", "beta", "bwd_factor", "recompute_factor",
                        "act_bytes_per_token", "ckpt_bytes_per_token", "kv_bytes_per_token", "context_bytes_per_token",
                        "mask_bytes_per_pair", "logits_bytes_per_token", "head_time_per_token", "embed_time_per_token",
                        "static_bytes_per_param")}
-    rec["results"].update(profiled_layers=sz.profile_layers, max_tokens=sz.profile_max_tokens, profile_s=profile_s,
-                          fit_shapes=[[list(x) for x in s.slices] for s in samples], cost_model=fitted,
-                          dense_mask=bool(probe.dense_mask), model=sz.model_note)
+    rec["results"].update(profiled_layers=sz.profile_layers, cost_model=fitted, model=sz.model_note, **chk.profile_info)
 
     def row(kind, shape):
         chk.check_budget(f"measuring {shape}")
-        s = measure_chunk(probe, shape, repeats=sz.repeats, warmup=1)
+        base = dict(kind=kind, shape=[list(x) for x in shape], tokens=sum(x[1] for x in shape))
+        failed = None
+        try:
+            s = measure_chunk(probe, shape, repeats=sz.repeats, warmup=1)
+        except OutOfTime:
+            raise
+        except Exception as exc:  # one shape failing (out of memory) leaves the others measured
+            failed = f"{type(exc).__name__}: {exc}"[:600]
+        if failed is not None:
+            chk.cleanup()
+            return dict(base, failed=failed)
         measured = s.fwd_time_s + s.bwd_time_s
         predicted = _layer_time(cost, shape)
-        return dict(kind=kind, shape=[list(x) for x in shape], tokens=sum(x[1] for x in shape),
-                    fwd_ms=1e3 * s.fwd_time_s, bwd_ms=1e3 * s.bwd_time_s, measured_ms=1e3 * measured,
-                    predicted_ms=1e3 * predicted, error=(predicted - measured) / measured,
-                    act_bytes_per_layer=s.act_bytes)
+        return dict(base, fwd_ms=1e3 * s.fwd_time_s, bwd_ms=1e3 * s.bwd_time_s, measured_ms=1e3 * measured,
+                    predicted_ms=1e3 * predicted, error=(predicted - measured) / measured, act_bytes_per_layer=s.act_bytes)
 
     rec["results"]["sweep"] = sweep = []
     rec["results"]["held_out"] = held = []
@@ -772,8 +817,15 @@ def section_profiler(chk: Check, rec: dict) -> None:
         sweep.append(row("whole", ((0, n),)))
     for kind, shape in heldout_shapes(sz.heldout_scale):
         held.append(row(kind, shape))
-    worst = max(abs(r["error"]) for r in held)
-    rec["results"]["held_out_mean_abs_error"] = statistics.mean(abs(r["error"]) for r in held)
+    ok_rows = [r for r in held if "error" in r]
+    if not ok_rows:
+        raise RuntimeError("no held-out chunk could be measured: " + "; ".join(r["failed"] for r in held)[:1500])
+    worst = max(abs(r["error"]) for r in ok_rows)
+    rec["results"]["held_out_mean_abs_error"] = statistics.mean(abs(r["error"]) for r in ok_rows)
+    failed_rows = len(held) - len(ok_rows) + sum("failed" in r for r in sweep)
+    if failed_rows:
+        add_check(rec, "chunks that could not be measured (sweep and held out)", failed_rows, "0", False,
+                  gpu_only=True, kind="performance")
     add_check(rec, "cost model: max |time error| on held-out chunks", worst, "< 0.10", worst < 0.10,
               gpu_only=True, kind="performance")
 
@@ -807,8 +859,7 @@ def section_mfu(chk: Check, rec: dict) -> None:
     g = torch.Generator().manual_seed(chk.seed)
     rec["results"].update(peak_flops=chk.peak_flops, model=sz.model_note, rows=[],
                           dtype=str(chk.dtype).replace("torch.", ""))
-    for n in sz.mfu_tokens:
-        chk.check_budget(f"the MFU run at {n} tokens")
+    def one(n: int) -> dict:
         plan = plan_step([n], st["analytic"], st["layout"], 0, "packed", token_budget=n, recompute_layers=0,
                          solver=chk.solver)
         if plan.num_chunks != 1 or any(any(r) for r in plan.recompute):
@@ -825,15 +876,24 @@ def section_mfu(chk: Check, rec: dict) -> None:
             times.append(time.perf_counter() - t0)
         t = statistics.median(times[1:])
         flops = model_flops(cfg, [n])
-        mfu = flops / t / chk.peak_flops
-        r = dict(tokens=n, step_s=t, times_s=times[1:], model_flops=flops, tflops_per_s=flops / t / 1e12, mfu=mfu,
-                 tokens_per_s=n / t)
+        r = dict(tokens=n, step_s=t, times_s=times[1:], model_flops=flops, tflops_per_s=flops / t / 1e12,
+                 mfu=flops / t / chk.peak_flops, tokens_per_s=n / t)
         if chk.device.type == "cuda":
             r["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(chk.device)
-        rec["results"]["rows"].append(r)
+        return r
+
+    for n in sz.mfu_tokens:
+        chk.check_budget(f"the MFU run at {n} tokens")
+        r = _guarded(chk, rec, f"MFU run at {n} tokens", lambda: one(n))
+        if r is not None:
+            rec["results"]["rows"].append(r)
         if n in sz.mfu_target_tokens:
-            add_check(rec, f"MFU at {n} tokens", mfu, ">= 0.40", mfu >= 0.40, gpu_only=True, kind="performance")
+            mfu = r["mfu"] if r is not None else 0.0
+            add_check(rec, f"MFU at {n} tokens" + ("" if r is not None else " (the run failed)"), mfu, ">= 0.40",
+                      mfu >= 0.40, gpu_only=True, kind="performance")
         chk.cleanup()
+    if not rec["results"]["rows"]:
+        raise RuntimeError("no MFU run completed: " + "; ".join(rec["results"]["failures"])[:1500])
 
 
 # ---------------------------------------------------------------------------------- (e) memory
@@ -881,8 +941,7 @@ def section_memory(chk: Check, rec: dict) -> None:
         ("adaptive, budget at half the unconstrained activation peak", list(sz.mem_lens), "adaptive", {}, 0.5),
         ("full recompute (adaptive's chunking)", list(sz.mem_lens), "full-recompute", {}, None),
     ]
-    for name, lens, strategy, knobs, frac in scenarios:
-        chk.check_budget(f"the memory scenario {name!r}")
+    def one(name, lens, strategy, knobs, frac) -> dict:
         budget = 0
         if frac is not None:
             free = plan_step(lens, cost, layout, 0, strategy, solver=chk.solver, **knobs)
@@ -891,19 +950,28 @@ def section_memory(chk: Check, rec: dict) -> None:
         ids = [torch.randint(0, int(cfg.vocab_size), (n,), generator=g) for n in lens]
         m = _measure_step(chk, ex, plan, ids, exclude)
         predicted = plan.predicted.peak_memory_bytes[0] - static
-        err = (predicted - m["measured_act_bytes"]) / max(1, m["measured_act_bytes"])
-        row = dict(name=name, strategy=strategy, seq_lens=lens, chunks=plan.num_chunks,
-                   chunk_kinds=plan.chunk_counts(), recompute_layers=sum(sum(r) for r in plan.recompute),
-                   budget_act_bytes=(budget - static) if budget else None, predicted_act_bytes=predicted,
-                   error=err, **m)
+        return dict(name=name, strategy=strategy, seq_lens=lens, chunks=plan.num_chunks,
+                    chunk_kinds=plan.chunk_counts(), recompute_layers=sum(sum(r) for r in plan.recompute),
+                    budget_act_bytes=(budget - static) if budget else None, predicted_act_bytes=predicted,
+                    error=(predicted - m["measured_act_bytes"]) / max(1, m["measured_act_bytes"]), **m)
+
+    for scenario in scenarios:
+        name = scenario[0]
+        chk.check_budget(f"the memory scenario {name!r}")
+        row = _guarded(chk, rec, f"memory scenario {name!r}", lambda: one(*scenario))
+        if row is None:
+            add_check(rec, f"{name}: the step ran", 0.0, "runs", False, gpu_only=True)
+            continue
         rec["results"]["rows"].append(row)
+        err = row["error"]
         add_check(rec, f"{name}: predicted vs measured activation peak", err, "|error| <= 0.05", abs(err) <= 0.05,
                   gpu_only=True, kind="performance")
-        if budget:
-            over = m["measured_act_bytes"] / (budget - static)
+        if row["budget_act_bytes"]:
+            over = row["measured_act_bytes"] / row["budget_act_bytes"]
             add_check(rec, f"{name}: measured activation peak / budget", over, "<= 1", over <= 1.0, gpu_only=True)
-        del ids
         chk.cleanup()
+    if not rec["results"]["rows"]:
+        raise RuntimeError("no memory scenario completed: " + "; ".join(rec["results"]["failures"])[:1500])
 
 
 # ---------------------------------------------------------------------------------- report
@@ -1011,6 +1079,13 @@ def render(report: dict) -> str:
     for key, s in secs.items():
         note = s.get("error") or s.get("note") or ""
         lines.append(f"| {key} {s['title']} | {s['status']} | {s['wall_s']:.1f} | {note[:300]} |")
+    failures = [(key, f) for key, s in secs.items() for f in s.get("results", {}).get("failures", [])]
+    failures += [(key, f"profiling: {f}") for key, s in secs.items() for f in s.get("results", {}).get("profile_failures", [])]
+    skipped = [(key, f"{c['name']}: {c['reason']}") for key, s in secs.items()
+               for c in s.get("results", {}).get("skipped_cases", [])]
+    if failures or skipped:
+        lines += ["", "## Runs that failed or were skipped inside a section", ""]
+        lines += [f"- ({key}) {text}" for key, text in failures + skipped]
     a = secs.get("a", {}).get("results", {})
     if a.get("cases"):
         lines += ["", "## (a) Attention", "",
@@ -1045,6 +1120,9 @@ def render(report: dict) -> str:
         for label, rows in (("sweep", c.get("sweep", [])), ("held out", c.get("held_out", []))):
             for r in rows:
                 shape = r["shape"] if len(r["shape"]) <= 3 else f"{r['shape'][:2]} ... ({len(r['shape'])} slices)"
+                if "failed" in r:
+                    lines.append(f"| {label}: {r['kind']} | {shape} | {r['tokens']} | failed: {r['failed'][:200]} | | | | |")
+                    continue
                 lines.append(f"| {label}: {r['kind']} | {shape} | {r['tokens']} | {r['fwd_ms']:.3f} | {r['bwd_ms']:.3f} | "
                              f"{r['measured_ms']:.3f} | {r['predicted_ms']:.3f} | {r['error']:+.1%} |")
         if c.get("cost_model"):
