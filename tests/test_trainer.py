@@ -105,6 +105,31 @@ def test_same_model_as_trainer_and_standard_checkpoint(reference, tmp_path):
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in state.items())
 
 
+def test_label_smoothing_is_trainers_label_smoother(reference, tmp_path):
+    """label_smoothing_factor > 0: Trainer pops the labels and applies its LabelSmoother to the
+    shifted logits over num_items_in_batch; the pipeline's summed cross-entropy smooths the same
+    way (train and eval loss, gradients, final weights), through split chunks. The smoothed run
+    ends with weights unlike the unsmoothed reference's (the setting is not ignored; the
+    losses of this near-uniform tiny model barely move)."""
+    kw = dict(COMMON, label_smoothing_factor=0.2)
+    ref = Trainer(model=_model(), args=TrainingArguments(output_dir=str(tmp_path / "ref"), **kw),
+                  train_dataset=_dataset(), eval_dataset=_dataset(8, seed=1),
+                  data_collator=DataCollatorWithFlattening())
+    ref.train()
+    trainer = ConcertinaTrainer(
+        model=_model(), train_dataset=_dataset(), eval_dataset=_dataset(8, seed=1),
+        args=ConcertinaTrainingArguments(output_dir=str(tmp_path / "c"), concertina_max_tokens_per_chunk=16, **kw))
+    trainer.train()
+    losses, want = _losses(trainer), _losses(ref)
+    assert len(losses) == len(want) == 4
+    assert max(abs(a - b) for a, b in zip(losses, want)) < 1e-5, (losses, want)
+    state, ref_state = trainer.model.state_dict(), ref.model.state_dict()
+    assert max(_rel(ref_state[k], state[k]) for k in state) < 1e-4
+    changed = max(_rel(reference["state"][k], state[k]) for k in state)
+    assert changed > 1e-2, changed  # smoothing changed the weights Trainer trains
+    assert abs(trainer.evaluate()["eval_loss"] - ref.evaluate()["eval_loss"]) < 1e-5
+
+
 def test_resume_from_checkpoint_continues_the_same_trajectory(tmp_path):
     base = dict(COMMON, save_strategy="steps", save_steps=2, concertina_max_tokens_per_chunk=24)
     full = ConcertinaTrainer(model=_model(), args=ConcertinaTrainingArguments(output_dir=str(tmp_path / "a"), **base),

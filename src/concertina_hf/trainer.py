@@ -106,6 +106,7 @@ class ConcertinaTrainer(Trainer):
         # The saved config must name an attention every HF install has, not the runtime's backend.
         self._saved_attn_implementation = getattr(hf_model.config, "_attn_implementation", None) or "sdpa"
         self.pipeline = PipelineWrapper(model, self.layout, self.topology.stage)
+        self.pipeline.label_smoothing = args.label_smoothing_factor  # HF's LabelSmoother, in the pipeline's loss
         self.checkpointer = StageCheckpointer(self.pipeline, self.topology)
         self.planner = StepPlanner(self.setup, self.topology, overlap=args.concertina_overlap_planning)
         ahead = args.gradient_accumulation_steps if args.concertina_overlap_planning else 0

@@ -83,6 +83,7 @@ class _StageView:
     head_logits = PipelineWrapper.head_logits
     loss_sum = PipelineWrapper.loss_sum
     embed = PipelineWrapper.embed
+    label_smoothing = 0.0
 
     def __init__(self, layers: Sequence[nn.Module], rotary: nn.Module, norm: nn.Module | None,
                  lm_head: nn.Module | None, embed_tokens: nn.Module | None) -> None:

@@ -97,6 +97,10 @@ class PipelineWrapper(nn.Module):
     (:mod:`concertina_hf.integrations.peft`).
     """
 
+    #: ``TrainingArguments.label_smoothing_factor``: the loss is HF's ``LabelSmoother`` (with
+    #: ``num_items_in_batch``): ``(1 - eps) * nll + eps * mean over the vocabulary of -log p``
+    label_smoothing: float = 0.0
+
     def __init__(self, model: nn.Module, layout: StageLayout, stage: int) -> None:
         super().__init__()
         peft_model = None
@@ -250,9 +254,12 @@ class PipelineWrapper(nn.Module):
         return self.model.lm_head(self.model.model.norm(hidden))
 
     def loss_sum(self, logits: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
-        """The summed float32 token cross-entropy of ``logits`` (targets shifted; -100 ignored)."""
+        """The summed float32 token cross-entropy of ``logits`` (targets shifted; -100 ignored),
+        label-smoothed by :attr:`label_smoothing` as HF's ``LabelSmoother`` does (its
+        per-token ``(1 - eps) * nll + eps * sum(-log p) / vocab`` is torch's ``label_smoothing``)."""
         vocab = logits.shape[-1]
-        return F.cross_entropy(logits.float().view(-1, vocab), targets_T, ignore_index=-100, reduction="sum")
+        return F.cross_entropy(logits.float().view(-1, vocab), targets_T, ignore_index=-100, reduction="sum",
+                               label_smoothing=self.label_smoothing)
 
     # ------------------------------------------------------------------ checkpoints
     def full_state_dict(self, pp_group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor] | None:
