@@ -6,9 +6,11 @@ arguments are built, with a message naming the field to change; checks that need
 group (pipeline size times data-parallel size equals the world size) run when the world size
 is already known from the launcher's ``WORLD_SIZE``, and again in :class:`ConcertinaTrainer`.
 
-Layout of ranks: ``world_size = pipeline_size * data_parallel_size``; the ranks of one
-pipeline replica are consecutive (``rank = replica * pipeline_size + stage``), so on one
-machine a pipeline's point-to-point traffic stays between neighbouring devices.
+Layout of ranks: ``world_size = data_parallel_size * pipeline_size * sequence_parallel_size``;
+the ranks of one stage are consecutive and those of one pipeline replica too
+(``rank = (replica * pipeline_size + stage) * sequence_parallel_size + sp_rank``), so a stage's
+Ulysses all-to-alls stay within one node and a pipeline's point-to-point traffic between
+neighbouring devices.
 
 One CPU trap is handled here: ``accelerate launch`` starts CPU processes through torchrun
 without telling ``TrainingArguments`` to use the CPU, and ``TrainingArguments`` then treats
@@ -85,9 +87,18 @@ def parse_memory_budget(text: str | int | None) -> str | tuple[int, ...] | None:
     return tuple(_parse_bytes(part) for part in t.split(","))
 
 
-def resolve_parallel_sizes(world_size: int, pipeline_size: int | None, data_parallel_size: int | None) -> tuple[int, int]:
-    """``(pipeline_size, data_parallel_size)`` for ``world_size`` ranks; a missing size is
-    derived from the other (pipeline over all ranks when neither is given)."""
+def resolve_parallel_sizes(world_size: int, pipeline_size: int | None, data_parallel_size: int | None,
+                           sequence_parallel_size: int = 1) -> tuple[int, int]:
+    """``(pipeline_size, data_parallel_size)`` for ``world_size`` ranks, each stage spanning
+    ``sequence_parallel_size`` of them; a missing size is derived from the other (pipeline over
+    all stages when neither is given)."""
+    sp = sequence_parallel_size
+    if world_size % sp:
+        raise ValueError(
+            f"concertina_sequence_parallel_size={sp} does not divide the number of processes {world_size}; set "
+            "it to a divisor (the processes are data_parallel x pipeline x sequence_parallel)"
+        )
+    world_size //= sp  # stages from here on
     if pipeline_size is None and data_parallel_size is None:
         pipeline_size, data_parallel_size = world_size, 1
     elif pipeline_size is None:
@@ -107,9 +118,10 @@ def resolve_parallel_sizes(world_size: int, pipeline_size: int | None, data_para
     if pipeline_size * data_parallel_size != world_size:
         raise ValueError(
             f"concertina_pipeline_size={pipeline_size} x concertina_data_parallel_size={data_parallel_size} "
-            f"= {pipeline_size * data_parallel_size} processes, but {world_size} were launched; set "
-            "concertina_pipeline_size / concertina_data_parallel_size so that their product is the number "
-            "of processes (accelerate launch --num_processes)"
+            f"x concertina_sequence_parallel_size={sp} = {pipeline_size * data_parallel_size * sp} processes, "
+            f"but {world_size * sp} were launched; set concertina_pipeline_size / concertina_data_parallel_size / "
+            "concertina_sequence_parallel_size so that their product is the number of processes (accelerate "
+            "launch --num_processes)"
         )
     return pipeline_size, data_parallel_size
 
@@ -139,6 +151,12 @@ class ConcertinaTrainingArguments(TrainingArguments):
         "Data-parallel pipeline replicas; each sees its own share of every step's sequences and "
         "gradients are all-reduced across replicas. None: the number of processes divided by "
         "concertina_pipeline_size (1 when neither is set).",
+    )
+    concertina_sequence_parallel_size: int = _option(
+        1,
+        "Processes per pipeline stage, sharing each chunk's tokens by Ulysses sequence parallelism "
+        "(all-to-all of the attention heads). Must divide num_attention_heads; K/V heads are split "
+        "when sp divides num_key_value_heads, replicated when num_key_value_heads divides sp.",
     )
     concertina_memory_budget: str = _option(
         "auto",
@@ -259,13 +277,15 @@ class ConcertinaTrainingArguments(TrainingArguments):
         self.activation_checkpointing_kwargs = self.gradient_checkpointing_kwargs = None
 
     def _check_concertina_fields(self) -> None:
-        for name in ("concertina_pipeline_size", "concertina_data_parallel_size", "concertina_max_tokens_per_chunk"):
+        for name in ("concertina_pipeline_size", "concertina_data_parallel_size", "concertina_max_tokens_per_chunk",
+                     "concertina_sequence_parallel_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
         world = os.environ.get("WORLD_SIZE")
         if world is not None:  # launched: check the sizes before any process group is set up
-            resolve_parallel_sizes(int(world), self.concertina_pipeline_size, self.concertina_data_parallel_size)
+            resolve_parallel_sizes(int(world), self.concertina_pipeline_size, self.concertina_data_parallel_size,
+                                   self.concertina_sequence_parallel_size)
         if self.concertina_strategy not in PIPELINE_STRATEGIES:
             why = (" is a baseline on another layout that `concertina plan` simulates, not one the trainer runs"
                    if self.concertina_strategy in STRATEGIES else "")

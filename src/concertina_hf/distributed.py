@@ -1,15 +1,18 @@
 """Where a rank sits, and every collective the trainer runs: the one module that owns process groups.
 
 Ranks form a :class:`~torch.distributed.device_mesh.DeviceMesh` with named dimensions, outermost
-first: ``("dp", "pp")`` today, ``rank = replica * pipeline_size + stage`` (the ranks of one
-pipeline are consecutive, so its point-to-point traffic stays between neighbouring devices).
-A further dimension (``"sp"``, the GPUs of one stage) is added innermost in :data:`MESH_DIMS`
-and :meth:`Topology.build` alone; callers ask for a group by name (:meth:`Topology.group`).
-Nothing else in the package creates a process group.
+first: ``("dp", "pp", "sp")``, ``rank = (replica * pipeline_size + stage) * sp_size + sp_rank``:
+the ``sp`` ranks of one stage (Ulysses sequence parallelism, :mod:`.runtime.ulysses`: the GPUs of
+one node) are consecutive, then the stages of one pipeline, then the replicas. A ``pp`` group
+links the same ``sp`` rank of every stage of a replica (its point-to-point traffic); the
+gradients of a stage are reduced over its ``dp x sp`` ranks (:attr:`Topology.grad_group`, one
+extra group per stage when both sizes exceed 1). Callers ask for a group by name
+(:meth:`Topology.group`). Nothing else in the package creates a process group.
 
 Collectives (all no-ops with one process, each a few lines over ``torch.distributed``):
 
-- :func:`reduce_gradients`: each stage's gradients summed (or averaged) over the replicas, in
+- :func:`reduce_gradients`: each stage's gradients summed over its ``sp`` ranks and summed (or
+  averaged) over the replicas, in
   flat buckets of at most :data:`BUCKET_ELEMENTS` per dtype (bounded extra memory, few calls);
 - :func:`global_grad_norm`: the 2-norm over every stage's gradients (squared norms summed over
   the pipeline), the quantity ``clip_grad_norm_`` would compute on the whole model;
@@ -60,7 +63,7 @@ __all__ = ["ABORT_GRACE_S", "ABORT_POLL_S", "BUCKET_ELEMENTS", "MESH_DIMS", "Top
            "reduce_gradients"]
 
 # outermost first; a new dimension goes innermost (after "pp") and is built in Topology.build
-MESH_DIMS = ("dp", "pp")
+MESH_DIMS = ("dp", "pp", "sp")
 # gradient all-reduce bucket: 32M elements (128 MB of float32) of extra memory at most
 BUCKET_ELEMENTS = 32 * 2**20
 # how often each rank looks for another rank's abort flag, and how long a rank whose own failure
@@ -72,12 +75,15 @@ _ABORT_KEY = "concertina/abort"
 
 @dataclass
 class Topology:
-    """This rank's place in the ``dp x pp`` mesh (``rank = replica * pipeline_size + stage``).
+    """This rank's place in the ``dp x pp x sp`` mesh
+    (``rank = (replica * pipeline_size + stage) * sequence_parallel_size + sp_rank``).
 
     ``mesh``: the :class:`DeviceMesh` (``None`` with a single process); ``pp_group`` / ``pp_ranks``:
-    the ranks of this rank's pipeline in stage order; ``dp_group`` / ``dp_ranks``: the ranks
-    holding the same stage in every replica; ``timeout``: how long any receive or collective
-    waits for a peer (``ddp_timeout``).
+    the ranks of this rank's pipeline in stage order (same ``sp_rank``); ``dp_group`` /
+    ``dp_ranks``: the ranks holding the same stage and ``sp_rank`` in every replica; ``sp_group``
+    / ``sp_ranks``: the ranks sharing this stage's chunks (Ulysses); ``grad_group``: the ``dp x
+    sp`` ranks of this stage, over which its gradients are reduced; ``timeout``: how long any
+    receive or collective waits for a peer (``ddp_timeout``).
     """
 
     world_size: int
@@ -92,6 +98,11 @@ class Topology:
     pp_ranks: tuple[int, ...] = (0,)
     dp_ranks: tuple[int, ...] = (0,)
     timeout: timedelta = timedelta(minutes=30)
+    sequence_parallel_size: int = 1
+    sp_rank: int = 0
+    sp_group: Any = None
+    sp_ranks: tuple[int, ...] = (0,)
+    grad_group: Any = None
 
     @classmethod
     def build(cls, args: ConcertinaTrainingArguments) -> "Topology":
@@ -106,17 +117,28 @@ class Topology:
                 "pass use_cpu=True (ConcertinaTrainingArguments does this when no GPU is visible) or launch with "
                 "configs/accelerate/cpu_2proc.yaml"
             )
-        pp, dp = resolve_parallel_sizes(world, args.concertina_pipeline_size, args.concertina_data_parallel_size)
+        sp = args.concertina_sequence_parallel_size
+        pp, dp = resolve_parallel_sizes(world, args.concertina_pipeline_size, args.concertina_data_parallel_size, sp)
         rank = dist.get_rank() if initialized else 0
-        replica, stage = divmod(rank, pp)
-        topo = cls(world, rank, pp, dp, stage, replica, timeout=timedelta(seconds=args.ddp_timeout))
+        (replica, stage), sp_rank = divmod(rank // sp, pp), rank % sp
+        topo = cls(world, rank, pp, dp, stage, replica, timeout=timedelta(seconds=args.ddp_timeout),
+                   sequence_parallel_size=sp, sp_rank=sp_rank)
         if initialized:
-            topo.mesh = _mesh_with_timeout((dp, pp), topo.timeout)
+            topo.mesh = _mesh_with_timeout((dp, pp, sp), topo.timeout)
             _AbortWatch.start(rank)
-            topo.pp_group, topo.dp_group = topo.group("pp"), topo.group("dp")
+            topo.pp_group, topo.dp_group, topo.sp_group = topo.group("pp"), topo.group("dp"), topo.group("sp")
             topo.pp_ranks = tuple(int(r) for r in topo.mesh["pp"].mesh.tolist())
             topo.dp_ranks = tuple(int(r) for r in topo.mesh["dp"].mesh.tolist())
+            topo.sp_ranks = tuple(int(r) for r in topo.mesh["sp"].mesh.tolist())
+            topo.grad_group = _stage_groups(dp, pp, sp, topo) if dp > 1 and sp > 1 else (
+                topo.sp_group if sp > 1 else topo.dp_group)
         return topo
+
+    @property
+    def grad_ranks(self) -> tuple[int, ...]:
+        """The ``dp x sp`` ranks holding this stage (its gradients are reduced over them)."""
+        sp, pp = self.sequence_parallel_size, self.pipeline_size
+        return tuple((d * pp + self.stage) * sp + s for d in range(self.data_parallel_size) for s in range(sp))
 
     def group(self, dim: str) -> Any:
         """The process group of this rank along a named mesh dimension (``None`` without a mesh)."""
@@ -323,6 +345,18 @@ def _mesh_with_timeout(shape: tuple[int, ...], timeout: timedelta) -> Any:
     return mesh
 
 
+def _stage_groups(dp: int, pp: int, sp: int, topo: Topology) -> Any:
+    """One group per stage over its ``dp x sp`` ranks (every rank creates every group, in stage
+    order, as ``new_group`` requires); returns this rank's."""
+    mine = None
+    for stage in range(pp):
+        ranks = [(d * pp + stage) * sp + s for d in range(dp) for s in range(sp)]
+        group = dist.new_group(ranks, timeout=topo.timeout)
+        if stage == topo.stage:
+            mine = group
+    return mine
+
+
 def _set_group_timeout(group: Any, timeout: timedelta) -> None:
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # torch >= 2.3
     if set_timeout is not None:
@@ -330,11 +364,12 @@ def _set_group_timeout(group: Any, timeout: timedelta) -> None:
 
 
 def reduce_gradients(params: Sequence[nn.Parameter], topology: Topology, average: bool) -> None:
-    """Sum (``average=False``: token-averaged loss) or average each stage's gradients over the
-    replicas, in flat buckets of at most :data:`BUCKET_ELEMENTS` elements per dtype. A missing
-    gradient counts as zeros (another replica may have one)."""
-    dp = topology.data_parallel_size
-    if dp == 1:
+    """Sum each stage's gradients over its sequence-parallel ranks (each holds its tokens' share)
+    and sum (``average=False``: token-averaged loss) or average them over the replicas, in one
+    all-reduce over the stage's ``dp x sp`` ranks per flat bucket of at most
+    :data:`BUCKET_ELEMENTS` elements per dtype. A missing gradient counts as zeros (another rank
+    may have one)."""
+    if topology.data_parallel_size * topology.sequence_parallel_size == 1:
         return
     for p in params:
         if p.grad is None:
@@ -356,8 +391,8 @@ def reduce_gradients(params: Sequence[nn.Parameter], topology: Topology, average
 
 def _all_reduce_bucket(grads: list[torch.Tensor], topology: Topology, average: bool) -> None:
     flat = torch.cat([g.reshape(-1) for g in grads]).to(topology.comm_device)
-    with topology._waiting(f"the gradients of the replicas (ranks {list(topology.dp_ranks)})"):
-        dist.all_reduce(flat, group=topology.dp_group)
+    with topology._waiting(f"the gradients of the stage's ranks {list(topology.grad_ranks)}"):
+        dist.all_reduce(flat, group=topology.grad_group)
     if average:
         flat /= topology.data_parallel_size
     offset = 0

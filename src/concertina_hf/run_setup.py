@@ -94,6 +94,11 @@ def check_trainer_arguments(model: nn.Module | None, args, optimizers: tuple, **
         )
     if model is None:
         raise ValueError("ConcertinaTrainer needs a model (an HF causal LM)")
+    if args.concertina_sequence_parallel_size > 1:
+        raise NotImplementedError(
+            f"concertina_sequence_parallel_size={args.concertina_sequence_parallel_size}: ConcertinaTrainer does not "
+            "run sequence parallelism yet (the runtime does: PipelineExecutor(sp_group=...)); set it to 1"
+        )
     if args.train_sampling_strategy == "batch_rebalance":
         raise ValueError(
             "train_sampling_strategy='batch_rebalance' balances tokens across all processes, but pipeline ranks "

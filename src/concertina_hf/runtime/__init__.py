@@ -3,6 +3,7 @@
 - :class:`PipelineWrapper` (:mod:`.stage`): one pipeline stage of an HF causal LM, pruned in place;
 - :class:`PipelineExecutor` (:mod:`.executor`): walks the stage's actions, returns a :class:`StepResult`;
 - :mod:`.attention`: the ``"concertina"`` attention backend (packed, sliced sequences, K/V across slices);
+- :mod:`.ulysses`: Ulysses sequence parallelism over the ranks of one stage (all-to-all of heads);
 - :mod:`.p2p`: stage-to-stage transfers; :mod:`.memory`: measured activation memory;
 - :mod:`.profiler`: the cost model fitted from the real layers, measured by :mod:`.probe`.
 """

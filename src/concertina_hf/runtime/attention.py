@@ -779,6 +779,11 @@ def concertina_attention_forward(
                 "a pipeline step runs: it would attend across packed sequences and lose earlier slices' K/V")
         return _fallback(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
                          sink, is_causal, kwargs), None
+    sp_attention = getattr(ctx, "sequence_parallel_attention", None)
+    if sp_attention is not None:  # Ulysses (runtime/ulysses.py): back here on all tokens of this rank's heads
+        return sp_attention(concertina_attention_forward, module, query, key, value, attention_mask=attention_mask,
+                            dropout=dropout, scaling=scaling, sliding_window=sliding_window, softcap=softcap,
+                            sink=sink, is_causal=is_causal, **kwargs)
     if attention_mask is not None:
         raise ValueError(
             f"{type(module).__name__} (model type {_model_type(module)!r}) passes an attention_mask inside a "

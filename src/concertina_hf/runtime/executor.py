@@ -32,6 +32,12 @@ dtype (:mod:`.attention`), so stored K/V have one dtype. Messages between stages
 :meth:`PipelineExecutor.wire_dtype`, derived from the parameters' dtype and the autocast dtype on
 both sides (float32 for float32 weights under bfloat16 autocast), never negotiated.
 
+Sequence parallelism (``sp_group``, :mod:`.ulysses`): each rank of the stage runs its share of
+every chunk's tokens (padded to a multiple of the group size) and the attention exchanges heads
+for tokens with the group; received messages are ``[1, ceil(tokens / sp), hidden]``, the loss is
+summed over the group, and each rank's gradients cover its tokens only until
+:func:`~concertina_hf.distributed.reduce_gradients` sums them over the stage's ranks.
+
 Tied input/output embeddings over several stages: each copy gets its own share of the gradient
 here; :meth:`PipelineExecutor.sync_tied_gradients` sums them once per optimizer step.
 
@@ -68,6 +74,7 @@ from .memory import SavedTensorMeter
 from .p2p import TIED_GRAD_TAG, StageComm, activation_tag, gradient_tag
 from .rng import StageRNG
 from .stage import PipelineWrapper
+from .ulysses import SequenceParallel
 
 __all__ = ["PipelineExecutor", "StepResult"]
 
@@ -127,11 +134,14 @@ class PipelineExecutor:
     group (rank == stage), or no process group at all for a single stage. ``device``: where
     activations live (default: the device of the stage's parameters). ``rng``: the stage's own
     random stream its forwards draw dropout from (:class:`~concertina_hf.runtime.rng.StageRNG`;
-    default: seed 0, stream ``stage``).
+    default: seed 0, stream ``stage``). ``sp_group``: the ranks sharing this stage by Ulysses
+    sequence parallelism (:mod:`.ulysses`; ``None`` or one rank: none); ``pp_group`` then links
+    this rank to the same sequence-parallel rank of every stage.
     """
 
     def __init__(self, wrapper: PipelineWrapper, pp_group: dist.ProcessGroup | None = None,
-                 device: torch.device | str | None = None, rng: StageRNG | None = None) -> None:
+                 device: torch.device | str | None = None, rng: StageRNG | None = None,
+                 sp_group: dist.ProcessGroup | None = None) -> None:
         self.wrapper = wrapper
         self.layout = wrapper.layout
         self.stage = wrapper.stage
@@ -139,6 +149,10 @@ class PipelineExecutor:
         self.device = torch.device(device) if device is not None else wrapper.device
         self.hidden_size = int(wrapper.config.hidden_size)
         self.comm: StageComm | None = None
+        self.sp: SequenceParallel | None = None
+        if sp_group is not None and dist.get_world_size(sp_group) > 1:
+            self.sp = SequenceParallel(sp_group)
+            self.sp.check_model(wrapper.config)
         if self.num_stages > 1:
             if not dist.is_initialized():
                 raise RuntimeError(
@@ -242,6 +256,9 @@ class PipelineExecutor:
         chunk's slices and its detached ``[1, tokens, vocab]`` logits (``slices[i].offset`` is where
         slice ``i`` starts in them), so a caller keeps what it needs of them chunk by chunk."""
         self._check(plan, input_ids, labels)
+        if on_logits is not None and self.sp is not None:
+            raise NotImplementedError("on_logits with sequence parallelism (sp_group): each rank holds only its "
+                                      "share of a chunk's logits; run the evaluation with logits at sp=1")
         if labels is None:
             labels = input_ids
         if num_items_in_batch is None:
@@ -302,6 +319,8 @@ class PipelineExecutor:
         meter.release_all()
         nonfinite = step.nonfinite_actions()
         loss_sum = step.loss_sum
+        if self.sp is not None:  # each sequence-parallel rank holds the loss of its own tokens
+            loss_sum = self.sp.all_reduce_sum(loss_sum)
         if self.comm is not None:
             # the loss lives on the last stage; every rank reports it
             t = torch.stack([loss_sum, torch.tensor(float(num_items_in_batch), device=dev)])
@@ -350,7 +369,8 @@ class PipelineExecutor:
             if a.kind.is_send:
                 sends.append(self.comm.send_op(to_send.pop((a.kind, c)).to(wire_dtype), a.peer, tag))
             else:
-                shape = (1, plan.chunks[c].num_tokens, self.hidden_size)
+                tokens = plan.chunks[c].num_tokens
+                shape = (1, tokens if self.sp is None else self.sp.tokens(tokens), self.hidden_size)
                 buf = received[(a.kind, c)] = torch.empty(shape, dtype=wire_dtype, device=self.device)
                 recvs.append(self.comm.recv_op(buf, a.peer, tag))
         self.comm.exchange(sends, recvs)
@@ -378,6 +398,7 @@ class _Step:
         self.divisor = divisor
         self.device = dev = ex.device
         self.recompute = plan.recompute[ex.stage]
+        self.sp = ex.sp  # Ulysses: this rank's share of each chunk's tokens, padded (.ulysses)
         self.slices = [
             [SliceSpec(s.seq, s.start, s.length, off, s.end == plan.seq_lens[s.seq])
              for s, off in zip(c.slices, _offsets([s.length for s in c.slices]))]
@@ -408,8 +429,11 @@ class _Step:
     def _forward(self, c: int, received: torch.Tensor | None) -> torch.Tensor | None:
         w, meter, train, slices = self.w, self.meter, self.train, self.slices[c]
         ctx = ChunkAttentionContext(slices, self.store, self.device, requires_grad=train)
+        if self.sp is not None:
+            ctx = self.sp.context(ctx)
         if w.is_first:
-            x = w.embed(torch.cat([self.ids[s.seq][s.start:s.start + s.length] for s in slices]))
+            ids = torch.cat([self.ids[s.seq][s.start:s.start + s.length] for s in slices])
+            x = w.embed(ids if self.sp is None else self.sp.shard(ids, 0))
         else:
             x = received.requires_grad_(train)
             if train:
@@ -427,6 +451,8 @@ class _Step:
                         meter.release(("kv", s.seq, earlier.start))
         if w.is_last:
             targets = torch.cat([_targets(self.labels[s.seq], s) for s in slices])
+            if self.sp is not None:
+                targets = self.sp.shard(targets, -100)
             if self.on_logits is None:
                 chunk_loss = w.head_loss_sum(y, targets)
             else:  # the same loss, the logits handed to the caller on the way

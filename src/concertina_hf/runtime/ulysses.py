@@ -1,0 +1,219 @@
+"""Ulysses sequence parallelism inside one pipeline stage: the stage's ``sp`` ranks share each chunk.
+
+A chunk of ``T`` tokens is padded to ``T_pad = sp * t`` (``t = ceil(T / sp)``) and rank ``r`` of
+the stage's sequence-parallel group holds tokens ``[r * t, (r + 1) * t)`` (:func:`local_shard`):
+the embedding, norms, MLPs, the LM head and the loss run on that local shard. Inside each
+attention (the hook in :func:`concertina_hf.runtime.attention.concertina_attention_forward`):
+
+1. an all-to-all (:func:`all_to_all`, autograd through ``all_to_all_single``) turns the local
+   tokens of all ``H`` heads into all ``T_pad`` tokens of ``H / sp`` heads (rank ``r``: heads
+   ``[r * H / sp, (r + 1) * H / sp)``), for ``q``, ``k`` and ``v``; padded positions are cut off;
+2. the ordinary concertina attention runs on those heads with the chunk's full token layout
+   (:class:`~concertina_hf.runtime.attention.ChunkAttentionContext`: packed isolation, K/V
+   carried from earlier slices of a split sequence, sliding windows). Each rank's
+   :class:`~concertina_hf.runtime.attention.KVStore` keeps the K/V of its own heads only
+   (memory divided by ``sp``);
+3. the output is padded again and the inverse all-to-all returns local tokens of all heads.
+
+Grouped-query attention: with ``K`` key/value heads, ``K % sp == 0`` splits them like the query
+heads (``K / sp`` per rank); ``K < sp`` with ``sp % K == 0`` replicates each K/V head ``sp / K``
+times before the all-to-all, as DeepSpeed's Ulysses does (each rank then gets the one K/V head its
+query heads use; the gradient of the copies is summed by autograd). Anything else is refused
+(:func:`check_heads`).
+
+Padded positions: token id 0 at stage 0, position 0, target ``-100`` (no loss), and their
+query/key/value are dropped before attention, so they affect nothing; their hidden states still
+run through the MLPs (at most ``sp - 1`` tokens per chunk).
+
+Correctness across ranks: every rank of the group runs the same program on tensors of the same
+shapes, so the collectives inside autograd (the all-to-all's backward, the replay of a
+checkpointed layer) are issued in the same order everywhere. Parameters' gradients on one rank
+cover its own tokens only: the stage's gradient is their sum over the group (with the replicas':
+:func:`concertina_hf.distributed.reduce_gradients`), and the step's loss is summed over the group
+(:meth:`SequenceParallel.all_reduce_sum`).
+
+Costs per decoder layer and chunk: forward 4 all-to-alls (q, k, v, out), each moving
+``(sp - 1) / sp`` of the rank's ``t x heads x head_dim`` tensor; backward the same 4; K/V
+replicated for ``K < sp`` move ``sp / K`` times more. The attention mask of a chunk is still
+built for the whole chunk on every rank (``T x S``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .attention import ChunkAttentionContext
+
+__all__ = [
+    "SequenceParallel",
+    "UlyssesContext",
+    "all_to_all",
+    "check_heads",
+    "heads_to_tokens_recv",
+    "heads_to_tokens_send",
+    "local_shard",
+    "shard_length",
+    "tokens_to_heads_recv",
+    "tokens_to_heads_send",
+]
+
+
+# ---------------------------------------------------------------------- layout (pure tensor code)
+def shard_length(num_tokens: int, sp: int) -> int:
+    """Tokens per rank: ``ceil(num_tokens / sp)`` (the chunk padded to ``sp`` times it)."""
+    return -(-int(num_tokens) // int(sp))
+
+
+def local_shard(x: torch.Tensor, sp: int, rank: int, pad_value: float | int = 0) -> torch.Tensor:
+    """Rank ``rank``'s contiguous share of ``x`` along dim 0, padded with ``pad_value`` to the
+    shard length (:func:`shard_length`)."""
+    t = shard_length(x.shape[0], sp)
+    part = x[rank * t:(rank + 1) * t]
+    if part.shape[0] < t:
+        pad = x.new_full((t - part.shape[0], *x.shape[1:]), pad_value)
+        part = torch.cat([part, pad])
+    return part
+
+
+def heads_to_tokens_send(x: torch.Tensor, sp: int) -> torch.Tensor:
+    """``[1, H, t, D]`` (local tokens, all heads) -> the all-to-all's input ``[sp, H/sp, t, D]``:
+    block ``j`` (heads of rank ``j``) goes to rank ``j``."""
+    _, h, t, d = x.shape
+    return x.reshape(sp, h // sp, t, d).contiguous()
+
+
+def heads_to_tokens_recv(y: torch.Tensor) -> torch.Tensor:
+    """The all-to-all's output ``[sp, h, t, D]`` (block ``j``: rank ``j``'s tokens of this rank's
+    heads) -> ``[1, h, sp * t, D]`` (all tokens in order)."""
+    sp, h, t, d = y.shape
+    return y.permute(1, 0, 2, 3).reshape(1, h, sp * t, d)
+
+
+def tokens_to_heads_send(o: torch.Tensor, sp: int) -> torch.Tensor:
+    """``[1, sp * t, h, D]`` (all tokens, this rank's heads; the attention's output layout) -> the
+    all-to-all's input ``[sp, t, h, D]``: block ``j`` (rank ``j``'s tokens) goes to rank ``j``."""
+    _, n, h, d = o.shape
+    return o.reshape(sp, n // sp, h, d).contiguous()
+
+
+def tokens_to_heads_recv(y: torch.Tensor) -> torch.Tensor:
+    """The all-to-all's output ``[sp, t, h, D]`` (block ``j``: heads of rank ``j``) ->
+    ``[1, t, sp * h, D]`` (local tokens, all heads in order)."""
+    sp, t, h, d = y.shape
+    return y.permute(1, 0, 2, 3).reshape(1, t, sp * h, d)
+
+
+def check_heads(num_heads: int, num_kv_heads: int, sp: int) -> int:
+    """How many times each K/V head is replicated before the all-to-all (1: none); raises a
+    ``ValueError`` naming the fields when ``sp`` cannot split the heads."""
+    if num_heads % sp:
+        raise ValueError(
+            f"concertina_sequence_parallel_size={sp} must divide the model's num_attention_heads={num_heads} "
+            "(Ulysses gives each rank of a stage num_attention_heads / sp heads)"
+        )
+    if num_kv_heads % sp == 0:
+        return 1
+    if sp % num_kv_heads == 0:
+        return sp // num_kv_heads
+    raise ValueError(
+        f"concertina_sequence_parallel_size={sp} and the model's num_key_value_heads={num_kv_heads}: one must "
+        "divide the other (K/V heads are split over the ranks, or replicated when there are fewer than sp)"
+    )
+
+
+# ---------------------------------------------------------------------- the collective
+class _AllToAll(torch.autograd.Function):
+    """Equal-split ``all_to_all_single`` along dim 0; its adjoint is the same all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad, group=ctx.group)
+        return out, None
+
+
+def all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Block ``j`` of ``x`` (dim 0 split in group-size equal blocks) goes to rank ``j``; block ``j``
+    of the result came from rank ``j``. Differentiable."""
+    return _AllToAll.apply(x, group)
+
+
+# ---------------------------------------------------------------------- the stage's group
+class SequenceParallel:
+    """The sequence-parallel ranks of one pipeline stage (``group``: the mesh's ``sp`` group)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def check_model(self, config: Any) -> int:
+        """The K/V replication for ``config`` (see :func:`check_heads`)."""
+        heads = int(config.num_attention_heads)
+        kv = int(getattr(config, "num_key_value_heads", None) or heads)
+        return check_heads(heads, kv, self.size)
+
+    def tokens(self, num_tokens: int) -> int:
+        """This rank's tokens of a chunk of ``num_tokens`` (padding included)."""
+        return shard_length(num_tokens, self.size)
+
+    def shard(self, x: torch.Tensor, pad_value: float | int = 0) -> torch.Tensor:
+        return local_shard(x, self.size, self.rank, pad_value)
+
+    def context(self, inner: ChunkAttentionContext) -> "UlyssesContext":
+        return UlyssesContext(inner, self)
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        out = t.detach().clone()
+        dist.all_reduce(out, group=self.group)
+        return out
+
+
+class UlyssesContext:
+    """What the decoder layers get as ``concertina_ctx`` under sequence parallelism: the local
+    shard's ``position_ids`` (for the rotary embedding) and the attention hook; ``inner`` is the
+    whole chunk's :class:`ChunkAttentionContext` (token layout and K/V store)."""
+
+    def __init__(self, inner: ChunkAttentionContext, sp: SequenceParallel) -> None:
+        self.inner = inner
+        self.sp = sp
+        self.num_tokens = inner.num_tokens
+        self.local_tokens = sp.tokens(inner.num_tokens)
+        self.position_ids = sp.shard(inner.position_ids[0], 0).unsqueeze(0)
+
+    def sequence_parallel_attention(self, forward: Callable, module: Any, query: torch.Tensor,
+                                    key: torch.Tensor, value: torch.Tensor, sink: Any = None, **kwargs: Any):
+        """``query`` [1, H, t, D], ``key``/``value`` [1, K, t, D] of the local tokens -> the
+        attention output [1, t, H, D] of the local tokens (``forward``: the concertina attention,
+        run on all tokens of this rank's heads, with the other keywords ``kwargs``)."""
+        if sink is not None:
+            model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
+            raise NotImplementedError(
+                f"attention sinks (model type {model_type!r}) with concertina_sequence_parallel_size="
+                f"{self.sp.size}: the per-head sinks are not split over the ranks' heads; use sequence parallel size 1")
+        sp, group = self.sp.size, self.sp.group
+        if query.shape[2] != self.local_tokens:
+            raise ValueError(f"sequence-parallel attention expects {self.local_tokens} local tokens, "
+                             f"got query {tuple(query.shape)}")
+        repeat = check_heads(query.shape[1], key.shape[1], sp)
+        if repeat > 1:
+            key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+        n = self.num_tokens
+        q, k, v = (heads_to_tokens_recv(all_to_all(heads_to_tokens_send(x, sp), group))[:, :, :n]
+                   for x in (query, key, value))
+        out, _ = forward(module, q, k, v, concertina_ctx=self.inner, **kwargs)  # [1, n, H/sp, Dv]
+        out = F.pad(out, (0, 0, 0, 0, 0, sp * self.local_tokens - n))
+        return tokens_to_heads_recv(all_to_all(tokens_to_heads_send(out, sp), group)), None

@@ -1,0 +1,127 @@
+"""Worker of ``test_ulysses.py``: one process per (stage, sequence-parallel rank) on a gloo group.
+
+The ranks form the package's own ``dp x pp x sp`` mesh (:meth:`Topology.build`); each rank builds
+the same tiny models, computes the single-process HF reference itself, runs a set of hand-made
+plans (packed chunks whose sequences straddle the shard boundary, split sequences carrying K/V,
+hybrid chunks, recompute none / partial / full, chunk token counts not divisible by ``sp``) with
+Ulysses inside every stage, reduces the gradients over the stage's ranks
+(:func:`reduce_gradients`) and compares the loss and its stage's gradients. Models: Llama with
+``K = H`` K/V heads (split over ``sp``), Qwen2 with ``K = 2`` (split) and ``K = 1 < sp``
+(replicated), and a tied-embedding Llama when the pipeline has two stages. Results go to
+``<outdir>/rank<r>.json``; the test asserts on them.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import traceback
+from datetime import timedelta
+from types import SimpleNamespace
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from _runtime_cases import (  # noqa: E402
+    CHUNKINGS, GROUPED, SEQ_LENS, batch, compare_grads, make_plan, reference, tiny_config,
+)
+
+LOSS_TOL = 1e-5
+GRAD_TOL = 1e-4
+NUM_LAYERS = 4
+PLANS = (("packed", "none"), ("split", "partial"), ("hybrid", "full"), ("hybrid-2groups", "partial"))
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def worker(rank: int, world: int, port: int, outdir: str, pp: int, sp: int) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                           timeout=timedelta(seconds=300))
+    report: dict = {"rank": rank, "failures": [], "cases": []}
+    try:
+        _run(rank, world, pp, sp, report)
+    except Exception:
+        report["failures"].append("crash:\n" + traceback.format_exc())
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _model(kind: str, kv_heads: int | None = None, tied: bool = False, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(kind, NUM_LAYERS)
+    if kv_heads is not None:
+        cfg.num_key_value_heads = kv_heads
+    cfg.tie_word_embeddings = tied
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    return model.float()
+
+
+def _run(rank: int, world: int, pp: int, sp: int, report: dict) -> None:
+    from concertina_hf.distributed import Topology, reduce_gradients
+    from concertina_hf.planning import StageLayout
+    from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
+
+    fail = report["failures"]
+    args = SimpleNamespace(world_size=world, concertina_pipeline_size=pp, concertina_data_parallel_size=None,
+                           concertina_sequence_parallel_size=sp, ddp_timeout=300)
+    topo = Topology.build(args)
+    # the mesh: sp innermost, then pp
+    want_stage, want_sp = divmod(rank, sp)
+    if (topo.stage, topo.sp_rank, topo.replica) != (want_stage, want_sp, 0):
+        fail.append(f"mesh: rank {rank} is stage {topo.stage} sp rank {topo.sp_rank} replica {topo.replica}")
+    if topo.sp_ranks != tuple(want_stage * sp + s for s in range(sp)):
+        fail.append(f"mesh: sp ranks {topo.sp_ranks}")
+    if topo.pp_ranks != tuple(s * sp + want_sp for s in range(pp)):
+        fail.append(f"mesh: pp ranks {topo.pp_ranks}")
+    ids, labels = batch()
+    layout = StageLayout.even(NUM_LAYERS, pp)
+    plans = {f"{name}/{rec}": make_plan(SEQ_LENS, CHUNKINGS[name], layout, rec) for name, rec in PLANS
+             if name in CHUNKINGS}
+    plans[f"{GROUPED[0]}-2groups/partial"] = make_plan(SEQ_LENS, CHUNKINGS[GROUPED[0]], layout, "partial",
+                                                       groups=GROUPED[1])
+    models = [("llama K=4", _model("llama")), ("qwen2 K=2", _model("qwen2")),
+              ("qwen2 K=1 (replicated)", _model("qwen2", kv_heads=1, seed=3))]
+    if pp > 1:
+        models.append(("llama tied", _model("llama", tied=True, seed=4)))
+    for kind, model in models:
+        ref_loss, ref_grads = reference(model, ids, labels)
+        w = PipelineWrapper(copy.deepcopy(model), layout, topo.stage)
+        ex = PipelineExecutor(w, pp_group=topo.pp_group, sp_group=topo.sp_group)
+        params = [p for p in w.parameters() if p.requires_grad]
+        for name, plan in plans.items():
+            w.zero_grad(set_to_none=True)
+            res = ex.run_step(plan, ids, labels)
+            if not compare_grads(w, ref_grads, 1e-2):  # each rank holds its own tokens' share only
+                fail.append(f"{kind} {name} rank {rank}: the gradients are complete before the reduction over sp")
+            reduce_gradients(params, topo, average=False)
+            ex.sync_tied_gradients()
+            report["cases"].append(f"{kind} {name}")
+            if not _rel(res.loss, ref_loss) < LOSS_TOL:
+                fail.append(f"{kind} {name}: loss {res.loss} vs {ref_loss}")
+            fail.extend(f"{kind} {name} rank {rank}: {b}" for b in compare_grads(w, ref_grads, GRAD_TOL))
+        # evaluation: forward only, the whole batch's loss on every rank
+        w.zero_grad(set_to_none=True)
+        res = ex.run_step(plans["hybrid/full"], ids, labels, train=False)
+        report["cases"].append(f"{kind} eval")
+        if not _rel(res.loss, ref_loss) < LOSS_TOL:
+            fail.append(f"{kind} eval: loss {res.loss} vs {ref_loss}")

@@ -1,0 +1,111 @@
+"""Ulysses sequence parallelism inside a pipeline stage (``runtime/ulysses.py``).
+
+Default tier: the layout functions on one process, the all-to-all simulated by moving blocks
+between the ranks' tensors (shard / unshard round trip, padding, head blocks, GQA replication,
+refusals). Slow tier: real gloo launches, pp=1 x sp=2 (2 processes) and pp=2 x sp=2 (4 processes),
+each rank comparing many plans with the single-process HF model (``_dist_ulysses.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import torch
+
+from concertina_hf.runtime.ulysses import (
+    check_heads, heads_to_tokens_recv, heads_to_tokens_send, local_shard, shard_length, tokens_to_heads_recv,
+    tokens_to_heads_send,
+)
+
+
+def _simulated_all_to_all(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What ``all_to_all_single`` gives each rank: block ``r`` of rank ``j``'s input is block ``j``
+    of rank ``r``'s output."""
+    sp = len(inputs)
+    return [torch.stack([inputs[j][r] for j in range(sp)]) for r in range(sp)]
+
+
+@pytest.mark.parametrize("num_tokens,sp", [(8, 2), (7, 2), (29, 4), (3, 4), (1, 2)])
+def test_shard_layout_round_trip(num_tokens, sp):
+    heads, dim = 2 * sp, 3
+    full = torch.randn(1, heads, num_tokens, dim)  # [1, H, T, D]: what one process would have
+    t = shard_length(num_tokens, sp)
+    assert t * sp >= num_tokens > (t - 1) * sp
+    # token shards: contiguous, padded with the pad value on the last ranks
+    ids = torch.arange(num_tokens)
+    shards = [local_shard(ids, sp, r, pad_value=-1) for r in range(sp)]
+    assert all(s.shape == (t,) for s in shards)
+    cat = torch.cat(shards)
+    assert torch.equal(cat[:num_tokens], ids) and bool((cat[num_tokens:] == -1).all())
+    # each rank's local tokens of all heads ...
+    local = [local_shard(full[0].transpose(0, 1), sp, r).transpose(0, 1)[None] for r in range(sp)]  # [1, H, t, D]
+    # ... become all tokens of its H/sp heads
+    gathered = [heads_to_tokens_recv(y) for y in _simulated_all_to_all([heads_to_tokens_send(x, sp) for x in local])]
+    for r, g in enumerate(gathered):
+        assert g.shape == (1, heads // sp, t * sp, dim)
+        block = full[:, r * heads // sp:(r + 1) * heads // sp]
+        assert torch.equal(g[:, :, :num_tokens], block)
+        assert bool((g[:, :, num_tokens:] == 0).all())  # padding
+    # and back: the attention output layout [1, T_pad, H/sp, D] -> local tokens of all heads [1, t, H, D]
+    outs = [g.transpose(1, 2) for g in gathered]
+    back = [tokens_to_heads_recv(y) for y in _simulated_all_to_all([tokens_to_heads_send(o, sp) for o in outs])]
+    for r, b in enumerate(back):
+        assert torch.equal(b, local[r].transpose(1, 2))
+
+
+def test_kv_heads_split_replicated_or_refused():
+    assert check_heads(8, 8, 4) == 1
+    assert check_heads(8, 4, 2) == 1
+    assert check_heads(8, 2, 4) == 2  # fewer K/V heads than sp: replicated
+    assert check_heads(8, 1, 8) == 8
+    with pytest.raises(ValueError, match="num_attention_heads=6"):
+        check_heads(6, 6, 4)
+    with pytest.raises(ValueError, match="num_key_value_heads=3"):
+        check_heads(12, 3, 2)  # neither divides the other
+    # replication puts on rank r the K/V head its query heads use
+    heads, kv, sp = 8, 2, 4
+    rep = check_heads(heads, kv, sp)
+    kv_ids = torch.arange(kv).repeat_interleave(rep)  # the head index after replication, per slot
+    for r in range(sp):
+        q_heads = range(r * heads // sp, (r + 1) * heads // sp)
+        assert {h // (heads // kv) for h in q_heads} == {int(kv_ids[r])}
+
+
+def test_parallel_sizes_with_sequence_parallelism():
+    from concertina_hf.args import resolve_parallel_sizes
+
+    assert resolve_parallel_sizes(8, 2, None, 2) == (2, 2)
+    assert resolve_parallel_sizes(4, None, None, 2) == (2, 1)
+    assert resolve_parallel_sizes(8, None, 1, 4) == (2, 1)
+    with pytest.raises(ValueError, match="concertina_sequence_parallel_size=3"):
+        resolve_parallel_sizes(8, None, None, 3)
+    with pytest.raises(ValueError, match="concertina_sequence_parallel_size=2"):
+        resolve_parallel_sizes(8, 2, 1, 2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp,sp", [(1, 2), (2, 2)])
+def test_ulysses_matches_hf(pp, sp, tmp_path, monkeypatch):
+    import torch.multiprocessing as mp
+
+    import _dist_ulysses
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    world = pp * sp
+    mp.spawn(_dist_ulysses.worker, args=(world, _free_port(), str(tmp_path), pp, sp), nprocs=world, join=True)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    for r in reports:
+        print(f"rank {r['rank']}: {len(r['cases'])} cases")
+    failures = [f for r in reports for f in r["failures"]]
+    assert failures == []
+    models = 3 + (pp > 1)
+    assert all(len(r["cases"]) == models * 5 for r in reports)
