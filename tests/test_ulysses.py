@@ -9,6 +9,7 @@ each rank comparing many plans with the single-process HF model (``_dist_ulysses
 from __future__ import annotations
 
 import json
+import os
 import socket
 
 import pytest
@@ -109,3 +110,38 @@ def test_ulysses_matches_hf(pp, sp, tmp_path, monkeypatch):
     assert failures == []
     models = 3 + (pp > 1)
     assert all(len(r["cases"]) == models * 5 for r in reports)
+
+
+@pytest.mark.slow
+def test_trainer_pp2_sp2_matches_trainer(tmp_path):
+    """ConcertinaTrainer on 4 processes (pp=2 x sp=2) equals Trainer on one process after 3 steps:
+    logged losses 1e-5, gradient norms 1e-4, every parameter of the saved model 1e-4 (relative),
+    evaluation loss 1e-5."""
+    import subprocess
+    import sys
+
+    from _ulysses_trainer import STEPS
+    from test_trainer_pipeline import _load, _reference, _worst_rel
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled",
+               TOKENIZERS_PARALLELISM="false")
+    env.pop("ACCELERATE_USE_CPU", None)
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ulysses_trainer.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), worker, str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, f"workers failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    ranks = [json.loads((tmp_path / f"info-rank{r}.json").read_text()) for r in range(4)]
+    # dp x pp x sp, sp innermost: (rank, replica, stage, sp rank)
+    assert [r["topology"] for r in ranks] == [[0, 0, 0, 0], [1, 0, 0, 1], [2, 0, 1, 0], [3, 0, 1, 1]]
+    assert ranks[0]["stage_params"] == ranks[1]["stage_params"] != ranks[2]["stage_params"]
+    assert all(r["losses"] == ranks[0]["losses"] and r["grad_norms"] == ranks[0]["grad_norms"] for r in ranks)
+    assert all(n > 0 for n in ranks[0]["split_chunks"]), ranks[0]["split_chunks"]
+    ref_info, ref_state = _reference("llama", tmp_path / "ref", max_steps=STEPS)
+    info = ranks[0]
+    assert len(info["losses"]) == len(ref_info["losses"]) == STEPS
+    assert max(abs(a - b) for a, b in zip(info["losses"], ref_info["losses"])) < 1e-5
+    assert max(abs(a - b) / b for a, b in zip(info["grad_norms"], ref_info["grad_norms"])) < 1e-4
+    assert abs(info["eval_loss"] - ref_info["eval_loss"]) < 1e-5
+    worst, name = _worst_rel(ref_state, _load(tmp_path / "final"))
+    assert worst < 1e-4, (name, worst)

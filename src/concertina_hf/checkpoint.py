@@ -273,7 +273,7 @@ class StageCheckpointer:
         self._staging, self._hashing = None, {}
         self.topology.barrier()  # every rank's files are complete
         # each stage of replica 0 hashed its own optimizer shard: pipeline rank 0 of replica 0 gets them
-        hashed = self.topology.gather_in_pipeline(mine if self.topology.replica == 0 else {})
+        hashed = self.topology.gather_in_pipeline(mine if self.topology.writes_stage else {})
         if self.topology.rank == 0:
             known = {name: digest for part in hashed for name, digest in part.items()}
             write_manifest(staging, global_step=global_step, digests=known, layout={
@@ -351,14 +351,14 @@ class StageCheckpointer:
         not the base model."""
         peft_model = getattr(self.pipeline, "peft_model", None)
         if peft_model is not None:
-            if self.topology.replica == 0:
+            if self.topology.writes_stage:
                 logger.info(f"Saving the PEFT adapter (all {self.topology.pipeline_size} stages) to {output_dir}")
                 save_adapter(peft_model, output_dir, gather=self.topology.gather_in_pipeline, is_main=is_main)
             if not is_main:
                 return
         else:
             state_dict = None
-            if self.topology.replica == 0:
+            if self.topology.writes_stage:
                 state_dict = self.pipeline.full_state_dict(self.topology.pp_group)
             if not is_main:
                 return
@@ -460,7 +460,7 @@ class StageCheckpointer:
     def save_optimizer(self, output_dir: str, optimizer: Any, scheduler: Any, is_main: bool) -> None:
         """Each stage of replica 0 writes its optimizer shard; the main process the scheduler."""
         os.makedirs(output_dir, exist_ok=True)
-        if self.topology.replica == 0:
+        if self.topology.writes_stage:
             torch.save(optimizer.state_dict(), self._optimizer_path(output_dir))
             self._hash_in_background(output_dir, [os.path.basename(self._optimizer_path(output_dir))])
         if is_main:

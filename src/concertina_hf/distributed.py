@@ -146,8 +146,15 @@ class Topology:
 
     @property
     def is_planner(self) -> bool:
-        """Pipeline rank 0 of each replica plans its replica's steps and gathers statistics."""
-        return self.stage == 0
+        """Pipeline rank 0 of each replica (its sequence-parallel rank 0) plans its replica's
+        steps and gathers statistics."""
+        return self.stage == 0 and self.sp_rank == 0
+
+    @property
+    def writes_stage(self) -> bool:
+        """This rank writes its stage's files (weights gathered, optimizer shard): replica 0,
+        sequence-parallel rank 0 (the other ranks of the stage hold the same state)."""
+        return self.replica == 0 and self.sp_rank == 0
 
     @property
     def comm_device(self) -> torch.device:
@@ -178,7 +185,15 @@ class Topology:
 
     # ------------------------------------------------------------------ objects in the pipeline
     def broadcast_in_pipeline(self, obj: Any, src_stage: int = 0) -> Any:
-        """``obj`` of pipeline stage ``src_stage`` on every rank of the pipeline."""
+        """``obj`` of pipeline stage ``src_stage`` on every rank of the pipeline; with sequence
+        parallelism that stage's ``sp`` rank 0's, on every rank of the replica (first over the
+        stage's ``sp`` group, then over each ``pp`` group)."""
+        if self.sequence_parallel_size > 1 and self.stage == src_stage:
+            box = [obj]
+            with self._waiting(f"an object from sequence-parallel rank 0 of stage {src_stage} "
+                               f"(rank {self.sp_ranks[0]})"):
+                dist.broadcast_object_list(box, src=self.sp_ranks[0], group=self.sp_group)
+            obj = box[0]
         if self.pipeline_size == 1:
             return obj
         box = [obj]
@@ -191,7 +206,7 @@ class Topology:
         """Every stage's ``obj`` in stage order on pipeline rank 0; ``None`` elsewhere."""
         if self.pipeline_size == 1:
             return [obj]
-        out = [None] * self.pipeline_size if self.is_planner else None
+        out = [None] * self.pipeline_size if self.stage == 0 else None
         with self._waiting(f"a gather of every stage's object (pipeline ranks {list(self.pp_ranks)})"):
             dist.gather_object(obj, out, dst=self.pp_ranks[0], group=self.pp_group)
         return out

@@ -25,6 +25,7 @@ from .args import ConcertinaTrainingArguments
 from .checkpoint import layout_cost_model
 from .distributed import Topology
 from .planning import CostModel, DeviceSpec, StageLayout, partition_layers, stage_budgets
+from .runtime.ulysses import check_heads
 
 __all__ = ["RunSetup", "budget_source", "check_static_memory", "check_trainer_arguments", "count_frozen_parameters",
            "resolve_run"]
@@ -62,6 +63,11 @@ def resolve_run(args: ConcertinaTrainingArguments, model: nn.Module, topology: T
         cost = count_frozen_parameters(cost, model)
     if topology.pipeline_size > 1 and ties_embeddings(model):
         cost = count_head_copy(cost)
+    sp = topology.sequence_parallel_size
+    if sp > 1:  # per GPU: compute and activations over sp; the state stays whole on every sp rank
+        heads = int(model.config.num_attention_heads)
+        check_heads(heads, int(getattr(model.config, "num_key_value_heads", None) or heads), sp)
+        cost = cost.with_parallel(sp=sp, state_shards=1)
     layout = partition_layers(cost, topology.pipeline_size)
     budgets = memory_budgets(args, device_memory, layout.num_stages)
     check_static_memory(cost, layout, budgets)
@@ -94,11 +100,6 @@ def check_trainer_arguments(model: nn.Module | None, args, optimizers: tuple, **
         )
     if model is None:
         raise ValueError("ConcertinaTrainer needs a model (an HF causal LM)")
-    if args.concertina_sequence_parallel_size > 1:
-        raise NotImplementedError(
-            f"concertina_sequence_parallel_size={args.concertina_sequence_parallel_size}: ConcertinaTrainer does not "
-            "run sequence parallelism yet (the runtime does: PipelineExecutor(sp_group=...)); set it to 1"
-        )
     if args.train_sampling_strategy == "batch_rebalance":
         raise ValueError(
             "train_sampling_strategy='batch_rebalance' balances tokens across all processes, but pipeline ranks "

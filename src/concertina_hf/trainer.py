@@ -126,7 +126,8 @@ class ConcertinaTrainer(Trainer):
         )
         # each process draws its stage's dropout from its own stream (every rank is seeded alike)
         self.executor = PipelineExecutor(self.pipeline, pp_group=self.topology.pp_group, device=args.device,
-                                         rng=StageRNG(args.seed, self.topology.rank, args.device))
+                                         rng=StageRNG(args.seed, self.topology.rank, args.device),
+                                         sp_group=self.topology.sp_group)
         self.guard = StepGuard(args.concertina_nonfinite, self.topology)
         self.predictor = PipelinePredictor(self.executor, self.planner, self.steps, self.topology)
         self.replan.bind(self)

@@ -1,0 +1,42 @@
+"""Worker of ``test_ulysses.py::test_trainer_pp2_sp2_matches_trainer``, run by torchrun on 4 CPU
+processes: ``ConcertinaTrainer`` at pp=2 x sp=2 (Ulysses inside each stage) for 3 steps with
+sequences split into 16-token chunks, then evaluation and ``save_model``; each rank writes what
+it saw to ``<out>/info-rank<r>.json``. The models, data and Trainer settings are
+``test_trainer_pipeline``'s, so its ``_reference`` (``Trainer`` on one process) is the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+STEPS = 3
+
+
+def main(out: str) -> None:
+    from test_trainer_pipeline import COMMON, _dataset, _model, _summary
+
+    from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
+
+    args = ConcertinaTrainingArguments(output_dir=out, save_strategy="no", concertina_pipeline_size=2,
+                                       concertina_sequence_parallel_size=2, concertina_max_tokens_per_chunk=16,
+                                       **dict(COMMON, max_steps=STEPS))
+    trainer = ConcertinaTrainer(model=_model("llama"), args=args, train_dataset=_dataset(),
+                                eval_dataset=_dataset(8, seed=1))
+    t = trainer.topology
+    trainer.train()
+    info = _summary(trainer)
+    info["eval_loss"] = trainer.evaluate()["eval_loss"]
+    info["topology"] = [t.rank, t.replica, t.stage, t.sp_rank]
+    info["stage_params"] = sorted(n for n, _ in trainer.model.named_parameters())
+    trainer.save_model(os.path.join(out, "final"))
+    with open(os.path.join(out, f"info-rank{t.rank}.json"), "w") as fh:
+        json.dump(info, fh)
+    trainer.end()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
