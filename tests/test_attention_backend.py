@@ -202,7 +202,9 @@ def test_dropout_path_runs():
 
 
 def test_no_mask_bigger_than_a_segment(monkeypatch):
-    """CPU: masks are built per segment (queries x their own keys), never T x S."""
+    """CPU: no mask without a window (whole sequences: is_causal; slices with context: two calls
+    merged by logsumexp); under a window, masks per segment (queries x keys within the window),
+    never T x S."""
     shapes = []
     real = A._segment_mask
 
@@ -215,8 +217,12 @@ def test_no_mask_bigger_than_a_segment(monkeypatch):
     module = _module(4, 2)
     data = _tensors(4, 2, 8, 8)
     _run_backend(module, data, CHUNKS["hybrid"], scaling=0.35)
-    # packed whole sequences need no mask; (0, 10, 13) -> 13 x 23; (3, 5, 4) -> 4 x 9; (3, 9, 5) -> 5 x 14
-    assert {s for s in shapes if s is not None} == {(13, 23), (4, 9), (5, 14)}
+    assert shapes and all(s is None for s in shapes)
+    shapes.clear()
+    _run_backend(module, data, CHUNKS["hybrid"], scaling=0.35, sliding_window=6)
+    # (0, 10, 13) -> 13 x (5 + 13); (3, 5, 4) -> 4 x (5 + 4); (3, 9, 5) -> 5 x (5 + 5); whole
+    # sequences of 9 and 10 tokens -> 9 x 9, 10 x 10 (band); those of 5 and 6 tokens: is_causal
+    assert {s for s in shapes if s is not None} == {(13, 18), (4, 9), (5, 10), (9, 9), (10, 10)}
 
 
 # ---------------------------------------------------------------------------- context delivery

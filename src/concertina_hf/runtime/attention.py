@@ -30,10 +30,12 @@ for each layer:
 3. the kernel (:func:`attention_kernel` names the one a device takes; each is logged once when it
    first runs and :func:`kernels_used` lists those that ran):
 
-   - CPU: one SDPA flash-kernel call per segment (:class:`_SegmentsCPU`): a segment with no context
-     runs ``is_causal``; one with context (or a binding window) gets an explicit ``s_i x (C_i + s_i)``
-     mask, built in forward and again in backward and never kept. No ``T x S`` mask exists: cost
-     and memory follow ``sum(s_i * (C_i + s_i))``, not ``T * S``;
+   - CPU: SDPA's flash kernel per segment (:class:`_SegmentsCPU`): a segment with no context runs
+     ``is_causal``; one with context runs twice, its queries against the earlier slices' keys
+     (no mask) and against its own (``is_causal``), merged by logsumexp; only a binding sliding
+     window gets an explicit mask (``s_i x`` the keys within the window), built in forward and
+     again in backward and never kept. No ``T x S`` mask exists and no masked pair beyond a
+     window is computed: cost follows the attended pairs ``sum(s_i * C_i + s_i^2 / 2)``;
    - CUDA, half precision: ``flash_attn_varlen_func`` when flash-attn is installed, else torch's
      ``torch.nn.attention.varlen.varlen_attn`` when present (its keywords checked by signature:
      ``window_size``, ``enable_gqa``, ``scale``, ``is_causal`` differ across torch releases), one
@@ -453,10 +455,21 @@ def _cpu_segments(ctx: ChunkAttentionContext, layer: int, window: int | None, dt
     return tuple(segs), pk, pv
 
 
-def _cpu_seg_inputs(query, key, value, pk, pv, seg, window):
+def _cpu_seg_parts(query, key, value, pk, pv, seg, window):
+    """The kernel calls of one segment: ``[(q, k, v, mask, causal)]``.
+
+    A slice with context and no binding window: two calls, queries against the earlier slices'
+    keys (no mask: all visible) and against their own keys (``is_causal``: square), merged by
+    their logsumexp; no mask at all, no masked pair computed. Otherwise one call against
+    ``[prefix, own]`` keys, ``is_causal`` (a whole sequence) or with an ``s x kc`` additive mask
+    (a binding window)."""
     off, n, start, lo, idx, cut = seg
     q = query[:, :, off:off + n]
     k, v = key[:, :, off:off + n], value[:, :, off:off + n]
+    if idx and (window is None or window >= start + n):
+        kp = pk[idx[0]] if len(idx) == 1 else torch.cat([pk[i] for i in idx], dim=2)
+        vp = pv[idx[0]] if len(idx) == 1 else torch.cat([pv[i] for i in idx], dim=2)
+        return [(q, kp, vp, None, False), (q, k, v, None, True)]
     if idx:
         k = torch.cat([pk[i] for i in idx] + [k], dim=2)[:, :, cut:]
         v = torch.cat([pv[i] for i in idx] + [v], dim=2)[:, :, cut:]
@@ -464,15 +477,17 @@ def _cpu_seg_inputs(query, key, value, pk, pv, seg, window):
     mask = None
     if m is not None:
         mask = torch.zeros(m.shape, dtype=query.dtype, device=query.device).masked_fill_(~m, float("-inf"))
-    return q, k, v, mask
+    return [(q, k, v, mask, mask is None)]
 
 
 class _SegmentsCPU(torch.autograd.Function):
-    """SDPA's CPU flash kernel once per segment (a slice's queries against ``[prefix, own]``
-    keys), saving the pieces (queries, own keys, earlier slices' leaves, output, logsumexp) rather
-    than any concatenated copy; masks and concatenations are rebuilt in backward, one segment at
-    a time. The key gradient is split back into the pieces (the leaves' share accumulates in
-    their ``.grad``, which the runtime hands to the earlier slices' backward)."""
+    """SDPA's CPU flash kernel per segment (a slice's queries against ``[prefix, own]`` keys,
+    :func:`_cpu_seg_parts`), saving the pieces (queries, own keys, earlier slices' leaves, output,
+    logsumexp) rather than any concatenated copy; masks and concatenations are rebuilt in
+    backward, one segment at a time. Two calls of one segment are merged by their logsumexp, and
+    each call's backward with the merged output and logsumexp gives that call's exact share of
+    the gradients. The key gradient is split back into the pieces (the leaves' share accumulates
+    in their ``.grad``, which the runtime hands to the earlier slices' backward)."""
 
     @staticmethod
     def forward(fctx, query, key, value, scale, window, segs, n_prefix, *prefix):
@@ -485,10 +500,17 @@ class _SegmentsCPU(torch.autograd.Function):
         lses = []
         for seg in segs:
             off, n = seg[0], seg[1]
-            q, k, v, mask = _cpu_seg_inputs(query, key, value, pk, pv, seg, window)
-            q, k, v = _pad_head_dims(q, k, v)
-            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, 0.0, mask is None, attn_mask=mask, scale=scale)
+            res = []
+            for q, k, v, mask, causal in _cpu_seg_parts(query, key, value, pk, pv, seg, window):
+                q, k, v = _pad_head_dims(q, k, v)
+                res.append(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    q, k, v, 0.0, causal, attn_mask=mask, scale=scale))
+            if len(res) == 1:
+                o, lse = res[0]
+            else:
+                (o1, l1), (o2, l2) = res
+                lse = torch.logaddexp(l1, l2)
+                o = o1.float() * torch.exp(l1 - lse)[..., None] + o2.float() * torch.exp(l2 - lse)[..., None]
             out[:, :, off:off + n] = o[..., :dv]
             lses.append(lse)
         lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=2)
@@ -507,14 +529,20 @@ class _SegmentsCPU(torch.autograd.Function):
         dpv: list = [None] * n_prefix
         for seg in fctx.segs:
             off, n, start, lo, idx, cut = seg
-            q, k, v, mask = _cpu_seg_inputs(query, key, value, pk, pv, seg, window)
-            q, k, v = _pad_head_dims(q, k, v)
             o, go = out[:, :, off:off + n], grad_out[:, :, off:off + n]
             if dv < d:
                 o, go = F.pad(o, (0, d - dv)), F.pad(go, (0, d - dv))
-            dq, dk, dvv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                go.contiguous(), q, k, v, o.contiguous(), lse[:, :, off:off + n].contiguous(), 0.0, mask is None,
-                attn_mask=mask, scale=fctx.scale)
+            o, go, l = o.contiguous(), go.contiguous(), lse[:, :, off:off + n].contiguous()
+            dq, dks, dvs = 0, [], []
+            for q, k, v, mask, causal in _cpu_seg_parts(query, key, value, pk, pv, seg, window):
+                q, k, v = _pad_head_dims(q, k, v)
+                dq_i, dk_i, dv_i = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    go, q, k, v, o, l, 0.0, causal, attn_mask=mask, scale=fctx.scale)
+                dq = dq + dq_i
+                dks.append(dk_i)
+                dvs.append(dv_i)
+            dk = dks[0] if len(dks) == 1 else torch.cat(dks, dim=2)  # keys [prefix, own] from lo
+            dvv = dvs[0] if len(dvs) == 1 else torch.cat(dvs, dim=2)
             dq, dk, dvv = dq[..., :d], dk[..., :d], dvv[..., :dv]
             dquery[:, :, off:off + n] = dq
             dkey[:, :, off:off + n] = dk[:, :, -n:]
