@@ -47,7 +47,7 @@ def worker(rank: int, world: int, port: int, outdir: str, pp: int, sp: int) -> N
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                            timeout=timedelta(seconds=300))
-    report: dict = {"rank": rank, "failures": [], "cases": []}
+    report: dict = {"rank": rank, "failures": [], "cases": [], "memory": []}
     try:
         _run(rank, world, pp, sp, report)
     except Exception:
@@ -119,6 +119,19 @@ def _run(rank: int, world: int, pp: int, sp: int, report: dict) -> None:
             if not _rel(res.loss, ref_loss) < LOSS_TOL:
                 fail.append(f"{kind} {name}: loss {res.loss} vs {ref_loss}")
             fail.extend(f"{kind} {name} rank {rank}: {b}" for b in compare_grads(w, ref_grads, GRAD_TOL))
+        if pp == 1 and kind.startswith("llama"):  # the same plans on this rank alone: activation peaks
+            from concertina_hf.planning import CostModel
+            from concertina_hf.planning.simulate import simulate
+
+            cost1 = CostModel.from_hf_config(model.config, dtype_bytes=4)
+            cost = cost1.with_parallel(sp=sp, state_shards=1)
+            alone = PipelineExecutor(PipelineWrapper(copy.deepcopy(model), layout, 0))
+            for name, plan in plans.items():
+                peak_sp = ex.run_step(plan, ids, labels).peak_activation_bytes
+                predicted = simulate(plan, cost).peak_memory_bytes[0] - cost.static_memory(layout, 0)
+                predicted1 = simulate(plan, cost1).peak_memory_bytes[0] - cost1.static_memory(layout, 0)
+                report["memory"].append((name, peak_sp, alone.run_step(plan, ids, labels).peak_activation_bytes,
+                                         predicted, predicted1))
         # evaluation: forward only, the whole batch's loss on every rank
         w.zero_grad(set_to_none=True)
         res = ex.run_step(plans["hybrid/full"], ids, labels, train=False)

@@ -105,9 +105,16 @@ def test_ulysses_matches_hf(pp, sp, tmp_path, monkeypatch):
     mp.spawn(_dist_ulysses.worker, args=(world, _free_port(), str(tmp_path), pp, sp), nprocs=world, join=True)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     for r in reports:
-        print(f"rank {r['rank']}: {len(r['cases'])} cases")
+        print(f"rank {r['rank']}: {len(r['cases'])} cases; activation peak at sp={sp}, at sp=1, predicted at sp={sp} "
+              "(bytes):")
+        for name, at_sp, alone, predicted, predicted1 in r["memory"]:
+            print(f"  {name:<24} {at_sp:>9} {alone:>9}  x{at_sp / alone:.2f}  {predicted:>11.0f}  "
+                  f"measured/predicted x{at_sp / predicted:.2f} (at sp=1: x{alone / predicted1:.2f})")
     failures = [f for r in reports for f in r["failures"]]
     assert failures == []
+    # each rank's activation peak: within 60% of the same plan's on one rank (tokens and heads / sp)
+    assert all(at_sp <= 0.6 * alone for r in reports for _, at_sp, alone, _, _ in r["memory"])
+    assert all(len(r["memory"]) == (4 if pp == 1 else 0) for r in reports)
     models = 3 + (pp > 1)
     assert all(len(r["cases"]) == models * 5 for r in reports)
 
