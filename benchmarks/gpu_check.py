@@ -25,7 +25,9 @@ b. **trainer**: ``ConcertinaTrainer`` at pp=1 against ``transformers.Trainer`` (
    with float32 weights and Adam), both ``bf16=True``, from the same initial weights of a ~1B
    Llama built from its config (random init, nothing downloaded) on sequences of 8K-32K tokens,
    long ones split into chunks of at most 16K tokens (K/V carried), 3 steps: the per-step losses
-   within 2e-3.
+   within 2e-3 and the gradient norms within 1e-2 relative (float32 on CPU: 1e-4 and 1e-4). At
+   random init the loss barely depends on attention, so the gradient norm carries the check of
+   the backward (the construction's self-check compares per-slice losses and gradients too).
 c. **profiler**: :func:`~concertina_hf.runtime.profiler.profile_cost_model` of that model (2 of
    its layers, bfloat16 weights) on the GPU; a decoder layer's forward+backward time against chunk
    tokens (256 to 32K, whole sequences), and the fitted cost model's time error on held-out chunk
@@ -716,7 +718,13 @@ def section_trainer(chk: Check, rec: dict) -> None:
                   bf16=not chk.cpu, use_cpu=chk.cpu)
     model = chk.build_model(torch.float32)
     initial = copy.deepcopy(model)  # the same initial weights for the second run
-    runs = {}
+    rec["results"].update(
+        sequence_lengths=list(sz.trainer_lens), max_tokens_per_chunk=sz.trainer_max_tokens_per_chunk,
+        model=sz.model_note, memory_budget=sz.trainer_memory_budget, solver=chk.solver,
+        reference="Trainer, every layer checkpointed (HF activation/gradient_checkpointing)",
+        precision="bf16=True (float32 weights, bfloat16 autocast)" if not chk.cpu else "float32")
+    runs: dict = {}
+    rec["results"]["runs"] = runs  # filled as each run ends: a failing second run keeps the first's figures
     with tempfile.TemporaryDirectory() as tmp:
         for name in ("Trainer", "ConcertinaTrainer"):
             chk.check_budget(f"the {name} run")
@@ -758,12 +766,19 @@ def section_trainer(chk: Check, rec: dict) -> None:
     if len(ref) != len(ours) or not ref:
         raise RuntimeError(f"the two runs logged {len(ref)} and {len(ours)} losses")
     diffs = [abs(a - b) for a, b in zip(ours, ref)]
-    rec["results"].update(runs=runs, loss_abs_diff=diffs, sequence_lengths=list(sz.trainer_lens),
-                          max_tokens_per_chunk=sz.trainer_max_tokens_per_chunk, model=sz.model_note,
-                          memory_budget=sz.trainer_memory_budget, reference="Trainer, every layer checkpointed (HF activation/gradient_checkpointing)",
-                          precision="bf16=True (float32 weights, bfloat16 autocast)" if not chk.cpu else "float32",
-                          solver=chk.solver)
-    add_check(rec, "max |loss - Trainer's loss| over the steps", max(diffs), "<= 2e-3", max(diffs) <= 2e-3)
+    gn_ref, gn_ours = runs["Trainer"]["grad_norms"], runs["ConcertinaTrainer"]["grad_norms"]
+    gn_diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(gn_ours, gn_ref)]
+    rec["results"].update(loss_abs_diff=diffs, grad_norm_rel_diff=gn_diffs)
+    # bf16: the issue's 2e-3 on the loss; 1e-2 on the gradient norm (bf16 keeps 8 bits, 3.9e-3 per
+    # element; a norm over 1e9 of them moves far less unless a gradient is wrong). float32 (the CPU
+    # run): test_trainer's bounds. At random init the loss hardly depends on attention (a split
+    # slice that ignored its earlier slices moved the tiny model's loss by 1.6e-3); the gradient
+    # norm sees what the forward does not (K/V gradients never handed back: 3.5%).
+    loss_tol, gn_tol = (1e-4, 1e-4) if chk.cpu else (2e-3, 1e-2)
+    add_check(rec, "max |loss - Trainer's loss| over the steps", max(diffs), f"<= {loss_tol:g}", max(diffs) <= loss_tol)
+    worst_gn = max(gn_diffs)
+    add_check(rec, "max |grad norm / Trainer's - 1| over the steps", worst_gn, f"<= {gn_tol:g}",
+              worst_gn <= gn_tol)
     split = sum((p.get("chunks_split") or 0) + (p.get("chunks_hybrid") or 0) for p in runs["ConcertinaTrainer"]["plans"])
     add_check(rec, "split and hybrid chunks run (K/V carried across chunks)", split, ">= 1", split >= 1)
 
@@ -1099,15 +1114,17 @@ def render(report: dict) -> str:
                              f"{_fmt(e['ours_vs_hf'])} | {_fmt(e['limit'])} | {c['kernel']} |")
         lines += ["", "Ops seen per case: " + "; ".join(f"{c['name']}: {', '.join(c['ops'][:6])}" for c in a["cases"])]
     b = secs.get("b", {}).get("results", {})
-    if b.get("runs"):
+    if "Trainer" in b.get("runs", {}) and "ConcertinaTrainer" in b.get("runs", {}):
         lines += ["", "## (b) ConcertinaTrainer vs Trainer", "",
                   f"{b['model']}; {b['precision']}; sequences {b['sequence_lengths']}, chunks of at most "
                   f"{b['max_tokens_per_chunk']} tokens.", "",
-                  "| step | Trainer loss | ConcertinaTrainer loss | abs diff | chunks (split/hybrid) |", "|---|---|---|---|---|"]
+                  "| step | Trainer loss | ConcertinaTrainer loss | abs diff | grad norm (Trainer / ours) | "
+                  "chunks (split/hybrid) |", "|---|---|---|---|---|---|"]
         ref, ours = b["runs"]["Trainer"], b["runs"]["ConcertinaTrainer"]
         for i, (x, y) in enumerate(zip(ref["losses"], ours["losses"])):
             p = ours["plans"][i] if i < len(ours["plans"]) else {}
-            lines.append(f"| {i + 1} | {x:.5f} | {y:.5f} | {abs(x - y):.2e} | {_fmt(p.get('chunks'))} "
+            lines.append(f"| {i + 1} | {x:.5f} | {y:.5f} | {abs(x - y):.2e} | {ref['grad_norms'][i]:.5g} / "
+                         f"{ours['grad_norms'][i]:.5g} | {_fmt(p.get('chunks'))} "
                          f"({_fmt(p.get('chunks_split'))}/{_fmt(p.get('chunks_hybrid'))}) |")
         lines.append(f"\nWall time: Trainer {ref['wall_s']:.1f} s, ConcertinaTrainer {ours['wall_s']:.1f} s.")
     c = secs.get("c", {}).get("results", {})
