@@ -53,6 +53,7 @@ class RunSetup:
 
 def resolve_run(args: ConcertinaTrainingArguments, model: nn.Module, topology: Topology) -> RunSetup:
     """The run's :class:`RunSetup` (collective when rank 0 profiles: call it on every rank)."""
+    check_model_family(model)  # before the cost model reads a config it may not understand
     device_memory = device_memory_bytes(args.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     cost = layout_cost_model(args.resume_from_checkpoint)
     if cost is None:  # not resuming: a resumed run keeps its checkpoint's stage layout
@@ -100,11 +101,22 @@ def check_trainer_arguments(model: nn.Module | None, args, optimizers: tuple, **
         )
     if model is None:
         raise ValueError("ConcertinaTrainer needs a model (an HF causal LM)")
+    check_model_family(model)
     if args.train_sampling_strategy == "batch_rebalance":
         raise ValueError(
             "train_sampling_strategy='batch_rebalance' balances tokens across all processes, but pipeline ranks "
             "must read the same batches; use 'random' (the planner balances the pipeline's chunks)"
         )
+
+
+def check_model_family(model: nn.Module) -> None:
+    """Refuse a model the runtime cannot train as HF does (an other layout, mixers that are not
+    attention, the router auxiliary loss, ...), naming its model type and the feature:
+    :func:`~concertina_hf.runtime.families.inspect_model`, on the HF model inside a ``PeftModel``."""
+    from .integrations.peft import base_model_of
+    from .runtime.families import inspect_model
+
+    inspect_model(base_model_of(model))
 
 
 def memory_budgets(args: ConcertinaTrainingArguments, device_memory: int, num_stages: int) -> tuple[int, ...]:

@@ -90,6 +90,9 @@ from .types import Chunk, ChunkKind, Slice, StageLayout
 
 __all__ = ["ChunkShape", "CostModel", "DeviceSpec", "ProfileSample", "attn_pairs", "needs_mask"]
 
+#: what :meth:`CostModel.from_hf_config` reads (GPT-2 / T5-style configs name them otherwise)
+_REQUIRED_CONFIG_KEYS = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size", "num_hidden_layers")
+
 ChunkShape = tuple[tuple[int, int], ...]
 """A chunk as measured by the profiler: its slices as ``(context, length)`` pairs."""
 
@@ -237,6 +240,13 @@ class CostModel:
         grads and two moments).
         """
         c = config if isinstance(config, Mapping) else config.to_dict()
+        missing = [k for k in _REQUIRED_CONFIG_KEYS if c.get(k) is None]
+        if missing:
+            raise ValueError(
+                f"the config of model type {c.get('model_type', '?')!r} has no {', '.join(missing)}: the cost model "
+                "(and ConcertinaTrainer) needs a decoder-only causal LM laid out like Llama (model.model.embed_tokens "
+                "/ .layers / .norm and lm_head; see docs/supported_models.md)"
+            )
         dev = device or DeviceSpec()
         h = int(c["hidden_size"])
         n_heads = int(c["num_attention_heads"])

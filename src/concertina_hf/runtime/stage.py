@@ -46,6 +46,7 @@ from torch.utils.checkpoint import checkpoint
 from ..integrations.peft import base_model_of, check_peft_model, is_peft_model
 from ..planning.types import StageLayout
 from .attention import ChunkAttentionContext, chunk_context, register_attention, step_active
+from .families import inspect_model
 
 __all__ = ["EMBED_WEIGHT", "HEAD_WEIGHT", "PipelineWrapper"]
 
@@ -66,18 +67,6 @@ class _Placeholder(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self._name} on {self._owner}"
-
-
-def _require(obj: Any, path: str) -> Any:
-    cur = obj
-    for part in path.split("."):
-        if not hasattr(cur, part):
-            raise ValueError(
-                f"{type(obj).__name__} has no `{path}`: PipelineWrapper supports HF causal LMs with "
-                "model.model.embed_tokens / .layers / .norm / .rotary_emb and model.lm_head"
-            )
-        cur = getattr(cur, part)
-    return cur
 
 
 def _layer_call(layer: nn.Module, ctx: ChunkAttentionContext, hidden: torch.Tensor, **kwargs: Any) -> Any:
@@ -109,8 +98,8 @@ class PipelineWrapper(nn.Module):
             peft_model, model = model, base_model_of(model)
         # not a registered child: its parameters are the HF model's, reached through self.model
         object.__setattr__(self, "peft_model", peft_model)
-        for path in ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head"):
-            _require(model, path)
+        #: what the HF model's forward does around its modules (refuses what cannot be reproduced)
+        self.family = inspect_model(model)
         layers = model.model.layers
         if layout.num_layers != len(layers):
             raise ValueError(
@@ -130,6 +119,9 @@ class PipelineWrapper(nn.Module):
         #: the input and output embeddings are one tensor (one parameter with one stage; a copy on
         #: the first and on the last stage with several, kept equal by sync_tied_gradients)
         self.tied_embeddings = bool(tied)
+        # the final norm, for a model whose forward also applies it to the embeddings (parameter-free:
+        # kept as a plain attribute, so stage 0 registers nothing more)
+        object.__setattr__(self, "_embedding_norm", model.model.norm if self.family.norm_before_layers else None)
         self.layout = layout
         self.stage = stage
         self.is_first = layout.has_embedding(stage)
@@ -221,7 +213,8 @@ class PipelineWrapper(nn.Module):
     # ------------------------------------------------------------------ computations
     def embed(self, input_ids_T: torch.Tensor) -> torch.Tensor:
         """Stage 0: token ids [T] -> hidden states [1, T, hidden]."""
-        return self.model.model.embed_tokens(input_ids_T.unsqueeze(0))
+        hidden = self.family.scale_embeddings(self.model.model.embed_tokens(input_ids_T.unsqueeze(0)))
+        return hidden if self._embedding_norm is None else self._embedding_norm(hidden)
 
     def run_layers(self, hidden: torch.Tensor, ctx: ChunkAttentionContext, num_recompute: int = 0) -> torch.Tensor:
         """This stage's decoder layers on a chunk; the first ``num_recompute`` run under
@@ -232,11 +225,12 @@ class PipelineWrapper(nn.Module):
         drop ``**kwargs``, through :func:`~.attention.chunk_context`, set inside the function
         that checkpointing wraps so that its replay in backward sees it too."""
         pos = ctx.position_ids
-        cos_sin = self.model.model.rotary_emb(hidden, pos)
+        rotary = self.family.position_embeddings(self.model.model.rotary_emb, hidden, pos,
+                                                 range(self.layer_start, self.layer_end))
         with step_active():
             for i, layer in enumerate(self.decoder_layers):
                 call = functools.partial(_layer_call, layer, ctx, attention_mask=None, position_ids=pos,
-                                         position_embeddings=cos_sin, use_cache=False, concertina_ctx=ctx)
+                                         position_embeddings=rotary[i], use_cache=False, concertina_ctx=ctx)
                 if i < num_recompute and torch.is_grad_enabled():
                     out = checkpoint(call, hidden, use_reentrant=False)
                 else:
@@ -250,8 +244,9 @@ class PipelineWrapper(nn.Module):
         return self.loss_sum(self.head_logits(hidden), targets_T)
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Last stage: the logits of HF's ``forward`` (final norm, LM head) for ``hidden``."""
-        return self.model.lm_head(self.model.model.norm(hidden))
+        """Last stage: the logits of HF's ``forward`` for ``hidden``: final norm, LM head, and the
+        model's logit scaling and soft-capping (:class:`~.families.ModelFamily`)."""
+        return self.family.transform_logits(self.model.lm_head(self.model.model.norm(hidden)))
 
     def loss_sum(self, logits: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
         """The summed float32 token cross-entropy of ``logits`` (targets shifted; -100 ignored),

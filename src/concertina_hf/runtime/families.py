@@ -1,0 +1,256 @@
+"""Which HF causal LMs the pipeline runtime reproduces, and what each does outside its decoder layers.
+
+The runtime never calls the HF model's ``forward``: it runs the embedding, the decoder layers
+(with the chunk context) and the final norm and LM head itself
+(:class:`~concertina_hf.runtime.stage.PipelineWrapper`). :func:`inspect_model` reads, once at
+construction and before anything else runs, what the model's ``forward`` does around those
+pieces, from the model's structure and its config, and returns it as a :class:`ModelFamily`
+that the stage applies; what the runtime cannot reproduce raises :class:`UnsupportedModelError`
+naming the model type and the feature:
+
+- **layout** (GPT-2, GPT-NeoX, Falcon, Phi, Persimmon, BERT, T5/BART-style decoders, multimodal
+  wrappers): the supported layout is ``model.model.embed_tokens / .layers / .norm / .rotary_emb``
+  and ``model.lm_head``, nothing else at either level (an extra module there, such as an
+  embedding norm, per-layer inputs or shared blocks, runs in ``forward`` between the pieces);
+- **mixers that are not attention** (Mamba, linear attention, gated delta nets, short
+  convolutions: Qwen3-Next, Jamba, Falcon-H1, LFM2, ...): ``config.layer_types`` naming anything
+  but ``full_attention`` / ``sliding_attention``, a decoder layer without ``self_attn``, or a
+  token-mixing ``Conv1d`` in a layer. Their state would leak between packed sequences and be lost
+  between slices;
+- **the router auxiliary loss** (``output_router_logits=True``: Mixtral, Qwen3-MoE, ...): HF adds
+  it to the training loss over the whole batch; the pipeline's loss is the cross-entropy
+  (set ``output_router_logits=False`` to train without it, as HF then does).
+
+Reproduced outside the layers (:class:`ModelFamily`), each read from a config attribute:
+
+- ``embedding_multiplier`` (Granite): the embedding output times it (Gemma's ``sqrt(hidden)``
+  normalizer lives in its embedding module and needs nothing);
+- ``logit_scale`` (Cohere): logits times it; ``logits_scaling`` (Granite, MiniCPM3): logits
+  divided by it, except for the model types in :data:`LOGITS_SCALING_MULTIPLIES`, whose
+  ``forward`` multiplies by the attribute of the same name (the config does not say which);
+- ``final_logit_softcapping`` (Gemma2/3, nanochat): ``tanh(logits / cap) * cap``;
+- rotary embeddings per layer type (Gemma3, OLMo3: ``rotary_emb(x, position_ids, layer_type)``
+  with ``config.layer_types``): each layer gets the cos/sin of its own type.
+
+``scripts/model_support.py`` checks every causal-LM model type of the installed transformers
+against HF numerically (``docs/supported_models.md``); the trainer's self-check
+(:mod:`concertina_hf.self_check`) does it for the model at hand. Cost: a walk over the model's
+modules once; per chunk, one rotary evaluation per layer type of the stage.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+__all__ = [
+    "ATTENTION_LAYER_TYPES",
+    "FORWARD_WORK",
+    "LAYER_INPUTS",
+    "LOGITS_SCALING_MULTIPLIES",
+    "NORM_BEFORE_LAYERS",
+    "SUPPORTED_LAYOUT",
+    "ModelFamily",
+    "UnsupportedModelError",
+    "check_config",
+    "inspect_model",
+]
+
+SUPPORTED_LAYOUT = (
+    "ConcertinaTrainer supports decoder-only causal LMs laid out as model.model.embed_tokens / .layers / .norm / "
+    ".rotary_emb and model.lm_head, whose decoder layers mix tokens only through self_attn and HF's attention "
+    "interface (Llama, Mistral, Qwen2/3, Gemma, Granite, Cohere, OLMo, DeepSeek, Mixtral, ...; see "
+    "docs/supported_models.md)"
+)
+#: ``config.layer_types`` entries that are attention the runtime's backend implements
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+#: model types whose ``forward`` multiplies the logits by ``config.logits_scaling`` (Granite and
+#: MiniCPM3 divide by it): the attribute's name does not tell
+LOGITS_SCALING_MULTIPLIES = frozenset({"hyperclovax"})
+#: model types whose ``forward`` applies the final norm to the embeddings too, before the layers
+#: (no config attribute says it); the stage does the same (a norm without parameters only)
+NORM_BEFORE_LAYERS = frozenset({"nanochat"})
+#: model types whose ``forward`` or attention does what no config attribute and no module
+#: structure reveals, and the runtime does not reproduce
+FORWARD_WORK = {
+    "diffllama": "differential attention calls the attention function twice per layer with the same keys and "
+                 "two different values; the pipeline keeps one K/V per layer for later slices",
+    "doge": "its attention adds a learned dynamic mask (computed from the values) through attention_mask; the "
+            "pipeline's attention builds its own mask from the chunk",
+    "dory": "its forward runs a range of decoder layers several times (n_recurrent_loops), which one pass over "
+            "the stages does not",
+}
+#: parameters of a decoder layer's ``forward`` the stage passes or that HF fills with defaults;
+#: another one (``attention_scaling``, ``per_layer_input``, ...) is computed by the model's forward
+LAYER_INPUTS = frozenset({"hidden_states", "attention_mask", "position_ids", "position_embeddings", "cache",
+                          "past_key_values", "past_key_value", "use_cache", "cache_position", "output_attentions",
+                          "output_router_logits", "kwargs", "args"})
+_LAYOUT = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
+_INNER = frozenset({"embed_tokens", "layers", "norm", "rotary_emb"})
+_OUTER = frozenset({"model", "lm_head"})
+
+
+class UnsupportedModelError(ValueError):
+    """The runtime cannot train this model as HF does (the message names the model type and why)."""
+
+
+def _name(config: Any, model: nn.Module | None = None) -> str:
+    kind = getattr(config, "model_type", None) or "?"
+    return f"model type {kind!r}" + (f" ({type(model).__name__})" if model is not None else "")
+
+
+def _refuse(config: Any, model: nn.Module | None, what: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"{_name(config, model)}: {what}. {SUPPORTED_LAYOUT}")
+
+
+def check_config(config: Any, model: nn.Module | None = None) -> None:
+    """The refusals a config alone decides (:class:`UnsupportedModelError`); see the module docstring."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise _refuse(config, model, "encoder-decoder models are not supported")
+    subs = [k for k in ("text_config", "vision_config", "audio_config", "decoder_config") if
+            getattr(config, k, None) is not None]
+    if subs:
+        raise _refuse(config, model, f"a composite (multimodal) config with {', '.join(subs)} is not supported; "
+                                     "train its text model (e.g. AutoModelForCausalLM.from_config(config.text_config))")
+    types = getattr(config, "layer_types", None)
+    if isinstance(types, (list, tuple)):
+        other = sorted({str(t) for t in types} - ATTENTION_LAYER_TYPES)
+        if other:
+            raise _refuse(config, model, f"config.layer_types has {', '.join(repr(t) for t in other)} layers: "
+                                         "recurrent, linear-attention, convolutional or other non-standard mixers "
+                                         "(their state would leak between packed sequences and be lost between "
+                                         "slices of a split sequence) are not supported")
+    if getattr(config, "output_router_logits", False):
+        raise _refuse(config, model, "output_router_logits=True adds the router auxiliary (load-balancing) loss "
+                                     "to HF's training loss; the pipeline trains on the cross-entropy only and "
+                                     "does not compute it. Set config.output_router_logits = False (HF then "
+                                     "trains without it too)")
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """What the stage does around the HF modules (see the module docstring)."""
+
+    model_type: str
+    #: the embedding output times this (``config.embedding_multiplier``); None: nothing
+    embedding_multiplier: float | None = None
+    #: logits times this (``config.logit_scale``)
+    logit_scale: float | None = None
+    #: logits divided by this (``config.logits_scaling``); multiplied with ``logits_scaling_multiplies``
+    logits_scaling: float | None = None
+    logits_scaling_multiplies: bool = False
+    #: ``tanh(logits / cap) * cap`` (``config.final_logit_softcapping``)
+    final_logit_softcapping: float | None = None
+    #: ``config.layer_types`` when the rotary embedding takes the layer type; None: one rotary
+    rotary_layer_types: tuple[str, ...] | None = None
+    #: the final norm (without parameters) applied to the embeddings too (:data:`NORM_BEFORE_LAYERS`)
+    norm_before_layers: bool = False
+
+    def scale_embeddings(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.embedding_multiplier is not None:
+            hidden = hidden * self.embedding_multiplier
+        return hidden
+
+    def transform_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """HF's ``forward`` after the LM head, in its order."""
+        if self.logit_scale is not None:
+            logits = logits * self.logit_scale
+        if self.logits_scaling is not None:
+            logits = logits * self.logits_scaling if self.logits_scaling_multiplies else logits / self.logits_scaling
+        if self.final_logit_softcapping is not None:
+            logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
+        return logits
+
+    def position_embeddings(self, rotary: Callable, hidden: torch.Tensor, position_ids: torch.Tensor,
+                            layers: range) -> list[Any]:
+        """The ``position_embeddings`` of each of ``layers`` (indices into the model's layers)."""
+        if self.rotary_layer_types is None:
+            cos_sin = rotary(hidden, position_ids)
+            return [cos_sin] * len(layers)
+        per_type: dict[str, Any] = {}
+        out = []
+        for i in layers:
+            kind = self.rotary_layer_types[i]
+            if kind not in per_type:
+                per_type[kind] = rotary(hidden, position_ids, kind)
+            out.append(per_type[kind])
+        return out
+
+
+def _number(config: Any, name: str) -> float | None:
+    value = getattr(config, name, None)
+    return None if value is None or isinstance(value, bool) else float(value)
+
+
+def inspect_model(model: nn.Module) -> ModelFamily:
+    """The :class:`ModelFamily` of an HF causal LM, or :class:`UnsupportedModelError` (see the module
+    docstring). Reads the model only."""
+    config = getattr(model, "config", None)
+    check_config(config, model)
+    for path in _LAYOUT:
+        cur = model
+        for part in path.split("."):
+            cur = getattr(cur, part, None)
+            if cur is None:
+                top = ", ".join(n for n, _ in model.named_children())
+                raise _refuse(config, model, f"it has no `{path}` (its top-level modules: {top})")
+    inner = model.model
+    if not isinstance(inner.layers, nn.ModuleList):
+        raise _refuse(config, model, "model.model.layers is not a ModuleList of decoder layers")
+    extra = [f"model.{n} ({type(m).__name__})" for n, m in model.named_children() if n not in _OUTER]
+    extra += [f"model.model.{n} ({type(m).__name__})" for n, m in inner.named_children() if n not in _INNER]
+    if extra:
+        raise _refuse(config, model, f"{', '.join(extra)} run(s) in the model's forward outside the decoder layers, "
+                                     "which the pipeline does not reproduce")
+    for i, layer in enumerate(inner.layers):
+        if getattr(layer, "self_attn", None) is None:
+            kids = ", ".join(n for n, _ in layer.named_children())
+            raise _refuse(config, model, f"decoder layer {i} ({type(layer).__name__}) has no self_attn (its modules: "
+                                         f"{kids}): a layer whose token mixer is not attention is not supported")
+        conv = next((n for n, m in layer.named_modules() if isinstance(m, nn.Conv1d)), None)
+        if conv is not None:
+            raise _refuse(config, model, f"decoder layer {i} mixes tokens with a convolution ({conv}): its state "
+                                         "would leak between packed sequences and be lost between slices")
+        extra_inputs = sorted(set(inspect.signature(layer.forward).parameters) - LAYER_INPUTS)
+        if extra_inputs:
+            raise _refuse(config, model, f"decoder layer {i} ({type(layer).__name__}) takes "
+                                         f"{', '.join(extra_inputs)}, which the model's forward computes and the "
+                                         "pipeline does not")
+    kind = str(getattr(config, "model_type", "") or "")
+    if kind in FORWARD_WORK:
+        raise _refuse(config, model, FORWARD_WORK[kind])
+    rotary_types = None
+    params = inspect.signature(inner.rotary_emb.forward).parameters
+    if "layer_type" in params:
+        types = getattr(config, "layer_types", None)
+        if not isinstance(types, (list, tuple)) or len(types) < len(inner.layers):
+            raise _refuse(config, model, "its rotary embedding takes a layer type but config.layer_types does not "
+                                         "give one per decoder layer")
+        rotary_types = tuple(str(t) for t in types)
+        probe = torch.zeros(1, 1, 1)
+        for t in sorted(set(rotary_types)):
+            try:
+                with torch.no_grad():
+                    inner.rotary_emb(probe, torch.zeros(1, 1, dtype=torch.long), t)
+            except Exception as exc:
+                raise _refuse(config, model, f"its rotary embedding gives no position embeddings for layer type {t!r} "
+                                             f"({type(exc).__name__}: {exc}): the model's forward computes them "
+                                             "otherwise") from exc
+    norm_first = kind in NORM_BEFORE_LAYERS
+    if norm_first and any(True for _ in inner.norm.parameters()):
+        raise _refuse(config, model, "its forward applies the final norm to the embeddings too, and that norm has "
+                                     "parameters the first and the last stage would both need")
+    return ModelFamily(
+        model_type=kind,
+        embedding_multiplier=_number(config, "embedding_multiplier"),
+        logit_scale=_number(config, "logit_scale"),
+        logits_scaling=_number(config, "logits_scaling"),
+        logits_scaling_multiplies=kind in LOGITS_SCALING_MULTIPLIES,
+        final_logit_softcapping=_number(config, "final_logit_softcapping"),
+        rotary_layer_types=rotary_types,
+        norm_before_layers=norm_first,
+    )
