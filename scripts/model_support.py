@@ -3,7 +3,9 @@
 For every model type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: a tiny config (4 decoder layers,
 hidden 64, 4 heads / 2 KV heads, vocab 96, every layer type of the default config in turn,
 ``sliding_window`` 16, dropout 0, ``initializer_range`` 0.2: realistic weight scales, since with
-tiny weights soft-capping and logit scaling are nearly the identity and a wrong model passes),
+tiny weights soft-capping and logit scaling are nearly the identity and a wrong model passes;
+embedding multipliers, logit scales and final soft-capping at values far from the identity
+wherever the config has the attribute),
 then one of:
 
 - **refused**: :func:`concertina_hf.runtime.families.inspect_model` (what ``ConcertinaTrainer``
@@ -55,7 +57,7 @@ OUTSIDE = dict(embedding_multiplier=4.0, logit_scale=0.5, logits_scaling=3.0, fi
 ALWAYS = ("head_dim", "num_key_value_heads", *OUTSIDE)
 
 
-def tiny_config(model_type: str):
+def tiny_config(model_type: str, **overrides):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cfg = CONFIG_MAPPING[model_type]()
@@ -85,6 +87,8 @@ def tiny_config(model_type: str):
     if default_types:  # every layer type of the default config, in turn
         kinds = list(dict.fromkeys(default_types))
         put("layer_types", [kinds[i % len(kinds)] for i in range(cfg.num_hidden_layers)])
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
     return cfg
 
 
@@ -207,7 +211,8 @@ def compare(got_loss, ref_loss, params, ref_grads):
     return loss_diff, worst
 
 
-def check_type(model_type: str) -> dict:
+def check_type(model_type: str, **overrides) -> dict:
+    """One row of the table (see the module docstring); ``overrides``: config attributes."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -218,7 +223,7 @@ def check_type(model_type: str) -> dict:
 
     row = {"type": model_type, "class": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]}
     try:
-        cfg = tiny_config(model_type)
+        cfg = tiny_config(model_type, **overrides)
     except Exception as exc:
         return dict(row, verdict="does not build", note=f"config: {type(exc).__name__}: {exc}")
     try:
@@ -349,7 +354,8 @@ def table(rows: list[dict], command: str) -> str:
         "```",
         "",
         "A tiny config per type (4 decoder layers, hidden 64, vocab 96, every layer type of the default config in "
-        "turn, sliding window 16, dropout 0, `initializer_range` 0.2), then: **refused** (the message "
+        "turn, sliding window 16, dropout and router jitter 0, `initializer_range` 0.2; wherever the config has them: "
+        "`embedding_multiplier` 4, `logit_scale` 0.5, `logits_scaling` 3, `final_logit_softcapping` 2), then: **refused** (the message "
         "`ConcertinaTrainer` gives at construction), or **supported**: the runtime's stage functions give HF's loss "
         "and gradients (HF: eager attention, each sequence alone, `use_cache=False`, float32) on 4 sequences "
         "(30, 9, 7, 5 tokens) planned as split, hybrid and packed chunks with one layer recomputed, through "

@@ -196,12 +196,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(nproc: int, mode: str, out) -> None:
+def _launch(nproc: int, mode: str, out, script: str = __file__) -> None:
+    """``torchrun`` of ``script``'s workers (``script mode out``) on ``nproc`` CPU ranks."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled",
                TOKENIZERS_PARALLELISM="false")
     env.pop("ACCELERATE_USE_CPU", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), __file__, mode, str(out)]
+           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), script, mode, str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
     if proc.returncode != 0:
         raise AssertionError(f"{mode} workers failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")

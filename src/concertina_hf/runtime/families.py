@@ -192,12 +192,13 @@ def inspect_model(model: nn.Module) -> ModelFamily:
     config = getattr(model, "config", None)
     check_config(config, model)
     for path in _LAYOUT:
-        cur = model
+        cur, where = model, "model"
         for part in path.split("."):
-            cur = getattr(cur, part, None)
+            parent, cur = cur, getattr(cur, part, None)
             if cur is None:
-                top = ", ".join(n for n, _ in model.named_children())
-                raise _refuse(config, model, f"it has no `{path}` (its top-level modules: {top})")
+                kids = ", ".join(n for n, _ in parent.named_children()) if isinstance(parent, nn.Module) else ""
+                raise _refuse(config, model, f"it has no `{path}` ({where} has: {kids})")
+            where = f"{where}.{part}"
     inner = model.model
     if not isinstance(inner.layers, nn.ModuleList):
         raise _refuse(config, model, "model.model.layers is not a ModuleList of decoder layers")
@@ -215,7 +216,9 @@ def inspect_model(model: nn.Module) -> ModelFamily:
         if conv is not None:
             raise _refuse(config, model, f"decoder layer {i} mixes tokens with a convolution ({conv}): its state "
                                          "would leak between packed sequences and be lost between slices")
-        extra_inputs = sorted(set(inspect.signature(layer.forward).parameters) - LAYER_INPUTS)
+        extra_inputs = sorted(n for n, prm in inspect.signature(layer.forward).parameters.items()
+                              if n not in LAYER_INPUTS and not n.startswith("_")
+                              and prm.kind not in (prm.VAR_POSITIONAL, prm.VAR_KEYWORD))
         if extra_inputs:
             raise _refuse(config, model, f"decoder layer {i} ({type(layer).__name__}) takes "
                                          f"{', '.join(extra_inputs)}, which the model's forward computes and the "

@@ -20,11 +20,17 @@ norm must count it once. :meth:`PipelineWrapper.full_state_dict` writes the weig
 to it), and :meth:`PipelineWrapper.load_state_dict` takes the head's copy from that key.
 
 Supported models: decoder-only HF causal LMs laid out as ``model.model.embed_tokens``,
-``.layers``, ``.norm``, ``.rotary_emb`` and ``model.lm_head`` whose decoder layers take
-``(hidden, attention_mask=, position_ids=, position_embeddings=(cos, sin), **kwargs)`` and whose
-attention goes through HF's ``AttentionInterface`` (Llama, Qwen2, Qwen3, Mistral, ...). Models
-that scale embeddings or logits inside ``forward`` (Gemma's normalizer, logit soft-capping) are
-not reproduced.
+``.layers``, ``.norm``, ``.rotary_emb`` and ``model.lm_head``, whose decoder layers mix tokens only
+through ``self_attn`` and HF's ``AttentionInterface`` (Llama, Mistral, Qwen2/3, Gemma 1-3, Granite,
+Cohere, OLMo 1-3, DeepSeek-V3, Mixtral, StableLM, gpt-oss, ...: ``docs/supported_models.md`` lists
+every causal-LM model type of the installed transformers, checked numerically by
+``scripts/model_support.py``). :func:`~.families.inspect_model` runs first: it refuses what the
+runtime cannot reproduce (other layouts, recurrent / linear-attention / convolutional mixers, the
+router auxiliary loss, work the model's ``forward`` does between the layers) with a message naming
+the model type and the feature, and returns the :class:`~.families.ModelFamily` that
+:meth:`PipelineWrapper.embed`, :meth:`PipelineWrapper.run_layers` and
+:meth:`PipelineWrapper.head_logits` apply: the embedding multiplier, per-layer-type rotary
+embeddings, logit scaling and final soft-capping, read from the config.
 
 Cost: pruning frees the other stages' parameters (after the caller drops its own references);
 :meth:`PipelineWrapper.full_state_dict` moves every parameter once to pipeline rank 0. Tied
