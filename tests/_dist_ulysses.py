@@ -7,8 +7,10 @@ hybrid chunks, recompute none / partial / full, chunk token counts not divisible
 Ulysses inside every stage, reduces the gradients over the stage's ranks
 (:func:`reduce_gradients`) and compares the loss and its stage's gradients. Models: Llama with
 ``K = H`` K/V heads (split over ``sp``), Qwen2 with ``K = 2`` (split) and ``K = 1 < sp``
-(replicated), and a tied-embedding Llama when the pipeline has two stages. Results go to
-``<outdir>/rank<r>.json``; the test asserts on them.
+(replicated), and a tied-embedding Llama when the pipeline has two stages. At pp=1 each rank also
+runs the plans alone (no sp) for the activation peaks. With two replicas (dp=2) each replica runs
+its share of the batch instead (:func:`_replicas`). Results go to ``<outdir>/rank<r>.json``; the
+test asserts on them.
 """
 
 from __future__ import annotations
@@ -42,14 +44,14 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
 
 
-def worker(rank: int, world: int, port: int, outdir: str, pp: int, sp: int) -> None:
+def worker(rank: int, world: int, port: int, outdir: str, pp: int, sp: int, dp: int = 1) -> None:
     torch.set_num_threads(1)
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                            timeout=timedelta(seconds=300))
     report: dict = {"rank": rank, "failures": [], "cases": [], "memory": []}
     try:
-        _run(rank, world, pp, sp, report)
+        _run(rank, world, pp, sp, dp, report)
     except Exception:
         report["failures"].append("crash:\n" + traceback.format_exc())
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
@@ -76,23 +78,29 @@ def _model(kind: str, kv_heads: int | None = None, tied: bool = False, seed: int
     return model.float()
 
 
-def _run(rank: int, world: int, pp: int, sp: int, report: dict) -> None:
+def _run(rank: int, world: int, pp: int, sp: int, dp: int, report: dict) -> None:
     from concertina_hf.distributed import Topology, reduce_gradients
     from concertina_hf.planning import StageLayout
     from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
 
     fail = report["failures"]
-    args = SimpleNamespace(world_size=world, concertina_pipeline_size=pp, concertina_data_parallel_size=None,
+    args = SimpleNamespace(world_size=world, concertina_pipeline_size=pp, concertina_data_parallel_size=dp,
                            concertina_sequence_parallel_size=sp, ddp_timeout=300)
     topo = Topology.build(args)
-    # the mesh: sp innermost, then pp
-    want_stage, want_sp = divmod(rank, sp)
-    if (topo.stage, topo.sp_rank, topo.replica) != (want_stage, want_sp, 0):
+    # the mesh: sp innermost, then pp, then dp
+    (want_replica, want_stage), want_sp = divmod(rank // sp, pp), rank % sp
+    if (topo.stage, topo.sp_rank, topo.replica) != (want_stage, want_sp, want_replica):
         fail.append(f"mesh: rank {rank} is stage {topo.stage} sp rank {topo.sp_rank} replica {topo.replica}")
-    if topo.sp_ranks != tuple(want_stage * sp + s for s in range(sp)):
+    lane = (want_replica * pp) * sp + want_sp
+    if topo.sp_ranks != tuple(rank - want_sp + s for s in range(sp)):
         fail.append(f"mesh: sp ranks {topo.sp_ranks}")
-    if topo.pp_ranks != tuple(s * sp + want_sp for s in range(pp)):
+    if topo.pp_ranks != tuple(lane + s * sp for s in range(pp)):
         fail.append(f"mesh: pp ranks {topo.pp_ranks}")
+    if topo.dp_ranks != tuple((d * pp + want_stage) * sp + want_sp for d in range(dp)):
+        fail.append(f"mesh: dp ranks {topo.dp_ranks}")
+    if dp > 1:
+        _replicas(topo, report)
+        return
     ids, labels = batch()
     layout = StageLayout.even(NUM_LAYERS, pp)
     plans = {f"{name}/{rec}": make_plan(SEQ_LENS, CHUNKINGS[name], layout, rec) for name, rec in PLANS
@@ -138,3 +146,40 @@ def _run(rank: int, world: int, pp: int, sp: int, report: dict) -> None:
         report["cases"].append(f"{kind} eval")
         if not _rel(res.loss, ref_loss) < LOSS_TOL:
             fail.append(f"{kind} eval: loss {res.loss} vs {ref_loss}")
+
+
+# each replica's sequences (of SEQ_LENS) and its chunks, over its own sequences: a split sequence
+# and a packed chunk straddling the shard boundary on replica 0, odd chunk sizes on replica 1
+REPLICA_SEQS = ((0, 1, 2), (3, 4, 5))
+REPLICA_CHUNKS = ([[(0, 0, 20)], [(0, 20, 26)], [(1, 0, 9), (2, 0, 7)]],
+                  [[(2, 0, 20), (0, 0, 5)], [(1, 0, 12)]])
+
+
+def _replicas(topo, report: dict) -> None:
+    """dp x pp x sp: each replica runs its share of the batch with the whole batch's token count;
+    gradients reduced over the stage's dp x sp ranks (one all-reduce), the loss summed over the
+    replicas: the single-process reference over the whole batch."""
+    from concertina_hf.distributed import reduce_gradients
+    from concertina_hf.planning import StageLayout
+    from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
+
+    fail = report["failures"]
+    ids, labels = batch()
+    total = int(sum(int((lab[1:] != -100).sum()) for lab in labels))
+    mine = REPLICA_SEQS[topo.replica]
+    my_ids, my_labels = [ids[i] for i in mine], [labels[i] for i in mine]
+    layout = StageLayout.even(NUM_LAYERS, topo.pipeline_size)
+    for kind, model in (("llama K=4", _model("llama")), ("qwen2 K=1 (replicated)", _model("qwen2", kv_heads=1))):
+        ref_loss, ref_grads = reference(model, ids, labels)
+        w = PipelineWrapper(copy.deepcopy(model), layout, topo.stage)
+        ex = PipelineExecutor(w, pp_group=topo.pp_group, sp_group=topo.sp_group)
+        for rec in ("none", "full"):
+            plan = make_plan([len(t) for t in my_ids], REPLICA_CHUNKS[topo.replica], layout, rec)
+            w.zero_grad(set_to_none=True)
+            res = ex.run_step(plan, my_ids, my_labels, num_items_in_batch=total)
+            reduce_gradients([p for p in w.parameters()], topo, average=False)
+            loss = topo.all_reduce_replicas(res.loss, dtype=torch.float64)
+            report["cases"].append(f"{kind} replicas/{rec}")
+            if not _rel(loss, ref_loss) < LOSS_TOL:
+                fail.append(f"{kind} replicas/{rec}: loss {loss} vs {ref_loss}")
+            fail.extend(f"{kind} replicas/{rec} rank {topo.rank}: {b}" for b in compare_grads(w, ref_grads, GRAD_TOL))

@@ -2,8 +2,9 @@
 
 Default tier: the layout functions on one process, the all-to-all simulated by moving blocks
 between the ranks' tensors (shard / unshard round trip, padding, head blocks, GQA replication,
-refusals). Slow tier: real gloo launches, pp=1 x sp=2 (2 processes) and pp=2 x sp=2 (4 processes),
-each rank comparing many plans with the single-process HF model (``_dist_ulysses.py``).
+refusals). Slow tier: real gloo launches, pp=1 x sp=2 (2 processes), pp=2 x sp=2 and dp=2 x sp=2
+(4 processes), each rank comparing many plans with the single-process HF model
+(``_dist_ulysses.py``); ``ConcertinaTrainer`` at pp=2 x sp=2 against ``Trainer``.
 """
 
 from __future__ import annotations
@@ -93,16 +94,16 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pp,sp", [(1, 2), (2, 2)])
-def test_ulysses_matches_hf(pp, sp, tmp_path, monkeypatch):
+@pytest.mark.parametrize("dp,pp,sp", [(1, 1, 2), (1, 2, 2), (2, 1, 2)])
+def test_ulysses_matches_hf(dp, pp, sp, tmp_path, monkeypatch):
     import torch.multiprocessing as mp
 
     import _dist_ulysses
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    world = pp * sp
-    mp.spawn(_dist_ulysses.worker, args=(world, _free_port(), str(tmp_path), pp, sp), nprocs=world, join=True)
+    world = dp * pp * sp
+    mp.spawn(_dist_ulysses.worker, args=(world, _free_port(), str(tmp_path), pp, sp, dp), nprocs=world, join=True)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     for r in reports:
         print(f"rank {r['rank']}: {len(r['cases'])} cases; activation peak at sp={sp}, at sp=1, predicted at sp={sp} "
@@ -114,9 +115,9 @@ def test_ulysses_matches_hf(pp, sp, tmp_path, monkeypatch):
     assert failures == []
     # each rank's activation peak: within 60% of the same plan's on one rank (tokens and heads / sp)
     assert all(at_sp <= 0.6 * alone for r in reports for _, at_sp, alone, _, _ in r["memory"])
-    assert all(len(r["memory"]) == (4 if pp == 1 else 0) for r in reports)
-    models = 3 + (pp > 1)
-    assert all(len(r["cases"]) == models * 5 for r in reports)
+    assert all(len(r["memory"]) == (4 if pp == dp == 1 else 0) for r in reports)
+    cases = 2 * 2 if dp > 1 else (3 + (pp > 1)) * 5
+    assert all(len(r["cases"]) == cases for r in reports)
 
 
 @pytest.mark.slow
