@@ -556,10 +556,10 @@ _ATTN_OP = re.compile(r"attention|attn|flash|varlen|sdpa|fmha|cudnn", re.IGNOREC
 
 def _kernel_summary(names: Sequence[str]) -> str:
     """A short name for the attention path that ran, from the profiled op names."""
-    rules = [("flash_attn", "flash-attn package (flash_attn_varlen_func)"), ("varlen", "torch varlen_attn"),
-             ("_flash_attention_forward", "SDPA flash"), ("_efficient_attention", "SDPA memory-efficient"),
-             ("cudnn_attention", "SDPA cuDNN"), ("flash_attention_for_cpu", "SDPA CPU flash"),
-             ("attention_math", "SDPA math")]
+    rules = [("flash_attn", "flash-attn package"), ("varlen", "torch varlen_attn"),
+             ("_flash_attention_forward", "aten flash kernel"), ("_efficient_attention", "aten memory-efficient kernel"),
+             ("cudnn_attention", "cuDNN attention"), ("flash_attention_for_cpu", "aten CPU flash kernel"),
+             ("attention_math", "SDPA math (materialized scores)")]
     found = [label for key, label in rules if any(key in n.lower() for n in names)]
     if not found and not names:
         return "no fused attention op (eager matmul + softmax)"
@@ -1013,6 +1013,10 @@ def run_section(chk: Check, key: str) -> dict:
         rec.update(status="error", error=f"{type(exc).__name__}: {exc}"[:2000], traceback=traceback.format_exc()[-6000:])
         print(rec["traceback"], file=sys.stderr, flush=True)
     rec["wall_s"] = time.perf_counter() - t0
+    try:  # what the backend ran so far in this process (cumulative, first-run order)
+        rec["backend_kernels_so_far"] = _backend_kernels()
+    except Exception:
+        pass
     if chk.device.type == "cuda":
         rec["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(chk.device)
     chk.cleanup()
@@ -1074,7 +1078,8 @@ def render(report: dict) -> str:
         f"Device: {env.get('device')}; torch {env['torch']} (CUDA {env.get('cuda')}), transformers "
         f"{env['transformers']}, accelerate {env.get('accelerate')}, triton {env.get('triton')}, flash-attn "
         f"{env.get('flash_attn') or 'not installed'}; commit {env.get('git_commit') or '-'}  ",
-        f"Attention kernels that ran (section a): {', '.join(report.get('kernels') or ['-'])}",
+        f"Attention kernels that ran (section a): {', '.join(report.get('kernels') or ['-'])}; in the whole run: "
+        f"{', '.join(report.get('backend_kernels_used') or ['-'])}",
         "",
         "## Checks",
         "",
@@ -1214,8 +1219,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         environment=env, dtype=str(chk.dtype).replace("torch.", ""), budget_s=chk.budget_s,
         peak_flops=chk.peak_flops, peak_flops_source="NVIDIA H200 datasheet: 1,979 TFLOPS BF16 with sparsity, half dense"
         if args.peak_tflops == H200_BF16_DENSE_PEAK_FLOPS / 1e12 else "--peak-tflops",
-        kernels=sections.get("a", {}).get("results", {}).get("kernels"),
-        sections=sections, wall_s=chk.elapsed(),
+        kernels=(sections.get("a", {}).get("results", {}).get("backend_kernels_used")
+                 or sections.get("a", {}).get("results", {}).get("kernels")),
+        backend_kernels_used=_backend_kernels(), sections=sections, wall_s=chk.elapsed(),
         passed=bool(considered) and all(c["passed"] for c in considered)
         and all(s["status"] not in ("error", "incomplete") for s in sections.values()),
     )
