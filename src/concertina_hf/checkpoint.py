@@ -36,11 +36,14 @@ silent default.
 
 Costs: saving moves every parameter once to pipeline rank 0 of replica 0; loading reads only
 this stage's tensors from the safetensors files. The manifest costs one read and SHA-256 of every
-byte (0.6-1.3 GB/s per core with SHA-NI): each stage hashes its own optimizer shard, the main
-process the rest, in background threads started as each file is complete (so they overlap the
-writing of the next file when a core is free); a resume hashes the checkpoint again on rank 0.
-SHA-256 is slower than writing to the page cache: on the recipe's model (33.6 MiB checkpoint) on
-a busy 2-core machine a verified save took 2.3x the plain one (``benchmarks/checkpoint_save.py``).
+byte: each stage hashes its own optimizer shard, the main process the rest, in background threads
+started as each file is complete (so they overlap the writing of the next file when a core is
+free), reading 1 MiB blocks into one reused buffer (hashed while cached; fresh 8 MiB reads cost
+1.5x more); a resume hashes the checkpoint again on rank 0. Nothing is fsynced (as the plain
+save). SHA-256 (about 1.5 GB/s per core with SHA-NI) is the floor: on the recipe's model (33.6
+MiB checkpoint, a plain save about 40 ms of CPU) it needs about 22 ms of CPU, so a verified save
+costs at least ~1.55x a plain one where no core is idle; measured 2.1x on the busy 2-core machine
+(load 13; 2.7x before the reused buffer at the same load; ``benchmarks/checkpoint_save.py``).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -82,7 +86,7 @@ STAGING_PREFIX = "tmp-"
 MANIFEST_FORMAT = 1
 _CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 _STAGING_RE = re.compile(rf"^{STAGING_PREFIX}{PREFIX_CHECKPOINT_DIR}-(\d+)$")
-_HASH_BLOCK = 8 << 20
+_HASH_BLOCK = 1 << 20
 
 
 class CheckpointError(ValueError):
@@ -132,11 +136,20 @@ def _required_files(directory: str, meta: dict[str, Any]) -> list[str]:
     return names
 
 
+_BUFFERS = threading.local()
+
+
 def _digest(path: str) -> str:
+    """SHA-256 of the file, read in blocks into one reused buffer per thread: each block is hashed
+    while it sits in the core's cache and no fresh pages are faulted in per block (a new 8 MiB
+    ``bytes`` per read made hashing 1.5x slower: see ``benchmarks/checkpoint_save.py``)."""
+    view = getattr(_BUFFERS, "view", None)
+    if view is None:
+        view = _BUFFERS.view = memoryview(bytearray(_HASH_BLOCK))
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(_HASH_BLOCK), b""):
-            h.update(block)  # releases the GIL: files hash in parallel threads
+    with open(path, "rb", buffering=0) as fh:
+        while n := fh.readinto(view):
+            h.update(view[:n])  # releases the GIL: files hash in parallel threads
     return h.hexdigest()
 
 
