@@ -7,7 +7,8 @@ hybrid chunks, recompute none / partial / full, chunk token counts not divisible
 Ulysses inside every stage, reduces the gradients over the stage's ranks
 (:func:`reduce_gradients`) and compares the loss and its stage's gradients. Models: Llama with
 ``K = H`` K/V heads (split over ``sp``), Qwen2 with ``K = 2`` (split) and ``K = 1 < sp``
-(replicated), and a tied-embedding Llama when the pipeline has two stages. At pp=1 each rank also
+(replicated), and a tied-embedding Llama when the pipeline has two stages; one plan also under
+bf16 autocast (bf16 tolerances). At pp=1 each rank also
 runs the plans alone (no sp) for the activation peaks. With two replicas (dp=2) each replica runs
 its share of the batch instead (:func:`_replicas`). Results go to ``<outdir>/rank<r>.json``; the
 test asserts on them.
@@ -31,11 +32,15 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from _runtime_cases import (  # noqa: E402
-    CHUNKINGS, GROUPED, SEQ_LENS, batch, compare_grads, make_plan, reference, tiny_config,
+    CHUNKINGS, GROUPED, SEQ_LENS, batch, compare_grads, grad_error, make_plan, reference, tiny_config,
 )
 
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-4
+# bf16 autocast: test_runtime_dist's tolerances (see test_runtime.py, AMP_*)
+AMP_LOSS_TOL = 1e-3
+AMP_GRAD_TOL = 5e-2
+AMP_CLOSER = 0.7
 NUM_LAYERS = 4
 PLANS = (("packed", "none"), ("split", "partial"), ("hybrid", "full"), ("hybrid-2groups", "partial"))
 
@@ -140,6 +145,17 @@ def _run(rank: int, world: int, pp: int, sp: int, dp: int, report: dict) -> None
                 predicted1 = simulate(plan, cost1).peak_memory_bytes[0] - cost1.static_memory(layout, 0)
                 report["memory"].append((name, peak_sp, alone.run_step(plan, ids, labels).peak_activation_bytes,
                                          predicted, predicted1))
+        if kind == "llama K=4":  # bf16 autocast (float32 weights; bf16 all-to-alls): HF under autocast
+            amp_loss, amp_grads = reference(model, ids, labels, autocast=torch.bfloat16)
+            w.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                res = ex.run_step(plans["split/partial"], ids, labels)
+            reduce_gradients(params, topo, average=False)
+            err, err_fp32 = grad_error(w, amp_grads), grad_error(w, ref_grads)
+            report["cases"].append(f"{kind} split/partial autocast")
+            if not (_rel(res.loss, amp_loss) < AMP_LOSS_TOL and err < AMP_GRAD_TOL and err < AMP_CLOSER * err_fp32):
+                fail.append(f"{kind} autocast rank {rank}: loss {res.loss} vs {amp_loss}, grad err {err:.2e} "
+                            f"(vs float32 reference {err_fp32:.2e})")
         # evaluation: forward only, the whole batch's loss on every rank
         w.zero_grad(set_to_none=True)
         res = ex.run_step(plans["hybrid/full"], ids, labels, train=False)

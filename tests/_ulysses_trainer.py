@@ -1,7 +1,7 @@
 """Worker of ``test_ulysses.py::test_trainer_pp2_sp2_matches_trainer``, run by torchrun on 4 CPU
 processes: ``ConcertinaTrainer`` at pp=2 x sp=2 (Ulysses inside each stage) for 3 steps with
-sequences split into 16-token chunks, then evaluation and ``save_model``; each rank writes what
-it saw to ``<out>/info-rank<r>.json``. The models, data and Trainer settings are
+sequences split into 16-token chunks, then evaluation, ``save_model`` and a run resumed from
+the step-2 checkpoint; each rank writes what it saw to ``<out>/info-rank<r>.json``. The models, data and Trainer settings are
 ``test_trainer_pipeline``'s, so its ``_reference`` (``Trainer`` on one process) is the reference.
 """
 
@@ -21,8 +21,8 @@ def main(out: str) -> None:
 
     from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
 
-    args = ConcertinaTrainingArguments(output_dir=out, save_strategy="no", concertina_pipeline_size=2,
-                                       concertina_sequence_parallel_size=2, concertina_max_tokens_per_chunk=16,
+    sizes = dict(concertina_pipeline_size=2, concertina_sequence_parallel_size=2, concertina_max_tokens_per_chunk=16)
+    args = ConcertinaTrainingArguments(output_dir=out, save_strategy="steps", save_steps=2, **sizes,
                                        **dict(COMMON, max_steps=STEPS))
     trainer = ConcertinaTrainer(model=_model("llama"), args=args, train_dataset=_dataset(),
                                 eval_dataset=_dataset(8, seed=1))
@@ -33,9 +33,15 @@ def main(out: str) -> None:
     info["topology"] = [t.rank, t.replica, t.stage, t.sp_rank]
     info["stage_params"] = sorted(n for n, _ in trainer.model.named_parameters())
     trainer.save_model(os.path.join(out, "final"))
+    # resuming from the step-2 checkpoint (sp rank 0 of each stage wrote the stage's files) ends the same
+    resumed = ConcertinaTrainer(model=_model("llama"), train_dataset=_dataset(), args=ConcertinaTrainingArguments(
+        output_dir=out + "-resumed", save_strategy="no", **sizes, **dict(COMMON, max_steps=STEPS)))
+    resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
+    resumed.save_model(os.path.join(out, "resumed"))
+    info["resumed_losses"] = _summary(resumed)["losses"]
     with open(os.path.join(out, f"info-rank{t.rank}.json"), "w") as fh:
         json.dump(info, fh)
-    trainer.end()
+    resumed.end()
 
 
 if __name__ == "__main__":

@@ -163,8 +163,8 @@ def write_manifest(directory: str, *, global_step: int, layout: dict[str, Any],
                    digests: dict[str, str] | None = None) -> dict[str, Any]:
     """Seal a complete checkpoint folder: ``manifest.json`` with every other file's size and
     SHA-256, ``global_step`` and ``layout`` (``world_size``, ``pipeline_size``,
-    ``data_parallel_size``, ``layer_ranges``, ``save_only_model``). Written last, through a
-    temporary file; refuses a folder that lacks a file the layout needs. ``digests``: SHA-256s
+    ``data_parallel_size``, ``sequence_parallel_size``, ``layer_ranges``, ``save_only_model``).
+    Written last, through a temporary file; refuses a folder that lacks a file the layout needs. ``digests``: SHA-256s
     already taken (by the ranks that wrote the files), the others are computed here."""
     meta = {"format": MANIFEST_FORMAT, "global_step": int(global_step), **layout}
     missing = [n for n in _required_files(directory, meta) if not os.path.isfile(os.path.join(directory, n))]
@@ -292,6 +292,7 @@ class StageCheckpointer:
             write_manifest(staging, global_step=global_step, digests=known, layout={
                 "world_size": self.topology.world_size, "pipeline_size": self.topology.pipeline_size,
                 "data_parallel_size": self.topology.data_parallel_size,
+                "sequence_parallel_size": self.topology.sequence_parallel_size,
                 "layer_ranges": [list(r) for r in layout.layer_ranges], "save_only_model": save_only_model,
                 "adapter": getattr(self.pipeline, "peft_model", None) is not None})
             replaced = staging + ".replaced"
@@ -392,6 +393,7 @@ class StageCheckpointer:
         _write_json(os.path.join(output_dir, PLAN_META_NAME), {
             "pipeline_size": self.topology.pipeline_size,
             "data_parallel_size": self.topology.data_parallel_size,
+            "sequence_parallel_size": self.topology.sequence_parallel_size,
             "layer_ranges": [list(r) for r in layout.layer_ranges],
             "cost_model": planning_cost.to_dict(),
         })
