@@ -9,7 +9,8 @@
    several GPUs (Ulysses, ``sp > 1``; from the cost model) dotted at the end of each bar, chunk
    indices on bars wide enough to hold them;
 2. the *measured* schedule, when given (actual start / end per action, e.g. from the runtime's
-   timers), on the same time axis so gaps between plan and reality show;
+   timers), on the same time axis so gaps between plan and reality show (on its own axis when
+   the measured step is more than twice as long or short as planned: the title gives the ratio);
 3. every stage's memory over time (``sim.memory_timeline``, a step function) in a unit that
    fits the data (KiB, MiB or GiB), with its budget as a dashed line labelled with its value
    and, when given, where it came from; a budget far above the data (the CPU's ``auto`` budget)
@@ -152,22 +153,31 @@ def plot_gantt(
     p = max(plan.num_stages, int(plan.knob("data_parallel", 1)))  # schedule rows
     planned = [(a, t0, t1) for a, (t0, t1) in sim.action_times.items()]
     meas = _normalize_measured(measured)
-    span = max([sim.step_time_s] + [t1 for _, _, t1 in meas])
+    measured_step = max([t1 for _, _, t1 in meas] + [0.0])
+    span = max(sim.step_time_s, measured_step)
+    # a measured step more than twice as long (or short) as planned gets its own time axis, so
+    # neither schedule (nor the predicted memory under the plan) is squeezed into a corner
+    separate = bool(meas) and min(sim.step_time_s, measured_step) > 0 and \
+        max(sim.step_time_s, measured_step) > 2 * min(sim.step_time_s, measured_step)
+    planned_span = sim.step_time_s if separate else span
 
     n_rows = 3 if meas else 2
     heights = [max(1.6, 0.45 * p + 0.6)] * (n_rows - 1) + [2.4]
     fig = Figure(figsize=(13, sum(heights) + 1.4), dpi=dpi)
     FigureCanvasAgg(fig)
-    axes = fig.subplots(n_rows, 1, sharex=True, gridspec_kw={"height_ratios": heights})
-    _draw_schedule(axes[0], plan, planned, cost, span, "planned")
+    axes = fig.subplots(n_rows, 1, sharex=not separate, gridspec_kw={"height_ratios": heights})
+    _draw_schedule(axes[0], plan, planned, cost, planned_span, "planned")
     if meas:
-        measured_step = max(t1 for _, _, t1 in meas)
-        _draw_schedule(axes[1], plan, meas, cost, span, "measured")
+        _draw_schedule(axes[1], plan, meas, cost, measured_step if separate else span, "measured")
         axes[1].set_title(
             f"measured step {measured_step:.3g} s vs planned {sim.step_time_s:.3g} s "
-            f"({(measured_step / sim.step_time_s - 1) * 100 if sim.step_time_s > 0 else 0:+.1f}%)",
+            f"({(measured_step / sim.step_time_s - 1) * 100 if sim.step_time_s > 0 else 0:+.1f}%)"
+            + (", on its own time axis" if separate else ""),
             fontsize=9, loc="left",
         )
+    if separate:
+        axes[1].set_xlabel("measured time (s)", fontsize=8)
+    span = planned_span  # the memory panel is the plan's prediction: the planned time axis
 
     mem_ax = axes[-1]
     budgets = list(plan.memory_budget_bytes)
@@ -198,7 +208,8 @@ def plot_gantt(
                                linestyle="--", linewidth=0.9)
         mem_ax.plot([], [], color="black", linestyle="--", linewidth=0.9, label=label)
     mem_ax.set_ylabel(f"memory ({unit})")
-    mem_ax.set_xlabel("time (s)")
+    mem_ax.set_xlabel("planned time (s)" if separate else "time (s)")
+    mem_ax.set_xlim(0, span if span > 0 else 1)
     mem_ax.set_ylim(0, top / scale)
     mem_ax.grid(alpha=0.3)
     mem_ax.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), fontsize=7, ncol=p + 1, frameon=False)  # above the curves
