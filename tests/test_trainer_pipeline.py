@@ -178,9 +178,10 @@ def _worker_dp2(out: str) -> None:
     t = trainer.topology
     assert (t.pipeline_size, t.data_parallel_size) == (2, 2)
     assert t.pp_ranks == (2 * t.replica, 2 * t.replica + 1) and t.dp_ranks == (t.stage, t.stage + 2)
-    trainer.train()
+    metrics = trainer.train().metrics
     trainer.save_model(os.path.join(out, "final"))
     info = _summary(trainer)
+    info.update({k: metrics[k] for k in ("train_samples_per_second", "train_tokens_per_second", "train_runtime")})
     info["topology"] = [t.rank, t.stage, t.replica]
     # each replica evaluates its share; the loop gathers them in the dataset's order
     info.update(_metrics_and_predictions(trainer, os.path.join(out, f"logits-rank{t.rank}.pt")))
@@ -336,6 +337,11 @@ def test_pp2_dp2_matches_trainer_with_the_whole_global_batch(tmp_path):
     assert len(diffs) == 4 and max(diffs) < 1e-5, diffs
     worst, name = _worst_rel(ref_state, _load(tmp_path / "final"))
     assert worst < 1e-4, (name, worst)
+    # throughput over both replicas: 4 steps x 12 sequences = two epochs of the 24 rows
+    for r in ranks:
+        assert r["train_samples_per_second"] * r["train_runtime"] == pytest.approx(48, rel=2e-2)
+        tokens = 2 * sum(len(x["input_ids"]) for x in _dataset())
+        assert r["train_tokens_per_second"] == pytest.approx(tokens / r["train_runtime"], rel=1e-3)
     # metrics and predict() over two replicas: every rank holds Trainer's, rows in the dataset's order
     want = torch.load(tmp_path / "ref" / "logits.pt")
     for r in ranks:
