@@ -53,8 +53,10 @@ SIZES = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attentio
 #: work outside the decoder layers, at values far from the identity (set wherever the config has the
 #: attribute, even when its default is None: a model that does not use it then shows as a mismatch)
 OUTSIDE = dict(embedding_multiplier=4.0, logit_scale=0.5, logits_scaling=3.0, final_logit_softcapping=2.0)
-#: attributes set even when the default config leaves them None (rotary code needs a head size)
-ALWAYS = ("head_dim", "num_key_value_heads", *OUTSIDE)
+#: attributes set even when the default config leaves them None (rotary code needs a head size, MoE
+#: layers their sizes)
+ALWAYS = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "n_routed_experts", "moe_intermediate_size",
+          *OUTSIDE)
 
 
 def tiny_config(model_type: str, **overrides):

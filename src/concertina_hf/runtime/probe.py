@@ -69,6 +69,7 @@ from .attention import (
     register_attention,
 )
 from .memory import CudaPeakMeter, LiveTensorMeter
+from .families import ModelFamily, inspect_model
 from .stage import PipelineWrapper
 
 __all__ = ["Probe", "build_probe"]
@@ -86,8 +87,12 @@ class _StageView:
     label_smoothing = 0.0
 
     def __init__(self, layers: Sequence[nn.Module], rotary: nn.Module, norm: nn.Module | None,
-                 lm_head: nn.Module | None, embed_tokens: nn.Module | None) -> None:
+                 lm_head: nn.Module | None, embed_tokens: nn.Module | None, family: ModelFamily,
+                 layer_start: int = 0) -> None:
         self.decoder_layers = list(layers)
+        self.family = family  # what the model does outside the layers (scaling, rotary per layer type)
+        self.layer_start, self.layer_end = layer_start, layer_start + len(self.decoder_layers)
+        self._embedding_norm = norm if family.norm_before_layers else None
         self.model = SimpleNamespace(model=SimpleNamespace(rotary_emb=rotary, norm=norm, embed_tokens=embed_tokens),
                                      lm_head=lm_head)
 
@@ -374,7 +379,7 @@ def _probe_modules(model_or_wrapper: Any, num_layers: int | None, device: Any) -
         layers = all_layers[:n]
         stage: Any = _StageView(layers, w.model.model.rotary_emb,
                                 w.model.model.norm if w.is_last else None, w.model.lm_head if w.is_last else None,
-                                w.model.model.embed_tokens if w.is_first else None)
+                                w.model.model.embed_tokens if w.is_first else None, w.family, w.layer_start)
         has_head, has_embed = w.is_last, w.is_first
         config = w.config
         own = list(w.parameters())
@@ -408,7 +413,7 @@ def _probe_modules(model_or_wrapper: Any, num_layers: int | None, device: Any) -
         norm, norm_own = _on(inner.norm, dev)
         lm_head, head_own = _on(model.lm_head, dev)
         embed_tokens, embed_own = _on(inner.embed_tokens, dev)
-        stage = _StageView(layers, copies[n], norm, lm_head, embed_tokens)
+        stage = _StageView(layers, copies[n], norm, lm_head, embed_tokens, inspect_model(model))
         has_head = has_embed = True
         config = model.config
         own = [p for m, o in ((norm, norm_own), (lm_head, head_own), (embed_tokens, embed_own)) if o
