@@ -12,8 +12,8 @@ extra group per stage when both sizes exceed 1). Callers ask for a group by name
 Collectives (all no-ops with one process, each a few lines over ``torch.distributed``):
 
 - :func:`reduce_gradients`: each stage's gradients summed over its ``sp`` ranks and summed (or
-  averaged) over the replicas, in
-  flat buckets of at most :data:`BUCKET_ELEMENTS` per dtype (bounded extra memory, few calls);
+  averaged) over the replicas, in flat buckets of at most :data:`BUCKET_ELEMENTS` per dtype
+  (bounded extra memory, few calls);
 - :func:`global_grad_norm`: the 2-norm over every stage's gradients (squared norms summed over
   the pipeline), the quantity ``clip_grad_norm_`` would compute on the whole model;
 - :meth:`Topology.all_reduce_replicas`, :meth:`Topology.all_gather_replicas`: counts, losses and
