@@ -44,8 +44,10 @@ e. **memory**: plans made with the cost model of (c) (profiled here if (c) did n
 
 Writes ``benchmarks/results/gpu/gpu_check.{json,md}`` (``--out`` for another folder): each check
 with its target, measured value and pass/fail, each section's wall time, the torch / transformers
-versions, the device and the attention kernels that ran. Exit status 0 when the files are
-written (failed checks included; ``--strict``: 1 when any check failed or a section raised).
+versions, the device and the attention kernels that ran; rewritten after every section, so a
+crash of the process keeps what ran (``"finished": false`` and the sections not yet run). Exit
+status 0 when the files are written (failed checks included; ``--strict``: 1 when any check
+failed or a section raised).
 
 ``--cpu-smoke``: the same code path with tiny shapes in float32 on the CPU, written to ``--out``
 (a new temporary folder by default, never over the GPU results); the test suite runs it
@@ -1078,6 +1080,8 @@ def render(report: dict) -> str:
         f"Device: {env.get('device')}; torch {env['torch']} (CUDA {env.get('cuda')}), transformers "
         f"{env['transformers']}, accelerate {env.get('accelerate')}, triton {env.get('triton')}, flash-attn "
         f"{env.get('flash_attn') or 'not installed'}; commit {env.get('git_commit') or '-'}  ",
+        ("" if report.get("finished", True) else
+         f"**Unfinished run: sections {', '.join(report.get('not_yet_run') or [])} had not run when this was written.**  \n") +
         f"Attention kernels that ran (section a): {', '.join(report.get('kernels') or ['-'])}; in the whole run: "
         f"{', '.join(report.get('backend_kernels_used') or ['-'])}",
         "",
@@ -1206,33 +1210,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     chk = Check(args)
     if chk.device.type == "cuda":
         torch.cuda.set_device(chk.device)
-    sections = {k: run_section(chk, k) for k in SECTIONS if k in keys}
     env = environment(chk)
-    if chk.device.type == "cuda" and "H200" not in env.get("device", "") and args.peak_tflops == H200_BF16_DENSE_PEAK_FLOPS / 1e12:
-        sections.get("d", {}).setdefault("note", "the MFU peak is the H200's; pass --peak-tflops for this device")
-    considered = [c for s in sections.values() for c in s["checks"] if not (chk.cpu and c["gpu_only"])]
-    report = dict(
-        mode="cpu-smoke" if chk.cpu else "cuda",
-        command="python benchmarks/gpu_check.py" + ("" if not (argv if argv is not None else sys.argv[1:]) else " " +
-                                                    " ".join(argv if argv is not None else sys.argv[1:])),
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        environment=env, dtype=str(chk.dtype).replace("torch.", ""), budget_s=chk.budget_s,
-        peak_flops=chk.peak_flops, peak_flops_source="NVIDIA H200 datasheet: 1,979 TFLOPS BF16 with sparsity, half dense"
-        if args.peak_tflops == H200_BF16_DENSE_PEAK_FLOPS / 1e12 else "--peak-tflops",
-        kernels=(sections.get("a", {}).get("results", {}).get("backend_kernels_used")
-                 or sections.get("a", {}).get("results", {}).get("kernels")),
-        backend_kernels_used=_backend_kernels(), sections=sections, wall_s=chk.elapsed(),
-        passed=bool(considered) and all(c["passed"] for c in considered)
-        and all(s["status"] not in ("error", "incomplete") for s in sections.values()),
-    )
+    argv_list = list(argv) if argv is not None else sys.argv[1:]
+    sections: dict[str, dict] = {}
     out.mkdir(parents=True, exist_ok=True)
-    text = render(report)
-    (out / "gpu_check.md").write_text(text)
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
+
+    def report(final: bool) -> dict:
+        considered = [c for s in sections.values() for c in s["checks"] if not (chk.cpu and c["gpu_only"])]
+        pending = [k for k in keys if k in SECTIONS and k not in sections]
+        a_results = sections.get("a", {}).get("results", {})
+        return dict(
+            mode="cpu-smoke" if chk.cpu else "cuda",
+            command="python benchmarks/gpu_check.py" + ("" if not argv_list else " " + " ".join(argv_list)),
+            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            environment=env, dtype=str(chk.dtype).replace("torch.", ""), budget_s=chk.budget_s,
+            peak_flops=chk.peak_flops,
+            peak_flops_source="NVIDIA H200 datasheet: 1,979 TFLOPS BF16 with sparsity, half dense"
+            if args.peak_tflops == H200_BF16_DENSE_PEAK_FLOPS / 1e12 else "--peak-tflops",
+            kernels=a_results.get("backend_kernels_used") or a_results.get("kernels"),
+            backend_kernels_used=_backend_kernels(), sections=sections, wall_s=chk.elapsed(), finished=final,
+            not_yet_run=pending,
+            passed=final and bool(considered) and all(c["passed"] for c in considered)
+            and all(s["status"] not in ("error", "incomplete") for s in sections.values()),
+        )
+
+    def write(rep: dict) -> str:
+        # written after every section: a crash of the process (not an exception) keeps what ran
+        text = render(rep)
+        (out / "gpu_check.md").write_text(text)
+        (out / "gpu_check.json").write_text(json.dumps(rep, indent=1, default=str))
+        return text
+
+    for k in SECTIONS:
+        if k in keys:
+            sections[k] = run_section(chk, k)
+            if k == "d" and chk.device.type == "cuda" and "H200" not in str(env.get("device")) \
+                    and args.peak_tflops == H200_BF16_DENSE_PEAK_FLOPS / 1e12:
+                sections[k].setdefault("note", "the MFU peak is the H200's; pass --peak-tflops for this device")
+            write(report(final=False))
+    final = report(final=True)
+    text = write(final)
     print(text)
     print(f"[gpu_check] wrote {out / 'gpu_check.json'} and gpu_check.md in {chk.elapsed():.0f} s", file=sys.stderr)
-    return 1 if args.strict and not report["passed"] else 0
-
+    return 1 if args.strict and not final["passed"] else 0
 
 if __name__ == "__main__":
     sys.exit(main())
