@@ -101,7 +101,7 @@ DEFAULT_RTOL = {torch.float32: 1.3e-6, torch.bfloat16: 1.6e-2, torch.float16: 1e
 
 SECTIONS = {
     "a": "attention backend vs HF attention per sequence (forward and backward)",
-    "b": "ConcertinaTrainer (pp=1) vs Trainer: loss",
+    "b": "ConcertinaTrainer (pp=1) vs Trainer: loss and gradient norm",
     "c": "profiler: layer time vs chunk tokens, cost-model error on held-out chunks",
     "d": "MFU of a chunk's forward+backward",
     "e": "predicted vs measured activation peak",
