@@ -166,3 +166,18 @@ def test_readme_states_the_defaults_of_the_arguments_and_of_the_recipe():
         if key.startswith("concertina_"):
             assert f"`{key}={value}`" in sentence, (key, value, sentence)
     assert f"{recipe.RECIPE_DEFAULTS['max_steps']} steps" in sentence
+
+
+def test_balanced_replicas_need_the_global_token_average(tmp_path):
+    """Balanced replicas run different numbers of tokens: only the loss normalised over the whole
+    global batch equals Trainer's, so average_tokens_across_devices=False is refused, naming both."""
+    from concertina_hf.distributed import Topology
+    from concertina_hf.steps import ReplicaBalancer, replica_balancer
+
+    two = Topology(2, 0, 1, 2, 0, 0)
+    args = _args(tmp_path, average_tokens_across_devices=False)
+    with pytest.raises(ValueError, match="concertina_balance_replicas.*average_tokens_across_devices"):
+        replica_balancer(args, None, two)
+    assert isinstance(replica_balancer(_args(tmp_path), None, two), ReplicaBalancer)
+    assert replica_balancer(_args(tmp_path, concertina_balance_replicas=False), None, two) is None
+    assert replica_balancer(args, None, Topology(1, 0, 1, 1, 0, 0)) is None  # one replica: nothing to balance

@@ -20,9 +20,14 @@ Two launches, each checking many things:
   the two copies bit-identical after 4 steps, saved once as an HF tied checkpoint.
 - **pp = 2, bf16=True** (same launch): autocast mixed precision with float32 master weights,
   against ``Trainer(bf16=True)`` within bf16 tolerances.
-- **pp = 2 x dp = 2** (4 ranks): two replicas, each reading its half of every step; equals one
-  ``Trainer`` process with twice the per-device batch size; metrics and ``predict()`` gathered
-  over the replicas in the dataset's order equal that process's.
+- **pp = 2 x dp = 2** (4 ranks): two replicas, each running the share of every step the
+  balancer gives it (``concertina_balance_replicas``, the default); equals one ``Trainer``
+  process with twice the per-device batch size; metrics and ``predict()`` gathered over the
+  replicas in the dataset's order equal that process's.
+- **pp = 1 x dp = 2** (2 ranks), balanced replicas on skewed batches: every replica reads the
+  whole global batch, the replicas run different numbers of sequences (the one with the longest
+  sequence fewer), and after 3 steps the losses (1e-5) and each parameter's update (1e-3
+  relative) equal one ``Trainer`` process's.
 
 The reference trainings run in the pytest process; the workers are this file run by torchrun
 (without ``use_cpu``: ConcertinaTrainingArguments must turn it on by itself).
@@ -190,6 +195,92 @@ def _worker_dp2(out: str) -> None:
     trainer.end()
 
 
+def _skewed_dataset(n=18, seed=5):
+    """Rows of 4-12 tokens and, in each step of 6 rows, one of 150-200: count splits are unbalanced."""
+    import datasets
+
+    rng = random.Random(seed)
+    rows = [{"input_ids": [rng.randrange(64) for _ in range(rng.randrange(150, 201) if i % 6 == 2
+                                                               else rng.randrange(4, 13))]} for i in range(n)]
+    return datasets.Dataset.from_list(rows)
+
+
+BALANCED = dict(COMMON, per_device_train_batch_size=3, gradient_accumulation_steps=1, max_steps=3,
+                train_sampling_strategy="sequential")  # each step of 6 rows holds one long row
+
+
+def _worker_dp2_pp1(out: str) -> None:
+    from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
+
+    args = ConcertinaTrainingArguments(output_dir=out, save_strategy="no", concertina_pipeline_size=1,
+                                       concertina_max_tokens_per_chunk=64, **BALANCED)
+    trainer = ConcertinaTrainer(model=_model("llama"), args=args, train_dataset=_skewed_dataset())
+    t = trainer.topology
+    assert (t.pipeline_size, t.data_parallel_size) == (1, 2) and trainer.steps.balancer is not None
+    ran = []  # the lengths of the sequences this replica ran, per step
+    submit = trainer.planner.submit
+    trainer.planner.submit = lambda lens, *a, **k: (ran.append(list(lens)), submit(lens, *a, **k))[1]
+    trainer.train()
+    trainer.save_model(os.path.join(out, "final"))
+    info = _summary(trainer)
+    info["ran"] = ran
+    info["tokens_seen"] = trainer.state.num_input_tokens_seen
+    with open(os.path.join(out, f"info-rank{t.rank}.json"), "w") as fh:
+        json.dump(info, fh)
+    trainer.end()
+
+
+def test_the_balancer_gives_the_replica_with_the_long_sequence_fewer_sequences():
+    """One step of a long and many short sequences over 2 replicas: the replica holding the long
+    one runs fewer sequences; every sequence runs exactly once; the predicted step time beats the
+    count split's (the split is the planner's own, made on rank 0 of a real run)."""
+    from concertina_hf.distributed import Topology
+    from concertina_hf.planning import CostModel, DeviceSpec, StageLayout, balance_replicas
+    from concertina_hf.run_setup import RunSetup
+    from concertina_hf.step_planner import StepPlanner
+    from concertina_hf.steps import ReplicaBalancer
+
+    cost = CostModel.from_hf_config(_config("llama").to_dict(), DeviceSpec.cpu(), dtype_bytes=4)
+    setup = RunSetup(cost_model=cost, layout=StageLayout(4, ((0, 4),)), budgets=(0,), device_memory_bytes=0,
+                     strategy="adaptive", solver="greedy", solver_time_limit_s=1.0, max_tokens_per_chunk=256)
+    balancer = ReplicaBalancer(StepPlanner(setup, Topology(2, 0, 1, 2, 0, 0), overlap=False), Topology(2, 0, 1, 2, 0, 0))
+    lens = [30, 25, 2000, 40, 35, 28, 33, 27]
+    split = balancer.split(lens)
+    assert sorted(i for part in split for i in part) == list(range(len(lens)))
+    heavy = next(r for r, part in enumerate(split) if 2 in part)
+    assert len(split[heavy]) < len(split[1 - heavy]), split
+    count = balance_replicas(lens, 2, cost, setup.layout, 0, method="count", solver="greedy",
+                             max_tokens_per_chunk=256)
+    assert balancer.last_split.step_time_s < count.step_time_s
+
+
+@pytest.mark.slow
+def test_dp2_balanced_replicas_match_trainer(tmp_path):
+    _launch(2, "dp2pp1", tmp_path)
+    from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
+
+    ref = Trainer(model=_model("llama"), train_dataset=_skewed_dataset(), data_collator=DataCollatorWithFlattening(),
+                  args=TrainingArguments(output_dir=str(tmp_path / "ref"), save_strategy="no",
+                                         **dict(BALANCED, per_device_train_batch_size=6)))
+    ref.train()
+    ranks = [json.loads((tmp_path / f"info-rank{r}.json").read_text()) for r in range(2)]
+    want = _summary(ref)
+    assert all(r["losses"] == ranks[0]["losses"] for r in ranks)
+    diffs = [abs(a - b) for a, b in zip(ranks[0]["losses"], want["losses"])]
+    assert len(diffs) == 3 and max(diffs) < 1e-5, (ranks[0]["losses"], want["losses"])
+    # each step's 6 rows over the replicas: every sequence once, in subsets of different sizes,
+    # the replica with the long sequence running fewer
+    for a, b in zip(ranks[0]["ran"], ranks[1]["ran"]):
+        assert len(a) + len(b) == 6 and len(a) != len(b), (a, b)
+        assert len(a if max(a) > max(b) else b) < 3, (a, b)
+    init = _model("llama").state_dict()
+    got = _load(tmp_path / "final")
+    ref_state = ref.model.state_dict()
+    worst = max((((got[k] - init[k]) - (ref_state[k] - init[k])).norm()
+                 / (ref_state[k] - init[k]).norm().clamp_min(1e-12)).item() for k in ref_state)
+    assert worst < 1e-3, worst
+
+
 # ---------------------------------------------------------------------------------- launching
 def _free_port() -> int:
     with socket.socket() as s:
@@ -353,4 +444,4 @@ def test_pp2_dp2_matches_trainer_with_the_whole_global_batch(tmp_path):
 
 
 if __name__ == "__main__":
-    {"pp2": _worker_pp2, "dp2": _worker_dp2}[sys.argv[1]](sys.argv[2])
+    {"pp2": _worker_pp2, "dp2": _worker_dp2, "dp2pp1": _worker_dp2_pp1}[sys.argv[1]](sys.argv[2])

@@ -214,6 +214,14 @@ class ConcertinaTrainingArguments(TrainingArguments):
         "dataloader reads one step ahead). Pipeline rank 0 plans and broadcasts the plan, so "
         "every stage runs the same one.",
     )
+    concertina_balance_replicas: bool = _option(
+        True,
+        "With concertina_data_parallel_size > 1: every replica reads the whole global batch of a step and "
+        "the step's sequences are assigned to replicas by predicted pipeline time "
+        "(planning.balance_replicas, made on rank 0 and broadcast), instead of by count (accelerate's "
+        "sampler); the loss stays normalised over the whole global batch, so the model equals Trainer's "
+        "on one process. Needs average_tokens_across_devices=True. False: the count split.",
+    )
     concertina_gantt_steps: int = _option(
         0,
         "Every N optimizer steps write the step's planned and measured Gantt chart to "

@@ -11,6 +11,14 @@ next call takes them from there. Padded positions (``attention_mask == 0``) are 
 train on) the reader warns once with their count (:func:`~concertina_hf.collator.padding_targets`).
 Costs: one micro-batch step of data held in memory ahead, one
 integer all-reduce over the replicas per step.
+
+Balanced replicas (``concertina_balance_replicas``, dp > 1): every replica reads the whole global
+batch of the step (:func:`replica_data_loader` with ``whole_step``), a :class:`ReplicaBalancer`
+assigns its sequences to replicas by predicted pipeline time and each replica keeps (and plans)
+its own subset; ``num_items_in_batch`` is still the label tokens of the whole global batch, so
+the gradients are ``Trainer``'s on one process. Cost: every replica reads and collates the whole
+global batch; rank 0 plans each replica's subset a few times (greedy recompute) per step while the
+others wait for the broadcast assignment.
 """
 
 from __future__ import annotations
@@ -25,9 +33,10 @@ from transformers.trainer_utils import seed_worker
 
 from .collator import padding_targets, padding_warning, split_sequences
 from .distributed import Topology
+from .planning import balance_replicas
 from .step_planner import StepPlanner, Ticket
 
-__all__ = ["Step", "StepReader", "replica_data_loader"]
+__all__ = ["ReplicaBalancer", "Step", "StepReader", "replica_balancer", "replica_data_loader"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +57,13 @@ class StepReader:
     """Reads optimizer steps from the Trainer's epoch iterator (see the module docstring)."""
 
     def __init__(self, planner: StepPlanner, topology: Topology, batches_ahead: int,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, balancer: "ReplicaBalancer | None" = None) -> None:
         """``batches_ahead``: micro-batches to read ahead after each step (the step after it;
-        0: no look-ahead). ``vocab_size``: token ids must be below it (checked as read)."""
+        0: no look-ahead). ``vocab_size``: token ids must be below it (checked as read).
+        ``balancer``: the batches are the whole global batch; this replica keeps the sequences
+        the balancer assigns it."""
         self.planner, self.topology, self.batches_ahead = planner, topology, batches_ahead
+        self.balancer = balancer
         self.vocab_size = vocab_size
         #: the step ``read`` returned last, until the trainer runs it
         self.current: Step | None = None
@@ -134,15 +146,31 @@ class StepReader:
             self.check_token_ids(x, i)
             seqs += x
             labels += y
+        if self.balancer is not None:
+            mine = self.balancer.assign([int(s.numel()) for s in seqs])
+            seqs, labels = [seqs[i] for i in mine], [labels[i] for i in mine]
         return Step(batches, seqs, labels, self.planner.submit([int(s.numel()) for s in seqs]))
+
+    def tokens_over_replicas(self, n: int) -> int:
+        """``n`` input tokens of this replica's micro-batch summed over the replicas (Trainer's
+        ``num_input_tokens_seen``); with a balancer the micro-batch is already the global one."""
+        return n if self.balancer is not None else int(self.topology.all_reduce_replicas(n))
 
 
 def replica_data_loader(dataset: Any, collate_fn: Callable, batch_size: int, args: Any, accelerator: Any,
-                        topology: Topology, sampler: Any = None, seed_workers: bool = False) -> DataLoader:
+                        topology: Topology, sampler: Any = None, seed_workers: bool = False,
+                        whole_step: bool = False) -> DataLoader:
     """The Trainer's ``DataLoader`` settings, sharded over the data-parallel replicas only: every
     pipeline rank of a replica reads the same batches in the same order (workers seeded by
-    replica with ``seed_workers``, not by process)."""
+    replica with ``seed_workers``, not by process). ``whole_step`` (balanced replicas): not
+    sharded; every rank reads micro-batches of ``batch_size x dp`` rows, the rows all replicas'
+    micro-batches would hold (the same step's sequences, the same number of batches)."""
     from accelerate.data_loader import prepare_data_loader
+
+    shards, index = topology.data_parallel_size, topology.replica
+    if whole_step:
+        batch_size = batch_size if accelerator.split_batches else batch_size * shards
+        shards, index = 1, 0
 
     params: dict[str, Any] = {
         "batch_size": batch_size, "collate_fn": collate_fn, "num_workers": args.dataloader_num_workers,
@@ -157,16 +185,66 @@ def replica_data_loader(dataset: Any, collate_fn: Callable, batch_size: int, arg
             params["sampler"] = sampler
         params["drop_last"] = args.dataloader_drop_last
         if seed_workers:
-            params["worker_init_fn"] = _WorkerInit(args.dataloader_num_workers, topology.replica)
+            params["worker_init_fn"] = _WorkerInit(args.dataloader_num_workers, index)
     acc = accelerator
     return prepare_data_loader(
-        DataLoader(dataset, **params), device=args.device, num_processes=topology.data_parallel_size,
-        process_index=topology.replica, split_batches=acc.split_batches, put_on_device=True,
+        DataLoader(dataset, **params), device=args.device, num_processes=shards, process_index=index,
+        split_batches=acc.split_batches, put_on_device=True,
         rng_types=list(acc.rng_types or []),
         dispatch_batches=False,  # every pipeline rank reads its replica's shard itself
         even_batches=acc.even_batches, use_seedable_sampler=acc.use_seedable_sampler,
         data_seed=acc.dataloader_config.data_seed, non_blocking=acc.non_blocking,
     )
+
+
+class ReplicaBalancer:
+    """Which of a step's sequences this replica runs: :func:`~concertina_hf.planning.balance_replicas`
+    on global rank 0 (the planner is pure and deterministic, but one maker is the simplest way to
+    have every rank agree even if cost models drift apart), broadcast to every rank; an error there
+    reaches every rank."""
+
+    def __init__(self, planner: StepPlanner, topology: Topology) -> None:
+        self.planner, self.topology = planner, topology
+        #: the last step's split (rank 0 only), for logs and tests
+        self.last_split = None
+
+    def split(self, seq_lens: list[int]) -> tuple[tuple[int, ...], ...]:
+        """Every replica's indices into ``seq_lens`` (pure: the planner's balanced split)."""
+        dp, setup = self.topology.data_parallel_size, self.planner.setup
+        if len(seq_lens) < dp:
+            raise ValueError(
+                f"a step holds {len(seq_lens)} sequences for concertina_data_parallel_size={dp} replicas: "
+                "every replica needs one; set concertina_balance_replicas=False (accelerate's count split "
+                "repeats sequences to fill replicas) or use a larger batch / dataloader_drop_last=True")
+        self.last_split = balance_replicas(
+            seq_lens, dp, self.planner.cost_model, setup.layout, setup.budgets, strategy=setup.strategy,
+            solver="greedy", max_tokens_per_chunk=setup.max_tokens_per_chunk)
+        return self.last_split.assignment
+
+    def assign(self, seq_lens: list[int]) -> tuple[int, ...]:
+        """This replica's indices into ``seq_lens`` (collective over every rank of the job)."""
+        payload: Any = None
+        if self.topology.rank == 0:
+            try:
+                payload = [list(a) for a in self.split(seq_lens)]
+            except Exception as e:  # every rank must learn about it, or the others wait forever
+                payload = f"{type(e).__name__}: {e}"
+        payload = self.topology.broadcast_from_rank0(payload)
+        if isinstance(payload, str):
+            raise RuntimeError(f"assigning a step's sequences to replicas failed on rank 0: {payload}")
+        return tuple(payload[self.topology.replica])
+
+
+def replica_balancer(args: Any, planner: StepPlanner, topology: Topology) -> ReplicaBalancer | None:
+    """The balancer a run uses (``None``: one replica, or ``concertina_balance_replicas=False``)."""
+    if topology.data_parallel_size == 1 or not args.concertina_balance_replicas:
+        return None
+    if not args.average_tokens_across_devices:
+        raise ValueError(
+            "concertina_balance_replicas=True needs average_tokens_across_devices=True: replicas run "
+            "different numbers of tokens, so only a loss normalised over the whole global batch equals "
+            "Trainer's; set average_tokens_across_devices=True or concertina_balance_replicas=False")
+    return ReplicaBalancer(planner, topology)
 
 
 class _WorkerInit:

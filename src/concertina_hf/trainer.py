@@ -47,7 +47,7 @@ from .run_setup import check_trainer_arguments, resolve_run
 from .self_check import self_check
 from .step_guard import StepGuard
 from .step_planner import StepPlanner
-from .steps import Step, StepReader, replica_data_loader
+from .steps import Step, StepReader, replica_balancer, replica_data_loader
 
 __all__ = ["ConcertinaTrainer"]
 
@@ -111,7 +111,8 @@ class ConcertinaTrainer(Trainer):
         self.planner = StepPlanner(self.setup, self.topology, overlap=args.concertina_overlap_planning)
         ahead = args.gradient_accumulation_steps if args.concertina_overlap_planning else 0
         self.steps = StepReader(self.planner, self.topology, batches_ahead=ahead,
-                                vocab_size=getattr(hf_model.config, "vocab_size", None))
+                                vocab_size=getattr(hf_model.config, "vocab_size", None),
+                                balancer=replica_balancer(args, self.planner, self.topology))
 
         self.replan = next((c for c in (callbacks or []) if isinstance(c, ReplanCallback)), None)
         if self.replan is None:
@@ -159,7 +160,8 @@ class ConcertinaTrainer(Trainer):
         if sampler_fn is not None and not isinstance(dataset, torch.utils.data.IterableDataset):
             sampler = sampler_fn(dataset)
         return replica_data_loader(dataset, data_collator, batch_size, self.args, self.accelerator, self.topology,
-                                   sampler=sampler, seed_workers=is_training)
+                                   sampler=sampler, seed_workers=is_training,
+                                   whole_step=is_training and self.steps.balancer is not None)
 
     # ------------------------------------------------------------------ one pipeline step per optimizer step
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
@@ -238,7 +240,7 @@ class ConcertinaTrainer(Trainer):
             n = int(inputs["attention_mask"].sum())
         else:
             n = int(inputs["input_ids"].numel())
-        self.state.num_input_tokens_seen += int(self.topology.all_reduce_replicas(n))
+        self.state.num_input_tokens_seen += self.steps.tokens_over_replicas(n)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """The Trainer's log, with the step's plan statistics (ReplanCallback) in the loss entry and
