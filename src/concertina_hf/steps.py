@@ -231,7 +231,8 @@ class ReplicaBalancer:
                 payload = f"{type(e).__name__}: {e}"
         payload = self.topology.broadcast_from_rank0(payload)
         if isinstance(payload, str):
-            raise RuntimeError(f"assigning a step's sequences to replicas failed on rank 0: {payload}")
+            raise RuntimeError(f"assigning a step's sequences to replicas failed on rank 0: {payload} "
+                               "(concertina_balance_replicas=False splits them by count instead)")
         return tuple(payload[self.topology.replica])
 
 
