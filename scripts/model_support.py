@@ -267,7 +267,15 @@ def check_type(model_type: str, **overrides) -> dict:
     except Exception as exc:
         return dict(row, verdict="CRASH", note=f"{type(exc).__name__}: {exc}")
     ok = all(l < LOSS_TOL and g < GRAD_TOL for l, g in (row["pp1"], row["pp2"]))
-    return dict(row, verdict="supported" if ok else "MISMATCH", note="")
+    if not ok:
+        return dict(row, verdict="MISMATCH", note="")
+    from concertina_hf.self_check import SelfCheckError, check_model
+
+    try:  # what ConcertinaTrainer runs at construction must agree (concertina_self_check=True)
+        check_model(model)
+    except SelfCheckError as exc:
+        return dict(row, verdict="MISMATCH", note=f"the self-check refuses it: {exc}")
+    return dict(row, verdict="supported", note="")
 
 
 def worker(types: list[str]) -> None:
@@ -342,6 +350,8 @@ def table(rows: list[dict], command: str) -> str:
     import torch
     import transformers
 
+    from concertina_hf.runtime.families import SUPPORTED_LAYOUT
+
     counts = {}
     for r in rows:
         counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
@@ -364,7 +374,9 @@ def table(rows: list[dict], command: str) -> str:
         "`PipelineExecutor` on one stage (pp=1) and as 2 stages run one after the other (pp=2). Figures: relative "
         "loss difference / worst relative gradient difference over the parameters (bounds 1e-5 / 1e-4). "
         "**does not build**: the tiny config or model cannot be built on the CPU (not a verdict on the model). "
-        "See `src/concertina_hf/runtime/families.py` for what is reproduced and what is refused, and why.",
+        "Every supported type also passes the trainer's own self-check (`concertina_self_check`). Each refusal "
+        "message ends with the supported layout, left out of the table: \"" + SUPPORTED_LAYOUT + "\". See "
+        "`src/concertina_hf/runtime/families.py` for what is reproduced and what is refused, and why.",
         "",
         "Totals: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) + ".",
         "",
@@ -373,8 +385,9 @@ def table(rows: list[dict], command: str) -> str:
     ]
     order = {"supported": 0, "MISMATCH": 1, "CRASH": 1, "refused": 2, "does not build": 3}
     for r in sorted(rows, key=lambda r: (order.get(r["verdict"], 9), r["type"])):
+        note = r.get("note", "").replace(". " + SUPPORTED_LAYOUT, "")  # said once, above the table
         lines.append(f"| {r['type']} | {r.get('class', '')} | {r['verdict']} | {_fmt(r.get('pp1'))} | "
-                     f"{_fmt(r.get('pp2'))} | {_cell(r.get('note', ''))} |")
+                     f"{_fmt(r.get('pp2'))} | {_cell(note)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -70,7 +70,9 @@ def test_config_level_refusals():
 
     cases = [
         (T5Config(), "model type 't5'", "encoder-decoder"),
-        (Gemma3Config(), "model type 'gemma3'", "composite (multimodal) config with text_config, vision_config"),
+        (Gemma3Config(), "model type 'gemma3'",
+         "a composite config with text_config, vision_config (several models in one) is not supported; train its "
+         "text model"),
         (Qwen3NextConfig(), "model type 'qwen3_next'", "config.layer_types has 'linear_attention' layers"),
         (MixtralConfig(output_router_logits=True), "model type 'mixtral'", "output_router_logits=True adds the router"),
     ]

@@ -49,6 +49,7 @@ from torch import nn
 
 __all__ = [
     "ATTENTION_LAYER_TYPES",
+    "ATTENTION_MODULES",
     "FORWARD_WORK",
     "LAYER_INPUTS",
     "LOGITS_SCALING_MULTIPLIES",
@@ -68,6 +69,8 @@ SUPPORTED_LAYOUT = (
 )
 #: ``config.layer_types`` entries that are attention the runtime's backend implements
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+#: the name of a decoder layer's attention module (HF's ``self_attn``; JetMoe's ``self_attention``)
+ATTENTION_MODULES = ("self_attn", "self_attention")
 #: model types whose ``forward`` multiplies the logits by ``config.logits_scaling`` (Granite and
 #: MiniCPM3 divide by it): the attribute's name does not tell
 LOGITS_SCALING_MULTIPLIES = frozenset({"hyperclovax"})
@@ -114,16 +117,20 @@ def check_config(config: Any, model: nn.Module | None = None) -> None:
     subs = [k for k in ("text_config", "vision_config", "audio_config", "decoder_config") if
             getattr(config, k, None) is not None]
     if subs:
-        raise _refuse(config, model, f"a composite (multimodal) config with {', '.join(subs)} is not supported; "
-                                     "train its text model (e.g. AutoModelForCausalLM.from_config(config.text_config))")
+        hint = ("; train its text model (e.g. AutoModelForCausalLM.from_config(config.text_config))"
+                if "text_config" in subs else "")
+        raise _refuse(config, model, f"a composite config with {', '.join(subs)} (several models in one) is not "
+                                     f"supported{hint}")
     types = getattr(config, "layer_types", None)
     if isinstance(types, (list, tuple)):
         other = sorted({str(t) for t in types} - ATTENTION_LAYER_TYPES)
         if other:
-            raise _refuse(config, model, f"config.layer_types has {', '.join(repr(t) for t in other)} layers: "
-                                         "recurrent, linear-attention, convolutional or other non-standard mixers "
-                                         "(their state would leak between packed sequences and be lost between "
-                                         "slices of a split sequence) are not supported")
+            raise _refuse(config, model, f"config.layer_types has {', '.join(repr(t) for t in other)} layers, which "
+                                         "the pipeline does not implement (only full_attention and "
+                                         "sliding_attention): recurrent, linear-attention or convolutional mixers "
+                                         "would carry state between packed sequences and lose it between slices of "
+                                         "a split sequence; sparse, indexed or chunked attention selects keys the "
+                                         "pipeline's attention does not")
     if getattr(config, "output_router_logits", False):
         raise _refuse(config, model, "output_router_logits=True adds the router auxiliary (load-balancing) loss "
                                      "to HF's training loss; the pipeline trains on the cross-entropy only and "
@@ -208,7 +215,7 @@ def inspect_model(model: nn.Module) -> ModelFamily:
         raise _refuse(config, model, f"{', '.join(extra)} run(s) in the model's forward outside the decoder layers, "
                                      "which the pipeline does not reproduce")
     for i, layer in enumerate(inner.layers):
-        if getattr(layer, "self_attn", None) is None:
+        if all(getattr(layer, n, None) is None for n in ATTENTION_MODULES):
             kids = ", ".join(n for n, _ in layer.named_children())
             raise _refuse(config, model, f"decoder layer {i} ({type(layer).__name__}) has no self_attn (its modules: "
                                          f"{kids}): a layer whose token mixer is not attention is not supported")
