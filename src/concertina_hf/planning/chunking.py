@@ -12,7 +12,10 @@ Chunking (:func:`make_chunking`):
 
 1. The longest sequence is cut into ``K`` equal-work slices (more if a slice would exceed the
    token cap); one slice's work plus ``beta`` is the time target ``T`` of every chunk (unless
-   ``time_target`` is given).
+   ``time_target`` is given). When that takes more than twice the fewest slices the cap allows
+   (equal-work slices under a cap need about ``(longest / cap)^2`` of them: a 153K-token
+   sequence under a 4096 cap 1024 instead of 38), the longest is cut like the others (step 2)
+   at the time target of ``K`` slices.
 2. Every other sequence whose work exceeds ``T`` or whose length exceeds the token cap is cut
    too (sequences of at most ``split_threshold`` tokens never are; alone they may exceed
    ``T``): into slices of exactly the target work (or the cap) from its start, and a lighter
@@ -130,7 +133,9 @@ def _target_split(seq_len: int, target_work: float, token_cap: int, a: float, b:
     while True:
         lo = bounds[-1]
         rest = seq_len - lo
-        if rest <= token_cap and a * (seq_len * seq_len - lo * lo) + b * rest <= target_work * (1 + _TOL):
+        # (a last token heavier than the target is the tail alone: slices hold at least one token)
+        if rest <= token_cap and (rest == 1 or a * (seq_len * seq_len - lo * lo) + b * rest
+                                  <= target_work * (1 + _TOL)):
             break
         x = int(_inverse_work(_prefix_work(lo, a, b) + target_work, a, b) + _TOL * seq_len)
         bounds.append(max(lo + 1, min(x, lo + token_cap, seq_len - 1)))
@@ -395,8 +400,14 @@ class SequenceBatch:
         elif num_slices_longest < 1:
             target_work = whole / num_slices_longest
         else:
-            k_long = _slices_needed(longest, whole / min(int(num_slices_longest), longest) * (1 + _TOL), token_cap, a, b)
+            k = min(int(num_slices_longest), longest)
+            k_long = _slices_needed(longest, whole / k * (1 + _TOL), token_cap, a, b)
             target_work = whole / k_long  # per chunk, beta excluded
+            if k_long > max(k, 2 * -(-longest // token_cap)):
+                # the cap binds hard: equal-work slices under it need about (longest / cap)^2
+                # of them (the first slice is the longest), so the longest is cut like the
+                # others, cap-sized slices first, at the time target of K slices
+                k_long, target_work = 1, whole / k
         threshold = 0 if split_threshold is None else int(split_threshold)
         limit = target_work * (1 + _TOL)
         cuts: list[tuple[int, list[int]]] = []

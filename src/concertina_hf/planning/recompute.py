@@ -65,14 +65,16 @@ import math
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .budgets import stage_budgets, within_budgets
 from .cost import CostModel
 from .simulate import backward_slack, memory_moments, simulate, stage_representatives
 from .types import Action, ActionKind, Plan, PlanError
 
-__all__ = ["SOLVERS", "InfeasiblePlanError", "assign_recompute", "fits", "uniform_recompute"]
+__all__ = [
+    "SOLVERS", "InfeasiblePlanError", "assign_recompute", "fits", "min_uniform_recompute", "uniform_recompute",
+]
 
 #: the recompute solvers (``solver`` of :func:`~.strategies.plan_step`, ``method`` here,
 #: ``concertina_solver`` of the trainer)
@@ -122,6 +124,8 @@ class _Moment:
     in_flight: tuple[int, ...]
     backward: int  # -1 after a forward
     base0: float  # bytes with no recompute at all
+    sum_d: float = 0.0  # sum of D over in_flight (what one recomputed layer on every chunk saves)
+    sum_f: float = 0.0  # sum of F over in_flight (what full recompute of every chunk saves)
 
 
 @dataclass
@@ -209,12 +213,23 @@ def _build_model(plan: Plan, cost: CostModel, budgets: Sequence[int]) -> _Model:
     for s in range(p):
         row = []
         a0 = A0[s]
+        # the activations in flight as a running sum, in the simulator's order of operations (at
+        # r = 0 the two agree to the bit)
+        d, f = D[s], F[s]
+        acts, sd, sf, held = 0.0, 0.0, 0.0, 0
         for mo in memory_moments(plan, cost, s):
-            base = mo.const + sum(a0[c] for c in mo.in_flight)
-            b = -1 if mo.backward is None else mo.backward
-            if b >= 0:
-                base += T0[s][b]
-            row.append(_Moment(mo.action, mo.in_flight, b, base))
+            if mo.backward is None:
+                c = mo.action.chunk
+                acts += a0[c]
+                sd += d[c]
+                sf += f[c]
+                held += 1
+                row.append(_Moment(mo.action, mo.in_flight, -1, mo.const + acts, sd, sf))
+            else:
+                b = mo.backward
+                row.append(_Moment(mo.action, mo.in_flight, b, mo.const + acts + T0[s][b], sd, sf))
+                held -= 1
+                acts, sd, sf = (acts - a0[b], sd - d[b], sf - f[b]) if held else (0.0, 0.0, 0.0)
         moments.append(row)
     slack = [[0.0] * n for _ in range(p)]
     return _Model(p, layers, list(budgets), A0, D, X, t, diag, len(diag_id), moments, slack, F)
@@ -276,6 +291,54 @@ def _infeasible(plan: Plan, model: _Model, cost: CostModel) -> None:
         "concertina_memory_budget, lower concertina_max_tokens_per_chunk (smaller chunks and slices), or use a "
         "larger concertina_pipeline_size (fewer layers per stage)"
     )
+
+
+# ---------------------------------------------------------------------------- uniform recompute
+def min_uniform_recompute(plan: Plan, cost: CostModel, budgets: Sequence[int]) -> int | None:
+    """The fewest layers ``r`` that :func:`uniform_recompute` (``min(r, layers)`` on every stage
+    and chunk) needs for every stage to fit its budget, from the memory model alone (no
+    simulation); ``None`` when even full recompute does not fit.
+
+    A chunk's activations are linear in its recomputed layers between 1 and all of them (the
+    per-chunk closure term is a step at 1), so at each memory moment the bytes for ``r`` layers
+    are ``base0`` at 0, ``base0 - sum_F (+ X)`` at all, and a line between 1 and all; each moment
+    bounds ``r`` from one side, so every stage's fitting ``r`` are ``{0}``, an interval and ``{L}``
+    (not always monotone: a split chunk's K/V can make recompute cost memory), found in
+    ``O(moments)``. Float rounding aside, it agrees with :func:`simulate` (the caller checks)."""
+    p = plan.num_stages
+    budgets = list(stage_budgets(budgets, p, setting="budgets"))
+    model = _build_model(plan, cost.for_plan(plan), budgets)  # (as simulate runs it)
+    allowed: list[Callable[[int], bool]] = []
+    for s in range(p):
+        b, L = budgets[s], model.layers[s]
+        if b == 0:
+            allowed.append(lambda r: True)
+            continue
+        X = model.X[s]
+        ok0 = okL = True
+        lo, hi = 1, L - 1  # the interval of 1 .. L-1 that fits
+        for m in model.moments[s]:
+            if m.base0 > b:
+                ok0 = False
+            if m.base0 - m.sum_f + (X[m.backward] if m.backward >= 0 else 0.0) > b:
+                okL = False
+            if L > 1:
+                # r in 1..L-1: base0 - sum_d - (r - 1) * g, g the slope per layer beyond the first
+                v1, g = m.base0 - m.sum_d, (m.sum_f - m.sum_d) / (L - 1)
+                if v1 <= b and v1 - (L - 2) * g <= b:
+                    continue
+                if g > 0:
+                    lo = max(lo, 1 + math.ceil((v1 - b) / g))
+                elif g < 0:
+                    hi = min(hi, 1 + math.floor((b - v1) / -g))
+                else:
+                    hi = 0
+        allowed.append(lambda r, ok0=ok0, okL=okL, lo=lo, hi=hi, L=L:
+                       (ok0 if r == 0 else okL if r >= L else lo <= r <= hi))
+    for r in range(max(model.layers) + 1):
+        if all(allowed[s](min(r, model.layers[s])) for s in range(p)):
+            return r
+    return None
 
 
 # ---------------------------------------------------------------------------- greedy

@@ -313,8 +313,15 @@ class Plan:
         flat = [ci for members in self.groups for ci in members]
         if flat != list(range(self.num_chunks)):
             raise PlanError("pipeline groups must list every chunk once, in forward order")
+        by_seq: list[list[tuple[int, Slice]]] = [[] for _ in self.seq_lens]  # slices_of, for all at once
+        for c in self.chunks:
+            for sl in c.slices:
+                if not 0 <= sl.seq < len(by_seq):
+                    raise PlanError(f"chunk {c.index} holds a slice of sequence {sl.seq}, not in the step")
+                by_seq[sl.seq].append((c.index, sl))
+        seq_chunks: list[list[int]] = []
         for seq, n in enumerate(self.seq_lens):
-            parts = self.slices_of(seq)
+            parts = sorted(by_seq[seq], key=lambda cs: cs[1].start)
             pos = 0
             for ci, s in parts:
                 if s.start != pos:
@@ -325,6 +332,7 @@ class Plan:
             if pos != n:
                 raise PlanError(f"sequence {seq}: covers {pos} of {n} tokens")
             chunk_ids = [ci for ci, _ in parts]
+            seq_chunks.append(chunk_ids)
             if chunk_ids != sorted(chunk_ids) or len(set(chunk_ids)) != len(chunk_ids):
                 raise PlanError(f"sequence {seq}: slices are not in increasing chunk order")
             if len({chunk_group[ci] for ci in chunk_ids}) > 1:
@@ -332,7 +340,8 @@ class Plan:
         # schedule
         if len(self.schedule) != p:
             raise PlanError(f"schedule has {len(self.schedule)} stages, layout has {p}")
-        seq_chunks = {seq: [ci for ci, _ in self.slices_of(seq)] for seq in range(len(self.seq_lens))}
+        # position of each (sequence, chunk) in the sequence's chain of chunks
+        chain_pos = {(seq, ci): k for seq, chain in enumerate(seq_chunks) for k, ci in enumerate(chain)}
         for st, actions in enumerate(self.schedule):
             fdone: set[int] = set()
             bdone: set[int] = set()
@@ -351,7 +360,7 @@ class Plan:
                     raise PlanError(f"action {a} runs before its forward")
                 for s in self.chunks[a.chunk].slices:
                     chain = seq_chunks[s.seq]
-                    k = chain.index(a.chunk)
+                    k = chain_pos[(s.seq, a.chunk)]
                     if a.kind is ActionKind.FORWARD and k > 0 and chain[k - 1] not in fdone:
                         raise PlanError(f"action {a}: earlier slice (chunk {chain[k-1]}) not forwarded yet")
                     if a.kind is ActionKind.BACKWARD and k + 1 < len(chain) and chain[k + 1] not in bdone:

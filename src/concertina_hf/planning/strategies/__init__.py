@@ -28,11 +28,11 @@ from typing import Any, Callable, Sequence
 from ..budgets import stage_budgets
 from ..chunking import SequenceBatch
 from ..cost import CostModel
-from ..recompute import SOLVERS, InfeasiblePlanError
+from ..recompute import SOLVERS
 from ..types import Plan, PlanError, StageLayout
 from .adaptive import ADAPTIVE_KNOBS, CHUNKING_KNOBS, plan_adaptive, plan_full_recompute, plan_no_recompute
 from .baselines import PACKED_KNOBS, SPLIT_KNOBS, plan_packed, plan_split
-from .common import PlanRequest
+from .common import PlanRequest, check_step
 from .sp_only import SP_ONLY_KNOBS, plan_sp_only
 
 __all__ = ["PIPELINE_STRATEGIES", "REGISTRY", "STRATEGIES", "PlanRequest", "Strategy", "ideal_step_time", "plan_step"]
@@ -54,18 +54,22 @@ class Strategy:
     """Its plans run on the request's pipeline stages (the trainer can execute them); ``False``:
     a baseline simulated on another layout of the same GPUs (recorded in the plan's knobs),
     which checks its own static memory and which the trainer refuses."""
+    splits_sequences: bool = True
+    """Whether a sequence longer than ``max_tokens_per_chunk`` is cut (``packed`` keeps it whole,
+    in a chunk of its own): how many chunks a token cap forces (:func:`~.common.check_step`)."""
 
 
 REGISTRY: tuple[Strategy, ...] = (
     Strategy("adaptive", ADAPTIVE_KNOBS, plan_adaptive,
              "workload-balanced chunks, pipeline groups and adaptive recompute (the method)"),
-    Strategy("packed", PACKED_KNOBS, plan_packed, "whole sequences under a token budget, uniform recompute"),
+    Strategy("packed", PACKED_KNOBS, plan_packed, "whole sequences under a token budget, uniform recompute",
+             splits_sequences=False),
     Strategy("split", SPLIT_KNOBS, plan_split, "long sequences in N equal slices (Seq1F1B-like), uniform recompute"),
     Strategy("no-recompute", CHUNKING_KNOBS, plan_no_recompute, "adaptive's chunking with no recompute"),
     Strategy("full-recompute", CHUNKING_KNOBS, plan_full_recompute, "adaptive's chunking, every layer recomputed"),
     Strategy("sp-only", SP_ONLY_KNOBS, plan_sp_only,
              "no pipeline: the replica's GPUs in Ulysses groups with ZeRO-3 (DeepSpeed ALST; simulated only)",
-             pipeline=False),
+             pipeline=False, splits_sequences=False),
 )
 #: the strategies' names, the method first
 STRATEGIES = tuple(s.name for s in REGISTRY)
@@ -109,7 +113,12 @@ def plan_step(
     ``num_slices``, ``recompute_layers`` (see :data:`REGISTRY`). The chosen settings are in
     ``plan.knobs``.
 
-    Raises :class:`~..recompute.InfeasiblePlanError` when nothing fits the budget.
+    Raises :class:`~..recompute.InfeasiblePlanError` when nothing fits the budget (at once, from
+    a lower bound, when a stage cannot hold its static memory plus the longest sequence even
+    fully recomputed), :class:`~..types.PlanError` when ``max_tokens_per_chunk`` would cut the
+    step into more chunks than a plan may have (:func:`~.common.max_chunks`: 2048, 1024 on 8
+    stages; see :func:`~.common.check_step`). Every search is bounded by counted work, not time
+    (:data:`~.common.SEARCH_EFFORT`): a call takes well under 2 s and plans deterministically.
     """
     if strategy not in _BY_NAME:
         raise PlanError(f"unknown planning strategy {strategy!r}; use one of {STRATEGIES} (concertina_strategy)")
@@ -121,7 +130,8 @@ def plan_step(
     if bad:
         raise PlanError(f"strategy {strategy!r} has no knob(s) {bad}; it accepts {list(record.knobs)}")
     if max_tokens_per_chunk is not None and max_tokens_per_chunk < 1:
-        raise PlanError(f"max_tokens_per_chunk must be positive (got {max_tokens_per_chunk})")
+        raise PlanError(f"max_tokens_per_chunk (concertina_max_tokens_per_chunk, --max-tokens-per-chunk) must be at "
+                        f"least 1 token (got {max_tokens_per_chunk})")
     lens = [int(n) for n in seq_lens]
     if not lens or max(lens) <= 0:
         raise PlanError("a step needs at least one non-empty sequence")
@@ -129,13 +139,8 @@ def plan_step(
         raise PlanError(f"the stage layout has {layout.num_layers} layers but the cost model {cost.num_layers}; "
                         "build both from the same model config")
     budgets = stage_budgets(memory_budget_bytes, layout.num_stages)
-    for s, b in enumerate(budgets if record.pipeline else ()):  # no plan fits: every peak is static memory plus activations
-        if b and cost.static_memory(layout, s) >= b:
-            raise InfeasiblePlanError(
-                f"{strategy}: stage {s}'s memory budget of {b} bytes ({b / 2**30:.3g} GiB) is below its static "
-                f"memory alone ({cost.static_memory(layout, s) / 2**30:.3g} GiB of weights, gradients and optimizer "
-                "state); raise the budget (concertina_memory_budget) or use more pipeline stages")
     token_cap = int(max_tokens_per_chunk) if max_tokens_per_chunk is not None else None
+    check_step(record, lens, cost, layout, budgets, token_cap)  # the refusals that need no search
     return record.run(PlanRequest(lens=lens, batch=SequenceBatch(lens, cost, layout), cost=cost, layout=layout,
                                   budgets=budgets, token_cap=token_cap, solver=solver, time_limit_s=time_limit_s,
                                   knobs=knobs))

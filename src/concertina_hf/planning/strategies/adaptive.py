@@ -25,7 +25,7 @@ from ..budgets import within_budgets
 from ..cost import CostModel
 from ..recompute import InfeasiblePlanError, assign_recompute, uniform_recompute
 from ..simulate import SimResult, simulate
-from ..types import Plan
+from ..types import Plan, PlanError
 from .common import GIB, PlanRequest, describe_longest, finish, overshoot, plan_of, worst_stage
 from .search import Candidate, ChunkingSearch, candidate_knobs, run_search
 
@@ -35,6 +35,9 @@ __all__ = ["ADAPTIVE_KNOBS", "CHUNKING_KNOBS", "plan_adaptive", "plan_full_recom
 CHUNKING_KNOBS = ("num_slices_longest", "k_candidates", "max_groups", "split_threshold", "time_target")
 #: adaptive's settings: the chunking search's, and how many finalists it simulates
 ADAPTIVE_KNOBS = CHUNKING_KNOBS + ("num_finalists",)
+#: plans of more chunk-stages keep the greedy recompute assignment with ``solver="ilp"`` (at 1600
+#: chunk-stages building and solving the ILP takes about 0.2 s on a free core, and grows faster)
+ILP_MAX_CHUNK_STAGES = 1024
 
 
 def _with_recompute(plan: Plan, cost: CostModel, budgets: tuple[int, ...], likely_fits: bool) -> Plan:
@@ -82,12 +85,15 @@ def plan_adaptive(req: PlanRequest) -> Plan:
     found = run_search(search, evaluate, phases)
     if found is None and "num_slices_longest" not in knobs:
         # Splitting keeps every slice of a sequence in flight (plus its K/V), so when memory is
-        # tight a baseline's chunking can fit where no balanced one does: the fastest that fits.
+        # tight a baseline's chunking can fit where no balanced one does: the fastest that fits
+        # (within the search's effort).
         fitting = [(plan.predicted.step_time_s, i, c, plan) for i, c in enumerate(search.baseline_candidates())
-                   if (plan := evaluate(c)) is not None]
+                   if (plan := search.evaluate_once(c, evaluate)) is not None]
         if fitting:
             found = min(fitting, key=lambda v: v[:2])[2:]
     if found is None:
+        if not errors:  # nothing was evaluated: every candidate had too many chunks
+            raise search.nothing_evaluated_error() or PlanError("adaptive: no candidate chunking was evaluated")
         tried = sorted({c.k for c in search.cands.values()})
         raise InfeasiblePlanError(
             f"adaptive: no chunking of this step fits the memory budgets {_fmt_budgets(budgets)} (tried "
@@ -95,7 +101,9 @@ def plan_adaptive(req: PlanRequest) -> Plan:
         ) from errors[0]
     cand, best = found
     used = "greedy" if any(any(row) for row in best.recompute) else "none"
-    if req.solver == "ilp" and used == "greedy":
+    # the ILP's model grows with chunk-stages and PuLP builds it in Python beyond CBC's time
+    # limit: large plans keep the greedy assignment
+    if req.solver == "ilp" and used == "greedy" and best.num_chunks * layout.num_stages <= ILP_MAX_CHUNK_STAGES:
         try:
             ilp = assign_recompute(dataclasses.replace(best, predicted=None), cost, budgets, method="ilp",
                                    time_limit_s=req.time_limit_s)
@@ -125,6 +133,8 @@ def _plan_fixed_recompute(strategy: str, req: PlanRequest) -> Plan:
     # every candidate is simulated: there is no recompute to assign, only a fit to check
     found = run_search(search, evaluate, [(1, math.inf)])
     if found is None:
+        if not closest:  # nothing was evaluated: every candidate had too many chunks
+            raise search.nothing_evaluated_error() or PlanError(f"{strategy}: no candidate chunking was evaluated")
         _, c, sim = min(closest, key=lambda x: (x[0], x[1].order()))
         s = worst_stage(sim.peak_memory_bytes, budgets)
         raise InfeasiblePlanError(

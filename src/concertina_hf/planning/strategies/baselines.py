@@ -4,24 +4,29 @@
 token budget (a longer sequence gets a micro-batch of its own; tokens are never dropped),
 uniform recompute (the same number of layers on every stage and chunk). Tuned: the budget over
 powers of two and 1.5x between, from the longest sequence down to 1/64 of it, and for each the
-fewest uniform recompute layers that fit (binary search; time grows with recompute).
+fewest uniform recompute layers that fit (from the recompute planner's memory model,
+:func:`~..recompute.min_uniform_recompute`, checked by a simulation; time grows with recompute).
 
 ``split`` (token-level PP, Seq1F1B-like): sequences longer than ``S = ceil(longest / N)``
 tokens cut into ``ceil(len / S)`` equal-length slices (the longest into ``N``), short ones
 packed up to ``S`` tokens; uniform recompute. Tuned: ``N`` (1 .. 64) and recompute as above.
 
-Each setting costs a chunking and ``O(log layers)`` simulations.
+Each setting costs a chunking and a simulation, when recompute is needed the memory model and
+another. Settings of more chunks than
+a plan may have (:func:`~.common.max_chunks`) are skipped, and once the effort spent passes
+:data:`~.common.SEARCH_EFFORT` (counted in simulated chunk-stages) the rest are.
 """
 
 from __future__ import annotations
 
 from ..budgets import within_budgets
 from ..cost import CostModel
-from ..recompute import InfeasiblePlanError, uniform_recompute
+from ..recompute import InfeasiblePlanError, min_uniform_recompute, uniform_recompute
 from ..simulate import SimResult, simulate
 from ..types import Plan, PlanError
 from .common import (
-    GIB, N_CANDIDATES, PlanRequest, describe_longest, finish, overshoot, plan_of, token_budget_candidates, worst_stage,
+    GIB, N_CANDIDATES, SEARCH_EFFORT, PlanRequest, describe_longest, finish, max_chunks, overshoot, plan_of,
+    token_budget_candidates, too_many_chunks, worst_stage,
 )
 
 __all__ = ["PACKED_KNOBS", "SPLIT_KNOBS", "plan_packed", "plan_split", "uniform_search"]
@@ -32,16 +37,20 @@ PACKED_KNOBS = ("token_budget", "recompute_layers")
 SPLIT_KNOBS = ("num_slices", "recompute_layers")
 
 
-def uniform_search(plan: Plan, cost: CostModel, budgets: tuple[int, ...],
-                    fixed: int | None) -> tuple[int, Plan, SimResult] | tuple[None, Plan, SimResult]:
+def uniform_search(plan: Plan, cost: CostModel, budgets: tuple[int, ...], fixed: int | None,
+                   effort: list[int] | None = None) -> tuple[int, Plan, SimResult] | tuple[None, Plan, SimResult]:
     """The fewest uniform recompute layers that fit (time grows with recompute, memory falls),
-    or ``fixed``; ``(None, plan, sim)`` at full recompute when nothing fits."""
+    or ``fixed``; ``(None, plan, sim)`` at full recompute when nothing fits. ``effort[0]``, if
+    given, counts the chunk-stages simulated (the memory model counts as a simulation)."""
+    effort = [0] if effort is None else effort
     max_layers = max(plan.layout.num_stage_layers(s) for s in range(plan.num_stages))
+    size = plan.num_chunks * plan.num_stages
     if fixed is not None:
         if not 0 <= fixed <= max_layers:
             raise PlanError(f"recompute_layers={fixed} must be within 0..{max_layers}")
         cand = uniform_recompute(plan, fixed)
         sim = simulate(cand, cost)
+        effort[0] += size
         return (fixed if within_budgets(sim.peak_memory_bytes, budgets) else None), cand, sim
     sims: dict[int, tuple[Plan, SimResult]] = {}
 
@@ -49,6 +58,7 @@ def uniform_search(plan: Plan, cost: CostModel, budgets: tuple[int, ...],
         if r not in sims:
             cand = uniform_recompute(plan, r)
             sims[r] = (cand, simulate(cand, cost))
+            effort[0] += size
         return sims[r]
 
     def fits_at(r: int) -> bool:
@@ -56,6 +66,12 @@ def uniform_search(plan: Plan, cost: CostModel, budgets: tuple[int, ...],
 
     if fits_at(0):
         return (0, *at(0))
+    # the memory model's answer, checked by one simulation (a binary search of simulations if
+    # float rounding makes them disagree)
+    r = min_uniform_recompute(plan, cost, budgets)
+    effort[0] += size
+    if r is not None and fits_at(r):
+        return (r, *at(r))
     if not fits_at(max_layers):
         return (None, *at(max_layers))
     lo, hi = 0, max_layers  # lo does not fit, hi fits
@@ -97,9 +113,16 @@ def _plan_baseline(strategy: str, req: PlanRequest) -> Plan:
             settings = [("num_slices", n, -(-longest // n))]
     best = None
     closest = None
+    limit, effort, smallest = max_chunks(layout), [0], None
     for name, value, size in settings:
         ch = batch.by_tokens(size, split=(strategy == "split"))
-        r, plan, sim = uniform_search(plan_of(strategy, ch, layout), cost, budgets, fixed_r)
+        if ch.num_chunks > limit:
+            smallest = ch.num_chunks if smallest is None else min(smallest, ch.num_chunks)
+            continue
+        # a setting costs one to three simulations (or the memory model); within the effort
+        if effort[0] and effort[0] + ch.num_chunks * layout.num_stages > SEARCH_EFFORT:
+            continue
+        r, plan, sim = uniform_search(plan_of(strategy, ch, layout), cost, budgets, fixed_r, effort)
         if r is None:
             over = overshoot(sim.peak_memory_bytes, budgets)
             if closest is None or over < closest[0]:
@@ -108,6 +131,8 @@ def _plan_baseline(strategy: str, req: PlanRequest) -> Plan:
         if best is None or sim.step_time_s < best[0]:
             knob = {name: value, "token_budget": size} if name != "token_budget" else {name: value}
             best = (sim.step_time_s, plan, sim, {**knob, "recompute_layers": r})
+    if best is None and closest is None:
+        raise too_many_chunks(strategy, lens, layout, smallest, max_tokens)
     if best is None:
         over, name, value, sim = closest
         s = worst_stage(sim.peak_memory_bytes, budgets)

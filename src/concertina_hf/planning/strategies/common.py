@@ -9,17 +9,32 @@ from typing import Any, Mapping, Sequence
 
 from ..chunking import Chunking, SequenceBatch
 from ..cost import CostModel
+from ..recompute import InfeasiblePlanError
 from ..schedule import build_schedule
-from ..types import Plan, PlanStats, StageLayout
+from ..types import Chunk, ChunkKind, Plan, PlanError, PlanStats, Slice, StageLayout
 
 __all__ = [
-    "GIB", "N_CANDIDATES", "PlanRequest", "describe_longest", "finish", "overshoot", "plan_of",
-    "token_budget_candidates", "worst_stage",
+    "ASSIGN_COST", "GIB", "MAX_CHUNKS", "MAX_CHUNK_STAGES", "N_CANDIDATES", "SEARCH_EFFORT", "PlanRequest",
+    "check_step", "describe_longest", "finish", "max_chunks", "min_chunks", "overshoot", "plan_of",
+    "token_budget_candidates", "too_many_chunks", "worst_stage",
 ]
 
 GIB = 2**30
 # split baseline: slices of the longest
 N_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+#: The largest plan a strategy builds, in chunk-stages (chunks times pipeline stages) and in
+#: chunks: planning time grows with both (a simulation costs about 30 us per chunk-stage in pure
+#: Python, a greedy recompute assignment about four simulations, and the recompute model
+#: lists what is in flight at every action), so a chunking with more is never evaluated and a
+#: token cap that forces more is refused before any search (:func:`check_step`).
+MAX_CHUNK_STAGES = 8192
+MAX_CHUNKS = 2048
+#: Chunk-stages one ``plan_step`` call may simulate (a recompute assignment counts
+#: :data:`ASSIGN_COST` simulations) once it has a plan, or while it looks for one that fits:
+#: counted, not timed, so planning stays deterministic; about 1 s on a free core.
+SEARCH_EFFORT = 40960
+#: simulations a greedy recompute assignment costs, for :data:`SEARCH_EFFORT`
+ASSIGN_COST = 4
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -106,3 +121,102 @@ def overshoot(peaks: Sequence[int], budgets: Sequence[int]) -> float:
 def worst_stage(peaks: Sequence[int], budgets: Sequence[int]) -> int:
     """The stage furthest over its budget (the first of equals)."""
     return max(range(len(budgets)), key=lambda q: peaks[q] / budgets[q] if budgets[q] else 0)
+
+
+def max_chunks(layout: StageLayout) -> int:
+    """The most chunks a plan on ``layout`` may have: :data:`MAX_CHUNKS`, or
+    :data:`MAX_CHUNK_STAGES` over the stages if fewer (2048 on 1-4 stages, 1024 on 8)."""
+    return max(1, min(MAX_CHUNKS, MAX_CHUNK_STAGES // layout.num_stages))
+
+
+_CAP_SETTING = "max_tokens_per_chunk (concertina_max_tokens_per_chunk, --max-tokens-per-chunk)"
+
+
+def too_many_chunks(strategy: str, lens: Sequence[int], layout: StageLayout, chunks: int,
+                    token_cap: int | None) -> PlanError:
+    """The error of a step whose every chunking the strategy tried has too many chunks."""
+    limit = max_chunks(layout)
+    total = sum(lens)
+    fix = (f"raise {_CAP_SETTING} from {token_cap} to at least {-(-total // limit)} tokens, or leave it unset"
+           if token_cap is not None else "plan fewer tokens per optimizer step")
+    return PlanError(
+        f"{strategy}: every chunking of this step tried has more than {limit} chunks (the closest: {chunks}; "
+        f"{total} tokens on {layout.num_stages} stage(s); the limit keeps planning under a second); {fix}")
+
+
+def min_chunks(lens: Sequence[int], token_cap: int, splits_sequences: bool = True) -> int:
+    """The fewest chunks a token cap allows: ``ceil(tokens / cap)``; without splitting, each
+    longer sequence alone plus the others at ``cap`` tokens a chunk.
+
+    >>> min_chunks([5, 3, 1], 2), min_chunks([5, 3, 1], 2, splits_sequences=False)
+    (5, 3)
+    """
+    if splits_sequences:
+        return -(-sum(lens) // token_cap)
+    short = sum(n for n in lens if n <= token_cap)
+    return sum(1 for n in lens if n > token_cap) + -(-short // token_cap)
+
+
+def check_step(record: Any, lens: Sequence[int], cost: CostModel, layout: StageLayout,
+               budgets: Sequence[int], token_cap: int | None) -> None:
+    """The refusals that need no search, each in microseconds (``plan_step`` runs them first;
+    ``record``: the strategy's :class:`~.Strategy`; the memory checks only for the strategies
+    whose plans run on ``layout``):
+
+    - a stage whose static memory alone (weights, gradients, optimizer state) reaches its budget;
+    - a stage that cannot hold the longest sequence even recomputing every layer: all its
+      tokens are in flight at once on every stage (its slices run forward in order and backward
+      in reverse order, so the last slice's backward comes after every forward), each holding
+      at least a recomputed layer's input per layer (or its saved activations, if smaller) and
+      its logits (last stage) or output (the others), as :meth:`CostModel.act_memory` counts them;
+    - a token cap that cuts the step into more than :func:`max_chunks` chunks
+      (:func:`min_chunks` at least), naming the smallest cap that would do.
+    """
+    strategy = record.name
+    # (a strategy whose plans run on another layout, sp-only, checks its own memory)
+    for s, b in enumerate(budgets if record.pipeline else ()):
+        if b and cost.static_memory(layout, s) >= b:
+            raise InfeasiblePlanError(
+                f"{strategy}: stage {s}'s memory budget of {b} bytes ({b / GIB:.3g} GiB) is below its static "
+                f"memory alone ({cost.static_memory(layout, s) / GIB:.3g} GiB of weights, gradients and optimizer "
+                "state); raise the budget (concertina_memory_budget) or use more pipeline stages")
+    q = max(range(len(lens)), key=lambda i: (lens[i], -i))
+    whole = Chunk(0, ChunkKind.PACKED, (Slice(q, 0, lens[q]),))
+    for s, b in enumerate(budgets if record.pipeline else ()):
+        if not b:
+            continue
+        n = layout.num_stage_layers(s)
+        act = min(cost.act_memory(layout, s, whole, 0), cost.act_memory(layout, s, whole, n))
+        static = cost.static_memory(layout, s)
+        if static + act > b:
+            raise InfeasiblePlanError(
+                f"{strategy}: {describe_longest(lens)} cannot fit stage {s}'s memory budget of {b} bytes "
+                f"({b / GIB:.3g} GiB): every token of a sequence is in flight at once on each stage (its slices "
+                f"run backward in reverse order, after all their forwards), which needs at least "
+                f"{static + act:.0f} bytes ({(static + act) / GIB:.3g} GiB) there even recomputing every layer "
+                f"({static / GIB:.3g} GiB static, {act / GIB:.3g} GiB of activations); raise the budget "
+                "(concertina_memory_budget), use more pipeline stages (concertina_pipeline_size), or train on "
+                "shorter sequences")
+    if token_cap is not None:
+        total = sum(lens)
+        need = min_chunks(lens, token_cap, record.splits_sequences)
+        limit = max_chunks(layout)
+        if need > limit:
+            raise PlanError(
+                f"{strategy}: {_CAP_SETTING}={token_cap} cuts this step's {total} tokens into at least {need} chunks, "
+                f"more than the {limit} the planner builds on {layout.num_stages} stage(s) (the limit keeps planning "
+                "under a second; a chunk of a few tokens costs mostly its per-call overhead anyway); raise it to at "
+                f"least {_smallest_cap(lens, limit, record.splits_sequences)} tokens, or leave it unset (the planner "
+                "sizes chunks itself)")
+
+
+def _smallest_cap(lens: Sequence[int], limit: int, splits_sequences: bool) -> int:
+    """The smallest token cap with :func:`min_chunks` within ``limit`` (it falls as the cap grows)."""
+    lo, hi = 1, max(1, sum(lens))  # min_chunks(hi) is 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if min_chunks(lens, mid, splits_sequences) <= limit:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

@@ -22,7 +22,10 @@ from ..budgets import proxy_budgets
 from ..chunking import Chunking, SequenceBatch
 from ..cost import CostModel
 from ..types import Plan, PlanError, StageLayout
-from .common import N_CANDIDATES, PlanRequest, token_budget_candidates
+from .common import (
+    ASSIGN_COST, N_CANDIDATES, SEARCH_EFFORT, PlanRequest, max_chunks, token_budget_candidates,
+    too_many_chunks,
+)
 
 __all__ = ["K_CANDIDATES", "Candidate", "ChunkingSearch", "candidate_knobs", "run_search"]
 
@@ -108,6 +111,58 @@ class ChunkingSearch:
         self.token_cap = req.token_cap
         self.uncapped = req.token_cap if req.token_cap is not None else sum(self.batch.lens)
         self.cands: dict[tuple[float, int, str], Candidate] = {}
+        # token caps / budgets below this cut the step into more chunks than a plan may have
+        self.max_chunks = max_chunks(self.layout)
+        self.min_cap = -(-sum(self.batch.lens) // self.max_chunks)
+        # effort (see charge) and what evaluate_once skipped or already knows
+        self.effort = 0.0
+        self.evaluations = 0
+        self.weight = ASSIGN_COST if strategy == "adaptive" and self.proxy is not None else 1
+        self.skipped: set[tuple[float, int, str]] = set()
+        self.smallest_skipped: int | None = None
+        self._results: dict[tuple, Plan | None] = {}
+
+    def charge(self, c: Candidate) -> float:
+        """What evaluating ``c`` costs: its chunk-stages, times :data:`~.common.ASSIGN_COST` for
+        adaptive with a memory budget (a recompute assignment, not a simulation)."""
+        return c.chunking.num_chunks * self.layout.num_stages * self.weight
+
+    def affordable(self, c: Candidate) -> bool:
+        """Whether ``c`` may still be evaluated: not over :func:`~.common.max_chunks`, and
+        within :data:`~.common.SEARCH_EFFORT` (the first evaluation always is) or known."""
+        if self._identity(c) in self._results:
+            return True
+        if c.chunking.num_chunks > self.max_chunks:
+            return False
+        return self.evaluations == 0 or self.effort + self.charge(c) <= SEARCH_EFFORT
+
+    @staticmethod
+    def _identity(c: Candidate) -> tuple:
+        return (c.chunking.chains, c.chunking.packed, c.cuts)
+
+    def evaluate_once(self, c: Candidate, evaluate: Callable[[Candidate], Plan | None]) -> Plan | None:
+        """``evaluate(c)``, charged to the effort; the known result when an evaluated candidate
+        has the same chunks and groups; ``None`` (and ``c`` in :attr:`skipped`) when ``c`` is not
+        :meth:`affordable`."""
+        ident = self._identity(c)
+        if ident in self._results:
+            return self._results[ident]
+        if not self.affordable(c):
+            self.skipped.add(c.key)
+            if c.chunking.num_chunks > self.max_chunks:
+                n = c.chunking.num_chunks
+                self.smallest_skipped = n if self.smallest_skipped is None else min(n, self.smallest_skipped)
+            return None
+        self.effort += self.charge(c)
+        self.evaluations += 1
+        plan = self._results[ident] = evaluate(c)
+        return plan
+
+    def nothing_evaluated_error(self) -> PlanError | None:
+        """The error of a search whose every candidate had too many chunks (``None`` if any ran)."""
+        if self.evaluations or self.smallest_skipped is None:
+            return None
+        return too_many_chunks(self.strategy, self.batch.lens, self.layout, self.smallest_skipped, self.token_cap)
 
     def get(self, k: float, cap: int, slicing: str = "work") -> Candidate:
         key = (k, cap, slicing)
@@ -164,7 +219,7 @@ class ChunkingSearch:
                 for c in [c for c in ranked if c in lead or math.isinf(c.est)]:
                     first = c.chunking.chains[0][0].tokens if c.chunking.chains else self.batch.longest
                     for cap in sorted({first, no_rc}):
-                        if 1 <= cap < c.key[1]:
+                        if max(1, self.min_cap) <= cap < c.key[1]:
                             self.get(c.k, cap)
         fixed = "num_slices_longest" in self.knobs or self.knobs.get("time_target") is not None
         if self.strategy == "adaptive" and not fixed:
@@ -180,11 +235,20 @@ class ChunkingSearch:
         """The baselines' chunkings (token-equal slices of the longest, Seq1F1B-like; whole
         sequences under a token budget), best estimate first: adaptive can always emulate them."""
         longest, uncapped = self.batch.longest, self.uncapped
-        out = [self.get(n, -(-longest // n), "tokens") for n in N_CANDIDATES
-               if n <= longest and -(-longest // n) <= uncapped]
+        out = [self.get(n, -(-longest // n), "tokens") for n in self._slice_counts()]
         if longest <= uncapped:  # a whole sequence must fit the user's cap
-            out += [self.get(1, size, "whole") for size in token_budget_candidates(longest, self.token_cap)]
+            out += [self.get(1, size, "whole") for size in self._token_budgets()]
         return sorted(out, key=Candidate.order)
+
+    def _slice_counts(self) -> list[int]:
+        """The token-equal family's slice counts of the longest: within the user's cap and
+        :meth:`affordable` in size (no slice shorter than :attr:`min_cap`)."""
+        longest = self.batch.longest
+        return [n for n in N_CANDIDATES if n <= longest and self.min_cap <= -(-longest // n) <= self.uncapped]
+
+    def _token_budgets(self) -> list[int]:
+        """The whole-sequence family's token budgets, none below :attr:`min_cap`."""
+        return [b for b in token_budget_candidates(self.batch.longest, self.token_cap) if b >= self.min_cap]
 
     def neighbours(self, c: Candidate) -> list[Candidate]:
         """The candidates next to ``c`` on its own ladder (``K`` for balanced chunkings, ``N``
@@ -199,12 +263,12 @@ class ChunkingSearch:
             return [self.group(self.get(ladder[i], cap)) for i in (at - 1, at + 1) if 0 <= i < len(ladder)]
         if slicing == "tokens":
             longest = self.batch.longest
-            ns = [n for n in N_CANDIDATES if n <= longest and -(-longest // n) <= self.uncapped]
+            ns = self._slice_counts()
             if k not in ns:
                 return []
             at = ns.index(k)
             return [self.get(ns[i], -(-longest // ns[i]), "tokens") for i in (at - 1, at + 1) if 0 <= i < len(ns)]
-        sizes = token_budget_candidates(self.batch.longest, self.token_cap)
+        sizes = self._token_budgets()
         if cap not in sizes:
             return []
         at = sizes.index(cap)
@@ -245,15 +309,24 @@ def run_search(search: ChunkingSearch, evaluate: Callable[[Candidate], Plan | No
     ``num_finalists`` fit and half the budget of simulated chunk-stages is spent, then a hill
     climb along each family's ladder from its fastest member while the budget lasts. A later
     phase continues where the previous one stopped, so it can only find a faster plan. Small
-    steps, where each simulation is cheap, get at least 2400 chunk-stages per phase."""
+    steps, where each simulation is cheap, get at least 2400 chunk-stages per phase.
+
+    Whatever the phases say, a candidate of more than :func:`~.common.max_chunks` chunks is never
+    evaluated, one whose chunking equals an evaluated one's is not evaluated again, and after the
+    first evaluation none is once the search's effort (:meth:`ChunkingSearch.charge`) would pass
+    :data:`~.common.SEARCH_EFFORT`: an infeasible budget ends the hunt for a fitting candidate
+    there (the candidates the proxy rejects come smallest chunks first, the likeliest to fit)."""
     p = search.layout.num_stages
     done: dict[tuple, tuple[float, int, Candidate, Plan] | None] = {}
     spent = 0.0
 
     def run(c: Candidate) -> None:
         nonlocal spent
+        plan = search.evaluate_once(c, evaluate)
+        if c.key in done or (plan is None and c.key in search.skipped):
+            done.setdefault(c.key, None)
+            return
         spent += c.chunking.num_chunks * p
-        plan = evaluate(c)
         done[c.key] = None if plan is None else (plan.predicted.step_time_s, len(done), c, plan)
 
     ranked = search.initial()
@@ -282,6 +355,7 @@ def run_search(search: ChunkingSearch, evaluate: Callable[[Candidate], Plan | No
                     best = min(members, key=lambda v: (v[0], v[1]))
                     fresh += [nb for nb in search.neighbours(best[2])
                               if nb.key not in done and spent + nb.chunking.num_chunks * p <= sim_budget]
+            fresh = [nb for nb in fresh if search.affordable(nb)]
             if not fresh:
                 break
             for nb in fresh:
