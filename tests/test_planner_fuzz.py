@@ -31,8 +31,10 @@ from concertina_hf.planning import (
     make_chunking, partition_layers, plan_step, simulate, uniform_recompute,
 )
 from concertina_hf.planning.recompute import min_uniform_recompute
-from concertina_hf.planning.strategies.common import max_chunks
+from concertina_hf.planning.strategies import PIPELINE_STRATEGIES, REGISTRY
+from concertina_hf.planning.strategies.common import MAX_SLICES, max_chunks
 
+_RECORDS = {r.name: r for r in REGISTRY}
 #: CPU seconds one plan_step call may take (the contract)
 BOUND_S = 2.0
 
@@ -128,6 +130,8 @@ def _check(call):
         return
     plan.validate()
     budgets = call["budget"] if isinstance(call["budget"], list) else [call["budget"]] * layout.num_stages
+    if not _RECORDS[call["strategy"]].pipeline:  # sp-only: one stage of all GPUs, the tightest budget
+        budgets = [min([b for b in budgets if b], default=0)]
     assert fits(plan, cost, budgets), f"plan over its budget: {desc}"
     assert plan.seq_lens == tuple(call["lens"])
     if call["cap"] is not None and call["strategy"] != "packed":  # packed keeps a long sequence whole
@@ -170,8 +174,9 @@ def test_a_token_cap_of_one_plans_a_small_step_and_names_the_field_on_a_long_one
     returned a plan failing its own validate()); a long step is refused at once, naming the
     setting and the smallest cap that works, and that cap plans."""
     cost, layout = _layout("tiny-llama", 2)
+    splits = _RECORDS[strategy].splits_sequences
     plan = plan_step([5, 3, 1], cost, layout, 0, strategy, max_tokens_per_chunk=1).validate()
-    if strategy == "packed":
+    if not splits:  # packed, sp-only: whole sequences
         assert sorted(c.num_tokens for c in plan.chunks) == [1, 3, 5]
     else:
         assert max(c.num_tokens for c in plan.chunks) == 1 and plan.num_chunks == 9
@@ -183,10 +188,22 @@ def test_a_token_cap_of_one_plans_a_small_step_and_names_the_field_on_a_long_one
         plan_step(lens, cost, layout, 0, strategy, max_tokens_per_chunk=1)
     assert _cpu_s() - t0 < 0.1  # before any search
     smallest = int(re.search(r"at least (\d+) tokens", str(e.value)).group(1))
-    assert smallest == (2 if strategy == "packed" else 6)
+    assert smallest == (16 if splits else 2)  # 4000 tokens in at most 256 slices; 2003 chunks
     plan_step(lens, cost, layout, 0, strategy, max_tokens_per_chunk=smallest).validate()
     with pytest.raises(PlanError, match="raise it to at least"):
         plan_step(lens, cost, layout, 0, strategy, max_tokens_per_chunk=smallest - 1)
+
+
+@pytest.mark.parametrize("strategy", [r.name for r in REGISTRY if r.splits_sequences])
+def test_a_cap_cutting_a_sequence_into_too_many_slices_is_refused_naming_the_smallest_cap(strategy):
+    """All of a sequence's slices are in flight at once: the planner cuts a sequence into at most
+    MAX_SLICES slices (one 4096-token sequence under a cap of 2 took seconds in the recompute
+    model), and says which cap does."""
+    cost, layout = _layout("llama-7b", 1)
+    with pytest.raises(PlanError, match=rf"=2 cuts sequence 0 \(4096 tokens\) into 2048 slices, more than the "
+                                        rf"{MAX_SLICES} .* raise it to at least {4096 // MAX_SLICES} tokens"):
+        plan_step([4096], cost, layout, 0, strategy, max_tokens_per_chunk=2)
+    plan_step([4096], cost, layout, 0, strategy, max_tokens_per_chunk=4096 // MAX_SLICES).validate()
 
 
 def test_a_last_token_heavier_than_the_time_target_is_a_tail_of_its_own():
@@ -214,7 +231,7 @@ def test_a_capped_longest_sequence_is_cut_in_cap_sized_slices_not_thousands():
     assert all(ci.tokens <= 4096 for ci in chain)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", PIPELINE_STRATEGIES)  # (sp-only checks its own layout's memory)
 @pytest.mark.parametrize("model,p,factor", [("llama-7b", 5, 1.01), ("llama-7b", 8, 2), ("tiny-llama", 2, 1.5)])
 def test_a_budget_below_the_longest_sequence_in_flight_is_refused_at_once(strategy, model, p, factor):
     """All of a sequence's tokens are in flight at once on every stage (its slices run backward

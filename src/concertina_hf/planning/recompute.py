@@ -164,8 +164,7 @@ class _Model:
     def value_full(self, s: int, m: _Moment) -> float:
         """The moment with every layer of the stage recomputed, exactly (the linear model may
         over-approximate it, see the module docstring)."""
-        F = self.F[s]
-        v = m.base0 - sum(F[c] for c in m.in_flight)
+        v = m.base0 - m.sum_f  # (the sum of F over in_flight, kept as a running sum)
         return v + (self.X[s][m.backward] if m.backward >= 0 else 0.0)
 
 

@@ -86,8 +86,10 @@ def plan_adaptive(req: PlanRequest) -> Plan:
     if found is None and "num_slices_longest" not in knobs:
         # Splitting keeps every slice of a sequence in flight (plus its K/V), so when memory is
         # tight a baseline's chunking can fit where no balanced one does: the fastest that fits
-        # (within the search's effort).
-        fitting = [(plan.predicted.step_time_s, i, c, plan) for i, c in enumerate(search.baseline_candidates())
+        # (within the search's effort: the cheapest first, so a few large ones do not spend it all).
+        ranked = list(enumerate(search.baseline_candidates()))
+        ranked.sort(key=lambda ic: search.charge(ic[1]))
+        fitting = [(plan.predicted.step_time_s, i, c, plan) for i, c in ranked
                    if (plan := search.evaluate_once(c, evaluate)) is not None]
         if fitting:
             found = min(fitting, key=lambda v: v[:2])[2:]

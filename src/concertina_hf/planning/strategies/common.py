@@ -14,7 +14,7 @@ from ..schedule import build_schedule
 from ..types import Chunk, ChunkKind, Plan, PlanError, PlanStats, Slice, StageLayout
 
 __all__ = [
-    "ASSIGN_COST", "GIB", "MAX_CHUNKS", "MAX_CHUNK_STAGES", "N_CANDIDATES", "SEARCH_EFFORT", "PlanRequest",
+    "ASSIGN_COST", "GIB", "MAX_CHUNKS", "MAX_CHUNK_STAGES", "MAX_SLICES", "N_CANDIDATES", "SEARCH_EFFORT", "PlanRequest",
     "check_step", "describe_longest", "finish", "max_chunks", "min_chunks", "overshoot", "plan_of",
     "token_budget_candidates", "too_many_chunks", "worst_stage",
 ]
@@ -29,12 +29,16 @@ N_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 #: token cap that forces more is refused before any search (:func:`check_step`).
 MAX_CHUNK_STAGES = 8192
 MAX_CHUNKS = 2048
+#: The most slices a sequence is cut into: all of a sequence's slices are in flight at once, and
+#: the recompute model's work grows with chunks times what is in flight.
+MAX_SLICES = 256
 #: Chunk-stages one ``plan_step`` call may simulate (a recompute assignment counts
 #: :data:`ASSIGN_COST` simulations) once it has a plan, or while it looks for one that fits:
 #: counted, not timed, so planning stays deterministic; about 1 s on a free core.
 SEARCH_EFFORT = 40960
-#: simulations a greedy recompute assignment costs, for :data:`SEARCH_EFFORT`
-ASSIGN_COST = 4
+#: simulations a recompute assignment counts as, for :data:`SEARCH_EFFORT` (its memory model,
+#: up to three simulations, and the greedy over every moment's chunks in flight)
+ASSIGN_COST = 8
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -134,14 +138,17 @@ _CAP_SETTING = "max_tokens_per_chunk (concertina_max_tokens_per_chunk, --max-tok
 
 def too_many_chunks(strategy: str, lens: Sequence[int], layout: StageLayout, chunks: int,
                     token_cap: int | None) -> PlanError:
-    """The error of a step whose every chunking the strategy tried has too many chunks."""
+    """The error of a step whose every chunking the strategy tried was too large (more than
+    :func:`max_chunks` chunks, or a sequence in more than :data:`MAX_SLICES` slices)."""
     limit = max_chunks(layout)
     total = sum(lens)
-    fix = (f"raise {_CAP_SETTING} from {token_cap} to at least {-(-total // limit)} tokens, or leave it unset"
+    smallest = max(-(-total // limit), -(-max(lens) // MAX_SLICES))
+    fix = (f"raise {_CAP_SETTING} from {token_cap} to at least {smallest} tokens, or leave it unset"
            if token_cap is not None else "plan fewer tokens per optimizer step")
     return PlanError(
-        f"{strategy}: every chunking of this step tried has more than {limit} chunks (the closest: {chunks}; "
-        f"{total} tokens on {layout.num_stages} stage(s); the limit keeps planning under a second); {fix}")
+        f"{strategy}: every chunking of this step tried has more than {limit} chunks or a sequence in more than "
+        f"{MAX_SLICES} slices (the smallest: {chunks} chunks; {total} tokens on {layout.num_stages} stage(s); the "
+        f"limits keep planning under a second); {fix}")
 
 
 def min_chunks(lens: Sequence[int], token_cap: int, splits_sequences: bool = True) -> int:
@@ -170,7 +177,8 @@ def check_step(record: Any, lens: Sequence[int], cost: CostModel, layout: StageL
       at least a recomputed layer's input per layer (or its saved activations, if smaller) and
       its logits (last stage) or output (the others), as :meth:`CostModel.act_memory` counts them;
     - a token cap that cuts the step into more than :func:`max_chunks` chunks
-      (:func:`min_chunks` at least), naming the smallest cap that would do.
+      (:func:`min_chunks` at least) or its longest sequence into more than :data:`MAX_SLICES`
+      slices, naming the smallest cap that would do.
     """
     strategy = record.name
     # (a strategy whose plans run on another layout, sp-only, checks its own memory)
@@ -198,16 +206,22 @@ def check_step(record: Any, lens: Sequence[int], cost: CostModel, layout: StageL
                 "(concertina_memory_budget), use more pipeline stages (concertina_pipeline_size), or train on "
                 "shorter sequences")
     if token_cap is not None:
-        total = sum(lens)
+        total, longest = sum(lens), max(lens)
         need = min_chunks(lens, token_cap, record.splits_sequences)
         limit = max_chunks(layout)
-        if need > limit:
+        slices = -(-longest // token_cap) if record.splits_sequences else 1
+        if need > limit or slices > MAX_SLICES:
+            smallest = _smallest_cap(lens, limit, record.splits_sequences)
+            if record.splits_sequences:
+                smallest = max(smallest, -(-longest // MAX_SLICES))
+            what = (f"this step's {total} tokens into at least {need} chunks, more than the {limit} the planner "
+                    f"builds on {layout.num_stages} stage(s)" if need > limit else
+                    f"{describe_longest(lens)} into {slices} slices, more than the {MAX_SLICES} the planner cuts a "
+                    "sequence into")
             raise PlanError(
-                f"{strategy}: {_CAP_SETTING}={token_cap} cuts this step's {total} tokens into at least {need} chunks, "
-                f"more than the {limit} the planner builds on {layout.num_stages} stage(s) (the limit keeps planning "
-                "under a second; a chunk of a few tokens costs mostly its per-call overhead anyway); raise it to at "
-                f"least {_smallest_cap(lens, limit, record.splits_sequences)} tokens, or leave it unset (the planner "
-                "sizes chunks itself)")
+                f"{strategy}: {_CAP_SETTING}={token_cap} cuts {what} (the limit keeps planning under a second; a "
+                "chunk of a few tokens costs mostly its per-call overhead anyway); raise it to at least "
+                f"{smallest} tokens, or leave it unset (the planner sizes chunks itself)")
 
 
 def _smallest_cap(lens: Sequence[int], limit: int, splits_sequences: bool) -> int:

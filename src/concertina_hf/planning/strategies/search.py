@@ -23,7 +23,7 @@ from ..chunking import Chunking, SequenceBatch
 from ..cost import CostModel
 from ..types import Plan, PlanError, StageLayout
 from .common import (
-    ASSIGN_COST, N_CANDIDATES, SEARCH_EFFORT, PlanRequest, max_chunks, token_budget_candidates,
+    ASSIGN_COST, MAX_SLICES, N_CANDIDATES, SEARCH_EFFORT, PlanRequest, max_chunks, token_budget_candidates,
     too_many_chunks,
 )
 
@@ -113,7 +113,7 @@ class ChunkingSearch:
         self.cands: dict[tuple[float, int, str], Candidate] = {}
         # token caps / budgets below this cut the step into more chunks than a plan may have
         self.max_chunks = max_chunks(self.layout)
-        self.min_cap = -(-sum(self.batch.lens) // self.max_chunks)
+        self.min_cap = max(-(-sum(self.batch.lens) // self.max_chunks), -(-self.batch.longest // MAX_SLICES))
         # effort (see charge) and what evaluate_once skipped or already knows
         self.effort = 0.0
         self.evaluations = 0
@@ -132,9 +132,15 @@ class ChunkingSearch:
         within :data:`~.common.SEARCH_EFFORT` (the first evaluation always is) or known."""
         if self._identity(c) in self._results:
             return True
-        if c.chunking.num_chunks > self.max_chunks:
+        if self._too_big(c):
             return False
         return self.evaluations == 0 or self.effort + self.charge(c) <= SEARCH_EFFORT
+
+    def _too_big(self, c: Candidate) -> bool:
+        """More chunks than :func:`~.common.max_chunks`, or a sequence in more than
+        :data:`~.common.MAX_SLICES` slices."""
+        ch = c.chunking
+        return ch.num_chunks > self.max_chunks or max((len(x) for x in ch.chains), default=1) > MAX_SLICES
 
     @staticmethod
     def _identity(c: Candidate) -> tuple:
@@ -149,7 +155,7 @@ class ChunkingSearch:
             return self._results[ident]
         if not self.affordable(c):
             self.skipped.add(c.key)
-            if c.chunking.num_chunks > self.max_chunks:
+            if self._too_big(c):
                 n = c.chunking.num_chunks
                 self.smallest_skipped = n if self.smallest_skipped is None else min(n, self.smallest_skipped)
             return None

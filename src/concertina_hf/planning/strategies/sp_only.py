@@ -63,6 +63,8 @@ def _pack(lens: list[int], members: list[int], budget: int) -> list[list[int]]:
     room: list[int] = []
     for q in sorted(members, key=lambda i: (-lens[i], i)):
         n = lens[q]
+        if n <= 0:  # an empty sequence holds no tokens: no slice (Plan.validate refuses empty ones)
+            continue
         best = min((b for b in range(len(bins)) if room[b] >= n), key=lambda b: (room[b], b), default=None)
         if best is None:
             bins.append([q])
