@@ -1,4 +1,4 @@
-"""Checkpoint saving: the cost of the verified manifest (SHA-256 of every file) on the recipe's model.
+"""Checkpoint saving: the cost of the verified manifest (an XXH3-128 digest of every file) on the recipe's model.
 
     python benchmarks/checkpoint_save.py                # about 30 s on 2 cores
     python benchmarks/checkpoint_save.py --repeats 15
@@ -9,7 +9,7 @@ on random tokens; then a checkpoint (model, optimizer shard, scheduler, RNG, tra
 tokenizer) saved ``--repeats`` times each way, alternating, the previous folder removed first:
 
 - ``verified``: ``ConcertinaTrainer._save_checkpoint`` as shipped: written to
-  ``tmp-checkpoint-N``, every file's SHA-256 (taken in background threads as each file is
+  ``tmp-checkpoint-N``, every file's XXH3-128 digest (taken in background threads as each file is
   complete, overlapping the writing of the next), the manifest, the rename;
 - ``plain``: ``transformers.Trainer._save_checkpoint`` with the same hooks, i.e. the save before
   verified checkpoints: straight into ``checkpoint-N``, no hash, no manifest.

@@ -9,7 +9,7 @@ the Trainer's API, so they also describe what a user sees.
 
 from __future__ import annotations
 
-import hashlib
+import xxhash
 import json
 import logging
 import os
@@ -72,7 +72,7 @@ def test_checkpoint_is_written_aside_and_sealed_by_a_manifest(run):
                 "trainer_state.json"} <= set(others)
         for name, rec in manifest["files"].items():
             data = (ckpt / name).read_bytes()
-            assert rec == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
+            assert rec == {"size": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()}, name
         # written last: nothing in the folder is newer than the manifest
         assert all(os.stat(ckpt / n).st_mtime_ns <= os.stat(ckpt / "manifest.json").st_mtime_ns for n in others)
 
@@ -97,6 +97,23 @@ def test_the_manifest_is_written_in_the_staging_folder_then_renamed(tmp_path, mo
             "trainer_state.json"} <= set(files)
     assert os.path.isfile(tmp_path / "checkpoint-2" / "manifest.json")
     assert not os.path.exists(tmp_path / "tmp-checkpoint-2")
+
+
+def test_a_manifest_of_sha256_digests_still_verifies(run_copy):
+    """Checkpoints sealed before the XXH3 manifest (SHA-256 per file) verify, and still catch damage."""
+    import hashlib
+
+    from concertina_hf.checkpoint import CheckpointError, verify_checkpoint
+
+    ckpt = run_copy / "checkpoint-4"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"] = {n: {"size": r["size"], "sha256": hashlib.sha256((ckpt / n).read_bytes()).hexdigest()}
+                         for n, r in manifest["files"].items()}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    assert verify_checkpoint(str(ckpt))["global_step"] == 4
+    _flip_byte(ckpt / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors does not match its sha256 digest"):
+        verify_checkpoint(str(ckpt))
 
 
 def _delete(name):

@@ -18,7 +18,7 @@ A checkpoint directory holds:
   ``layout_cost_model.json``: the cost model the stage layout was made from (pass it as
   ``concertina_cost_model_path`` to rebuild the same layout; a resumed run must split the
   layers the same way);
-- ``manifest.json``, written last: every other file with its size and SHA-256, the global step
+- ``manifest.json``, written last: every other file with its size and XXH3-128 digest, the global step
   and the layout (world, pipeline and data-parallel sizes, layer ranges).
 
 Atomic saving: every rank writes into ``tmp-checkpoint-N``; after a barrier (every rank's files
@@ -35,15 +35,13 @@ optimizer shard, ``scheduler.pt``, this process's RNG files) is an error when mi
 silent default.
 
 Costs: saving moves every parameter once to pipeline rank 0 of replica 0; loading reads only
-this stage's tensors from the safetensors files. The manifest costs one read and SHA-256 of every
-byte: each stage hashes its own optimizer shard, the main process the rest, in background threads
-started as each file is complete (so they overlap the writing of the next file when a core is
-free), reading 1 MiB blocks into one reused buffer (hashed while cached; fresh 8 MiB reads cost
-1.5x more); a resume hashes the checkpoint again on rank 0. Nothing is fsynced (as the plain
-save). SHA-256 (about 1.5 GB/s per core with SHA-NI) is the floor: on the recipe's model (33.6
-MiB checkpoint, a plain save about 40 ms of CPU) it needs about 22 ms of CPU, so a verified save
-costs at least ~1.55x a plain one where no core is idle; measured 2.1x on the busy 2-core machine
-(load 13; 2.7x before the reused buffer at the same load; ``benchmarks/checkpoint_save.py``).
+this stage's tensors from the safetensors files. The manifest costs one read and an XXH3-128 hash
+of every byte (:data:`DIGEST`): each stage hashes its own optimizer shard, the main process the
+rest, in background threads started as each file is complete, reading 1 MiB blocks into one
+reused buffer; a resume hashes the checkpoint again on rank 0. Nothing is fsynced (as the plain
+save). With SHA-256 the hash alone needed ~22 ms of CPU against a ~40 ms plain save of the
+recipe's 33.6 MiB checkpoint (>= 1.55x where no core is idle); XXH3 needs ~3 ms
+(``benchmarks/checkpoint_save.py``).
 """
 
 from __future__ import annotations
@@ -87,6 +85,11 @@ MANIFEST_FORMAT = 1
 _CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 _STAGING_RE = re.compile(rf"^{STAGING_PREFIX}{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 _HASH_BLOCK = 1 << 20
+#: the manifest's per-file digest: XXH3-128 (``xxhash``, a dependency of ``datasets`` and of this
+#: package) hashes ~10x faster than SHA-256 and detects the same damage (flipped bytes, rewritten
+#: files); a cryptographic hash would add nothing here, since whoever can rewrite a file can
+#: rewrite the manifest beside it. Manifests written with SHA-256 still verify.
+DIGEST = "xxh3_128"
 
 
 class CheckpointError(ValueError):
@@ -139,32 +142,43 @@ def _required_files(directory: str, meta: dict[str, Any]) -> list[str]:
 _BUFFERS = threading.local()
 
 
-def _digest(path: str) -> str:
-    """SHA-256 of the file, read in blocks into one reused buffer per thread: each block is hashed
-    while it sits in the core's cache and no fresh pages are faulted in per block (a new 8 MiB
-    ``bytes`` per read made hashing 1.5x slower: see ``benchmarks/checkpoint_save.py``)."""
+def _digest(path: str, algorithm: str = DIGEST) -> str:
+    """``algorithm`` (:data:`DIGEST` by default) of the file, read in blocks into one reused buffer
+    per thread: each block is hashed while it sits in the core's cache and no fresh pages are
+    faulted in per block (a new 8 MiB ``bytes`` per read made SHA-256 1.5x slower)."""
     view = getattr(_BUFFERS, "view", None)
     if view is None:
         view = _BUFFERS.view = memoryview(bytearray(_HASH_BLOCK))
-    h = hashlib.sha256()
+    h = _new_hash(algorithm)
     with open(path, "rb", buffering=0) as fh:
         while n := fh.readinto(view):
             h.update(view[:n])  # releases the GIL: files hash in parallel threads
     return h.hexdigest()
 
 
-def _digests(directory: str, names: list[str]) -> dict[str, str]:
+def _new_hash(algorithm: str):
+    if algorithm == "xxh3_128":
+        import xxhash
+
+        return xxhash.xxh3_128()
+    return hashlib.new(algorithm)
+
+
+def _digests(directory: str, names: list[str], algorithms: dict[str, str] | None = None) -> dict[str, str]:
+    """``{name: digest}``; ``algorithms``: a file's algorithm when not :data:`DIGEST`."""
     workers = max(1, min(len(names), os.cpu_count() or 1, 8))
+    algorithms = algorithms or {}
     with ThreadPoolExecutor(workers) as pool:
-        return dict(zip(names, pool.map(lambda n: _digest(os.path.join(directory, n)), names)))
+        return dict(zip(names, pool.map(
+            lambda n: _digest(os.path.join(directory, n), algorithms.get(n, DIGEST)), names)))
 
 
 def write_manifest(directory: str, *, global_step: int, layout: dict[str, Any],
                    digests: dict[str, str] | None = None) -> dict[str, Any]:
     """Seal a complete checkpoint folder: ``manifest.json`` with every other file's size and
-    SHA-256, ``global_step`` and ``layout`` (``world_size``, ``pipeline_size``,
+    digest (:data:`DIGEST`), ``global_step`` and ``layout`` (``world_size``, ``pipeline_size``,
     ``data_parallel_size``, ``sequence_parallel_size``, ``layer_ranges``, ``save_only_model``).
-    Written last, through a temporary file; refuses a folder that lacks a file the layout needs. ``digests``: SHA-256s
+    Written last, through a temporary file; refuses a folder that lacks a file the layout needs. ``digests``: digests
     already taken (by the ranks that wrote the files), the others are computed here."""
     meta = {"format": MANIFEST_FORMAT, "global_step": int(global_step), **layout}
     missing = [n for n in _required_files(directory, meta) if not os.path.isfile(os.path.join(directory, n))]
@@ -174,7 +188,7 @@ def write_manifest(directory: str, *, global_step: int, layout: dict[str, Any],
                    for root, _, files in os.walk(directory) for f in files if f != MANIFEST_NAME)
     known = dict(digests or {})
     digests = {**_digests(directory, [n for n in names if n not in known]), **known}
-    meta["files"] = {n: {"size": os.path.getsize(os.path.join(directory, n)), "sha256": digests[n]} for n in names}
+    meta["files"] = {n: {"size": os.path.getsize(os.path.join(directory, n)), DIGEST: digests[n]} for n in names}
     tmp = os.path.join(directory, MANIFEST_NAME + ".tmp")
     _write_json(tmp, meta)
     os.replace(tmp, os.path.join(directory, MANIFEST_NAME))
@@ -182,7 +196,7 @@ def write_manifest(directory: str, *, global_step: int, layout: dict[str, Any],
 
 
 def verify_checkpoint(directory: str) -> dict[str, Any]:
-    """The checkpoint's manifest, once every file it lists has its size and SHA-256 and the
+    """The checkpoint's manifest, once every file it lists has its size and digest and the
     trainer state its global step; :class:`CheckpointError` naming the first file that does not."""
     path = os.path.join(directory, MANIFEST_NAME)
     if not os.path.isdir(directory):
@@ -209,11 +223,13 @@ def verify_checkpoint(directory: str) -> dict[str, Any]:
         if os.path.getsize(file) != size:
             raise CheckpointError(f"{file} has {os.path.getsize(file)} bytes, the manifest {size}: truncated or "
                                   "rewritten after the save")
-    digests = _digests(directory, sorted(files))
+    # manifests of earlier versions recorded SHA-256
+    algorithms = {n: DIGEST if DIGEST in rec else "sha256" for n, rec in files.items()}
+    digests = _digests(directory, sorted(files), algorithms)
     for name in sorted(files):
-        if digests[name] != files[name]["sha256"]:
-            raise CheckpointError(f"{os.path.join(directory, name)} does not match its SHA-256 in {MANIFEST_NAME}: "
-                                  "the file was damaged or edited after the save")
+        if digests[name] != files[name].get(algorithms[name]):
+            raise CheckpointError(f"{os.path.join(directory, name)} does not match its {algorithms[name]} digest in "
+                                  f"{MANIFEST_NAME}: the file was damaged or edited after the save")
     with open(os.path.join(directory, TRAINER_STATE_NAME)) as fh:
         state_step = json.load(fh).get("global_step")
     if state_step != step:
@@ -252,7 +268,7 @@ class StageCheckpointer:
 
     def __init__(self, pipeline: Any, topology: Topology) -> None:
         self.pipeline, self.topology = pipeline, topology
-        # the checkpoint being written, and the SHA-256s of its files this rank started taking
+        # the checkpoint being written, and the digests of its files this rank started taking
         # in the background as soon as each was complete (they overlap the writing of the next)
         self._staging: str | None = None
         self._hashing: dict[str, Future] = {}
@@ -262,7 +278,7 @@ class StageCheckpointer:
         if self._staging is None or os.path.abspath(directory) != os.path.abspath(self._staging):
             return  # not a checkpoint (save_model to a plain folder)
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(2, thread_name_prefix="checkpoint-sha256")
+            self._pool = ThreadPoolExecutor(2, thread_name_prefix="checkpoint-digest")
         for name in names:
             self._hashing[name] = self._pool.submit(_digest, os.path.join(directory, name))
 
