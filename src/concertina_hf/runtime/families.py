@@ -13,13 +13,23 @@ naming the model type and the feature:
   and ``model.lm_head``, nothing else at either level (an extra module there, such as an
   embedding norm, per-layer inputs or shared blocks, runs in ``forward`` between the pieces);
 - **mixers that are not attention** (Mamba, linear attention, gated delta nets, short
-  convolutions: Qwen3-Next, Jamba, Falcon-H1, LFM2, ...): ``config.layer_types`` naming anything
-  but ``full_attention`` / ``sliding_attention``, a decoder layer without ``self_attn``, or a
-  token-mixing ``Conv1d`` in a layer. Their state would leak between packed sequences and be lost
-  between slices;
+  convolutions: Qwen3-Next, Jamba, Falcon-H1, LFM2, ...) and attention the backend does not
+  implement (indexed / sparse / chunked): ``config.layer_types`` naming anything but
+  ``full_attention`` / ``sliding_attention``, a decoder layer without ``self_attn`` (or JetMoe's
+  ``self_attention``), or a token-mixing ``Conv1d`` in a layer. Their state would leak between
+  packed sequences and be lost between slices;
+- **inputs the model's forward computes for its layers**: a decoder layer whose ``forward`` takes
+  a parameter outside :data:`LAYER_INPUTS` (Beam's ``attention_scaling``, per-layer inputs), and
+  the few model types of :data:`FORWARD_WORK` whose forward or attention does what neither the
+  config nor the module structure reveals (DiffLlama, Doge, Dory);
 - **the router auxiliary loss** (``output_router_logits=True``: Mixtral, Qwen3-MoE, ...): HF adds
-  it to the training loss over the whole batch; the pipeline's loss is the cross-entropy
-  (set ``output_router_logits=False`` to train without it, as HF then does).
+  ``coef * num_experts * sum_e(f_e * P_e)`` to the training loss, with ``f_e`` and ``P_e`` means
+  over the tokens of the forward call *and over all layers at once*. Neither is a sum over
+  stages or chunks: the stages would have to exchange per-expert statistics, and a chunk is not
+  one of ``Trainer``'s micro-batches, so a per-chunk value (as Megatron-Core computes it per
+  micro-batch and per layer) would be a different loss. Refused: set
+  ``output_router_logits=False`` (HF then trains without it, and the routers still learn from
+  the language-model loss).
 
 Reproduced outside the layers (:class:`ModelFamily`), each read from a config attribute:
 
@@ -30,7 +40,10 @@ Reproduced outside the layers (:class:`ModelFamily`), each read from a config at
   ``forward`` multiplies by the attribute of the same name (the config does not say which);
 - ``final_logit_softcapping`` (Gemma2/3, nanochat): ``tanh(logits / cap) * cap``;
 - rotary embeddings per layer type (Gemma3, OLMo3: ``rotary_emb(x, position_ids, layer_type)``
-  with ``config.layer_types``): each layer gets the cos/sin of its own type.
+  with ``config.layer_types``): each layer gets the cos/sin of its own type (a type the rotary
+  cannot produce is refused);
+- nanochat's final norm applied to the embeddings too (:data:`NORM_BEFORE_LAYERS`; no config
+  attribute says it).
 
 ``scripts/model_support.py`` checks every causal-LM model type of the installed transformers
 against HF numerically (``docs/supported_models.md``); the trainer's self-check
