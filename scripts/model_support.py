@@ -52,7 +52,9 @@ SIZES = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attentio
              n_group=1, topk_group=1, num_experts_per_topk=2)
 #: work outside the decoder layers, at values far from the identity (set wherever the config has the
 #: attribute, even when its default is None: a model that does not use it then shows as a mismatch)
-OUTSIDE = dict(embedding_multiplier=4.0, logit_scale=0.5, logits_scaling=3.0, final_logit_softcapping=2.0)
+OUTSIDE = dict(embedding_multiplier=4.0, logit_scale=0.5, logits_scaling=3.0, final_logit_softcapping=2.0,
+               # inside the attention: at these scales the scores are ~1, so a cap of 50 would be the identity
+               attn_logit_softcapping=1.0)
 #: attributes set even when the default config leaves them None (rotary code needs a head size, MoE
 #: layers their sizes)
 ALWAYS = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "n_routed_experts", "moe_intermediate_size",
@@ -367,7 +369,8 @@ def table(rows: list[dict], command: str) -> str:
         "",
         "A tiny config per type (4 decoder layers, hidden 64, vocab 96, every layer type of the default config in "
         "turn, sliding window 16, dropout and router jitter 0, `initializer_range` 0.2; wherever the config has them: "
-        "`embedding_multiplier` 4, `logit_scale` 0.5, `logits_scaling` 3, `final_logit_softcapping` 2), then: **refused** (the message "
+        "`embedding_multiplier` 4, `logit_scale` 0.5, `logits_scaling` 3, `final_logit_softcapping` 2, "
+        "`attn_logit_softcapping` 1), then: **refused** (the message "
         "`ConcertinaTrainer` gives at construction), or **supported**: the runtime's stage functions give HF's loss "
         "and gradients (HF: eager attention, each sequence alone, `use_cache=False`, float32) on 4 sequences "
         "(30, 9, 7, 5 tokens) planned as split, hybrid and packed chunks with one layer recomputed, through "

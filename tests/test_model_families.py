@@ -175,7 +175,7 @@ ARCHS = {  # one per class of failure the issue found
     # Granite 3's values (attention 1 / head_dim; the default 1.0 makes the softmax nearly one-hot at
     # these weight scales, and float32 rounding then moves the gradients by ~2e-5)
     "granite": {"attention_multiplier": 1 / 16, "residual_multiplier": 0.22},
-    "gemma2": {},  # attention and final logit soft-capping, sliding window, sqrt(hidden) normalizer
+    "gemma2": {},  # attention (cap 1) and final (cap 2) logit soft-capping, sliding window, sqrt(hidden) normalizer
 }
 COMMON = dict(per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=3, learning_rate=2e-3,
               logging_steps=1, report_to=[], disable_tqdm=True, seed=3, save_strategy="no")
