@@ -1,6 +1,8 @@
 """Runs ``recipes/train_long_context.py`` under ``accelerate launch`` for tests/test_recipe.py, and
 proves the launched ranks form ONE process group: just before the trainer tears the group down,
 every rank all-reduces a one; the main process writes the sum to ``<output_dir>/group_check.json``.
+With ``CONCERTINA_RANK_INFO_DIR`` set, every rank also writes ``rank<r>.json`` there: its rank, the
+world size, its node (torchrun's ``GROUP_RANK``), its place in the topology and the losses it logged.
 
     accelerate launch --config_file ... tests/_recipe_launch.py <recipe arguments>
 """
@@ -28,6 +30,18 @@ def _end_with_group_check(self) -> None:
     if self.args.should_save:
         with open(os.path.join(self.args.output_dir, "group_check.json"), "w") as fh:
             json.dump({"all_reduce_ones": float(ones.item())}, fh)
+    info_dir = os.environ.get("CONCERTINA_RANK_INFO_DIR")
+    if info_dir:
+        topo = self.topology
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        with open(os.path.join(info_dir, f"rank{rank}.json"), "w") as fh:
+            json.dump({"rank": rank, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                       "node": int(os.environ.get("GROUP_RANK", -1)), "local_rank": int(os.environ.get("LOCAL_RANK", -1)),
+                       "all_reduce_ones": float(ones.item()), "stage": topo.stage, "sp_rank": topo.sp_rank,
+                       "replica": topo.replica, "pipeline_size": topo.pipeline_size,
+                       "sequence_parallel_size": topo.sequence_parallel_size,
+                       "layers": list(self.layout.layer_ranges[topo.stage]),
+                       "losses": [h["loss"] for h in self.state.log_history if "loss" in h]}, fh)
     _end(self)
 
 
