@@ -12,10 +12,10 @@ Chunking (:func:`make_chunking`):
 
 1. The longest sequence is cut into ``K`` equal-work slices (more if a slice would exceed the
    token cap); one slice's work plus ``beta`` is the time target ``T`` of every chunk (unless
-   ``time_target`` is given). When that takes more than twice the fewest slices the cap allows
-   (equal-work slices under a cap need about ``(longest / cap)^2`` of them: a 153K-token
-   sequence under a 4096 cap 1024 instead of 38), the longest is cut like the others (step 2)
-   at the time target of ``K`` slices.
+   ``time_target`` is given). When that takes more than twice ``K`` and twice the fewest slices
+   the cap allows (equal-work slices under a cap need about ``(longest / cap)^2`` of them: a
+   153K-token sequence under a 4096 cap 1024 instead of 38), the longest is cut like the others
+   (step 2) at the time target of ``K`` slices.
 2. Every other sequence whose work exceeds ``T`` or whose length exceeds the token cap is cut
    too (sequences of at most ``split_threshold`` tokens never are; alone they may exceed
    ``T``): into slices of exactly the target work (or the cap) from its start, and a lighter
@@ -403,7 +403,7 @@ class SequenceBatch:
             k = min(int(num_slices_longest), longest)
             k_long = _slices_needed(longest, whole / k * (1 + _TOL), token_cap, a, b)
             target_work = whole / k_long  # per chunk, beta excluded
-            if k_long > max(k, 2 * -(-longest // token_cap)):
+            if k_long > 2 * max(k, -(-longest // token_cap)):
                 # the cap binds hard: equal-work slices under it need about (longest / cap)^2
                 # of them (the first slice is the longest), so the longest is cut like the
                 # others, cap-sized slices first, at the time target of K slices

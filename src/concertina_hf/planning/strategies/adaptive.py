@@ -12,7 +12,8 @@ chunks): 15-30 ms; when memory binds, the recompute assignment adds tens of ms, 
 ``time_limit_s``.
 
 ``no-recompute`` / ``full-recompute``: the same chunking search with recompute fixed at none /
-every layer, every candidate simulated (ablations of adaptive checkpointing).
+every layer, every candidate simulated within the search effort (ablations of adaptive
+checkpointing; :data:`~.common.SEARCH_EFFORT`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ CHUNKING_KNOBS = ("num_slices_longest", "k_candidates", "max_groups", "split_thr
 ADAPTIVE_KNOBS = CHUNKING_KNOBS + ("num_finalists",)
 #: plans of more chunk-stages keep the greedy recompute assignment with ``solver="ilp"`` (at 1600
 #: chunk-stages building and solving the ILP takes about 0.2 s on a free core, and grows faster)
-ILP_MAX_CHUNK_STAGES = 1024
+ILP_MAX_CHUNK_STAGES = 2048
 
 
 def _with_recompute(plan: Plan, cost: CostModel, budgets: tuple[int, ...], likely_fits: bool) -> Plan:
@@ -132,7 +133,7 @@ def _plan_fixed_recompute(strategy: str, req: PlanRequest) -> Plan:
         closest.append((overshoot(sim.peak_memory_bytes, budgets), c, sim))
         return None
 
-    # every candidate is simulated: there is no recompute to assign, only a fit to check
+    # every candidate is simulated (within the effort): no recompute to assign, only a fit to check
     found = run_search(search, evaluate, [(1, math.inf)])
     if found is None:
         if not closest:  # nothing was evaluated: every candidate had too many chunks
