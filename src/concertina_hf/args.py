@@ -158,6 +158,14 @@ class ConcertinaTrainingArguments(TrainingArguments):
         "(all-to-all of the attention heads). Must divide num_attention_heads; K/V heads are split "
         "when sp divides num_key_value_heads, replicated when num_key_value_heads divides sp.",
     )
+    concertina_shard_optimizer: bool = _option(
+        False,
+        "Shard each stage's optimizer state (Adam moments) over the stage's data-parallel x "
+        "sequence-parallel ranks with torch's ZeroRedundancyOptimizer (ZeRO-1: gradients are still "
+        "all-reduced whole, clipping uses the exact global norm, each rank steps its share of the "
+        "parameters and broadcasts them). Checkpoints keep one optimizer file per stage (the state "
+        "gathered to the stage's first rank when saving). No effect with one rank per stage.",
+    )
     concertina_memory_budget: str = _option(
         "auto",
         "Memory per pipeline stage the plan must fit (static + activations): 'auto' (device "

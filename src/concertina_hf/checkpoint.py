@@ -10,7 +10,8 @@ A checkpoint directory holds:
   written once, as HF does, and the last stage's copy is loaded from them; for a ``PeftModel``
   instead the adapter directory ``PeftModel.save_pretrained`` writes (``adapter_config.json``,
   ``adapter_model.safetensors`` with every stage's adapter weights), as ``Trainer`` + PEFT does;
-- ``optimizer.stage{s}-of-{p}.pt``: each stage's optimizer state (replica 0 writes it);
+- ``optimizer.stage{s}-of-{p}.pt``: each stage's optimizer state (replica 0 writes it; with
+  ``concertina_shard_optimizer`` gathered there from the stage's ranks first, same format);
 - ``scheduler.pt`` (the main process), plus the Trainer's own ``trainer_state.json`` and RNG files;
 - ``concertina_rng_{i}.pt`` (``concertina_rng.pt`` for one process): process ``i``'s own random
   stream, from which its stage draws dropout (:class:`~concertina_hf.runtime.rng.StageRNG`);
@@ -63,7 +64,7 @@ from torch import nn
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .distributed import Topology
+from .distributed import Topology, stage_optimizer_state
 from .integrations.peft import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, load_stage_adapter, save_adapter
 from .planning import CostModel, StageLayout
 
@@ -489,10 +490,13 @@ class StageCheckpointer:
 
     # ------------------------------------------------------------------ optimizer and scheduler
     def save_optimizer(self, output_dir: str, optimizer: Any, scheduler: Any, is_main: bool) -> None:
-        """Each stage of replica 0 writes its optimizer shard; the main process the scheduler."""
+        """Each stage of replica 0 writes its optimizer shard; the main process the scheduler. A
+        sharded optimizer (``concertina_shard_optimizer``) is gathered to the stage's writing rank
+        first (collective over the stage's ranks), so the file is the same either way."""
         os.makedirs(output_dir, exist_ok=True)
+        state = stage_optimizer_state(optimizer, self.topology)
         if self.topology.writes_stage:
-            torch.save(optimizer.state_dict(), self._optimizer_path(output_dir))
+            torch.save(state, self._optimizer_path(output_dir))
             self._hash_in_background(output_dir, [os.path.basename(self._optimizer_path(output_dir))])
         if is_main:
             with warnings.catch_warnings():
@@ -500,7 +504,8 @@ class StageCheckpointer:
                 torch.save(scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def load_optimizer(self, checkpoint: str, optimizer: Any, scheduler: Any, device: torch.device) -> None:
-        """This stage's optimizer shard and the scheduler; either missing is an error."""
+        """This stage's optimizer shard and the scheduler; either missing is an error. A sharded
+        optimizer keeps its rank's share of the stage's state."""
         path = self._optimizer_path(checkpoint)
         if not os.path.isfile(path):
             found = sorted(os.path.basename(p) for p in glob.glob(os.path.join(checkpoint, "optimizer*")))

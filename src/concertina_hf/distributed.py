@@ -16,6 +16,10 @@ Collectives (all no-ops with one process, each a few lines over ``torch.distribu
   (bounded extra memory, few calls);
 - :func:`global_grad_norm`: the 2-norm over every stage's gradients (squared norms summed over
   the pipeline), the quantity ``clip_grad_norm_`` would compute on the whole model;
+- :func:`shard_optimizer` (``concertina_shard_optimizer``): the stage's optimizer as torch's
+  ``ZeroRedundancyOptimizer`` over its ``dp x sp`` ranks (each keeps the state of its share of
+  the parameters and broadcasts them after its step); :func:`stage_optimizer_state` gathers the
+  shares to the rank writing the stage's checkpoint file;
 - :meth:`Topology.all_reduce_replicas`, :meth:`Topology.all_gather_replicas`: counts, losses and
   evaluation values over the replicas;
 - :meth:`Topology.broadcast_in_pipeline`, :meth:`Topology.gather_in_pipeline`,
@@ -60,7 +64,7 @@ from torch import nn
 from .args import ConcertinaTrainingArguments, resolve_parallel_sizes
 
 __all__ = ["ABORT_GRACE_S", "ABORT_POLL_S", "BUCKET_ELEMENTS", "MESH_DIMS", "Topology", "global_grad_norm",
-           "reduce_gradients"]
+           "is_sharded", "reduce_gradients", "shard_optimizer", "stage_optimizer_state"]
 
 # outermost first; a new dimension goes innermost (after "pp") and is built in Topology.build
 MESH_DIMS = ("dp", "pp", "sp")
@@ -427,3 +431,49 @@ def global_grad_norm(grads: Sequence[torch.Tensor], topology: Topology, device: 
         with topology._waiting(f"the gradient norms of every stage (pipeline ranks {list(topology.pp_ranks)})"):
             dist.all_reduce(sq, group=topology.pp_group)
     return sq.reshape(()).sqrt().to(device)
+
+
+# ---------------------------------------------------------------------------------- sharded optimizer state
+def shard_optimizer(optimizer: torch.optim.Optimizer, topology: Topology) -> torch.optim.Optimizer:
+    """``optimizer`` (built by ``Trainer.create_optimizer`` over this stage's parameters, no state
+    yet) as a :class:`~torch.distributed.optim.ZeroRedundancyOptimizer` over the stage's ``dp x
+    sp`` ranks (:attr:`Topology.grad_group`), same class, parameter groups and hyperparameters:
+    each rank keeps the state of its share of the parameters (ZeRO-1), steps it with the whole
+    (all-reduced, clipped) gradients and broadcasts the new values to the other ranks. With one
+    rank per stage there is nothing to shard: ``optimizer`` itself."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if topology.data_parallel_size * topology.sequence_parallel_size == 1 or isinstance(
+            optimizer, ZeroRedundancyOptimizer):
+        return optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer) or optimizer.state:
+        raise ValueError(f"concertina_shard_optimizer=True cannot shard {type(optimizer).__name__}: it needs a "
+                         "torch.optim optimizer class built from parameter groups, before its first step")
+    groups = [dict(g, params=list(g["params"])) for g in optimizer.param_groups]
+    # the constructor's own keywords (torch's AdamW records ``decoupled_weight_decay`` in its
+    # defaults but does not take it); each group carries every value anyway
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    keep = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+    defaults = {k: v for k, v in optimizer.defaults.items() if keep or k in accepted}
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=topology.grad_group,
+                                   **defaults)
+
+
+def is_sharded(optimizer: Any) -> bool:
+    """Whether ``optimizer`` holds only this rank's share of its stage's state (:func:`shard_optimizer`)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def stage_optimizer_state(optimizer: Any, topology: Topology) -> dict[str, Any] | None:
+    """The stage's whole optimizer state dict on the rank that writes the stage's files
+    (:attr:`Topology.writes_stage`), ``None`` elsewhere. A sharded optimizer gathers its shares
+    there first (collective over the stage's ``dp x sp`` ranks: call it on all of them); the
+    result is the format a plain optimizer's ``state_dict`` has, which ``load_state_dict`` of
+    either reads (a sharded one keeps its share)."""
+    if is_sharded(optimizer):
+        writer = dist.get_group_rank(topology.grad_group, topology.grad_ranks[0])
+        with topology._waiting(f"the optimizer state of the stage's ranks {list(topology.grad_ranks)}"):
+            optimizer.consolidate_state_dict(to=writer)
+    return optimizer.state_dict() if topology.writes_stage else None

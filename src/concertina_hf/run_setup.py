@@ -65,10 +65,13 @@ def resolve_run(args: ConcertinaTrainingArguments, model: nn.Module, topology: T
     if topology.pipeline_size > 1 and ties_embeddings(model):
         cost = count_head_copy(cost)
     sp = topology.sequence_parallel_size
-    if sp > 1:  # per GPU: compute and activations over sp; the state stays whole on every sp rank
+    # optimizer state over the stage's dp x sp ranks (concertina_shard_optimizer), else whole on each
+    shards = sp * topology.data_parallel_size if args.concertina_shard_optimizer else 1
+    if sp > 1:  # per GPU: compute and activations over sp
         heads = int(model.config.num_attention_heads)
         check_heads(heads, int(getattr(model.config, "num_key_value_heads", None) or heads), sp)
-        cost = cost.with_parallel(sp=sp, state_shards=1)
+    if sp > 1 or shards > 1:
+        cost = cost.with_parallel(sp=sp, state_shards=shards)
     layout = partition_layers(cost, topology.pipeline_size)
     budgets = memory_budgets(args, device_memory, layout.num_stages)
     check_static_memory(cost, layout, budgets)

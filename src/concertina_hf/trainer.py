@@ -40,7 +40,7 @@ from .args import ConcertinaTrainingArguments
 from .callbacks import ReplanCallback, use_compact_console
 from .checkpoint import StageCheckpointer
 from .collator import LengthAwareCollator
-from .distributed import Topology, global_grad_norm, reduce_gradients
+from .distributed import Topology, global_grad_norm, reduce_gradients, shard_optimizer
 from .evaluation import PipelinePredictor
 from .integrations.peft import base_model_of
 from .run_setup import check_trainer_arguments, resolve_run
@@ -254,6 +254,14 @@ class ConcertinaTrainer(Trainer):
         super().log(logs, start_time)
 
     # ------------------------------------------------------------------ setup of the training loop
+    def create_optimizer(self, model=None):
+        """Trainer's optimizer over the stage's parameters; ``concertina_shard_optimizer``: sharded
+        over the stage's ``dp x sp`` ranks (:func:`~concertina_hf.distributed.shard_optimizer`)."""
+        optimizer = super().create_optimizer(model)
+        if self.args.concertina_shard_optimizer:
+            self.optimizer = optimizer = shard_optimizer(optimizer, self.topology)
+        return optimizer
+
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         return model  # no DDP / DataParallel: replicas reduce gradients themselves
 
