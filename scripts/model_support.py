@@ -221,9 +221,10 @@ def check_type(model_type: str, **overrides) -> dict:
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from concertina_hf.planning import StageLayout
+    from concertina_hf.planning import CostModel, StageLayout
     from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
-    from concertina_hf.runtime.families import UnsupportedModelError, check_config, inspect_model
+    from concertina_hf.run_setup import check_model_family
+    from concertina_hf.runtime.families import UnsupportedModelError, check_config
 
     row = {"type": model_type, "class": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]}
     try:
@@ -240,9 +241,13 @@ def check_type(model_type: str, **overrides) -> dict:
     except Exception as exc:
         return dict(row, verdict="does not build", note=f"model: {type(exc).__name__}: {exc}")
     try:
-        inspect_model(model)
+        check_model_family(model)  # ConcertinaTrainer's first check
     except UnsupportedModelError as exc:
         return dict(row, verdict="refused", note=str(exc))
+    try:  # ConcertinaTrainer plans with the analytic cost model of the config
+        CostModel.from_hf_config(cfg, dtype_bytes=4)
+    except Exception as exc:
+        return dict(row, verdict="CRASH", note=f"CostModel.from_hf_config: {type(exc).__name__}: {exc}")
     ids, labels = batch()
     n = sum(int((lab[1:] != -100).sum()) for lab in labels)
     try:

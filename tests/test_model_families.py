@@ -99,7 +99,7 @@ def test_a_convolutional_mixer_inside_a_layer_is_refused():
 def test_the_trainer_refuses_before_anything_else_runs(tmp_path):
     """GPT-2: the refusal comes from the constructor's first check, before process groups, the cost
     model (whose config keys GPT-2 does not have) or the self-check."""
-    from transformers import GPT2Config
+    from transformers import GPT2Config, T5Config
 
     from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
     from concertina_hf.planning import CostModel
@@ -110,9 +110,24 @@ def test_the_trainer_refuses_before_anything_else_runs(tmp_path):
     mixtral = _build("mixtral", output_router_logits=True)
     with pytest.raises(UnsupportedModelError, match="model type 'mixtral' .* output_router_logits=True"):
         ConcertinaTrainer(model=mixtral, args=args)
-    with pytest.raises(ValueError, match="config of model type 'gpt2' has no hidden_size, num_attention_heads, "
-                                         "intermediate_size, num_hidden_layers"):
-        CostModel.from_hf_config(GPT2Config())
+    with pytest.raises(ValueError, match="config of model type 'gpt2' has no intermediate_size: the cost model"):
+        CostModel.from_hf_config(GPT2Config())  # (its attribute map gives n_embd as hidden_size)
+    with pytest.raises(ValueError, match="config of model type 't5' has no intermediate_size"):
+        CostModel.from_hf_config(T5Config())
+
+
+def test_cost_model_of_configs_named_otherwise():
+    """MoE configs without intermediate_size (the active experts' width), attribute maps (e.g.
+    n_routed_experts), and a config counting other layers than the model holds (refused first)."""
+    from concertina_hf.planning import CostModel
+    from concertina_hf.run_setup import check_model_family
+
+    solar = model_support.tiny_config("solar_open")  # moe 48 x 2 routed per token + 1 shared expert of 48
+    assert CostModel.from_hf_config(solar, dtype_bytes=4).layer_params == \
+        CostModel.from_hf_config(dict(solar.to_dict(), intermediate_size=3 * 48), dtype_bytes=4).layer_params
+    with pytest.raises(UnsupportedModelError, match="model type 'longcat_flash': config.num_hidden_layers is 4 but "
+                                                    "model.model.layers holds 2 decoder layers"):
+        check_model_family(_build("longcat_flash"))
 
 
 # ---------------------------------------------------------------------------------- outside the layers

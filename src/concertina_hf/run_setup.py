@@ -117,9 +117,15 @@ def check_model_family(model: nn.Module) -> None:
     attention, the router auxiliary loss, ...), naming its model type and the feature:
     :func:`~concertina_hf.runtime.families.inspect_model`, on the HF model inside a ``PeftModel``."""
     from .integrations.peft import base_model_of
-    from .runtime.families import inspect_model
+    from .runtime.families import UnsupportedModelError, inspect_model
 
-    inspect_model(base_model_of(model))
+    hf = base_model_of(model)
+    inspect_model(hf)
+    declared, held = getattr(hf.config, "num_hidden_layers", None), len(hf.model.layers)
+    if declared is not None and int(declared) != held:  # the stage layout and the cost model count the config's layers
+        raise UnsupportedModelError(
+            f"model type {hf.config.model_type!r}: config.num_hidden_layers is {declared} but model.model.layers "
+            f"holds {held} decoder layers; the stage layout and the cost model count config.num_hidden_layers")
 
 
 def memory_budgets(args: ConcertinaTrainingArguments, device_memory: int, num_stages: int) -> tuple[int, ...]:

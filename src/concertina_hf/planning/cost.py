@@ -90,6 +90,16 @@ from .types import Chunk, ChunkKind, Slice, StageLayout
 
 __all__ = ["ChunkShape", "CostModel", "DeviceSpec", "ProfileSample", "attn_pairs", "needs_mask"]
 
+def _active_moe_width(get: Any) -> int | None:
+    """The MLP width a token goes through in a config without ``intermediate_size`` (MoE only):
+    its routed experts' widths plus the shared experts'."""
+    moe = get("moe_intermediate_size")
+    if not moe:
+        return None
+    shared = get("shared_expert_intermediate_size") or moe * int(get("n_shared_experts") or 0)
+    return int(moe) * max(1, int(get("num_experts_per_tok") or 1)) + int(shared)
+
+
 #: what :meth:`CostModel.from_hf_config` reads (GPT-2 / T5-style configs name them otherwise)
 _REQUIRED_CONFIG_KEYS = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size", "num_hidden_layers")
 
@@ -240,7 +250,17 @@ class CostModel:
         grads and two moments).
         """
         c = config if isinstance(config, Mapping) else config.to_dict()
-        missing = [k for k in _REQUIRED_CONFIG_KEYS if c.get(k) is None]
+
+        def get(key: str) -> Any:
+            if isinstance(config, Mapping):
+                return c.get(key)
+            try:  # the config's attribute map (e.g. n_routed_experts for num_local_experts) applies
+                return getattr(config, key, None)
+            except Exception:  # an attribute a config refuses to give globally (per-layer values)
+                return c.get(key)
+
+        inter = get("intermediate_size") or _active_moe_width(get)
+        missing = [k for k in _REQUIRED_CONFIG_KEYS if get(k) is None and not (k == "intermediate_size" and inter)]
         if missing:
             raise ValueError(
                 f"the config of model type {c.get('model_type', '?')!r} has no {', '.join(missing)}: the cost model "
@@ -248,13 +268,13 @@ class CostModel:
                 "/ .layers / .norm and lm_head; see docs/supported_models.md)"
             )
         dev = device or DeviceSpec()
-        h = int(c["hidden_size"])
-        n_heads = int(c["num_attention_heads"])
-        n_kv = int(c.get("num_key_value_heads") or n_heads)
-        head_dim = int(c.get("head_dim") or h // n_heads)
-        inter = int(c["intermediate_size"])
-        vocab = int(c["vocab_size"])
-        n_layers = int(c["num_hidden_layers"])
+        h = int(get("hidden_size"))
+        n_heads = int(get("num_attention_heads"))
+        n_kv = int(get("num_key_value_heads") or n_heads)
+        head_dim = int(get("head_dim") or h // n_heads)
+        inter = int(inter)
+        vocab = int(get("vocab_size"))
+        n_layers = int(get("num_hidden_layers"))
         q_dim, kv_dim = n_heads * head_dim, n_kv * head_dim
         layer_params = h * (q_dim + 2 * kv_dim) + q_dim * h + 3 * h * inter + 2 * h
         b = dtype_bytes
@@ -267,7 +287,7 @@ class CostModel:
         # 2 kv), post-attn residual + norm (2h), gate, up, act(gate)*up (3 inter), softmax stats
         act = b * (4 * h + 2 * q_dim + 2 * kv_dim + 3 * inter) + 4 * n_heads
         embed_params = vocab * h
-        head_params = (0 if c.get("tie_word_embeddings") else vocab * h) + h
+        head_params = (0 if get("tie_word_embeddings") else vocab * h) + h
         return cls(
             num_layers=n_layers,
             alpha_attn=alpha_attn,
