@@ -99,7 +99,10 @@ def run_trainer(config: dict, seed: int, batches: Sequence[Sequence[Sequence[int
                 with AllocationTracker() as tracker, meter:
                     loss = super().training_step(model, inputs, num_items_in_batch)
                 self.memory = {"meter_peak_bytes": meter.peak_bytes,
-                               "alloc_peak_bytes": tracker.peak_bytes(exclude=[p.grad for p in params])}
+                               # parameters (a layer's ``weight.t()`` view makes the tracker
+                               # count their storage), buffers and gradients: not activations
+                               "alloc_peak_bytes": tracker.peak_bytes(
+                                   exclude=[*params, *model.buffers(), *(p.grad for p in params)])}
             else:
                 loss = super().training_step(model, inputs, num_items_in_batch)
             self.losses.append(float(loss))

@@ -399,6 +399,7 @@ def summarize_job(records: list[dict], act_budget: float, static: Sequence[float
         "meter_peak_bytes": meter,
         "memory_batch_meter_peak_bytes": mem["meter_peak_bytes"],
         "memory_batch_alloc_peak_bytes": mem["alloc_peak_bytes"],
+        "memory_batch_alloc_peak_with_params_bytes": mem.get("alloc_peak_with_params_bytes"),
         "predicted_activation_peak_bytes": predicted_act,
         "fits_measured": all(m <= act_budget * FIT_TOLERANCE for m in mem["alloc_peak_bytes"]),
         "knobs": [r["knobs"] for r in timed],
@@ -719,7 +720,8 @@ def to_markdown(res: dict[str, Any]) -> str:
           "runtime holds: stage inputs/outputs, K/V of earlier slices); the Trainer is measured by the same meter "
           "around its `training_step`. With HF gradient checkpointing the meter does not see what checkpointing "
           "keeps itself, so the allocated column is the fair one there.",
-          "- allocated: every tensor created during the step's forward and backward (parameter gradients excluded), "
+          "- allocated: every tensor created during the step's forward and backward (parameters, their views and "
+          "gradients excluded), "
           "peak of the live bytes, on the memory batch (see `runtime.memory.AllocationTracker`).",
           "- plan wait: time the step waited for its plan (background planning on pipeline rank 0, plus the plan's "
           "broadcast); plan time: how long planning took in the background.", ""]

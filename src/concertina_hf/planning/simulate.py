@@ -30,6 +30,13 @@ Memory of stage ``s`` over time (only its own action order matters, not timing):
             +  K/V gradient buffers of split sequences: the buffer of a slice's K/V is
                allocated when the sequence's last slice starts backward and freed when that
                slice's own backward ends
+            +  on s > 0, the input gradient a backward sends to stage s - 1
+               (``hidden_bytes_per_token`` per token of its chunk), from the end of that
+               backward until the end of the stage's next backward: a send's buffer lives until
+               the previous stage has received it (gloo completes a send once the receive is
+               posted, which stage s - 1 does just before its own backward of the chunk) and the
+               executor drops completed sends at its next exchange (the last one: at the
+               step's end, which waits for every send)
 
 It peaks right after a forward (activations are counted from the forward's start) or during a
 backward. :func:`memory_moments` lists those moments, as linear functions of the recompute
@@ -104,9 +111,11 @@ class MemoryMoment:
 
     ``bytes(r) = const + sum(act[c](r[c]) for c in in_flight) + transient[b](r[b])`` where
     ``b = backward`` (``None`` right after a forward). ``const`` holds static memory and the
-    K/V gradient buffers alive at that moment. ``action`` is the action whose start (forward)
-    or run (backward) the moment belongs to. ``kv_freed``: the K/V gradient bytes the backward
-    frees when it ends (0 after a forward).
+    K/V gradient buffers and the input gradient waiting to be sent alive at that moment.
+    ``action`` is the action whose start (forward) or run (backward) the moment belongs to.
+    ``kv_freed``: the bytes of ``const`` the backward frees when it ends (0 after a forward): its
+    K/V gradient buffers and the previous backward's pending input gradient, less its own
+    (negative when that is the larger).
     """
 
     stage: int
@@ -169,7 +178,10 @@ def _moments(plan: Plan, cost: CostModel, stage: int, alloc: dict[int, list[int]
     in_flight: dict[int, None] = {}  # insertion-ordered set
     out: list[tuple] = []
     FWD = ActionKind.FORWARD
-    for a in plan.schedule[stage]:
+    sends_grad = stage > 0
+    pending = 0.0  # the previous backward's input gradient, not yet received by stage - 1
+    last_b = max((i for i, a in enumerate(plan.schedule[stage]) if a.kind is not FWD), default=-1)
+    for i, a in enumerate(plan.schedule[stage]):
         c = a.chunk
         if a.kind is FWD:
             in_flight[c] = None
@@ -178,10 +190,14 @@ def _moments(plan: Plan, cost: CostModel, stage: int, alloc: dict[int, list[int]
             for tok in alloc.get(c, ()):
                 const += cost.kv_grad_memory(lay, stage, tok)
             freed = cost.kv_grad_memory(lay, stage, free[c]) if c in free else 0.0
+            if sends_grad:
+                # the step ends waiting for its sends: the last one is gone then
+                mine = cost.hidden_bytes_per_token * plan.chunks[c].num_tokens if i != last_b else 0.0
+                freed += pending - mine
+                pending = mine
             out.append((a, tuple(in_flight) if in_flight_sets else None, c, const, freed))
             in_flight.pop(c, None)
-            if c in free:
-                const -= freed
+            const -= freed
     return out
 
 

@@ -296,7 +296,8 @@ class AllocationTracker(TorchDispatchMode):
     Unlike :class:`LiveTensorMeter` it does not skip op outputs that alias a storage created
     before the region: an op returning a view of a parameter (``weight.t()`` inside a linear
     layer) counts that parameter's storage, from then on while it lives (on a two-layer Llama
-    of hidden size 64, 360 KB of its 427 KB of parameters). The benchmarks' ``alloc_peak``
+    of hidden size 64, 360 KB of its 427 KB of parameters). Pass the parameters (and buffers)
+    in ``exclude`` of :meth:`peak_bytes` for an activation peak: the benchmarks' ``alloc_peak``
     figures are counted so, the pipeline's and the single-process baseline's alike.
 
     Cost: one Python call per op output (tens of microseconds): for untimed steps only.
