@@ -226,31 +226,50 @@ def test_no_mask_bigger_than_a_segment(monkeypatch):
 
 
 # ---------------------------------------------------------------------------- context delivery
-def _stablelm(seed=0):
-    from transformers import AutoModelForCausalLM, StableLmConfig
+REAL_MODELS = {
+    # decoder layer drops **kwargs: the context arrives through the context variable
+    "stablelm": dict(num_key_value_heads=2, partial_rotary_factor=0.5),
+    # MLA: query/key heads of 24 (16 + 8 rotary), value heads of 8
+    "deepseek_v3": dict(num_key_value_heads=4, moe_intermediate_size=16, q_lora_rank=16, kv_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8, n_routed_experts=4,
+                        num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1),
+    # attention soft-capping, a sliding window shorter than the slices
+    "gemma2": dict(num_key_value_heads=2, head_dim=8, sliding_window=6, query_pre_attn_scalar=8),
+    # attention sinks, a sliding window
+    "gpt_oss": dict(num_key_value_heads=2, head_dim=8, sliding_window=6, num_local_experts=4, num_experts_per_tok=2),
+}
 
-    cfg = StableLmConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=False, partial_rotary_factor=0.5)
+
+def _real_model(model_type: str, seed: int = 0):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(model_type, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, tie_word_embeddings=False, **REAL_MODELS[model_type])
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-    with torch.no_grad():
-        for p in model.parameters():
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    with torch.no_grad():  # realistic scales: soft-capping and sinks matter
+        for name, p in model.named_parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.2)
+            elif "sinks" in name:
+                p.normal_(0.0, 1.0)
     return model.float()
 
 
-def test_layer_that_drops_kwargs_gets_the_context():
-    """StableLM's decoder layer does not pass ``**kwargs`` to its attention: the context still
-    arrives (context variable), with and without recompute (the checkpoint replay in backward)."""
-    import inspect
+@pytest.mark.parametrize("model_type", sorted(REAL_MODELS))
+def test_real_models_through_the_runtime(model_type):
+    """Tiny models built from config, through the runtime's stage functions (a long sequence in
+    three slices, its tail packed with a whole sequence, two whole sequences packed), with and
+    without recompute (the checkpoint replay in backward): loss and every gradient equal to HF's
+    eager attention run on each sequence alone."""
+    if model_type == "stablelm":
+        import inspect
 
-    from transformers.models.stablelm import modeling_stablelm
+        from transformers.models.stablelm import modeling_stablelm
 
-    assert "**kwargs" not in inspect.getsource(modeling_stablelm.StableLmDecoderLayer.forward).split(
-        "self.self_attn(")[1].split(")")[0]
-    model = _stablelm()
+        call = inspect.getsource(modeling_stablelm.StableLmDecoderLayer.forward).split("self.self_attn(")[1]
+        assert "**kwargs" not in call.split(")")[0]  # still a layer that drops them
+    model = _real_model(model_type)
     lens = (30, 9, 7, 5)
     ids, labels = batch(lens)
     ref_loss, ref_grads = reference(model, ids, labels)
