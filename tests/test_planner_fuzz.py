@@ -9,7 +9,10 @@ of 0 to 1M tokens (all of one token, many equal, long-tailed), pipelines of 1 to
 from below static memory to unconstrained (one for all stages or one per stage), token caps from
 1 token up, every strategy of the registry, both recompute solvers, and three cost models (a
 7B model at A800 rates, a tiny one at CPU rates, and the tiny one with every measured term of a
-profiled model). The default test draws 150 calls (seconds); the ``slow`` one 3000.
+profiled model). The default test draws 150 calls (seconds). The large one (3000 calls, 3-8
+minutes on 2 cores) runs with ``CONCERTINA_FUZZ_LARGE=1``, beside ``benchmarks/planner_fuzz.py``:
+CPU time inflates on a loaded machine with shared cores (a 1.0 s call measured 2.8 s of CPU at load
+12), so a suite run beside other work would fail it at random.
 Derandomized: the same calls on every run.
 
 Plus the cases the fuzz found: a tiny cap on a long step (thousands of chunks), a token cap of 1,
@@ -152,6 +155,8 @@ def test_every_call_plans_or_refuses_within_2s(call):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("CONCERTINA_FUZZ_LARGE") != "1",
+                    reason="3000 calls; set CONCERTINA_FUZZ_LARGE=1 (see the module docstring)")
 @settings(FUZZ, max_examples=3000)
 @given(call=calls())
 def test_every_call_plans_or_refuses_within_2s_large(call):
