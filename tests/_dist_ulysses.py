@@ -174,7 +174,8 @@ REPLICA_CHUNKS = ([[(0, 0, 20)], [(0, 20, 26)], [(1, 0, 9), (2, 0, 7)]],
 def _replicas(topo, report: dict) -> None:
     """dp x pp x sp: each replica runs its share of the batch with the whole batch's token count;
     gradients reduced over the stage's dp x sp ranks (one all-reduce), the loss summed over the
-    replicas: the single-process reference over the whole batch."""
+    replicas: the single-process reference over the whole batch. With two pipeline stages
+    (dp=2 x pp=2 x sp=2, 8 processes) one model and one step only (recompute full)."""
     from concertina_hf.distributed import reduce_gradients
     from concertina_hf.planning import StageLayout
     from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
@@ -185,11 +186,16 @@ def _replicas(topo, report: dict) -> None:
     mine = REPLICA_SEQS[topo.replica]
     my_ids, my_labels = [ids[i] for i in mine], [labels[i] for i in mine]
     layout = StageLayout.even(NUM_LAYERS, topo.pipeline_size)
-    for kind, model in (("llama K=4", _model("llama")), ("qwen2 K=1 (replicated)", _model("qwen2", kv_heads=1))):
+    models = (("llama K=4", lambda: _model("llama")), ("qwen2 K=1 (replicated)", lambda: _model("qwen2", kv_heads=1)))
+    recomputes = ("none", "full")
+    if topo.pipeline_size > 1:  # dp x pp x sp (8 processes on 2 cores): one model, one step
+        models, recomputes = models[:1], ("full",)
+    for kind, make in models:
+        model = make()
         ref_loss, ref_grads = reference(model, ids, labels)
         w = PipelineWrapper(copy.deepcopy(model), layout, topo.stage)
         ex = PipelineExecutor(w, pp_group=topo.pp_group, sp_group=topo.sp_group)
-        for rec in ("none", "full"):
+        for rec in recomputes:
             plan = make_plan([len(t) for t in my_ids], REPLICA_CHUNKS[topo.replica], layout, rec)
             w.zero_grad(set_to_none=True)
             res = ex.run_step(plan, my_ids, my_labels, num_items_in_batch=total)
