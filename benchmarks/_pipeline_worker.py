@@ -272,6 +272,9 @@ def _run(rank: int, world: int, spec: dict) -> dict:
             "run_s": t_run - t_call, "opt_s": t1 - t_run, "t_call": t_call, "loss": res.loss,
             "meter_peak": res.peak_activation_bytes, "alloc_peak": alloc_peak, "alloc_peak_params": alloc_peak_params,
             "actions": [(str(a), s, e) for a, s, e in res.action_times],
+            # where this rank's step went: plan wait, run_step's compute / comm waits / other, the rest
+            # (allocation tracker, optimizer); the parts sum to step_s
+            "breakdown": {"plan_wait": t_call - t0, **res.breakdown, "optimizer": t1 - t_call - res.wall_time_s},
         }
         gathered = [None] * world if rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
@@ -304,6 +307,8 @@ def _run(rank: int, world: int, spec: dict) -> dict:
                 # measured actions on one clock: each rank's times from its run_step call
                 "actions": {m["rank"]: [(a, s + m["t_call"] - base, e + m["t_call"] - base) for a, s, e in m["actions"]]
                             for m in per},
+                "stage_breakdown": [m["breakdown"] for m in per],  # seconds per stage (rank), see mine
+                "stage_step_s": [m["step_s"] for m in per],
                 "plan": plan.to_json(),  # for the online refit and the Gantt chart; not written out
             }
             records.append(rec)

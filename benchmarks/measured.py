@@ -372,6 +372,9 @@ def online_refit_predictions(records: list[dict], cost, layout) -> None:
         r["predicted_online_s"] = simulate(plans[id(r)], model).step_time_s if model and id(r) in plans else None
 
 
+BREAKDOWN = ("plan_wait", "compute", "comm_wait", "other", "optimizer")
+
+
 def summarize_job(records: list[dict], act_budget: float, static: Sequence[float]) -> dict[str, Any]:
     """Figures of one pp=2 run from its step records (timed steps; memory from every step)."""
     timed = sorted((r for r in records if not r["memory_round"]), key=lambda r: r["round"])
@@ -407,6 +410,12 @@ def summarize_job(records: list[dict], act_budget: float, static: Sequence[float
         "recompute_layers": [r["recompute_layers"] for r in timed],
         "predicted_recompute_fraction": _stats([r["predicted_recompute_fraction"] for r in timed]),
         "losses": [r["loss"] for r in records],
+        # per stage, medians over the timed steps: where the step went (plan wait, compute, comm
+        # waits, other Python in run_step, optimizer and the rest), and the stage's step time
+        "stage_breakdown": [
+            {**{k: statistics.median(r["stage_breakdown"][s][k] for r in timed) for k in BREAKDOWN},
+             "step": statistics.median(r["stage_step_s"][s] for r in timed)}
+            for s in range(len(static))] if timed and "stage_breakdown" in timed[0] else None,
     }
 
 
@@ -773,6 +782,15 @@ def _context_markdown(c: dict) -> list[str]:
         L.append(f"| {name} (1 process) | {t['median']:.0f} [{t['min']:.0f}..{t['max']:.0f}] | "
                  f"{r['step_s_stats']['median']:.2f} | | | {_mib(r['meter_peak_bytes'])} / {_mib(r['alloc_peak_bytes'])} "
                  "| | | | |")
+    rows = [(name, s, b) for name, r in c["runs"].items() for s, b in enumerate(r.get("stage_breakdown") or [])]
+    if rows:
+        L += ["", "Where each stage's step went (median seconds over the timed steps; compute: the actions' spans, "
+              "comm wait: inside P2P exchanges and the loss broadcast, other: Python and allocation between actions "
+              "in `run_step`, optimizer: AdamW step and the rest after `run_step`; the planner runs on a thread of "
+              "stage 0's process, so its CPU time shows in that stage's parts):", "",
+              "| run | stage | step s | plan wait | compute | comm wait | other | optimizer |", "|---|---|---|---|---|---|---|---|"]
+        L += [f"| {name} | {s} | {b['step']:.3f} | " + " | ".join(f"{b[k]:.3f} ({b[k] / b['step']:.0%})" for k in BREAKDOWN)
+              + " |" for name, s, b in rows]
     if c.get("loss_check"):
         lc = c["loss_check"]
         L += ["", f"Loss of the warm-up step (initial weights, memory batch): pipeline {lc['pipeline']:.6f}, Trainer "

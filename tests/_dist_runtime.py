@@ -43,6 +43,20 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
 
 
+def _breakdown_problems(res) -> list[str]:
+    """``StepResult.breakdown``: compute equals the action spans, every part >= 0, the parts sum to
+    the step's wall time within 5%, and a pipeline stage spent some time in communication."""
+    parts = res.breakdown
+    out = []
+    if set(parts) != {"compute", "comm_wait", "other"} or min(parts.values()) < 0:
+        out.append(f"breakdown {parts}")
+    elif abs(sum(parts.values()) - res.wall_time_s) > 0.05 * res.wall_time_s:
+        out.append(f"breakdown {parts} sums to {sum(parts.values())}, wall time {res.wall_time_s}")
+    elif abs(parts["compute"] - sum(e - s for _, s, e in res.action_times)) > 1e-9 or not parts["comm_wait"] > 0:
+        out.append(f"breakdown {parts}: compute is not the action spans' sum, or no communication")
+    return out
+
+
 def worker(rank: int, world: int, port: int, outdir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -83,6 +97,7 @@ def _run(rank: int, world: int, report: dict) -> None:
             fail.extend(f"{kind} {name} stage {rank}: {b}" for b in compare_grads(w, ref_grads, GRAD_TOL))
             if [a for a, _, _ in res.action_times] != list(plan.schedule[rank]):
                 fail.append(f"{kind} {name}: action_times do not follow the schedule")
+            fail.extend(f"{kind} {name} stage {rank}: {b}" for b in _breakdown_problems(res))
             if kind == "llama":
                 predicted = simulate(plan, cost).peak_memory_bytes[rank] - cost.static_memory(layout, rank)
                 report["memory"].append((name, res.peak_activation_bytes, predicted))

@@ -47,6 +47,11 @@ def test_measured_benchmark_tiny(tmp_path):
         for s, (got, pred) in enumerate(zip(r["memory_batch_alloc_peak_bytes"], r["predicted_activation_peak_bytes"])):
             assert got <= 1.05 * pred, (name, s, got, pred)
         assert r["plan_wait_s"]["max"] >= 0, name
+        # where each stage's step went: parts >= 0 summing (medians of each) to about the step time
+        for s, b in enumerate(r["stage_breakdown"]):
+            parts = [b[k] for k in ("plan_wait", "compute", "comm_wait", "other", "optimizer")]
+            assert min(parts) >= 0 and b["compute"] > 0 and b["comm_wait"] > 0, (name, s, b)
+            assert abs(sum(parts) - b["step"]) <= 0.25 * b["step"], (name, s, b)
     assert set(ctx["trainer"]) == {"trainer", "trainer+ckpt"}
     for r in ctx["trainer"].values():
         assert r["tokens_per_s_stats"]["median"] > 0 and r["alloc_peak_bytes"] > 0
@@ -59,4 +64,4 @@ def test_measured_benchmark_tiny(tmp_path):
     assert any("best packed" in n for n in names) and any("Trainer" in n for n in names)
     assert all(isinstance(t["met"], bool) for t in res["targets"])
     md = (tmp_path / "measured_tiny.md").read_text()
-    assert "## Targets" in md and "## Context 256 tokens" in md
+    assert "## Targets" in md and "## Context 256 tokens" in md and "| comm wait |" in md

@@ -159,6 +159,9 @@ def test_console_shows_a_compact_line_and_trackers_get_every_statistic(tmp_path,
     assert not any("concertina/" in ln for ln in lines) and max(map(len, lines)) < 300, lines
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logged) == 2 and all("concertina/recompute_layers" in h for h in logged)
+    for h in logged:  # where the (single) stage's step time went: parts >= 0, summing to the step's wall time
+        parts = [h[f"concertina/{k}_s_stage0"] for k in ("compute", "comm_wait", "other")]
+        assert min(parts) >= 0 and parts[0] > 0 and parts[1] == 0, parts
 
 
 def test_default_run_draws_its_last_step_and_logs_where(tmp_path, caplog):

@@ -15,8 +15,10 @@ callback keeps what a ``TrainerCallback`` is for:
   Trainer's ``self.log`` (so they reach every ``report_to`` tracker in the same row as the loss),
   under ``concertina/``: chunks by kind, pipeline groups, predicted and measured step time and
   bubble fraction, recompute layers (total and per stage), predicted and measured activation
-  peak per stage, planning time (and how long the step waited for its plan), cost-model refits
-  (accepted, rejected, undone by a fallback).
+  peak per stage, planning time (and how long the step waited for its plan), where each stage's
+  step time went (``concertina/compute_s_stage<s>``, ``comm_wait_s_stage<s>``, ``other_s_stage<s>``:
+  :attr:`~concertina_hf.runtime.executor.StepResult.breakdown`), cost-model refits (accepted,
+  rejected, undone by a fallback).
 - At the end of ``train()`` it writes the last step's planned and measured Gantt chart to
   ``<output_dir>/gantt/step-<n>.png`` (and every ``concertina_gantt_steps`` steps when that is
   positive; -1 draws none), logs its path, and sends it to wandb as an image when wandb is a
@@ -55,6 +57,8 @@ class StepStats:
     measured_bubble_fraction: float
     peak_activation_bytes: tuple[int, ...]
     action_times: list[tuple[Action, float, float]] = field(default_factory=list)
+    #: per stage: seconds of compute, communication waits and the rest (``StepResult.breakdown``)
+    breakdown: tuple[dict[str, float], ...] = ()
 
     def as_logs(self) -> dict[str, float]:
         plan = self.plan
@@ -80,6 +84,9 @@ class StepStats:
             logs[f"concertina/peak_activation_stage{s}_bytes"] = float(b)
         logs["concertina/planning_time_s"] = self.plan_time_s
         logs["concertina/plan_wait_s"] = self.plan_wait_s
+        for s, parts in enumerate(self.breakdown):
+            for part, seconds in parts.items():
+                logs[f"concertina/{part}_s_stage{s}"] = float(seconds)
         return logs
 
 
@@ -136,6 +143,7 @@ class ReplanCallback(TrainerCallback):
             "actions": [(str(a), float(t0), float(t1)) for a, t0, t1 in result.action_times],
             "peak": int(result.peak_activation_bytes),
             "wall": float(result.wall_time_s),
+            "breakdown": {k: float(v) for k, v in getattr(result, "breakdown", {}).items()},
         }
         gathered = self.topology.gather_in_pipeline(mine)
         self._steps_recorded += 1
@@ -156,6 +164,7 @@ class ReplanCallback(TrainerCallback):
             measured_bubble_fraction=max(0.0, 1.0 - busy / (p * wall)) if wall > 0 else 0.0,
             peak_activation_bytes=tuple(m["peak"] for m in per_stage),
             action_times=actions,
+            breakdown=tuple(m["breakdown"] for m in per_stage),
         )
         self.last = stats
         self.history = (self.history + [stats])[-8:]

@@ -93,6 +93,14 @@ class StepResult:
     stage whose result held a NaN or an infinity (``"F3"``: the output, or on the last stage the
     loss, of chunk 3's forward; ``"B3"``: the gradient chunk 3's backward sends on), in the order
     they ran (empty when every value was finite).
+
+    ``breakdown``: where this stage's ``wall_time_s`` went, in seconds: ``compute`` (the sum of
+    the ``action_times`` spans), ``comm_wait`` (inside the message exchanges, the final drain of
+    the sends and the loss broadcast: waiting for a neighbour, or for the transfer) and ``other``
+    (the rest: Python between actions, buffer allocation, the finiteness check, the end of the
+    step), so that ``compute + comm_wait + other == wall_time_s``. On CPU the three are disjoint
+    spans of one clock; on CUDA ``compute`` is device time from events while the others are host
+    time, so the parts may overlap and ``other`` is clipped at 0.
     """
 
     loss: float
@@ -102,6 +110,7 @@ class StepResult:
     peak_activation_bytes: int = 0
     wall_time_s: float = 0.0
     nonfinite: list[str] = field(default_factory=list)
+    breakdown: dict[str, float] = field(default_factory=dict)
 
 
 class _Clock:
@@ -277,6 +286,7 @@ class PipelineExecutor:
         meter.reset()
         clock = _Clock(dev)
         times: list[tuple[Action, object, object]] = []
+        comm_s = 0.0  # host time inside exchanges, the drain and the loss broadcast
         received: dict[tuple[ActionKind, int], torch.Tensor] = {}  # (RECV_F / RECV_B, chunk) -> message
         to_send: dict[tuple[ActionKind, int], torch.Tensor] = {}  # (SEND_F / SEND_B, chunk) -> message
         with meter, torch.set_grad_enabled(train):
@@ -301,6 +311,7 @@ class PipelineExecutor:
                         times.append((action, t_start, clock.mark()))
                     else:
                         self._exchange(plan, actions, received, to_send, wire_dtype)
+                        comm_s += time.perf_counter() - t_wait
                 except Exception as exc:
                     logger.error("%s failed in %s:\n%s", self._where(), _label(actions), program.grid(mark=actions))
                     raise RuntimeError(self._failure(actions, time.perf_counter() - t_wait, exc)) from exc
@@ -308,6 +319,7 @@ class PipelineExecutor:
                 t_wait = time.perf_counter()
                 try:
                     self.comm.drain()
+                    comm_s += time.perf_counter() - t_wait
                 except Exception as exc:
                     raise RuntimeError(f"{self._where()} failed after {time.perf_counter() - t_wait:.1f} s "
                                        f"waiting for the step's sends to complete: {exc}") from exc
@@ -327,19 +339,25 @@ class PipelineExecutor:
             t_wait, last = time.perf_counter(), self.num_stages - 1
             try:
                 self.comm.broadcast_from(t, last)
+                comm_s += time.perf_counter() - t_wait
             except Exception as exc:
                 raise RuntimeError(f"{self._where()} failed after {time.perf_counter() - t_wait:.1f} s waiting for "
                                    f"the step's loss from stage {last} (rank {self.comm.rank_of(last)}): {exc}") from exc
             loss_sum = t[0]
         loss_sum_f = float(loss_sum)
+        action_times = [(a, clock.seconds(s), clock.seconds(e)) for a, s, e in times]
+        wall = time.perf_counter() - clock.t0
+        compute_s = sum(e - s for _, s, e in action_times)
         return StepResult(
             loss=loss_sum_f / divisor,
             loss_sum=loss_sum_f,
             num_items=int(num_items_in_batch),
-            action_times=[(a, clock.seconds(s), clock.seconds(e)) for a, s, e in times],
+            action_times=action_times,
             peak_activation_bytes=int(peak),
-            wall_time_s=time.perf_counter() - clock.t0,
+            wall_time_s=wall,
             nonfinite=nonfinite,
+            breakdown={"compute": compute_s, "comm_wait": comm_s,
+                       "other": max(0.0, wall - compute_s - comm_s) if clock.cuda else wall - compute_s - comm_s},
         )
 
     def _where(self) -> str:
