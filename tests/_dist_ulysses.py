@@ -205,3 +205,38 @@ def _replicas(topo, report: dict) -> None:
             if not _rel(loss, ref_loss) < LOSS_TOL:
                 fail.append(f"{kind} replicas/{rec}: loss {loss} vs {ref_loss}")
             fail.extend(f"{kind} replicas/{rec} rank {topo.rank}: {b}" for b in compare_grads(w, ref_grads, GRAD_TOL))
+
+
+def a2a_worker(rank: int, world: int, port: int, outdir: str) -> None:
+    """The profiler's all-to-all on a real sp=2 gloo group: fit latency and bandwidth on three
+    chunk sizes, measure a fourth (held out); the fitted fields and both times to ``a2a.json``."""
+    torch.set_num_threads(1)
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
+    try:
+        from concertina_hf.planning import CostModel
+        from concertina_hf.runtime.ulysses import measure_all_to_all, profile_all_to_all
+
+        cost = CostModel.from_hf_config(tiny_config("llama", NUM_LAYERS), dtype_bytes=4)
+        group = dist.new_group(list(range(world)))
+        fitted = profile_all_to_all(cost, group, [512, 2048, 8192, 32768], repeats=5)
+        (_, measured), = measure_all_to_all(cost, group, [16384], repeats=5)
+        predicted = fitted.with_parallel(sp=world).a2a_time(16384)
+        # the trainer's path: run_setup fits on the mesh's sp group and rewrites cost_model.json
+        from concertina_hf.distributed import Topology
+        from concertina_hf.run_setup import _profile_all_to_all
+
+        topo = Topology.build(SimpleNamespace(world_size=world, concertina_pipeline_size=1,
+                                              concertina_data_parallel_size=1,
+                                              concertina_sequence_parallel_size=world, ddp_timeout=300))
+        trainer_cost = _profile_all_to_all(SimpleNamespace(output_dir=outdir, concertina_max_tokens_per_chunk=4096),
+                                           cost, topo)
+        if rank == 0:
+            with open(os.path.join(outdir, "a2a.json"), "w") as f:
+                json.dump({"latency": fitted.intra_node_latency_s, "bandwidth": fitted.intra_node_bandwidth,
+                           "measured": measured, "predicted": predicted,
+                           "trainer": [trainer_cost.intra_node_latency_s, trainer_cost.intra_node_bandwidth]}, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -161,3 +161,39 @@ def test_trainer_pp2_sp2_matches_trainer(tmp_path):
     assert info["resumed_losses"] == pytest.approx(info["losses"], abs=1e-6)
     worst, name = _worst_rel(_load(tmp_path / "final"), _load(tmp_path / "resumed"))
     assert worst < 1e-6, ("resume", name, worst)
+
+
+@pytest.mark.slow
+def test_profiler_fits_the_all_to_all_on_a_real_group(tmp_path):
+    """The profiler's all-to-all (``profile_all_to_all``) on a 2-process gloo sp group: the fitted
+    bandwidth positive, the latency >= 0, and the cost model's prediction for a held-out chunk
+    size within a factor 3 of its measured time (one layer's four all-to-alls); run_setup's profile
+    path on the mesh's sp group writes the fitted fields into ``cost_model.json``. ~20 s (slow:
+    timings under shared-core load)."""
+    import torch.multiprocessing as mp
+
+    import _dist_ulysses
+
+    mp.spawn(_dist_ulysses.a2a_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    r = json.loads((tmp_path / "a2a.json").read_text())
+    print(r)
+    assert r["bandwidth"] > 0 and r["latency"] >= 0
+    assert r["measured"] / 3 < r["predicted"] < 3 * r["measured"], r
+    # run_setup's profile path (sp > 1): the same fit on the mesh's sp group, kept in cost_model.json
+    saved = json.loads((tmp_path / "cost_model.json").read_text())
+    lat, bw = r["trainer"]
+    assert bw > 0 and lat >= 0 and bw != 150e9
+    assert (saved["intra_node_latency_s"], saved["intra_node_bandwidth"]) == (lat, bw)
+
+
+def test_fit_all_to_all_recovers_the_link():
+    from concertina_hf.runtime.ulysses import default_a2a_token_counts, fit_all_to_all
+
+    lat, bw = 2e-5, 5e9
+    samples = [(b, 4 * lat + b / bw) for b in (1e5, 1e6, 1e7)]
+    got_lat, got_bw = fit_all_to_all(samples)
+    assert got_lat == pytest.approx(lat, rel=1e-6) and got_bw == pytest.approx(bw, rel=1e-6)
+    assert fit_all_to_all([(1e5, 0.0), (1e6, 1e-3)])[0] == 0.0  # negative intercept clamped
+    with pytest.raises(ValueError, match="do not grow"):
+        fit_all_to_all([(1e5, 1e-3), (1e6, 1e-4)])
+    assert default_a2a_token_counts(8192, 2) == [128, 512, 2048, 8192]

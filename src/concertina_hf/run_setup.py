@@ -7,7 +7,10 @@ that cost model, the same on every rank), each stage's memory budget in bytes, a
 settings. Later issues add the replica assignment and sequence-parallel degrees here.
 
 Costs: a profile (``concertina_cost_model="profiled"`` without a file) takes a few seconds on rank
-0 and one broadcast; everything else is arithmetic on the config.
+0 and one broadcast; with sequence parallelism (``sp > 1``) every rank then times one layer's
+all-to-alls on its stage's real sp group for four chunk sizes (a fraction of a second on gloo)
+and the fitted latency and bandwidth replace the intra-node fields; everything else is
+arithmetic on the config.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ def resolve_run(args: ConcertinaTrainingArguments, model: nn.Module, topology: T
         cost = initial_cost_model(args, model.config, args.device, dtype_bytes, device_memory)
         if args.concertina_cost_model == "profiled" and not args.concertina_cost_model_path:
             cost = _profile_on_rank0(model, args, cost, topology)
+            if topology.sequence_parallel_size > 1:
+                cost = _profile_all_to_all(args, cost, topology)
         cost = count_frozen_parameters(cost, model)
     if topology.pipeline_size > 1 and ties_embeddings(model):
         cost = count_head_copy(cost)
@@ -203,6 +208,23 @@ def _profile_on_rank0(model: nn.Module, args: ConcertinaTrainingArguments, base:
         with open(os.path.join(args.output_dir, "cost_model.json"), "w") as fh:
             fh.write(payload)
     return CostModel.from_dict(json.loads(topology.broadcast_from_rank0(payload)))
+
+
+def _profile_all_to_all(args: ConcertinaTrainingArguments, cost: CostModel, topology: Topology) -> CostModel:
+    """The all-to-alls of one decoder layer timed on every stage's real sequence-parallel group
+    and fitted into the cost model's intra-node latency and bandwidth (the slowest group's times:
+    the same model on every rank); rank 0 rewrites ``cost_model.json``. Collective."""
+    from .runtime.ulysses import default_a2a_token_counts, profile_all_to_all
+
+    t0 = time.perf_counter()
+    tokens = default_a2a_token_counts(args.concertina_max_tokens_per_chunk, topology.sequence_parallel_size)
+    cost = profile_all_to_all(cost, topology.sp_group, tokens, device=topology.comm_device)
+    if topology.rank == 0:
+        logger.info("profiled the all-to-all in %.1fs: latency %.1f us, bandwidth %.2f GB/s",
+                    time.perf_counter() - t0, cost.intra_node_latency_s * 1e6, cost.intra_node_bandwidth / 1e9)
+        with open(os.path.join(args.output_dir, "cost_model.json"), "w") as fh:
+            fh.write(json.dumps(cost.to_dict()))
+    return cost
 
 
 def device_memory_bytes(device: torch.device, local_world_size: int) -> int:

@@ -40,7 +40,10 @@ built for the whole chunk on every rank (``T x S``).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -52,6 +55,10 @@ __all__ = [
     "SequenceParallel",
     "UlyssesContext",
     "all_to_all",
+    "default_a2a_token_counts",
+    "fit_all_to_all",
+    "measure_all_to_all",
+    "profile_all_to_all",
     "check_heads",
     "heads_to_tokens_recv",
     "heads_to_tokens_send",
@@ -217,3 +224,94 @@ class UlyssesContext:
         out, _ = forward(module, q, k, v, concertina_ctx=self.inner, **kwargs)  # [1, n, H/sp, Dv]
         out = F.pad(out, (0, 0, 0, 0, 0, sp * self.local_tokens - n))
         return tokens_to_heads_recv(all_to_all(tokens_to_heads_send(out, sp), group)), None
+
+
+# ---------------------------------------------------------------------- measuring the all-to-all
+def _a2a_numels(cost: Any, tokens: int, sp: int) -> list[int]:
+    """float32 element counts of the four tensors one rank sends for a chunk of ``tokens`` tokens
+    (q, k, v, out; K/V replicated up to ``sp`` heads), each a multiple of ``sp``; their bytes are
+    the cost model's ``_a2a_bytes(sp) * ceil(tokens / sp)``."""
+    t = shard_length(tokens, sp)
+    heads, kv = int(cost.num_heads or 1), int(cost.num_kv_heads or cost.num_heads or 1)
+    per_head = cost.a2a_bytes_per_token / (2 * (heads + kv))  # bytes of one head of one token
+    kv_sent = max(kv, sp) if cost.num_kv_heads else kv
+    out = []
+    for h in (heads, kv_sent, kv_sent, heads):
+        n = -(-int(round(h * per_head * t)) // 4)
+        out.append(-(-n // sp) * sp)
+    return out
+
+
+def measure_all_to_all(cost: Any, group: Any, token_counts: Sequence[int], *, repeats: int = 5,
+                       device: torch.device | str = "cpu") -> list[tuple[float, float]]:
+    """Time one decoder layer's four all-to-alls (q, k, v, out shard sizes of ``cost``'s model)
+    on the real ``group`` for chunks of each of ``token_counts`` tokens. Collective over
+    ``group`` (every rank calls it with the same arguments). Returns ``(bytes moved per rank
+    per collective summed over the four, seconds)`` per token count: the bytes that leave a rank,
+    ``(sp - 1) / sp`` of what it sends, as :meth:`CostModel.a2a_time` counts them; the seconds are
+    the median over ``repeats`` of the slowest rank's time."""
+    sp = dist.get_world_size(group)
+    device = torch.device(device)
+    out: list[tuple[float, float]] = []
+    for tokens in token_counts:
+        numels = _a2a_numels(cost, int(tokens), sp)
+        send = [torch.ones(n, device=device) for n in numels]
+        recv = [torch.empty_like(x) for x in send]
+        times = []
+        for i in range(repeats + 1):  # the first: warm-up
+            dist.barrier(group=group)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            for x, y in zip(send, recv):
+                dist.all_to_all_single(y, x, group=group)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+            if i:
+                times.append(float(elapsed))
+        moved = 4.0 * sum(numels) * (sp - 1) / sp  # float32: 4 bytes an element
+        out.append((moved, statistics.median(times)))
+    return out
+
+
+def fit_all_to_all(samples: Sequence[tuple[float, float]], calls: int = 4) -> tuple[float, float]:
+    """``(latency_s, bandwidth)`` of ``seconds = calls * latency + bytes / bandwidth`` fitted to
+    ``samples`` (``(bytes, seconds)``, at least two distinct sizes) by least squares; the latency
+    clamped at 0 (then the bandwidth refitted through the origin). Raises ``ValueError`` when the
+    times do not grow with the size (no bandwidth to fit)."""
+    xs, ys = [float(b) for b, _ in samples], [float(s) for _, s in samples]
+    if len(set(xs)) < 2:
+        raise ValueError("fitting the all-to-all needs at least two distinct sizes")
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    intercept = my - slope * mx
+    if intercept < 0:
+        intercept, slope = 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+    if slope <= 0:
+        raise ValueError(f"the all-to-all times {ys} do not grow with the sizes {xs}: no bandwidth to fit")
+    return intercept / calls, 1.0 / slope
+
+
+def default_a2a_token_counts(max_tokens: int | None, sp: int) -> list[int]:
+    """Four chunk sizes, a factor 4 apart, up to ``max_tokens`` (default 8192), at least ``sp``."""
+    top = max(int(max_tokens or 8192), 64 * sp)
+    return [max(sp, top // 4 ** i) for i in (3, 2, 1, 0)]
+
+
+def profile_all_to_all(cost: Any, group: Any, token_counts: Sequence[int], *, device: torch.device | str = "cpu",
+                       repeats: int = 5) -> Any:
+    """``cost`` (a :class:`~concertina_hf.planning.CostModel`) with ``intra_node_latency_s`` and
+    ``intra_node_bandwidth`` fitted to the all-to-alls measured on ``group`` (:func:`measure_all_to_all`,
+    :func:`fit_all_to_all`); collective over the default group (the slowest group's times, so
+    every rank gets the same model). Unchanged when the group spans nodes (``sp > gpus_per_node``:
+    those fields do not describe it alone)."""
+    sp = dist.get_world_size(group)
+    samples = measure_all_to_all(cost, group, token_counts, repeats=repeats, device=device)
+    secs = torch.tensor([s for _, s in samples], dtype=torch.float64, device=torch.device(device))
+    dist.all_reduce(secs, op=dist.ReduceOp.MAX)
+    if sp > int(cost.gpus_per_node):
+        return cost
+    lat, bw = fit_all_to_all([(b, float(s)) for (b, _), s in zip(samples, secs)])
+    return dataclasses.replace(cost, intra_node_latency_s=lat, intra_node_bandwidth=bw)
