@@ -343,6 +343,9 @@ def _stage_worker(rank: int, world: int, port: int, outdir: str) -> None:
         out["error"] = traceback.format_exc()
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
+    # rank 0 hosts the TCP store: no rank tears its group down while another still uses it (a
+    # rank left alone at exit aborted once with "terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 
