@@ -31,14 +31,10 @@ against the single-process HF model on the same rows.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
-import pickle
 import sys
 import time
-import traceback
-from datetime import timedelta
 from typing import Any, Sequence
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -257,26 +253,9 @@ class PeerJob:
 
 # ---------------------------------------------------------------------------------- the worker
 def run_worker(rank: int, world: int, port: int, spec_path: str, out_path: str) -> None:
-    torch.set_num_threads(1)
-    try:
-        torch.set_num_interop_threads(1)
-    except RuntimeError:
-        pass
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(minutes=30))
-    try:
-        with open(spec_path, "rb") as fh:
-            spec = pickle.load(fh)
-        result = _run(rank, spec)
-        if rank == 0:
-            with open(out_path, "w") as fh:
-                json.dump(result, fh)
-    except Exception:
-        with open(f"{out_path}.rank{rank}.error", "w") as fh:
-            fh.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
+    from _pipeline_worker import serve
+
+    serve(rank, world, port, spec_path, out_path, lambda spec: _run(rank, spec))
 
 
 def _gather(mine: dict) -> list[dict] | None:

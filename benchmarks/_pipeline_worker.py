@@ -67,6 +67,12 @@ def trainer_optimizer_spec() -> tuple[type, dict]:
 
 
 def run_worker(rank: int, world: int, port: int, spec_path: str, out_path: str) -> None:
+    serve(rank, world, port, spec_path, out_path, lambda spec: _run(rank, world, spec))
+
+
+def serve(rank: int, world: int, port: int, spec_path: str, out_path: str, run) -> None:
+    """One process of a 2-rank benchmark: join the gloo group, ``run(spec)`` on the pickled spec,
+    rank 0 writes the result as JSON; a failure is written to ``<out_path>.rank<r>.error``."""
     torch.set_num_threads(1)
     try:
         torch.set_num_interop_threads(1)
@@ -77,7 +83,7 @@ def run_worker(rank: int, world: int, port: int, spec_path: str, out_path: str) 
     try:
         with open(spec_path, "rb") as fh:
             spec = pickle.load(fh)
-        result = _run(rank, world, spec)
+        result = run(spec)
         if rank == 0:
             with open(out_path, "w") as fh:
                 json.dump(result, fh)

@@ -321,11 +321,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_pipeline(spec: dict, log) -> dict:
-    """Spawn the two stage processes on ``spec`` and return rank 0's records."""
+def run_pipeline(spec: dict, log, worker=None, what: str = "pp=2") -> dict:
+    """Spawn the two stage processes of ``worker`` (default: ``_pipeline_worker.run_worker``) on
+    ``spec`` and return rank 0's records."""
     import torch.multiprocessing as mp
 
     from _pipeline_worker import run_worker
+
+    worker = worker or run_worker
 
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = os.path.join(tmp, "spec.pkl"), os.path.join(tmp, "out.json")
@@ -333,14 +336,14 @@ def run_pipeline(spec: dict, log) -> dict:
             pickle.dump(spec, fh)
         t0 = time.perf_counter()
         try:
-            mp.spawn(run_worker, args=(2, _free_port(), spec_path, out_path), nprocs=2, join=True)
+            mp.spawn(worker, args=(2, _free_port(), spec_path, out_path), nprocs=2, join=True)
         except Exception as e:
             errors = [open(os.path.join(tmp, f)).read() for f in sorted(os.listdir(tmp)) if f.endswith(".error")]
-            raise RuntimeError(f"the pp=2 run failed: {e}\n" + "\n".join(errors)) from e
+            raise RuntimeError(f"the {what} run failed: {e}\n" + "\n".join(errors)) from e
         with open(out_path) as fh:
             out = json.load(fh)
     out["wall_s"] = time.perf_counter() - t0
-    log(f"pp=2 runs took {out['wall_s']:.0f} s")
+    log(f"{what} runs took {out['wall_s']:.0f} s")
     return out
 
 

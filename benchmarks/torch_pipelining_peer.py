@@ -43,10 +43,8 @@ import argparse
 import json
 import os
 import pathlib
-import pickle
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -153,25 +151,11 @@ def project_jobs(batches, cost, max_len: int, args, log) -> tuple[list[dict], di
 
 
 def run_pair(spec: dict, log) -> dict:
-    import torch.multiprocessing as mp
-
+    """The two peer processes on ``spec`` (measured.py's launcher, the peer's worker)."""
     from _peer_worker import run_worker
-    from measured import _free_port
+    from measured import run_pipeline
 
-    with tempfile.TemporaryDirectory() as tmp:
-        spec_path, out_path = os.path.join(tmp, "spec.pkl"), os.path.join(tmp, "out.json")
-        with open(spec_path, "wb") as fh:
-            pickle.dump(spec, fh)
-        t0 = time.perf_counter()
-        try:
-            mp.spawn(run_worker, args=(2, _free_port(), spec_path, out_path), nprocs=2, join=True)
-        except Exception as e:
-            errors = [open(os.path.join(tmp, f)).read() for f in sorted(os.listdir(tmp)) if f.endswith(".error")]
-            raise RuntimeError(f"the peer run failed: {e}\n" + "\n".join(errors)) from e
-        out = json.loads(open(out_path).read())
-    out["wall_s"] = time.perf_counter() - t0
-    log(f"runs took {out['wall_s']:.0f} s")
-    return out
+    return run_pipeline(spec, log, worker=run_worker, what="peer")
 
 
 def summarize(records: list[dict], name: str) -> dict[str, Any]:

@@ -113,10 +113,7 @@ def make_plan(layout):
     chunks = []
     for i, spec in enumerate(CHUNKS):
         slices = tuple(Slice(*s) for s in spec)
-        split = [s for s in slices if s.length != SEQ_LENS[s.seq]]
-        kind = (ChunkKind.PACKED if not split else
-                ChunkKind.HYBRID if split[0].start + split[0].length == SEQ_LENS[split[0].seq] else ChunkKind.SPLIT)
-        chunks.append(Chunk(i, kind, slices))
+        chunks.append(Chunk(i, ChunkKind.of(slices, SEQ_LENS), slices))
     groups = (tuple(range(len(chunks))),)
     # the hybrid chunk's first layer of each stage recomputed in backward
     recompute = tuple(tuple(1 if c == 2 else 0 for c in range(len(chunks))) for _ in range(layout.num_stages))

@@ -81,10 +81,7 @@ def _plan(recompute: tuple[int, ...], layout: StageLayout) -> Plan:
     chunks = []
     for i, spec in enumerate(CHUNKS):
         slices = tuple(Slice(*s) for s in spec)
-        split = [s for s in slices if s.length != SEQ_LENS[s.seq]]
-        kind = ChunkKind.PACKED if not split else (
-            ChunkKind.HYBRID if split[0].end == SEQ_LENS[split[0].seq] else ChunkKind.SPLIT)
-        chunks.append(Chunk(i, kind, slices))
+        chunks.append(Chunk(i, ChunkKind.of(slices, SEQ_LENS), slices))
     groups = (tuple(range(len(chunks))),)
     p = layout.num_stages
     rec = tuple(tuple(min(r, layout.num_stage_layers(st)) for r in recompute) for st in range(p))

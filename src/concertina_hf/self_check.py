@@ -310,10 +310,7 @@ def _probe_plan(layout: StageLayout, num_recompute: int) -> Plan:
     chunks = []
     for i, spec in enumerate(PROBE_CHUNKS):
         slices = tuple(Slice(*s) for s in spec)
-        split = [s for s in slices if s.length != PROBE_LENGTHS[s.seq]]
-        kind = (ChunkKind.PACKED if not split else
-                ChunkKind.HYBRID if split[0].start + split[0].length == PROBE_LENGTHS[split[0].seq] else ChunkKind.SPLIT)
-        chunks.append(Chunk(i, kind, slices))
+        chunks.append(Chunk(i, ChunkKind.of(slices, PROBE_LENGTHS), slices))
     groups = (tuple(range(len(chunks))),)
     recompute = ((0, min(num_recompute, layout.num_layers), 0),)
     plan = Plan(strategy="self-check", seq_lens=PROBE_LENGTHS, layout=layout, chunks=tuple(chunks), groups=groups,

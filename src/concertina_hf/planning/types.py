@@ -69,6 +69,15 @@ class ChunkKind(str, enum.Enum):
     SPLIT = "split"  # exactly one non-final slice of a long sequence
     HYBRID = "hybrid"  # the final slice of a split sequence plus whole short sequences
 
+    @staticmethod
+    def of(slices: Sequence[Slice], seq_lens: Sequence[int]) -> ChunkKind:
+        """The kind :meth:`Plan.validate` expects of a chunk holding ``slices``: packed when each is
+        a whole sequence, hybrid when its split slice ends its sequence, split otherwise."""
+        split = [s for s in slices if s.length != seq_lens[s.seq]]
+        if not split:
+            return ChunkKind.PACKED
+        return ChunkKind.HYBRID if split[0].end == seq_lens[split[0].seq] else ChunkKind.SPLIT
+
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
