@@ -2,7 +2,9 @@
 
 Every rank builds the same HF model from the config with the same seed (so both stages start
 from the weights the single-process Trainer starts from), keeps its stage
-(:class:`~concertina_hf.runtime.PipelineWrapper`) and runs *jobs* (a strategy with fixed knobs)
+(:class:`~concertina_hf.runtime.PipelineWrapper`) and runs *jobs* (a strategy with fixed knobs,
+optionally its own activation ``budgets``; a ``pp: 1`` job runs the whole model in one process,
+rank 0, on a copy of its own, while rank 1 idles: the pp=1 reference)
 through :class:`~concertina_hf.runtime.PipelineExecutor`, with an optimizer step after each
 pipeline step (the optimizer class and settings ``transformers.Trainer`` builds by default).
 
@@ -178,31 +180,47 @@ def _capacity_probe(rank: int, world: int, iters: int = 150) -> float:
 
 
 def _plan_for(spec: dict, cost, layout, job: dict, lens: list[int]):
+    """``(plan, wall seconds, CPU seconds of the planning thread)``; a job's ``budgets`` (0:
+    unbounded) override the spec's."""
     from concertina_hf.planning import plan_step, simulate
 
-    t0 = time.perf_counter()
-    plan = plan_step(lens, cost, layout, tuple(spec["budgets"]), job["strategy"], solver=spec["solver"],
+    t0, c0 = time.perf_counter(), time.thread_time()
+    budgets = job.get("budgets", spec["budgets"])
+    plan = plan_step(lens, cost, layout, tuple(budgets) if budgets else 0, job["strategy"], solver=spec["solver"],
                      time_limit_s=spec["time_limit_s"], **job["knobs"])
     if plan.predicted is None:
         plan = plan.with_predicted(simulate(plan, cost).stats())
     plan = plan.validate()
-    return plan, time.perf_counter() - t0
+    return plan, time.perf_counter() - t0, time.thread_time() - c0
+
+
+class _Replica:
+    """What a job runs on: the shared pp=2 stage of this rank, or (``pp: 1`` jobs) a whole model of
+    its own on rank 0, with its own optimizer (rank 1 idles through those steps)."""
+
+    def __init__(self, spec: dict, layout, rank: int) -> None:
+        from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
+
+        self.layout = layout
+        self.active = rank < layout.num_stages
+        if not self.active:
+            return
+        self.wrapper = PipelineWrapper(build_model(spec["config"], spec["seed"]), layout, rank)
+        self.wrapper.train()
+        self.params = [p for p in self.wrapper.parameters() if p.requires_grad]
+        self.executor = PipelineExecutor(self.wrapper)
+        opt_cls, opt_kwargs = spec["optimizer"]
+        self.opt = opt_cls(self.params, **opt_kwargs)
 
 
 def _run(rank: int, world: int, spec: dict) -> dict:
     from concertina_hf.planning import CostModel, Plan, StageLayout
-    from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
-    from concertina_hf.runtime.memory import AllocationTracker
 
     cost = CostModel.from_dict(spec["cost"])
     layout = StageLayout(cost.num_layers, tuple(tuple(r) for r in spec["layer_ranges"]))
-    model = build_model(spec["config"], spec["seed"])
-    wrapper = PipelineWrapper(model, layout, rank)
-    wrapper.train()
-    params = [p for p in wrapper.parameters() if p.requires_grad]
-    executor = PipelineExecutor(wrapper)
-    opt_cls, opt_kwargs = spec["optimizer"]
-    opt = opt_cls(params, **opt_kwargs)
+    replicas = {layout.num_stages: _Replica(spec, layout, rank)}
+    if any(job.get("pp", world) == 1 for job in spec["jobs"]):
+        replicas[1] = _Replica(spec, StageLayout(cost.num_layers, ((0, cost.num_layers),)), rank)
 
     batches = [[torch.tensor(s, dtype=torch.long) for s in b] for b in spec["batches"]]
     rounds = [spec["memory_batch"]] + list(spec["timed_batches"])
@@ -212,8 +230,12 @@ def _run(rank: int, world: int, spec: dict) -> dict:
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plan") if rank == 0 else None
     futures: dict[tuple[int, int], object] = {}
 
+    def replica(j: int) -> _Replica:
+        return replicas[jobs[j].get("pp", layout.num_stages)]
+
     def submit(r: int, j: int) -> None:
-        futures[(r, j)] = pool.submit(_plan_for, spec, cost, layout, jobs[j], [len(s) for s in batches[rounds[r]]])
+        futures[(r, j)] = pool.submit(_plan_for, spec, cost, replica(j).layout, jobs[j],
+                                      [len(s) for s in batches[rounds[r]]])
 
     if rank == 0:
         # the warm-up round's plans are made before it, off the clock
@@ -233,14 +255,14 @@ def _run(rank: int, world: int, spec: dict) -> dict:
         capacity[0] = _capacity_probe(rank, world)
     records: list[dict] = []
     for i, (r, j) in enumerate(steps):
-        job, b = jobs[j], rounds[r]
+        job, b, rep = jobs[j], rounds[r], replica(j)
         ids = batches[b]
         memory_round = r == 0
         dist.barrier()
         t0 = time.perf_counter()
         payload = [None]
         if rank == 0:
-            plan, plan_time = futures.pop((r, j)).result()
+            plan, plan_time, plan_cpu = futures.pop((r, j)).result()
             payload = [plan.to_json()]
             if r + 1 < len(rounds):
                 # the job's next step is planned while this one runs, as in a single-strategy run
@@ -248,44 +270,16 @@ def _run(rank: int, world: int, spec: dict) -> dict:
         t_ready0 = time.perf_counter()
         dist.broadcast_object_list(payload, src=0)
         if rank != 0:
-            plan, plan_time = Plan.from_json(payload[0]), 0.0
+            plan, plan_time, plan_cpu = Plan.from_json(payload[0]), 0.0, 0.0
         t_ready = time.perf_counter()
-        tracker = None
-        if memory_round:
-            tracker = AllocationTracker()
-            tracker.__enter__()
-        t_call = time.perf_counter()
-        try:
-            res = executor.run_step(plan, ids)
-        finally:
-            if tracker is not None:
-                tracker.__exit__(None, None, None)
-        # activations only: parameter gradients are created in the step but persist (static
-        # memory), and a layer's view of its weight (``weight.t()``) makes the tracker count the
-        # parameter's storage from then on: both left out (the budget is for activations)
-        alloc_peak = alloc_peak_params = None
-        if tracker is not None:
-            alloc_peak = tracker.peak_bytes(exclude=[*wrapper.parameters(), *wrapper.buffers(),
-                                                     *(p.grad for p in params)])
-            alloc_peak_params = tracker.peak_bytes(exclude=[p.grad for p in params])
-        del tracker
-        t_run = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        t1 = time.perf_counter()
-        mine = {
-            "rank": rank, "step_s": t1 - t0, "wait_s": t_ready - t0, "wait_plan_s": t_ready0 - t0,
-            "run_s": t_run - t_call, "opt_s": t1 - t_run, "t_call": t_call, "loss": res.loss,
-            "meter_peak": res.peak_activation_bytes, "alloc_peak": alloc_peak, "alloc_peak_params": alloc_peak_params,
-            "actions": [(str(a), s, e) for a, s, e in res.action_times],
-            # where this rank's step went: plan wait, run_step's compute / comm waits / other, the rest
-            # (allocation tracker, optimizer); the parts sum to step_s
-            "breakdown": {"plan_wait": t_call - t0, **res.breakdown, "optimizer": t1 - t_call - res.wall_time_s},
-        }
+        if rep.active:
+            mine = _step(rank, rep, plan, ids, memory_round, t0, t_ready0, t_ready)
+        else:  # a pp=1 job: this rank idles
+            mine = {"rank": rank, "idle": True}
         gathered = [None] * world if rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         if rank == 0:
-            per = sorted(gathered, key=lambda m: m["rank"])
+            per = sorted((m for m in gathered if not m.get("idle")), key=lambda m: m["rank"])
             base = min(m["t_call"] for m in per)
             rec = {
                 "job": job["name"], "strategy": job["strategy"], "round": r, "batch": b,
@@ -297,6 +291,8 @@ def _run(rank: int, world: int, spec: dict) -> dict:
                 "plan_wait_s": max(m["wait_s"] for m in per),
                 "plan_wait_rank0_s": per[0]["wait_plan_s"],
                 "plan_time_s": plan_time,
+                "plan_cpu_s": plan_cpu,  # CPU time of the planning thread on rank 0 for this step's plan
+                "pp": rep.layout.num_stages,
                 "predicted_step_s": plan.predicted.step_time_s,
                 "predicted_peak_bytes": list(plan.predicted.peak_memory_bytes),
                 "predicted_recompute_fraction": plan.predicted.recompute_fraction,
@@ -324,3 +320,42 @@ def _run(rank: int, world: int, spec: dict) -> dict:
         pool.shutdown(wait=True)
     capacity.append(_capacity_probe(rank, world))
     return {"records": records, "loadavg_end": os.getloadavg(), "capacity": capacity, "waited_s": waited}
+
+
+def _step(rank: int, rep: _Replica, plan, ids, memory_round: bool, t0: float, t_ready0: float, t_ready: float) -> dict:
+    """``run_step`` and the optimizer step of one job on this rank, with its timings."""
+    from concertina_hf.runtime.memory import AllocationTracker
+
+    wrapper, params = rep.wrapper, rep.params
+    tracker = None
+    if memory_round:
+        tracker = AllocationTracker()
+        tracker.__enter__()
+    t_call = time.perf_counter()
+    try:
+        res = rep.executor.run_step(plan, ids)
+    finally:
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+    # activations only: parameter gradients are created in the step but persist (static
+    # memory), and a layer's view of its weight (``weight.t()``) makes the tracker count the
+    # parameter's storage from then on: both left out (the budget is for activations)
+    alloc_peak = alloc_peak_params = None
+    if tracker is not None:
+        alloc_peak = tracker.peak_bytes(exclude=[*wrapper.parameters(), *wrapper.buffers(),
+                                                 *(p.grad for p in params)])
+        alloc_peak_params = tracker.peak_bytes(exclude=[p.grad for p in params])
+    del tracker
+    t_run = time.perf_counter()
+    rep.opt.step()
+    rep.opt.zero_grad(set_to_none=True)
+    t1 = time.perf_counter()
+    return {
+        "rank": rank, "step_s": t1 - t0, "wait_s": t_ready - t0, "wait_plan_s": t_ready0 - t0,
+        "run_s": t_run - t_call, "opt_s": t1 - t_run, "t_call": t_call, "loss": res.loss,
+        "meter_peak": res.peak_activation_bytes, "alloc_peak": alloc_peak, "alloc_peak_params": alloc_peak_params,
+        "actions": [(str(a), s, e) for a, s, e in res.action_times],
+        # where this rank's step went: plan wait, run_step's compute / comm waits / other, the rest
+        # (allocation tracker, optimizer); the parts sum to step_s
+        "breakdown": {"plan_wait": t_call - t0, **res.breakdown, "optimizer": t1 - t_call - res.wall_time_s},
+    }

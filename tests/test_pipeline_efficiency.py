@@ -1,0 +1,45 @@
+"""Smoke test of benchmarks/pipeline_efficiency.py --quick (tiny model, 256 tokens, ~15 s).
+
+Two gloo ranks run the project's pp=1 (rank 0 alone) and pp=2 adaptive, unbounded and under the
+binding budget, interleaved. Checks the files and fields the benchmark promises, and what must hold
+on any machine: pp=1 and the first pp=2 job of the warm-up round start from the same weights on the
+same batch, so their losses are equal (the two pp=2 jobs share one pipeline's weights, trained in
+turn); every stage's breakdown sums to its step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_pipeline_efficiency_quick(tmp_path):
+    out = tmp_path / "pe"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "benchmarks/pipeline_efficiency.py", "--quick", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.with_suffix(".json").read_text())
+    md = out.with_suffix(".md").read_text()
+    assert res["command"].startswith("python benchmarks/pipeline_efficiency.py --quick")
+    assert "load_average" in res and "| 256 | pp=2 budget |" in md
+    (c,) = res["contexts"]
+    assert len(c["parallel_capacity"]) == 2
+    jobs = c["jobs"]
+    assert set(jobs) == {"pp=1", "pp=2 unbounded", "pp=2 budget"}
+    assert jobs["pp=1"]["pp"] == 1 and len(jobs["pp=1"]["stage_breakdown"]) == 1
+    a, b = jobs["pp=1"]["losses"][0], jobs["pp=2 unbounded"]["losses"][0]
+    assert abs(a - b) <= 1e-5 * abs(a), (a, b)
+    for name, j in jobs.items():
+        for b in j["stage_breakdown"]:
+            parts = sum(b[k] for k in ("plan_wait", "compute", "comm_wait", "other", "optimizer"))
+            assert abs(parts - b["step"]) <= 0.02 * b["step"] + 1e-3, (name, b)
+        if j["pp"] == 2:
+            assert len(j["stage_breakdown"]) == 2 and j["biggest_losses"]
+            assert 0 < j["planned_over_2x_pp1"] and 0 < j["over_2x_pp1"]
+    assert {t["job"] for t in res["targets"]} == {"pp=2 unbounded", "pp=2 budget"}
