@@ -7,7 +7,8 @@ hybrid chunks, recompute none / partial / full, chunk token counts not divisible
 Ulysses inside every stage, reduces the gradients over the stage's ranks
 (:func:`reduce_gradients`) and compares the loss and its stage's gradients. Models: Llama with
 ``K = H`` K/V heads (split over ``sp``), Qwen2 with ``K = 2`` (split) and ``K = 1 < sp``
-(replicated), and a tied-embedding Llama when the pipeline has two stages; one plan also under
+(replicated), gpt-oss (attention sinks, sliding layers, MoE), and a tied-embedding Llama when the
+pipeline has two stages; one plan also under
 bf16 autocast (bf16 tolerances). At pp=1 each rank also
 runs the plans alone (no sp) for the activation peaks. With two replicas (dp=2) each replica runs
 its share of the batch instead (:func:`_replicas`). Results go to ``<outdir>/rank<r>.json``; the
@@ -83,6 +84,26 @@ def _model(kind: str, kv_heads: int | None = None, tied: bool = False, seed: int
     return model.float()
 
 
+def _gpt_oss(seed: int = 5):
+    """gpt-oss (attention sinks ``s_aux``: one logit per query head; 4 heads, 2 K/V heads; sliding
+    and full layers; MoE) from the model-support tiny config, the sinks drawn away from zero."""
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import model_support
+
+    cfg = model_support.tiny_config("gpt_oss", num_hidden_layers=NUM_LAYERS, use_cache=False)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+            elif name.endswith("sinks"):
+                p.normal_(0.0, 1.0)
+    return model.float()
+
+
 def _run(rank: int, world: int, pp: int, sp: int, dp: int, report: dict) -> None:
     from concertina_hf.distributed import Topology, reduce_gradients
     from concertina_hf.planning import StageLayout
@@ -113,7 +134,7 @@ def _run(rank: int, world: int, pp: int, sp: int, dp: int, report: dict) -> None
     plans[f"{GROUPED[0]}-2groups/partial"] = make_plan(SEQ_LENS, CHUNKINGS[GROUPED[0]], layout, "partial",
                                                        groups=GROUPED[1])
     models = [("llama K=4", _model("llama")), ("qwen2 K=2", _model("qwen2")),
-              ("qwen2 K=1 (replicated)", _model("qwen2", kv_heads=1, seed=3))]
+              ("qwen2 K=1 (replicated)", _model("qwen2", kv_heads=1, seed=3)), ("gpt_oss sinks", _gpt_oss())]
     if pp > 1:
         models.append(("llama tied", _model("llama", tied=True, seed=4)))
     for kind, model in models:

@@ -1,6 +1,6 @@
 """Worker of ``test_ulysses.py::test_trainer_pp2_sp2_matches_trainer``, run by torchrun on 4 CPU
 processes: ``ConcertinaTrainer`` at pp=2 x sp=2 (Ulysses inside each stage) for 3 steps with
-sequences split into 16-token chunks, then evaluation, ``save_model`` and a run resumed from
+sequences split into 16-token chunks, then evaluation (run_clm's metrics, ``predict()``), ``save_model`` and a run resumed from
 the step-2 checkpoint; each rank writes what it saw to ``<out>/info-rank<r>.json``. The models, data and Trainer settings are
 ``test_trainer_pipeline``'s, so its ``_reference`` (``Trainer`` on one process) is the reference.
 """
@@ -17,7 +17,7 @@ STEPS = 3
 
 
 def main(out: str) -> None:
-    from test_trainer_pipeline import COMMON, _dataset, _model, _summary
+    from test_trainer_pipeline import COMMON, _dataset, _metrics_and_predictions, _model, _summary
 
     from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
 
@@ -30,6 +30,9 @@ def main(out: str) -> None:
     trainer.train()
     info = _summary(trainer)
     info["eval_loss"] = trainer.evaluate()["eval_loss"]
+    # run_clm's accuracy (preprocess_logits_for_metrics = argmax), predict(), predict()'s raw logits:
+    # the last stage gathers its sp ranks' logit shards before the hooks
+    info.update(_metrics_and_predictions(trainer, os.path.join(out, f"logits-rank{t.rank}.pt")))
     info["topology"] = [t.rank, t.replica, t.stage, t.sp_rank]
     info["stage_params"] = sorted(n for n, _ in trainer.model.named_parameters())
     trainer.save_model(os.path.join(out, "final"))

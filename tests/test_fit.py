@@ -159,6 +159,46 @@ def test_refit_recovers_a_known_cost_model():
     assert refit_cost_model(start, layout, samples[:3]) is None  # underdetermined
 
 
+def test_refit_at_sequence_parallel_size_2_recovers_the_compute_around_the_all_to_alls():
+    """A stage of 2 GPUs (Ulysses): measured forwards and backwards include each layer's four
+    all-to-alls (here ~30-60% of a layer). The refit takes them from the model's link fields and
+    fits the per-GPU compute around them: predictions of held-out chunks (forward, backward with
+    a recomputed layer) within 3%; fitting them as compute (the refit at sp = 1) is far off."""
+    rng = random.Random(0)
+    start = dataclasses.replace(CostModel.from_hf_config(HF_CFG, DeviceSpec.cpu(), dtype_bytes=4),
+                                intra_node_latency_s=5e-5, intra_node_bandwidth=1e8).with_parallel(sp=2)
+    truth = dataclasses.replace(start, alpha_attn=start.alpha_attn * 3.0, alpha_tok=start.alpha_tok * 0.4,
+                                beta=2e-4, bwd_factor=2.3, head_time_per_token=start.head_time_per_token * 0.6,
+                                embed_time_per_token=start.embed_time_per_token * 0.6)
+    layout = StageLayout(6, ((0, 2), (2, 4), (4, 6)))
+    ch = Chunk(0, ChunkKind.PACKED, (Slice(0, 0, 512),))
+    share = truth.a2a_time(512) / truth.layer_fwd_time(ch.slices)
+    assert 0.3 < share < 0.7, share
+    samples = []
+    for ch in _chunks(rng, 60):
+        st, r = rng.randrange(3), rng.randrange(0, 3)
+        noise = 1 + rng.uniform(-0.01, 0.01)
+        samples.append(ActionSample(st, ch, r, truth.fwd_time(layout, st, ch) * noise,
+                                    truth.bwd_time(layout, st, ch, r) * noise))
+    fitted = refit_cost_model(start, layout, samples)
+    assert fitted is not None and fitted.sp == 2 and fitted.source == "online"
+    assert fitted.bwd_factor == pytest.approx(2.3, rel=0.03)
+    assert fitted.beta == pytest.approx(2e-4, rel=0.05)
+    assert (fitted.intra_node_latency_s, fitted.intra_node_bandwidth) == (5e-5, 1e8)  # the link is kept
+
+    def worst(model):  # held-out shapes: forward, and backward with one recomputed layer
+        return max(abs(got / want - 1) for ch in _chunks(random.Random(1), 30) for st in range(3)
+                   for got, want in ((model.fwd_time(layout, st, ch), truth.fwd_time(layout, st, ch)),
+                                     (model.bwd_time(layout, st, ch, 1), truth.bwd_time(layout, st, ch, 1))))
+
+    assert worst(fitted) < 0.03, worst(fitted)
+    # the same samples fitted as if the all-to-alls were compute (the refit before): counted twice
+    as_sp1 = dataclasses.replace(refit_cost_model(dataclasses.replace(start, sp=1), layout, samples), sp=2)
+    assert worst(as_sp1) > 0.2, worst(as_sp1)
+    # zero3 (the sp-only baseline: a layer is max(compute, gather)) is not refitted
+    assert refit_cost_model(dataclasses.replace(start, zero3=True, state_shards=2), layout, samples) is None
+
+
 def test_action_samples_pair_forward_and_backward_of_each_chunk():
     cost = CostModel.from_hf_config(HF_CFG, DeviceSpec.cpu(), dtype_bytes=4)
     layout = StageLayout(6, ((0, 3), (3, 6)))

@@ -300,7 +300,9 @@ def _launch(nproc: int, mode: str, out, script: str = __file__) -> None:
         raise AssertionError(f"{mode} workers failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
 
 
-def _reference(arch: str, out, **overrides) -> tuple[dict, dict]:
+def _reference(arch: str, out, metrics: bool | None = None, **overrides) -> tuple[dict, dict]:
+    """Trainer on one process; ``metrics``: also run_clm's metrics and predict() (default: Llama
+    at the common settings)."""
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
     kw = dict(COMMON, save_strategy="no", **overrides)
@@ -310,7 +312,7 @@ def _reference(arch: str, out, **overrides) -> tuple[dict, dict]:
     ref.train()
     info = _summary(ref)
     info["eval_loss"] = ref.evaluate()["eval_loss"]
-    if arch == "llama" and set(overrides) <= {"per_device_train_batch_size"}:
+    if metrics or (metrics is None and arch == "llama" and set(overrides) <= {"per_device_train_batch_size"}):
         info.update(_metrics_and_predictions(ref, str(out / "logits.pt")))
     return info, {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
 

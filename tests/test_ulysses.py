@@ -116,7 +116,7 @@ def test_ulysses_matches_hf(dp, pp, sp, tmp_path, monkeypatch):
     # each rank's activation peak: within 60% of the same plan's on one rank (tokens and heads / sp)
     assert all(at_sp <= 0.6 * alone for r in reports for _, at_sp, alone, _, _ in r["memory"])
     assert all(len(r["memory"]) == (4 if pp == dp == 1 else 0) for r in reports)
-    cases = (1 if pp > 1 else 2 * 2) if dp > 1 else (3 + (pp > 1)) * 5 + 1
+    cases = (1 if pp > 1 else 2 * 2) if dp > 1 else (4 + (pp > 1)) * 5 + 1
     assert all(len(r["cases"]) == cases for r in reports)
 
 
@@ -124,7 +124,8 @@ def test_ulysses_matches_hf(dp, pp, sp, tmp_path, monkeypatch):
 def test_trainer_pp2_sp2_matches_trainer(tmp_path):
     """ConcertinaTrainer on 4 processes (pp=2 x sp=2) equals Trainer on one process after 3 steps:
     logged losses 1e-5, gradient norms 1e-4, every parameter of the saved model 1e-4 (relative),
-    evaluation loss 1e-5; resuming from the step-2 checkpoint ends on the same model."""
+    evaluation loss 1e-5, run_clm's accuracy and predict() (argmax ids, raw logits 1e-4) on every
+    rank; resuming from the step-2 checkpoint ends on the same model."""
     import subprocess
     import sys
 
@@ -145,12 +146,26 @@ def test_trainer_pp2_sp2_matches_trainer(tmp_path):
     assert ranks[0]["stage_params"] == ranks[1]["stage_params"] != ranks[2]["stage_params"]
     assert all(r["losses"] == ranks[0]["losses"] and r["grad_norms"] == ranks[0]["grad_norms"] for r in ranks)
     assert all(n > 0 for n in ranks[0]["split_chunks"]), ranks[0]["split_chunks"]
-    ref_info, ref_state = _reference("llama", tmp_path / "ref", max_steps=STEPS)
+    ref_info, ref_state = _reference("llama", tmp_path / "ref", metrics=True, max_steps=STEPS)
     info = ranks[0]
     assert len(info["losses"]) == len(ref_info["losses"]) == STEPS
     assert max(abs(a - b) for a, b in zip(info["losses"], ref_info["losses"])) < 1e-5
     assert max(abs(a - b) / b for a, b in zip(info["grad_norms"], ref_info["grad_norms"])) < 1e-4
     assert abs(info["eval_loss"] - ref_info["eval_loss"]) < 1e-5
+    # run_clm's metrics and predict() at sp=2, on every rank (each holds its shard of the logits,
+    # gathered over the last stage's sp group), as Trainer's
+    want = torch.load(tmp_path / "ref" / "logits.pt")
+    for rank, r in enumerate(ranks):
+        assert r["eval_accuracy"] == ref_info["eval_accuracy"] and 0 < r["eval_accuracy"]
+        assert abs(r["eval_loss_with_metrics"] - ref_info["eval_loss"]) < 1e-5
+        assert r["predicted_ids"] == ref_info["predicted_ids"]
+        assert r["predicted_labels"] == ref_info["predicted_labels"]
+        assert r["test_accuracy"] == ref_info["test_accuracy"]
+        assert abs(r["test_loss"] - ref_info["test_loss"]) < 1e-5
+        got = torch.load(tmp_path / f"logits-rank{rank}.pt")
+        assert got["logits"].shape == want["logits"].shape
+        torch.testing.assert_close(got["logits"], want["logits"], atol=1e-4, rtol=1e-4)
+        assert torch.equal(got["labels"], want["labels"])
     worst, name = _worst_rel(ref_state, _load(tmp_path / "final"))
     assert worst < 1e-4, (name, worst)
     # the checkpoint: one optimizer shard per stage, every process's RNG; resuming ends the same

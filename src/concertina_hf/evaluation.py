@@ -2,7 +2,8 @@
 ``preprocess_logits_for_metrics`` makes of them) and the labels of one evaluation batch.
 
 The logits of a batch exist only on the last pipeline stage, one chunk at a time (a chunk packs
-several sequences or holds a slice of one). :class:`PipelinePredictor` plans the batch, runs it
+several sequences or holds a slice of one; with sequence parallelism the executor first gathers
+the chunk's token shards over the stage's sp ranks, so each of them sees the whole chunk). :class:`PipelinePredictor` plans the batch, runs it
 forward with an ``on_logits`` hook there that keeps, for every slice of every chunk, the slice's
 logits ``[1, tokens, vocab]`` or, with ``preprocess_logits_for_metrics``, what that function
 returns for them and the slice's labels ``[1, tokens]`` (so the full logits of a batch never

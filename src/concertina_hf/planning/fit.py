@@ -170,11 +170,21 @@ def refit_cost_model(cost: CostModel, layout: StageLayout, samples: Sequence[Act
     look free to the planner. With ``memory_scale > 1`` the activation byte coefficients are multiplied by it
     (never lowered: the runtime's meter sees saved tensors only, not allocator slack). Cost: one
     ``lstsq`` per active set on a ``len(samples) x 5`` matrix.
+
+    A stage of several GPUs (``cost.sp > 1``): the measured times include each layer's
+    all-to-alls, whose per-call and per-token parts cannot be told apart from ``beta`` and
+    ``alpha_tok`` by a fit; they are taken from ``cost`` (its link fields: analytic, or timed on
+    the real group by a profiled run) and subtracted, forward and backward, before the compute
+    coefficients are fitted (per GPU, like the model's). ``zero3`` models (each layer's time the
+    larger of its compute and its weight gather) are not refitted (``None``).
     """
     import numpy as np
 
-    if len({(x.stage, x.chunk.slices) for x in samples}) < 4:
+    if len({(x.stage, x.chunk.slices) for x in samples}) < 4 or cost.zero3:
         return None
+
+    def comm(x: ActionSample) -> float:  # one direction's all-to-alls of the sample's layers (0 at sp = 1)
+        return layout.num_stage_layers(x.stage) * cost.a2a_time(x.chunk.num_tokens)
     dense = cost.alpha_mask > 0 if dense_mask is None else dense_mask
     e0, h0 = cost.embed_time_per_token, cost.head_time_per_token
     if e0 + h0 <= 0:
@@ -189,7 +199,7 @@ def refit_cost_model(cost: CostModel, layout: StageLayout, samples: Sequence[Act
         keys = tok * sum(s.context + s.length for s in sl) if masked else 0.0
         extra = (e0 if layout.has_embedding(x.stage) else 0.0) + (h0 if layout.has_head(x.stage) else 0.0)
         rows.append([0.0 if masked else n * pairs, n * keys, n * tok, n, extra * tok])
-        y.append(x.fwd_s)
+        y.append(x.fwd_s - comm(x))
     a_mat, y_vec = np.array(rows, dtype=float), np.array(y, dtype=float)
     cols = [0, 1, 2, 3, 4] if dense else [0, 2, 3, 4]
     floors = cost if floors is None else floors
@@ -207,8 +217,10 @@ def refit_cost_model(cost: CostModel, layout: StageLayout, samples: Sequence[Act
     a, m, b, beta, k = (float(v) for v in coef)
     new = dataclasses.replace(cost, alpha_attn=a, alpha_mask=m if dense else cost.alpha_mask, alpha_tok=b, beta=beta,
                               embed_time_per_token=e0 * k, head_time_per_token=h0 * k, source="online")
-    fwd_pred = sum(new.fwd_time(layout, x.stage, x.chunk) for x in samples)
-    bwd_rest = sum(max(0.0, x.bwd_s - x.recompute * new.layer_fwd_time(x.chunk.slices)) for x in samples)
+    # the compute the backward factor multiplies: forward without its all-to-alls; the backward
+    # without its own all-to-alls and the recomputed layers' forwards (all-to-alls included)
+    fwd_pred = sum(new.fwd_time(layout, x.stage, x.chunk) - comm(x) for x in samples)
+    bwd_rest = sum(max(0.0, x.bwd_s - comm(x) - x.recompute * new.layer_fwd_time(x.chunk.slices)) for x in samples)
     if fwd_pred <= 0 or bwd_rest <= 0:
         return None
     bwd_factor = max(bwd_rest / fwd_pred, f * floors.bwd_factor)

@@ -263,11 +263,10 @@ class PipelineExecutor:
 
         ``on_logits(slices, logits)``: called on the last stage after each chunk's forward with the
         chunk's slices and its detached ``[1, tokens, vocab]`` logits (``slices[i].offset`` is where
-        slice ``i`` starts in them), so a caller keeps what it needs of them chunk by chunk."""
+        slice ``i`` starts in them), so a caller keeps what it needs of them chunk by chunk. With
+        sequence parallelism the ranks' token shards are gathered over the stage's ``sp`` group
+        first (every rank of the last stage gets the whole chunk's logits, in token order)."""
         self._check(plan, input_ids, labels)
-        if on_logits is not None and self.sp is not None:
-            raise NotImplementedError("on_logits with sequence parallelism (sp_group): each rank holds only its "
-                                      "share of a chunk's logits; run the evaluation with logits at sp=1")
         if labels is None:
             labels = input_ids
         if num_items_in_batch is None:
@@ -476,7 +475,10 @@ class _Step:
             else:  # the same loss, the logits handed to the caller on the way
                 logits = w.head_logits(y)
                 chunk_loss = w.loss_sum(logits, targets)
-                self.on_logits(slices, logits.detach())
+                logits = logits.detach()
+                if self.sp is not None:  # every sp rank: the whole chunk's logits, in token order
+                    logits = self.sp.gather_tokens(logits, sum(s.length for s in slices))
+                self.on_logits(slices, logits)
                 del logits
             self.loss_sum += chunk_loss.detach()
             self.sums.append((f"F{c}", chunk_loss.detach().float()))

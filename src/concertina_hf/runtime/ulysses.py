@@ -21,6 +21,13 @@ times before the all-to-all, as DeepSpeed's Ulysses does (each rank then gets th
 query heads use; the gradient of the copies is summed by autograd). Anything else is refused
 (:func:`check_heads`).
 
+Attention sinks (gpt-oss's ``s_aux``: one logit per query head) are sliced to the rank's query
+heads (their gradient is summed over the group with the others'); per-query sinks of the local
+tokens go through the all-to-all like the query (:meth:`UlyssesContext._rank_sinks`).
+
+Evaluation hooks: the last stage's ``on_logits`` gets the whole chunk's logits on every rank
+(:meth:`SequenceParallel.gather_tokens`: one all-gather of the ranks' token shards per chunk).
+
 Padded positions: token id 0 at stage 0, position 0, target ``-100`` (no loss), and their
 query/key/value are dropped before attention, so they affect nothing; their hidden states still
 run through the MLPs (at most ``sp - 1`` tokens per chunk).
@@ -183,6 +190,14 @@ class SequenceParallel:
     def context(self, inner: ChunkAttentionContext) -> "UlyssesContext":
         return UlyssesContext(inner, self)
 
+    def gather_tokens(self, x: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """The chunk's ``[1, num_tokens, ...]`` from every rank's shard ``x`` ``[1, t, ...]``
+        (collective over the group; the padding cut off): the ranks' token shards in order."""
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=1)[:, :num_tokens]
+
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         out = t.detach().clone()
         dist.all_reduce(out, group=self.group)
@@ -206,24 +221,44 @@ class UlyssesContext:
         """``query`` [1, H, t, D], ``key``/``value`` [1, K, t, D] of the local tokens -> the
         attention output [1, t, H, D] of the local tokens (``forward``: the concertina attention,
         run on all tokens of this rank's heads, with the other keywords ``kwargs``)."""
-        if sink is not None:
-            model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
-            raise NotImplementedError(
-                f"attention sinks (model type {model_type!r}) with concertina_sequence_parallel_size="
-                f"{self.sp.size}: the per-head sinks are not split over the ranks' heads; use sequence parallel size 1")
         sp, group = self.sp.size, self.sp.group
         if query.shape[2] != self.local_tokens:
             raise ValueError(f"sequence-parallel attention expects {self.local_tokens} local tokens, "
                              f"got query {tuple(query.shape)}")
+        if sink is not None:
+            sink = self._rank_sinks(module, sink, query.shape[1])
         repeat = check_heads(query.shape[1], key.shape[1], sp)
         if repeat > 1:
             key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
         n = self.num_tokens
         q, k, v = (heads_to_tokens_recv(all_to_all(heads_to_tokens_send(x, sp), group))[:, :, :n]
                    for x in (query, key, value))
-        out, _ = forward(module, q, k, v, concertina_ctx=self.inner, **kwargs)  # [1, n, H/sp, Dv]
+        out, _ = forward(module, q, k, v, concertina_ctx=self.inner, s_aux=sink, **kwargs)  # [1, n, H/sp, Dv]
         out = F.pad(out, (0, 0, 0, 0, 0, sp * self.local_tokens - n))
         return tokens_to_heads_recv(all_to_all(tokens_to_heads_send(out, sp), group)), None
+
+    def _rank_sinks(self, module: Any, sink: torch.Tensor, heads: int) -> torch.Tensor:
+        """The attention sinks of this rank's query heads ``[r * H/sp, (r + 1) * H/sp)``: ``[H]``
+        (gpt-oss's ``s_aux``, one logit per query head; the slice's gradient is zero at the other
+        ranks' heads and the sum over the group puts each head's together) or ``[1, H, 1, 1]``
+        sliced; per-query sinks ``[1, H, t, 1]`` of the local tokens go through the all-to-all like
+        the query. Sinks belong to query heads, so the K/V replication of grouped-query attention
+        does not touch them."""
+        sp, h = self.sp.size, heads // self.sp.size
+        lo = self.sp.rank * h
+        if sink.dim() <= 1 and sink.numel() == heads:
+            return sink.reshape(heads)[lo:lo + h]
+        if sink.dim() == 4 and sink.shape[0] == 1 and sink.shape[1] == heads:
+            if sink.shape[2] == self.local_tokens:  # (with one local token: right for either reading)
+                return heads_to_tokens_recv(all_to_all(heads_to_tokens_send(sink, sp), self.sp.group))[
+                    :, :, :self.num_tokens]
+            if sink.shape[2] == 1:
+                return sink[:, lo:lo + h]
+        model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
+        raise NotImplementedError(
+            f"attention sinks of shape {tuple(sink.shape)} (model type {model_type!r}) with "
+            f"concertina_sequence_parallel_size={sp}: expected one per query head ([{heads}] or [1, {heads}, 1, 1]) "
+            f"or per head and local token ([1, {heads}, {self.local_tokens}, 1]); use sequence parallel size 1")
 
 
 # ---------------------------------------------------------------------- measuring the all-to-all
