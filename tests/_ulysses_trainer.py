@@ -1,7 +1,8 @@
 """Worker of ``test_ulysses.py::test_trainer_pp2_sp2_matches_trainer``, run by torchrun on 4 CPU
 processes: ``ConcertinaTrainer`` at pp=2 x sp=2 (Ulysses inside each stage) for 3 steps with
 sequences split into 16-token chunks, then evaluation (run_clm's metrics, ``predict()``), ``save_model`` and a run resumed from
-the step-2 checkpoint; each rank writes what it saw to ``<out>/info-rank<r>.json``. The models, data and Trainer settings are
+the step-2 checkpoint, and a LoRA model (``test_peft``'s "embed-head") trained with label smoothing;
+each rank writes what it saw to ``<out>/info-rank<r>.json``. The models, data and Trainer settings are
 ``test_trainer_pipeline``'s, so its ``_reference`` (``Trainer`` on one process) is the reference.
 """
 
@@ -14,6 +15,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 STEPS = 3
+PEFT_SMOOTHING = 0.2  # label_smoothing_factor of the PEFT run
 
 
 def main(out: str) -> None:
@@ -42,6 +44,17 @@ def main(out: str) -> None:
     resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
     resumed.save_model(os.path.join(out, "resumed"))
     info["resumed_losses"] = _summary(resumed)["losses"]
+    # PEFT at sp=2 with label smoothing: LoRA on the embedding (run on each rank's token shard), the
+    # q / v / down projections, lm_head trained whole (test_peft's "embed-head" case)
+    import test_peft
+
+    lora = ConcertinaTrainer(model=test_peft._peft_model("embed-head"), train_dataset=test_peft._dataset(),
+                             args=ConcertinaTrainingArguments(
+                                 output_dir=out + "-peft", save_strategy="no", label_smoothing_factor=PEFT_SMOOTHING,
+                                 **sizes, **test_peft.COMMON))
+    lora.train()
+    info["peft"] = test_peft._logged(lora)
+    lora.save_model(os.path.join(out, "peft"))
     with open(os.path.join(out, f"info-rank{t.rank}.json"), "w") as fh:
         json.dump(info, fh)
     resumed.end()

@@ -287,7 +287,7 @@ def test_doctests_pass():
 
 def test_gantt_draws_all_to_alls_and_rounds(tmp_path):
     pytest.importorskip("matplotlib")
-    from concertina_hf.viz import plot_gantt
+    from concertina_hf.viz import describe_parallelism, plot_gantt
 
     cost = CostModel.from_hf_config(SMALL, DeviceSpec.cpu()).with_parallel(sp=2)
     layout = StageLayout.even(8, 2)
@@ -297,3 +297,12 @@ def test_gantt_draws_all_to_alls_and_rounds(tmp_path):
         sim = simulate(plan, cost)
         out = plot_gantt(plan, sim, tmp_path / f"{strategy}.png", cost=cost)
         assert (tmp_path / f"{strategy}.png").stat().st_size > 10_000 and out.endswith(".png")
+        # the title says what runs: sp-only is one stage in Ulysses groups, not the requested pp x sp
+        u, d = plan.knob("sp"), plan.knob("data_parallel")
+        want = ("pp 2 x sp 2" if strategy == "adaptive" else
+                f"1 stage: {d} Ulysses group{'s' if d > 1 else ''} of sp {u}"
+                f"{' (data parallel, ZeRO-3)' if d > 1 else ' (ZeRO-3)'} on 4 GPUs")
+        assert describe_parallelism(plan, 2, 2) == want
+        svg = tmp_path / f"{strategy}.svg"
+        plot_gantt(plan, sim, svg, cost=cost)
+        assert f"{strategy}: {plan.num_chunks} chunks, {want}" in svg.read_text()

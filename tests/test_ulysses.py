@@ -125,7 +125,8 @@ def test_trainer_pp2_sp2_matches_trainer(tmp_path):
     """ConcertinaTrainer on 4 processes (pp=2 x sp=2) equals Trainer on one process after 3 steps:
     logged losses 1e-5, gradient norms 1e-4, every parameter of the saved model 1e-4 (relative),
     evaluation loss 1e-5, run_clm's accuracy and predict() (argmax ids, raw logits 1e-4) on every
-    rank; resuming from the step-2 checkpoint ends on the same model."""
+    rank; resuming from the step-2 checkpoint ends on the same model; a LoRA model trained with label
+    smoothing equals Trainer's (losses 1e-5, adapter update 1e-3)."""
     import subprocess
     import sys
 
@@ -176,6 +177,20 @@ def test_trainer_pp2_sp2_matches_trainer(tmp_path):
     assert info["resumed_losses"] == pytest.approx(info["losses"], abs=1e-6)
     worst, name = _worst_rel(_load(tmp_path / "final"), _load(tmp_path / "resumed"))
     assert worst < 1e-6, ("resume", name, worst)
+    # PEFT (LoRA on the embedding, q/v/down, lm_head trained) with label smoothing: Trainer's losses
+    # and norms, the saved adapter holds Trainer's update (test_peft's checks)
+    import test_peft
+    from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
+
+    from _ulysses_trainer import PEFT_SMOOTHING
+
+    assert all(r["peft"] == info["peft"] for r in ranks)
+    ref = Trainer(model=test_peft._peft_model("embed-head"), train_dataset=test_peft._dataset(),
+                  data_collator=DataCollatorWithFlattening(),
+                  args=TrainingArguments(output_dir=str(tmp_path / "ref-peft"), save_strategy="no",
+                                         label_smoothing_factor=PEFT_SMOOTHING, **test_peft.COMMON))
+    ref.train()
+    test_peft._check_adapter("embed-head", tmp_path / "peft", ref.model, info["peft"], test_peft._logged(ref))
 
 
 @pytest.mark.slow

@@ -327,7 +327,7 @@ def _cmd_plan(args) -> int:
         pathlib.Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
         print(f"wrote {args.json}")
     if args.gantt and fits:
-        from .viz import plot_gantt
+        from .viz import describe_parallelism, plot_gantt
 
         targets = fits if args.gantt_all else [min(fits, key=lambda r: r["step_time_s"])]
         gpath = pathlib.Path(args.gantt)
@@ -336,8 +336,8 @@ def _cmd_plan(args) -> int:
             source = (f"--memory-gb {args.memory_gb:g}" if args.memory_gb is not None
                       else f"the memory of --device {args.device} x {args.gpus_per_stage}")
             plot_gantt(r["_plan"], r["_sim"], path, cost=args._cost, budget_source=source,
-                       title=f"{r['strategy']}: {len(lens)} sequences, {args.model_config}, pp {args.pp}"
-                             + (f" x sp {args._sp}" if args._sp > 1 else ""))
+                       title=f"{r['strategy']}: {len(lens)} sequences, {args.model_config}, "
+                             f"{describe_parallelism(r['_plan'], args.pp, args._sp)}")
             print(f"wrote {path}")
     return 0 if fits else 1
 

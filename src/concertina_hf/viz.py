@@ -33,7 +33,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from .planning.types import Action, ActionKind, ChunkKind, Plan
 
-__all__ = ["KIND_COLORS", "plot_gantt"]
+__all__ = ["KIND_COLORS", "describe_parallelism", "plot_gantt"]
 
 KIND_COLORS = {ChunkKind.PACKED: "#4C72B0", ChunkKind.SPLIT: "#DD8452", ChunkKind.HYBRID: "#55A868"}
 _STAGE_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22"]
@@ -76,6 +76,21 @@ def _normalize_measured(
         return []
     base = min(t0 for _, t0, _ in out)
     return [(a, t0 - base, t1 - base) for a, t0, t1 in out]
+
+
+def describe_parallelism(plan: Plan, pp: int | None = None, sp: int = 1) -> str:
+    """What runs ``plan``, for titles: ``pp P x sp S`` (``pp`` default: the plan's stages) for a
+    pipeline plan; for a plan that records its own layout (the ``sp-only`` baseline's knobs
+    ``sp``, ``data_parallel``, ``zero3``: one stage of every layer) its Ulysses groups, e.g.
+    ``1 stage: 2 Ulysses groups of sp 2 (data parallel, ZeRO-3) on 4 GPUs``."""
+    u = plan.knob("sp")
+    if u is None:
+        pp = plan.num_stages if pp is None else pp
+        return f"pp {pp}" + (f" x sp {sp}" if sp > 1 else "")
+    groups = int(plan.knob("data_parallel", 1))
+    extra = [w for w, on in (("data parallel", groups > 1), ("ZeRO-3", bool(plan.knob("zero3")))) if on]
+    return (f"1 stage: {groups} Ulysses group{'s' if groups > 1 else ''} of sp {int(u)}"
+            + (f" ({', '.join(extra)})" if extra else "") + f" on {groups * int(u)} GPUs")
 
 
 def _draw_schedule(ax, plan: Plan, times: Sequence[tuple[Action, float, float]], cost, span: float, label: str):
@@ -229,7 +244,8 @@ def plot_gantt(
     # above the chart, so it never hides the first bars
     axes[0].legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7,
                    ncol=len(handles), frameon=False)
-    head = title or f"{plan.strategy}: {plan.num_chunks} chunks on {p} stages"
+    head = title or (f"{plan.strategy}: {plan.num_chunks} chunks, "
+                     f"{describe_parallelism(plan, sp=int(getattr(cost, 'sp', 1) or 1))}")
     fig.suptitle(
         f"{head}\npredicted step {sim.step_time_s:.3g} s, bubble {sim.bubble_fraction:.1%}, "
         f"recompute {sim.recompute_fraction:.1%}, peak memory "
