@@ -10,17 +10,27 @@ A checkpoint directory holds:
   written once, as HF does, and the last stage's copy is loaded from them; for a ``PeftModel``
   instead the adapter directory ``PeftModel.save_pretrained`` writes (``adapter_config.json``,
   ``adapter_model.safetensors`` with every stage's adapter weights), as ``Trainer`` + PEFT does;
-- ``optimizer.stage{s}-of-{p}.pt``: each stage's optimizer state (replica 0 writes it; with
-  ``concertina_shard_optimizer`` gathered there from the stage's ranks first, same format);
+- ``optimizer.stage{s}-of-{p}.pt``: each stage's optimizer state (replica 0 writes it); with
+  ``concertina_shard_optimizer`` instead ``optimizer.stage{s}-of-{p}.dcp/``, the stage's state
+  sharded over its ``dp x sp`` ranks written with ``torch.distributed.checkpoint`` (each rank
+  writes its own share, ``__{i}_0.distcp``, nothing is gathered to one rank; ``.metadata``),
+  keyed by parameter name, so a run of another ``dp x sp`` (or unsharded) reads it back, each
+  rank only its share (:func:`~concertina_hf.distributed.save_optimizer_shards`);
 - ``scheduler.pt`` (the main process), plus the Trainer's own ``trainer_state.json`` and RNG files;
 - ``concertina_rng_{i}.pt`` (``concertina_rng.pt`` for one process): process ``i``'s own random
   stream, from which its stage draws dropout (:class:`~concertina_hf.runtime.rng.StageRNG`);
-- ``concertina.json``: the stage layout and the cost model the planner was using, and
+- ``concertina.json``: the layout (``pipeline_size``, ``data_parallel_size``,
+  ``sequence_parallel_size``, the stages' ``layer_ranges``, ``shard_optimizer``) and the cost
+  model the planner was using; a resume at another pipeline size or layer split is refused
+  before the first step, on every rank, naming the setting (:meth:`StageCheckpointer.check_layout`);
+  another ``dp x sp`` or ``concertina_shard_optimizer`` reshards the optimizer state; and
   ``layout_cost_model.json``: the cost model the stage layout was made from (pass it as
   ``concertina_cost_model_path`` to rebuild the same layout; a resumed run must split the
   layers the same way);
 - ``manifest.json``, written last: every other file with its size and XXH3-128 digest, the global step
-  and the layout (world, pipeline and data-parallel sizes, layer ranges).
+  and the layout (world, pipeline, data- and sequence-parallel sizes, layer ranges, optimizer shards);
+  the files inside ``optimizer.stage{s}-of-{p}.dcp/`` are listed and hashed like the others (each
+  by the rank that wrote it).
 
 Atomic saving: every rank writes into ``tmp-checkpoint-N``; after a barrier (every rank's files
 are complete) the main process checks that each expected file is there, writes the manifest and
@@ -64,13 +74,14 @@ from torch import nn
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .distributed import Topology, stage_optimizer_state
+from .distributed import Topology, is_sharded, load_optimizer_shards, save_optimizer_shards
 from .integrations.peft import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, load_stage_adapter, save_adapter
 from .planning import CostModel, StageLayout
 
 __all__ = [
     "LAYOUT_COST_NAME", "MANIFEST_NAME", "PLAN_META_NAME", "SCHEDULER_NAME", "STAGING_PREFIX", "CheckpointError",
-    "StageCheckpointer", "latest_verified_checkpoint", "layout_cost_model", "optimizer_name", "rng_state_name", "stage_rng_name",
+    "StageCheckpointer", "latest_verified_checkpoint", "layout_cost_model", "optimizer_name", "rng_state_name",
+    "sharded_optimizer_name", "stage_rng_name",
     "verify_checkpoint", "write_manifest",
 ]
 
@@ -100,6 +111,11 @@ class CheckpointError(ValueError):
 def optimizer_name(stage: int, num_stages: int) -> str:
     """File name of one stage's optimizer state."""
     return f"optimizer.stage{stage}-of-{num_stages}.pt"
+
+
+def sharded_optimizer_name(stage: int, num_stages: int) -> str:
+    """Directory of one stage's sharded optimizer state (``torch.distributed.checkpoint``)."""
+    return f"optimizer.stage{stage}-of-{num_stages}.dcp"
 
 
 def rng_state_name(world_size: int, process_index: int) -> str:
@@ -135,7 +151,14 @@ def _required_files(directory: str, meta: dict[str, Any]) -> list[str]:
         names += ["config.json", "model.safetensors"]
     if not meta["save_only_model"]:
         p, w = meta["pipeline_size"], meta["world_size"]
-        names += [SCHEDULER_NAME] + [optimizer_name(s, p) for s in range(p)]
+        shards = int(meta.get("optimizer_shards", 0))  # 0: one plain file per stage
+        names.append(SCHEDULER_NAME)
+        for s in range(p):
+            if shards:
+                d = sharded_optimizer_name(s, p)
+                names += [f"{d}/.metadata"] + [f"{d}/__{i}_0.distcp" for i in range(shards)]
+            else:
+                names.append(optimizer_name(s, p))
         names += [rng_state_name(w, i) for i in range(w)] + [stage_rng_name(w, i) for i in range(w)]
     return names
 
@@ -178,7 +201,9 @@ def write_manifest(directory: str, *, global_step: int, layout: dict[str, Any],
                    digests: dict[str, str] | None = None) -> dict[str, Any]:
     """Seal a complete checkpoint folder: ``manifest.json`` with every other file's size and
     digest (:data:`DIGEST`), ``global_step`` and ``layout`` (``world_size``, ``pipeline_size``,
-    ``data_parallel_size``, ``sequence_parallel_size``, ``layer_ranges``, ``save_only_model``).
+    ``data_parallel_size``, ``sequence_parallel_size``, ``layer_ranges``, ``save_only_model``,
+    ``shard_optimizer``, ``optimizer_shards``: the files of each stage's sharded optimizer state, 0
+    for one plain file).
     Written last, through a temporary file; refuses a folder that lacks a file the layout needs. ``digests``: digests
     already taken (by the ranks that wrote the files), the others are computed here."""
     meta = {"format": MANIFEST_FORMAT, "global_step": int(global_step), **layout}
@@ -267,8 +292,9 @@ class StageCheckpointer:
     """Saves and loads one rank's share of a checkpoint (``pipeline``: this rank's
     :class:`~concertina_hf.runtime.stage.PipelineWrapper`)."""
 
-    def __init__(self, pipeline: Any, topology: Topology) -> None:
-        self.pipeline, self.topology = pipeline, topology
+    def __init__(self, pipeline: Any, topology: Topology, shard_optimizer: bool = False) -> None:
+        self.pipeline, self.topology, self.shard_optimizer = pipeline, topology, shard_optimizer
+        self._optimizer_shards = 0  # files per stage of the sharded optimizer state last saved
         # the checkpoint being written, and the digests of its files this rank started taking
         # in the background as soon as each was complete (they overlap the writing of the next)
         self._staging: str | None = None
@@ -302,8 +328,8 @@ class StageCheckpointer:
         mine = {name: job.result() for name, job in self._hashing.items()}
         self._staging, self._hashing = None, {}
         self.topology.barrier()  # every rank's files are complete
-        # each stage of replica 0 hashed its own optimizer shard: pipeline rank 0 of replica 0 gets them
-        hashed = self.topology.gather_in_pipeline(mine if self.topology.writes_stage else {})
+        # each rank hashed the files it wrote (a stage's optimizer file, its share of a sharded one)
+        hashed = self.topology.objects_of_every_rank(mine)
         if self.topology.rank == 0:
             known = {name: digest for part in hashed for name, digest in part.items()}
             write_manifest(staging, global_step=global_step, digests=known, layout={
@@ -311,6 +337,8 @@ class StageCheckpointer:
                 "data_parallel_size": self.topology.data_parallel_size,
                 "sequence_parallel_size": self.topology.sequence_parallel_size,
                 "layer_ranges": [list(r) for r in layout.layer_ranges], "save_only_model": save_only_model,
+                "shard_optimizer": self.shard_optimizer,
+                "optimizer_shards": 0 if save_only_model else self._optimizer_shards,
                 "adapter": getattr(self.pipeline, "peft_model", None) is not None})
             replaced = staging + ".replaced"
             if os.path.exists(final_dir):
@@ -412,6 +440,7 @@ class StageCheckpointer:
             "data_parallel_size": self.topology.data_parallel_size,
             "sequence_parallel_size": self.topology.sequence_parallel_size,
             "layer_ranges": [list(r) for r in layout.layer_ranges],
+            "shard_optimizer": self.shard_optimizer,
             "cost_model": planning_cost.to_dict(),
         })
         # the cost model the stage layout was made from: concertina_cost_model_path for a rerun
@@ -419,13 +448,24 @@ class StageCheckpointer:
         self._hash_in_background(output_dir, [n for n in _files(output_dir) if n not in self._hashing])
 
     def check_layout(self, checkpoint: str, layout: StageLayout) -> CostModel | None:
-        """Refuse a checkpoint whose layers were split otherwise than ``layout``; the cost model it
-        was planning with (``None`` when it recorded none)."""
+        """Refuse a checkpoint written at another pipeline size, or whose layers were split
+        otherwise than ``layout`` (every rank reads the checkpoint's ``concertina.json`` and raises
+        the same error, before the first step); the cost model it was planning with (``None`` when
+        it recorded none). Another ``dp x sp`` or ``concertina_shard_optimizer`` is accepted: the
+        optimizer state is per stage, and a sharded one is keyed by parameter name and resharded
+        as it is read (:meth:`load_optimizer`)."""
         meta_path = os.path.join(checkpoint, PLAN_META_NAME)
         if not os.path.isfile(meta_path):
             return None
         with open(meta_path) as fh:
             meta = json.load(fh)
+        topo = self.topology
+        pp = meta.get("pipeline_size", len(meta.get("layer_ranges") or ()))
+        if pp != topo.pipeline_size:
+            raise ValueError(
+                f"{checkpoint} was written with concertina_pipeline_size={pp}, this run has "
+                f"concertina_pipeline_size={topo.pipeline_size}: resume with concertina_pipeline_size={pp} (its "
+                "optimizer state and layer split are per pipeline stage)")
         ranges = [list(r) for r in layout.layer_ranges]
         if meta.get("layer_ranges") != ranges:
             raise ValueError(
@@ -435,6 +475,12 @@ class StageCheckpointer:
                 "layout is then restored at construction), or with concertina_cost_model_path="
                 f"{os.path.join(checkpoint, LAYOUT_COST_NAME)!r}, and the same concertina_pipeline_size"
             )
+        was = (meta.get("data_parallel_size"), meta.get("sequence_parallel_size"), meta.get("shard_optimizer", False))
+        now = (topo.data_parallel_size, topo.sequence_parallel_size, self.shard_optimizer)
+        if None not in was and was != now:
+            logger.info(f"{checkpoint} was written at dp={was[0]} x sp={was[1]} (concertina_shard_optimizer={was[2]}), "
+                        f"this run is dp={now[0]} x sp={now[1]} (concertina_shard_optimizer={now[2]}): the optimizer "
+                        "state is resharded as it is loaded")
         return CostModel.from_dict(meta["cost_model"]) if "cost_model" in meta else None
 
     def load_stage_weights(self, model: nn.Module, checkpoint_dir: str) -> None:
@@ -489,27 +535,42 @@ class StageCheckpointer:
         model.load_state_dict(loaded, strict=False)
 
     # ------------------------------------------------------------------ optimizer and scheduler
-    def save_optimizer(self, output_dir: str, optimizer: Any, scheduler: Any, is_main: bool) -> None:
-        """Each stage of replica 0 writes its optimizer shard; the main process the scheduler. A
-        sharded optimizer (``concertina_shard_optimizer``) is gathered to the stage's writing rank
-        first (collective over the stage's ranks), so the file is the same either way."""
+    def save_optimizer(self, output_dir: str, optimizer: Any, scheduler: Any, is_main: bool,
+                       model: nn.Module | None = None) -> None:
+        """Each stage of replica 0 writes its optimizer state, the main process the scheduler. A
+        sharded optimizer (``concertina_shard_optimizer``) is written by every rank of the stage,
+        each its own share, with ``torch.distributed.checkpoint`` into ``optimizer.stage{s}-of-{p}.dcp/``
+        (collective over the stage's ``dp x sp`` ranks; ``model``: the stage's module, whose
+        parameter names key the state)."""
         os.makedirs(output_dir, exist_ok=True)
-        state = stage_optimizer_state(optimizer, self.topology)
-        if self.topology.writes_stage:
-            torch.save(state, self._optimizer_path(output_dir))
-            self._hash_in_background(output_dir, [os.path.basename(self._optimizer_path(output_dir))])
+        if is_sharded(optimizer):
+            if model is None:
+                raise ValueError("save_optimizer of a sharded optimizer needs the stage's model (its parameter names)")
+            name = sharded_optimizer_name(self.topology.stage, self.topology.pipeline_size)
+            wrote = save_optimizer_shards(optimizer, model, os.path.join(output_dir, name), self.topology)
+            self._optimizer_shards = self.topology.data_parallel_size * self.topology.sequence_parallel_size
+            self._hash_in_background(output_dir, [f"{name}/{n}" for n in wrote])
+        else:
+            self._optimizer_shards = 0
+            if self.topology.writes_stage:
+                torch.save(optimizer.state_dict(), self._optimizer_path(output_dir))
+                self._hash_in_background(output_dir, [os.path.basename(self._optimizer_path(output_dir))])
         if is_main:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 torch.save(scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
-    def load_optimizer(self, checkpoint: str, optimizer: Any, scheduler: Any, device: torch.device) -> None:
-        """This stage's optimizer shard and the scheduler; either missing is an error. A sharded
-        optimizer keeps its rank's share of the stage's state."""
+    def load_optimizer(self, checkpoint: str, optimizer: Any, scheduler: Any, device: torch.device,
+                       model: nn.Module | None = None) -> None:
+        """This stage's optimizer state and the scheduler; either missing is an error. A sharded
+        checkpoint (``optimizer.stage{s}-of-{p}.dcp/``) is read at any ``dp x sp``: each rank reads
+        the state of the parameters it holds (all of them without ``concertina_shard_optimizer``);
+        a plain file is read whole, a sharded optimizer keeping its rank's share."""
+        sharded = os.path.join(checkpoint, sharded_optimizer_name(self.topology.stage, self.topology.pipeline_size))
         path = self._optimizer_path(checkpoint)
-        if not os.path.isfile(path):
+        if not os.path.isfile(path) and not os.path.isdir(sharded):
             found = sorted(os.path.basename(p) for p in glob.glob(os.path.join(checkpoint, "optimizer*")))
-            same_size = [f for f in found if f.endswith(f"-of-{self.topology.pipeline_size}.pt")]
+            same_size = [f for f in found if re.search(rf"-of-{self.topology.pipeline_size}\.(pt|dcp)$", f)]
             raise CheckpointError(
                 f"{path} is missing (found: {found or 'none'}): "
                 + ("the checkpoint is incomplete (a stage did not finish its save); resume from an earlier one"
@@ -519,9 +580,17 @@ class StageCheckpointer:
         if not os.path.isfile(sched):
             raise CheckpointError(f"{sched} is missing: the learning-rate schedule would restart; resume from a "
                                   "complete checkpoint")
-        # "cpu:0" (the CPU device of distributed runs) is not a valid map_location
-        where = "cpu" if device.type == "cpu" else device
-        optimizer.load_state_dict(_torch_load(path, where))
+        if os.path.isdir(sharded):
+            if model is None:
+                raise ValueError("load_optimizer of a sharded checkpoint needs the stage's model (its parameter names)")
+            try:
+                load_optimizer_shards(optimizer, model, sharded)
+            except (RuntimeError, OSError, EOFError, ValueError, KeyError) as e:
+                raise CheckpointError(f"{sharded} is unreadable (truncated, damaged or another model?): {e}") from e
+        else:
+            # "cpu:0" (the CPU device of distributed runs) is not a valid map_location
+            where = "cpu" if device.type == "cpu" else device
+            optimizer.load_state_dict(_torch_load(path, where))
         scheduler.load_state_dict(_torch_load(sched, "cpu"))
 
     def _optimizer_path(self, directory: str) -> str:

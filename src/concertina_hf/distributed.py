@@ -18,8 +18,9 @@ Collectives (all no-ops with one process, each a few lines over ``torch.distribu
   the pipeline), the quantity ``clip_grad_norm_`` would compute on the whole model;
 - :func:`shard_optimizer` (``concertina_shard_optimizer``): the stage's optimizer as torch's
   ``ZeroRedundancyOptimizer`` over its ``dp x sp`` ranks (each keeps the state of its share of
-  the parameters and broadcasts them after its step); :func:`stage_optimizer_state` gathers the
-  shares to the rank writing the stage's checkpoint file;
+  the parameters and broadcasts them after its step); :func:`save_optimizer_shards` writes each
+  rank's share with ``torch.distributed.checkpoint`` (nothing gathered to one rank),
+  :func:`load_optimizer_shards` reads it back at any ``dp x sp``;
 - :meth:`Topology.all_reduce_replicas`, :meth:`Topology.all_gather_replicas`: counts, losses and
   evaluation values over the replicas;
 - :meth:`Topology.broadcast_in_pipeline`, :meth:`Topology.gather_in_pipeline`,
@@ -64,7 +65,8 @@ from torch import nn
 from .args import ConcertinaTrainingArguments, resolve_parallel_sizes
 
 __all__ = ["ABORT_GRACE_S", "ABORT_POLL_S", "BUCKET_ELEMENTS", "MESH_DIMS", "Topology", "global_grad_norm",
-           "is_sharded", "reduce_gradients", "shard_optimizer", "stage_optimizer_state"]
+           "is_sharded", "load_optimizer_shards", "optimizer_share", "reduce_gradients", "save_optimizer_shards",
+           "shard_optimizer"]
 
 # outermost first; a new dimension goes innermost (after "pp") and is built in Topology.build
 MESH_DIMS = ("dp", "pp", "sp")
@@ -466,14 +468,48 @@ def is_sharded(optimizer: Any) -> bool:
     return isinstance(optimizer, ZeroRedundancyOptimizer)
 
 
-def stage_optimizer_state(optimizer: Any, topology: Topology) -> dict[str, Any] | None:
-    """The stage's whole optimizer state dict on the rank that writes the stage's files
-    (:attr:`Topology.writes_stage`), ``None`` elsewhere. A sharded optimizer gathers its shares
-    there first (collective over the stage's ``dp x sp`` ranks: call it on all of them); the
-    result is the format a plain optimizer's ``state_dict`` has, which ``load_state_dict`` of
-    either reads (a sharded one keeps its share)."""
-    if is_sharded(optimizer):
-        writer = dist.get_group_rank(topology.grad_group, topology.grad_ranks[0])
-        with topology._waiting(f"the optimizer state of the stage's ranks {list(topology.grad_ranks)}"):
-            optimizer.consolidate_state_dict(to=writer)
-    return optimizer.state_dict() if topology.writes_stage else None
+def optimizer_share(optimizer: Any) -> torch.optim.Optimizer:
+    """The optimizer holding this rank's state: a sharded one's local optimizer, else ``optimizer``."""
+    return optimizer.optim if is_sharded(optimizer) else optimizer
+
+
+def save_optimizer_shards(optimizer: Any, model: nn.Module, directory: str, topology: Topology) -> list[str]:
+    """Write the stage's sharded optimizer state with ``torch.distributed.checkpoint`` (collective
+    over the stage's ``dp x sp`` ranks, :attr:`Topology.grad_group`): each rank writes only its
+    share, keyed by parameter name (``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)``:
+    ``state.<name>.exp_avg``, ``param_groups.<name>.lr``, ...), so any number of shards of the
+    same stage (or a plain optimizer) reads it back (:func:`load_optimizer_shards`). Nothing is
+    gathered to one rank. Returns the files (relative to ``directory``) this rank wrote."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    share = optimizer_share(optimizer)
+    if share is not optimizer:  # the hyperparameters the scheduler set since the last step
+        _copy_hyperparameters(optimizer.param_groups, share.param_groups)
+    state = get_optimizer_state_dict(model, share, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    with topology._waiting(f"the optimizer shards of the stage's ranks {list(topology.grad_ranks)}"):
+        dcp.save(state, checkpoint_id=directory, process_group=topology.grad_group)
+    me = dist.get_rank(topology.grad_group) if topology.grad_group is not None else 0
+    return sorted(n for n in os.listdir(directory) if n.startswith(f"__{me}_") or (me == 0 and n == ".metadata"))
+
+
+def load_optimizer_shards(optimizer: Any, model: nn.Module, directory: str) -> None:
+    """This rank's share of a stage's optimizer state written by :func:`save_optimizer_shards`,
+    at whatever ``dp x sp`` it was written: each rank reads the keys of the parameters it holds
+    (all of them for a plain optimizer) and nothing else, without collectives."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    share = optimizer_share(optimizer)
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    state = get_optimizer_state_dict(model, share, options=options)  # the keys (and shapes) this rank holds
+    dcp.load(state, checkpoint_id=directory, no_dist=True)
+    set_optimizer_state_dict(model, share, state, options=options)
+    if share is not optimizer:  # the saved hyperparameters (the learning rate of the next step)
+        _copy_hyperparameters(share.param_groups, optimizer.param_groups)
+
+
+def _copy_hyperparameters(src: list[dict[str, Any]], dst: list[dict[str, Any]]) -> None:
+    for a, b in zip(src, dst):
+        b.update({k: v for k, v in a.items() if k != "params"})

@@ -107,7 +107,7 @@ class ConcertinaTrainer(Trainer):
         self._saved_attn_implementation = getattr(hf_model.config, "_attn_implementation", None) or "sdpa"
         self.pipeline = PipelineWrapper(model, self.layout, self.topology.stage)
         self.pipeline.label_smoothing = args.label_smoothing_factor  # HF's LabelSmoother, in the pipeline's loss
-        self.checkpointer = StageCheckpointer(self.pipeline, self.topology)
+        self.checkpointer = StageCheckpointer(self.pipeline, self.topology, args.concertina_shard_optimizer)
         self.planner = StepPlanner(self.setup, self.topology, overlap=args.concertina_overlap_planning)
         ahead = args.gradient_accumulation_steps if args.concertina_overlap_planning else 0
         self.steps = StepReader(self.planner, self.topology, batches_ahead=ahead,
@@ -385,11 +385,12 @@ class ConcertinaTrainer(Trainer):
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        self.checkpointer.save_optimizer(output_dir, self.optimizer, self.lr_scheduler, self.args.should_save)
+        self.checkpointer.save_optimizer(output_dir, self.optimizer, self.lr_scheduler, self.args.should_save, self.model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is not None:
-            self.checkpointer.load_optimizer(checkpoint, self.optimizer, self.lr_scheduler, self.args.device)
+            self.checkpointer.load_optimizer(checkpoint, self.optimizer, self.lr_scheduler, self.args.device,
+                                             self.model)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """This stage's weights from the full checkpoint; the planner continues with the cost model
