@@ -321,9 +321,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_pipeline(spec: dict, log, worker=None, what: str = "pp=2") -> dict:
-    """Spawn the two stage processes of ``worker`` (default: ``_pipeline_worker.run_worker``) on
-    ``spec`` and return rank 0's records."""
+def run_pipeline(spec: dict, log, worker=None, what: str = "pp=2", world: int = 2) -> dict:
+    """Spawn the ``world`` processes (default two stages) of ``worker`` (default:
+    ``_pipeline_worker.run_worker``) on ``spec`` and return rank 0's records."""
     import torch.multiprocessing as mp
 
     from _pipeline_worker import run_worker
@@ -336,7 +336,7 @@ def run_pipeline(spec: dict, log, worker=None, what: str = "pp=2") -> dict:
             pickle.dump(spec, fh)
         t0 = time.perf_counter()
         try:
-            mp.spawn(worker, args=(2, _free_port(), spec_path, out_path), nprocs=2, join=True)
+            mp.spawn(worker, args=(world, _free_port(), spec_path, out_path), nprocs=world, join=True)
         except Exception as e:
             errors = [open(os.path.join(tmp, f)).read() for f in sorted(os.listdir(tmp)) if f.endswith(".error")]
             raise RuntimeError(f"the {what} run failed: {e}\n" + "\n".join(errors)) from e

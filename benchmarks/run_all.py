@@ -12,7 +12,10 @@ Runs, in order, each as its own process (so one's threads and imports do not tou
 2. ``measured.py``: real CPU runs (pp=2 adaptive vs tuned packed / split, single-process
    Trainer with and without checkpointing, three context lengths) and the simulated paper scale
    with profiled coefficients, writes ``results/measured.{md,json,png}`` and
-   ``results/gantt_measured.png`` (``--quick``: ``measured_quick*``).
+   ``results/gantt_measured.png`` (``--quick``: ``measured_quick*``);
+3. ``measured_sp.py``: four processes, pp=2 x sp=2 vs pp=1 x sp=4 vs pp=4 x sp=1 (adaptive,
+   same batches), writes ``results/measured_sp.{md,json}`` (~5-8 min; ``--quick``:
+   ``measured_sp_quick*``; ``--skip-sp`` leaves it out).
 
 Extra arguments after ``--`` go to ``measured.py`` (e.g. ``-- --steps 5``).
 """
@@ -43,6 +46,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="short run (about 3 minutes)")
     ap.add_argument("--skip-planner", action="store_true", help="do not rerun plan_benchmark.py")
+    ap.add_argument("--skip-sp", action="store_true", help="do not run measured_sp.py (4 processes)")
     ap.add_argument("rest", nargs="*", help="extra arguments for measured.py (after --)")
     args = ap.parse_args(argv)
     py = sys.executable
@@ -52,6 +56,8 @@ def main(argv=None) -> None:
             plan += ["--batches", "1", "--repeats", "1", "--out", "benchmarks/results/measured_quick_plan_benchmark"]
         _run(plan)
     _run([py, "benchmarks/measured.py", *(["--quick"] if args.quick else []), *args.rest])
+    if not args.skip_sp:
+        _run([py, "benchmarks/measured_sp.py", *(["--quick"] if args.quick else [])])
 
 
 if __name__ == "__main__":
