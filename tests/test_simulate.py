@@ -204,12 +204,15 @@ def test_memory_of_a_split_sequence_by_hand():
     during_b2 = static + sum(act) + tr[2] + kvg(2000)
     during_b1 = static + act[0] + act[1] + tr[1] + kvg(2000)
     during_b0 = static + act[0] + tr[0] + kvg(1000)
+    # the embedding's backward ends each: the chunk's layers freed, its weight gradient alive
+    emb = [cost.embed_bwd_memory(lay, 0, c) for c in chunks]
+    assert min(emb) >= cost.embed_params * cost.dtype_bytes
     res = simulate(plan, cost)
     got = [b for _, b in res.memory_timeline[0]]
     want = [static, static + act[0], static + act[0] + act[1], static + sum(act),
-            during_b2, during_b2 - tr[2] - act[2],
-            during_b1, during_b1 - tr[1] - act[1] - kvg(1000),
-            during_b0, static]
+            during_b2, during_b2 - tr[2] - act[2] + emb[2], during_b2 - tr[2] - act[2],
+            during_b1, during_b1 - tr[1] - act[1] + emb[1], during_b1 - tr[1] - act[1] - kvg(1000),
+            during_b0, during_b0 - tr[0] - act[0] + emb[0], static]
     assert got == [math.ceil(w) for w in want]
     assert res.peak_memory_bytes[0] == math.ceil(max(want))
     # a split chunk keeps its K/V on recomputed layers, so recompute saves less there; a hybrid
@@ -220,6 +223,7 @@ def test_memory_of_a_split_sequence_by_hand():
     assert saving(chunks[2]) == pytest.approx(1.5 * saving(packed))
     # the re-materialized layer raises a backward only when every layer of the stage recomputes:
     # the runtime recomputes the first layers, which run backward after the saved ones freed theirs
+    cost = llama_cost(head_bwd_transient_bytes=0.0)  # (the LM head's weight gradient would be the max)
     trs = [cost.transient_memory(lay, 0, chunks[2], r) for r in range(5)]
     assert trs[:4] == [trs[0]] * 4
     assert trs[4] == pytest.approx(trs[0] + cost.act_bytes_per_token * 1500)
@@ -229,7 +233,9 @@ def test_stage0_holds_most_in_flight_activations():
     """1F1B: stage s holds p - s chunks in flight (equal chunks, equal layers, no head); a stage
     s > 0 also holds its previous backward's input gradient, not yet received by stage s - 1."""
     p, m = 4, 12
-    cost = llama_cost(logits_bytes_per_token=0.0, layer_params=0, embed_params=0, head_params=0)
+    cost = llama_cost(logits_bytes_per_token=0.0, layer_params=0, embed_params=0, head_params=0,
+                      bwd_transient_bytes=0.0, head_bwd_transient_bytes=0.0, embed_bwd_transient_bytes=0.0,
+                      embed_bwd_bytes_per_token=0.0)
     plan = _uniform_plan(m, p, num_layers=4 * p)
     res = simulate(plan, cost)
     a = cost.act_memory(plan.layout, 0, plan.chunks[0])

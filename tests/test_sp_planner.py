@@ -32,7 +32,13 @@ def _chunk(*slices, kind=ChunkKind.PACKED):
 
 # ------------------------------------------------------------------------------ cost model
 def test_compute_and_activations_per_gpu_are_divided_by_sp():
-    one = CostModel.from_hf_config(LLAMA13B, DeviceSpec.a800())
+    import dataclasses
+
+    full = CostModel.from_hf_config(LLAMA13B, DeviceSpec.a800())
+    # weight gradients before accumulation: per backward and whole on every GPU, not divided
+    consts = ("bwd_transient_bytes", "head_bwd_transient_bytes", "embed_bwd_transient_bytes")
+    assert all(getattr(full.with_parallel(sp=8), k) == getattr(full, k) > 0 for k in consts)
+    one = dataclasses.replace(full, **{k: 0.0 for k in consts})
     eight = one.with_parallel(sp=8)
     layout = StageLayout.even(40, 4)
     for chunk in (_chunk((0, 0, 8192)), _chunk((0, 0, 4096), (1, 0, 2048)),

@@ -36,7 +36,12 @@ During a chunk's backward the stage briefly holds more than its activations: the
 gradients in and out (``2 * hidden_bytes_per_token``), or, when measured, the peak extra of a
 decoder layer's backward (``bwd_transient_bytes_per_token``: gradients of its intermediate
 activations) or of the head's (``head_bwd_transient_bytes_per_token``: the logits' gradient;
-it runs first and frees the logits before the layers' backward), whichever is largest. A
+it runs first and frees the logits before the layers' backward), whichever is largest; and,
+whatever the chunk's size, the weight gradient a backward computes before adding it into
+``.grad`` (``bwd_transient_bytes`` and ``head_bwd_transient_bytes`` plus their per-token slopes:
+the LM head's is ``vocab x hidden``, more than a short chunk's activations). The embedding's
+backward, last in a stage-0 backward after the layers freed their activations, holds its dense
+weight gradient (``embed_bwd_transient_bytes``, :meth:`CostModel.embed_bwd_memory`). A
 recomputed layer re-materializes its activations in backward, but the runtime recomputes the
 *first* ``r`` layers of a stage, which run backward last, after every saved layer has freed its
 own (at least as many bytes): so this raises the backward's peak only when all the stage's layers
@@ -214,6 +219,15 @@ class CostModel:
     bwd_transient_bytes_per_token: float = 0.0  # peak extra during a decoder layer's backward
     head_bwd_transient_bytes_per_token: float = 0.0  # peak extra during the head's backward
     ckpt_chunk_bytes_per_token: float = 0.0  # per chunk with any recomputed layer (closures keep it)
+    # per backward, whatever its tokens: weight gradients computed before they are added into
+    # ``.grad`` (one layer's, the LM head's, the embedding's dense vocab x hidden one); per GPU
+    # too, but not divided by sp (every GPU of a stage holds whole weights)
+    bwd_transient_bytes: float = 0.0  # peak extra of a decoder layer's backward, constant part
+    bwd_transient_slope: float = 0.0  # ... and its bytes per token (gradients in flight then)
+    head_bwd_transient_bytes: float = 0.0  # of the head's backward, constant part
+    head_bwd_transient_slope: float = 0.0  # ... and its bytes per token
+    embed_bwd_transient_bytes: float = 0.0  # the embedding's backward: its weight gradient
+    embed_bwd_bytes_per_token: float = 0.0  # per token held during the embedding's backward
     # a recomputed layer's forward, relative to a plain one (non-reentrant checkpointing stops
     # the replay once the tensors backward needs exist, so the last ops are skipped)
     recompute_factor: float = 1.0
@@ -288,6 +302,9 @@ class CostModel:
         act = b * (4 * h + 2 * q_dim + 2 * kv_dim + 3 * inter) + 4 * n_heads
         embed_params = vocab * h
         head_params = (0 if get("tie_word_embeddings") else vocab * h) + h
+        # weight gradients before accumulation (see transient_memory): a layer's largest matrix,
+        # the LM head's and the embedding's dense one (tied or not: each backward makes its own)
+        layer_grad = b * h * max(inter, q_dim)
         return cls(
             num_layers=n_layers,
             alpha_attn=alpha_attn,
@@ -302,6 +319,14 @@ class CostModel:
             # logits in the model dtype plus the fp32 copy the loss makes
             logits_bytes_per_token=(b + 4) * vocab,
             hidden_bytes_per_token=b * h,
+            bwd_transient_bytes=layer_grad,
+            bwd_transient_slope=2 * b * h,
+            head_bwd_transient_bytes=b * vocab * h,
+            head_bwd_transient_slope=2 * b * h,
+            embed_bwd_transient_bytes=b * vocab * h,
+            # during the embedding's backward: the received gradient, the stage output it
+            # belongs to, the embedding output's gradient
+            embed_bwd_bytes_per_token=3 * b * h,
             layer_params=layer_params,
             embed_params=embed_params,
             head_params=head_params,
@@ -324,7 +349,8 @@ class CostModel:
     _PER_GPU = ("alpha_attn", "alpha_tok", "alpha_mask", "embed_time_per_token", "head_time_per_token",
                 "act_bytes_per_token", "ckpt_bytes_per_token", "kv_bytes_per_token", "logits_bytes_per_token",
                 "hidden_bytes_per_token", "context_bytes_per_token", "output_bytes_per_token",
-                "bwd_transient_bytes_per_token", "head_bwd_transient_bytes_per_token", "ckpt_chunk_bytes_per_token")
+                "bwd_transient_bytes_per_token", "head_bwd_transient_bytes_per_token", "ckpt_chunk_bytes_per_token",
+                "embed_bwd_bytes_per_token", "bwd_transient_slope", "head_bwd_transient_slope")
 
     def with_parallel(self, *, sp: int = 1, state_shards: int | None = None, zero3: bool = False) -> "CostModel":
         """This model for a stage of ``sp`` GPUs (Ulysses inside attention) whose state is
@@ -526,21 +552,41 @@ class CostModel:
         """Extra bytes during the chunk's backward: the incoming/outgoing hidden-state gradients
         (or the measured peak of a layer's or the head's backward, when larger), plus a
         recomputed layer's activations when every layer of the stage recomputes (see the module
-        docstring: with ``recompute_layers < n`` the saved layers' backwards free more first)."""
+        docstring: with ``recompute_layers < n`` the saved layers' backwards free more first),
+        plus, whatever the chunk's size, the weight gradient a backward computes before adding
+        it into ``.grad`` (``bwd_transient_bytes``, ``head_bwd_transient_bytes``: a short chunk
+        on a large vocabulary can hold more in the LM head's weight gradient than in its
+        activations). The embedding's backward is a moment of its own
+        (:meth:`embed_bwd_memory`)."""
         tok = chunk.num_tokens
         n = layout.num_stage_layers(stage)
         # a layer's backward: its gradients in flight (at least the hidden-state gradients in
         # and out), plus the activations it recomputes when no saved layer freed room first
-        layer = max(2 * self.hidden_bytes_per_token, self.bwd_transient_bytes_per_token)
+        layer = max(2 * self.hidden_bytes_per_token, self.bwd_transient_bytes_per_token) * tok
+        if n and self.bwd_transient_bytes:
+            # while it computes a weight gradient (the per-token peak is another moment of it)
+            layer = max(layer, self.bwd_transient_bytes + self.bwd_transient_slope * tok)
         if n and recompute_layers >= n:
-            layer += self.act_bytes_per_token
+            layer += self.act_bytes_per_token * tok
         head = 0.0
-        if layout.has_head(stage) and self.head_bwd_transient_bytes_per_token:
-            # measured: the head's backward comes first, alone, and frees the logits before
-            # any layer's backward starts (the analytic model keeps the conservative sum)
-            head = self.head_bwd_transient_bytes_per_token
-            layer -= self.logits_bytes_per_token
-        return max(layer, head, 0.0) * tok
+        if layout.has_head(stage):
+            if self.head_bwd_transient_bytes_per_token:
+                # measured: the head's backward comes first, alone, and frees the logits before
+                # any layer's backward starts (the analytic model keeps the conservative sum)
+                head = self.head_bwd_transient_bytes_per_token * tok
+                layer -= self.logits_bytes_per_token * tok
+            if self.head_bwd_transient_bytes:
+                head = max(head, self.head_bwd_transient_bytes + self.head_bwd_transient_slope * tok)
+        return max(layer, head, 0.0)
+
+    def embed_bwd_memory(self, layout: StageLayout, stage: int, chunk: Chunk) -> float:
+        """Bytes of the chunk during the embedding's backward (stage 0, the last thing its
+        backward runs, after every layer freed its activations): the embedding's dense weight
+        gradient before it is added into ``.grad`` and the per-token gradients still held.
+        0 on other stages (no such moment)."""
+        if not layout.has_embedding(stage) or not (self.embed_bwd_transient_bytes or self.embed_bwd_bytes_per_token):
+            return 0.0
+        return self.embed_bwd_transient_bytes + self.embed_bwd_bytes_per_token * chunk.num_tokens
 
     def _stage_params(self, layout: StageLayout, stage: int) -> int:
         params = layout.num_stage_layers(stage) * self.layer_params

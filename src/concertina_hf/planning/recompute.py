@@ -217,7 +217,10 @@ def _build_model(plan: Plan, cost: CostModel, budgets: Sequence[int]) -> _Model:
         d, f = D[s], F[s]
         acts, sd, sf, held = 0.0, 0.0, 0.0, 0
         for mo in memory_moments(plan, cost, s):
-            if mo.backward is None:
+            if mo.backward is None and mo.action.kind is not ActionKind.FORWARD:
+                # the embedding's backward: the chunk is gone from the running sum already
+                row.append(_Moment(mo.action, mo.in_flight, -1, mo.const + acts, sd, sf))
+            elif mo.backward is None:
                 c = mo.action.chunk
                 acts += a0[c]
                 sd += d[c]
@@ -273,11 +276,18 @@ def _infeasible(plan: Plan, model: _Model, cost: CostModel) -> None:
     a = m.action
     c = plan.chunks[a.chunk]
     what = "during the backward" if a.kind is ActionKind.BACKWARD else "after the forward"
+    if m.backward < 0 and a.kind is ActionKind.BACKWARD:
+        what = "during the embedding's backward (its vocab x hidden weight gradient before it is added into .grad)"
     desc = " ".join(f"{sl.seq}[{sl.start}:{sl.end}]" for sl in c.slices[:4]) + (" ..." if len(c.slices) > 4 else "")
     per_seq: dict[int, int] = {}
     for ci in m.in_flight:
         for sl in plan.chunks[ci].slices:
             per_seq[sl.seq] = per_seq.get(sl.seq, 0) + sl.length
+    if not per_seq:  # nothing else in flight: the constant terms alone are over
+        raise InfeasiblePlanError(
+            f"no recompute plan fits stage {s}'s memory budget of {budget} bytes ({budget / _GIB:.2f} GiB): it "
+            f"needs {math.ceil(v)} bytes ({v / _GIB:.2f} GiB) {what} of chunk {c.index} with no other chunk in "
+            "flight. Raise concertina_memory_budget or use a larger concertina_pipeline_size")
     q = max(sorted(per_seq), key=lambda k: per_seq[k])
     n_slices = len(plan.slices_of(q))
     tok = sum(per_seq.values())
@@ -421,7 +431,7 @@ def _ilp(model: _Model, time_limit_s: float, start: list[list[int]] | None = Non
         for i, m in enumerate(ms):
             nxt = ms[i + 1] if i + 1 < len(ms) else None
             # after a forward, dominated by the next backward when it holds a superset
-            if (m.backward < 0 and nxt is not None and nxt.backward >= 0 and nxt.base0 >= m.base0
+            if (m.backward < 0 and m.action.kind is ActionKind.FORWARD and nxt is not None and nxt.backward >= 0 and nxt.base0 >= m.base0
                     and set(m.in_flight) <= set(nxt.in_flight)):
                 continue
             kept.append((s, m))

@@ -30,6 +30,9 @@ Memory of stage ``s`` over time (only its own action order matters, not timing):
             +  K/V gradient buffers of split sequences: the buffer of a slice's K/V is
                allocated when the sequence's last slice starts backward and freed when that
                slice's own backward ends
+            +  on stage 0, at the end of B(0, c): the embedding's backward, once the chunk's
+               layers have freed their activations (``cost.embed_bwd_memory``: its dense
+               weight gradient before it is added into ``.grad``)
             +  on s > 0, the input gradient a backward sends to stage s - 1
                (``hidden_bytes_per_token`` per token of its chunk), from the end of that
                backward until the end of the stage's next backward: a send's buffer lives until
@@ -110,7 +113,9 @@ class MemoryMoment:
     """One local memory maximum of a stage, as a function of that stage's recompute row.
 
     ``bytes(r) = const + sum(act[c](r[c]) for c in in_flight) + transient[b](r[b])`` where
-    ``b = backward`` (``None`` right after a forward). ``const`` holds static memory and the
+    ``b = backward`` (``None`` right after a forward, and at the embedding's backward: a
+    backward ``action`` with ``backward=None``, the chunk no longer in ``in_flight`` and the
+    embedding's weight gradient in ``const``). ``const`` holds static memory and the
     K/V gradient buffers and the input gradient waiting to be sent alive at that moment.
     ``action`` is the action whose start (forward) or run (backward) the moment belongs to.
     ``kv_freed``: the bytes of ``const`` the backward frees when it ends (0 after a forward): its
@@ -181,6 +186,7 @@ def _moments(plan: Plan, cost: CostModel, stage: int, alloc: dict[int, list[int]
     sends_grad = stage > 0
     pending = 0.0  # the previous backward's input gradient, not yet received by stage - 1
     last_b = max((i for i, a in enumerate(plan.schedule[stage]) if a.kind is not FWD), default=-1)
+    embed = lay.has_embedding(stage)
     for i, a in enumerate(plan.schedule[stage]):
         c = a.chunk
         if a.kind is FWD:
@@ -197,6 +203,12 @@ def _moments(plan: Plan, cost: CostModel, stage: int, alloc: dict[int, list[int]
                 pending = mine
             out.append((a, tuple(in_flight) if in_flight_sets else None, c, const, freed))
             in_flight.pop(c, None)
+            if embed:
+                # the embedding's backward ends the chunk's: its layers' activations are gone,
+                # its K/V gradient buffers and pending sends not yet
+                e = cost.embed_bwd_memory(lay, stage, plan.chunks[c])
+                if e:
+                    out.append((a, tuple(in_flight) if in_flight_sets else None, None, const + e, 0.0))
             const -= freed
     return out
 
@@ -522,7 +534,12 @@ def simulate(plan: Plan, cost: CostModel, *, program: Program | None = None) -> 
         acts, held_chunks = 0.0, 0
         for a, _, backward, const, kv_freed in _moments(plan, cost, s, alloc, free, in_flight_sets=False):
             c = a.chunk
-            if backward is None:
+            if backward is None and a.kind is not ActionKind.FORWARD:
+                # the embedding's backward, at the end of the chunk's (the point before its end)
+                held = const + acts
+                t0, t1 = bstart[s][c], bend[s][c]
+                points.insert(len(points) - 1, (t1, math.ceil(held)))
+            elif backward is None:
                 acts += act[c]
                 held_chunks += 1
                 held = const + acts

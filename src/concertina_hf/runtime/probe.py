@@ -281,6 +281,30 @@ class Probe:
             del x, loss
         return max(0.0, layers), max(0.0, head)
 
+    def embed_bwd_bytes(self, tokens: int) -> float:
+        """Peak bytes of the embedding's backward on ``tokens`` tokens beyond its saved ids: the
+        output's gradient (allocated inside, as a layer's backward hands it over) and the dense
+        weight gradient computed before it is added into ``.grad`` (which exists: gradients
+        are static memory). Every live tensor on CPU, the allocator on CUDA."""
+        emb = self.stage.model.model.embed_tokens
+        params = [p for p in emb.parameters() if p.requires_grad]
+        if not params:
+            return 0.0
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        exclude = [*self.exclude, *(p.grad for p in params)]
+        ids = torch.randint(0, self.vocab_size, (tokens,), generator=torch.Generator().manual_seed(2)).to(self.device)
+        with self._live_meter(exclude) as m, torch.enable_grad():
+            with self._fwd():
+                y = self.stage.embed(ids)
+            start = m.current_bytes
+            m.reset()
+            y.backward(torch.randn_like(y))
+            peak = m.peak_bytes - start
+        del y
+        return max(0.0, float(peak))
+
     def time_head(self, tokens: int, repeats: int, warmup: int) -> tuple[float, float, int]:
         """Head (final norm, LM head, float32 CE): forward seconds, backward seconds, saved bytes."""
         clock, summary = _clock(self.device)

@@ -212,7 +212,13 @@ def profile_cost_model(
         # a chunk with a mask, recomputed: checkpoint closures keep its attention context alive
         masked = ((0, size // 2), (0, size - size // 2))
         mask_rec = (pr.chunk_bytes(masked, False, n) - ckpt_final) / (size * size)
-        transients = [pr.bwd_transients(tok) for tok in (max(16, size // 2), size)]
+        # per token at two sizes (the larger one's is kept), and the constant part (weight
+        # gradients, whatever the tokens) from a line through two short chunks
+        tr_tokens = (max(16, size // 2), size)
+        transients = [pr.bwd_transients(tok) for tok in tr_tokens]
+        short = (8, 16)
+        short_tr = [pr.bwd_transients(tok) for tok in short]
+        embed_bwd = [pr.embed_bwd_bytes(tok) for tok in short] if pr.has_embed else []
         # recompute: the extra time of every layer checkpointed, on the largest whole sequence,
         # packed chunk and slice with context
         extra, plain_fwd = 0.0, 0.0
@@ -252,7 +258,10 @@ def profile_cost_model(
         kv_bytes_per_token=kv,
         hidden_bytes_per_token=hidden_bytes,
         output_bytes_per_token=hidden_bytes,
+        # a + b * tokens through the two token counts: the weight gradients are per backward
         bwd_transient_bytes_per_token=max(t for t, _ in transients),
+        **dict(zip(("bwd_transient_bytes", "bwd_transient_slope"),
+                   _line(short, [t * k for (t, _), k in zip(short_tr, short)]))),
         recompute_factor=min(1.5, max(0.0, extra / plain_fwd)) if plain_fwd > 0 else base.recompute_factor,
         layer_params=pr.layer_params,
         source="profiled",
@@ -266,8 +275,30 @@ def profile_cost_model(
         changes["head_time_per_token"] = through_origin(toks, [(f + b) / per_tok for _, f, b, _ in heads])
         changes["logits_bytes_per_token"] = through_origin(toks, [m for *_, m in heads])
         changes["head_bwd_transient_bytes_per_token"] = max(h for _, h in transients)
+        changes["head_bwd_transient_bytes"], changes["head_bwd_transient_slope"] = _line(
+            short, [h * k for (_, h), k in zip(short_tr, short)])
         changes["head_params"] = pr.head_params
     if embeds:
         changes["embed_time_per_token"] = through_origin([t for t, _ in embeds], [s / per_tok for _, s in embeds])
         changes["embed_params"] = pr.embed_params
+    if embed_bwd:
+        const, per_tok = _line(short, embed_bwd)
+        # the executor holds the received gradient and the stage output it belongs to as well
+        changes["embed_bwd_transient_bytes"] = const
+        changes["embed_bwd_bytes_per_token"] = per_tok + (0.0 if pr.has_head else 2 * hidden_bytes)
     return dataclasses.replace(cost, **changes)
+
+
+def _line(xs: Sequence[int], ys: Sequence[float]) -> tuple[float, float]:
+    """``(a, b)`` of ``y = a + b * x`` through two points, both >= 0 and ``a + b * x`` at
+    least the measured ``y`` at both points (a negative slope becomes a constant).
+
+    >>> _line((16, 32), (1100.0, 1200.0))
+    (1000.0, 6.25)
+    >>> _line((16, 32), (1200.0, 1100.0))
+    (1200.0, 0.0)
+    """
+    (x0, x1), (y0, y1) = xs, ys
+    b = max(0.0, (y1 - y0) / (x1 - x0)) if x1 != x0 else 0.0
+    a = max(0.0, y0 - b * x0, y1 - b * x1)
+    return a, b

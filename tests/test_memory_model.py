@@ -1,0 +1,122 @@
+"""Issue 13 item 2: a plan's predicted activation peak holds what the step allocates.
+
+The cause of the misses (one CI run of the measured benchmark: a plan +16.7% over its
+prediction on stage 0): every backward computes each weight gradient as a new tensor before
+adding it into ``.grad`` (the LM head's and the embedding's dense one are ``vocab x hidden``),
+whatever the chunk's size, and the model only had per-token transients. On a short chunk and a
+large vocabulary that weight gradient is larger than the chunk's activations: six 16-token
+chunks on a vocabulary of 4096 peaked 46% over the prediction, in the LM head's backward.
+
+One process, one stage (embedding, layers and head), a tiny Llama profiled as the benchmarks do;
+the step's allocated peak is counted the benchmarks' way (:class:`AllocationTracker`, every op
+output, ``.grad`` absent at the start as after ``zero_grad(set_to_none=True)``, parameters and
+their gradients left out). A few seconds.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from concertina_hf.planning import (Chunk, ChunkKind, CostModel, DeviceSpec, Plan, Slice, StageLayout, build_schedule,
+                                    simulate)
+from concertina_hf.planning.simulate import memory_moments
+from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
+from concertina_hf.runtime.memory import AllocationTracker
+from concertina_hf.runtime.profiler import profile_cost_model
+
+torch.set_num_threads(1)
+
+VOCAB = 4096  # large against the activations of short chunks, as a real vocabulary is
+LAYERS = 2
+
+
+def _config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=176, num_hidden_layers=LAYERS,
+                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                       tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def stage():
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(), attn_implementation="sdpa")
+    cost = profile_cost_model(model, repeats=1, warmup=0, num_layers=LAYERS, max_tokens=128)
+    lay = StageLayout.even(LAYERS, 1)
+    return PipelineExecutor(PipelineWrapper(copy.deepcopy(model), lay, 0)), cost, lay
+
+
+def _plan(lay: StageLayout, lens, spec, recompute) -> Plan:
+    chunks = []
+    for i, sl in enumerate(spec):
+        slices = tuple(Slice(*s) for s in sl)
+        chunks.append(Chunk(i, ChunkKind.of(slices, lens), slices))
+    groups = (tuple(range(len(chunks))),)
+    return Plan("t", tuple(lens), lay, tuple(chunks), groups, build_schedule(chunks, groups, 1, prefetch=True),
+                (tuple(min(r, LAYERS) for r in recompute),)).validate()
+
+
+def _allocated_peak(ex: PipelineExecutor, plan: Plan) -> int:
+    w = ex.wrapper
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, VOCAB, (n,), generator=g) for n in plan.seq_lens]
+    for p in w.parameters():
+        p.grad = None
+    with AllocationTracker() as t:
+        ex.run_step(plan, ids)
+    return t.peak_bytes(exclude=[*w.parameters(), *w.buffers(), *(p.grad for p in w.parameters())])
+
+
+CASES = {
+    # short chunks: the LM head's weight gradient is the peak (46% over before)
+    "short": ([16] * 6, [[(i, 0, 16)] for i in range(6)], [0] * 6),
+    "short-recompute": ([16] * 6, [[(i, 0, 16)] for i in range(6)], [2] * 6),
+    "whole": ([64] * 3, [[(i, 0, 64)] for i in range(3)], [0] * 3),
+    "split": ([200], [[(0, 0, 50)], [(0, 50, 50)], [(0, 100, 50)], [(0, 150, 50)]], [0, 1, 0, 2]),
+    "hybrid": ([200, 10, 10], [[(0, 0, 100)], [(0, 100, 100)], [(1, 0, 10)], [(2, 0, 10)]], [0] * 4),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_allocated_peak_within_5_percent_of_the_prediction(stage, case):
+    ex, cost, lay = stage
+    plan = _plan(lay, *CASES[case])
+    predicted = simulate(plan, cost).peak_memory_bytes[0] - cost.static_memory(lay, 0)
+    got = _allocated_peak(ex, plan)
+    assert got <= 1.05 * predicted and predicted <= 1.05 * got, (case, got, predicted, got / predicted)
+
+
+def test_weight_gradients_are_per_backward_not_per_token():
+    """The analytic model too: a chunk's backward holds the LM head's weight gradient whatever
+    its size, the embedding's backward is a moment of its own on stage 0 (after the chunk's
+    layers freed their activations), and sp does not divide them (whole weights per GPU)."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                      num_attention_heads=8, num_key_value_heads=8)
+    cost = CostModel.from_hf_config(cfg, DeviceSpec.a800())
+    lay = StageLayout.even(8, 2)
+    one = Chunk(0, ChunkKind.PACKED, (Slice(0, 0, 1),))
+    grad = 2 * 32000 * 1024
+    assert cost.transient_memory(lay, 1, one) >= grad
+    assert cost.embed_bwd_memory(lay, 0, one) >= grad and cost.embed_bwd_memory(lay, 1, one) == 0
+    sp2 = cost.with_parallel(sp=2)
+    assert sp2.embed_bwd_memory(lay, 0, one) >= grad and sp2.transient_memory(lay, 1, one) >= grad
+    lens = (1, 1)
+    chunks = [Chunk(i, ChunkKind.PACKED, (Slice(i, 0, 1),)) for i in range(2)]
+    groups = (tuple(range(2)),)
+    plan = Plan("t", lens, lay, tuple(chunks), groups, build_schedule(chunks, groups, 2, prefetch=True),
+                ((0, 0), (0, 0))).validate()
+    embed = [m for m in memory_moments(plan, cost, 0) if m.backward is None and m.action.kind.value == "B"]
+    assert len(embed) == 2 and all(m.action.chunk not in m.in_flight for m in embed)
+    static = cost.static_memory(lay, 0)
+    assert simulate(plan, cost).peak_memory_bytes[0] >= static + grad
