@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 
 import pytest
@@ -227,3 +228,95 @@ def test_fit_all_to_all_recovers_the_link():
     with pytest.raises(ValueError, match="do not grow"):
         fit_all_to_all([(1e5, 1e-3), (1e6, 1e-4)])
     assert default_a2a_token_counts(8192, 2) == [128, 512, 2048, 8192]
+
+
+class _ThreadGroup:
+    """The sp group's object all-gather for ranks run as threads of one process."""
+
+    def __init__(self, size: int) -> None:
+        import threading
+
+        self.size, self.slots, self.barrier = size, [None] * size, threading.Barrier(size)
+
+    def member(self, rank: int):
+        from types import SimpleNamespace
+
+        def gather_objects(obj):
+            self.slots[rank] = obj
+            self.barrier.wait()
+            out = list(self.slots)
+            self.barrier.wait()
+            return out
+
+        return SimpleNamespace(rank=rank, size=self.size, gather_objects=gather_objects)
+
+
+def _run_ranks(sp: int, fn):
+    import threading
+
+    group, results = _ThreadGroup(sp), [None] * sp
+
+    def run(r):
+        try:
+            results[r] = fn(group.member(r))
+        except Exception as exc:  # noqa: BLE001 - handed to the test
+            results[r] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(sp)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    return results
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_evaluation_pieces_from_token_shards_equal_the_whole_chunks(sp):
+    """``preprocess_logits_for_metrics`` at sp > 1: each rank preprocesses its shard of a chunk's
+    logits (slices straddling the shard boundary, padding on the last rank, at sp=4 a rank with no
+    token at all) and the gathered per-token results lay out as at sp = 1; a preprocess that fails
+    on one rank's tokens raises on every rank (none left waiting in the gather)."""
+    from concertina_hf.evaluation import _Pieces
+    from concertina_hf.runtime.attention import SliceSpec
+
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 50, (n,), generator=g) for n in (5, 9, 3)]
+    labels = [s.clone() for s in seqs]
+    labels[1][4] = -100
+    # sequence 1 split over three chunks of 9, 6 and 2 tokens (at sp=4: 3, 2 and 1 tokens a rank; the
+    # last rank holds padding only in the last two, and slices cross every shard boundary)
+    chunks = [[SliceSpec(0, 0, 5, 0, True), SliceSpec(1, 0, 4, 5, False)],
+              [SliceSpec(1, 4, 3, 0, False), SliceSpec(2, 0, 3, 3, True)],
+              [SliceSpec(1, 7, 2, 0, True)]]
+    logits = [torch.randn(1, sum(s.length for s in c), 50, generator=g) for c in chunks]
+
+    def argmax_and_label(lg, lab):  # a tuple of per-token outputs, one depending on the labels
+        return lg.argmax(-1), lab * 2
+
+    whole = _Pieces(labels, argmax_and_label)
+    for c, lg in zip(chunks, logits):
+        whole(c, lg)
+    batch = {"input_ids": torch.cat(seqs)[None], "position_ids": torch.cat([torch.arange(len(s)) for s in seqs])[None]}
+    want = whole.assemble(batch)
+
+    def rank(member):
+        pieces = _Pieces(labels, argmax_and_label)
+        assert pieces.takes_sp_shards
+        for c, lg in zip(chunks, logits):
+            pieces(c, local_shard(lg[0], sp, member.rank, 0.0)[None], member)
+        return pieces.assemble(batch)
+
+    for got in _run_ranks(sp, rank):
+        assert not isinstance(got, Exception), got
+        assert len(got) == 2 and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not _Pieces(labels, None).takes_sp_shards  # raw logits: gathered by the executor
+
+    def failing(member):
+        pieces = _Pieces(labels, lambda lg, lab: lg.mean() if lg.shape[1] == 1 else lg.argmax(-1))
+        for c, lg in zip(chunks, logits):
+            pieces(c, local_shard(lg[0], sp, member.rank, 0.0)[None], member)
+
+    for got in _run_ranks(sp, failing):
+        assert isinstance(got, ValueError), got
+        assert re.search(r"failed on sequence-parallel rank \d: ValueError: preprocess_logits_for_metrics "
+                         r"returned \(\) .* one value per token", str(got)), str(got)

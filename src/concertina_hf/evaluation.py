@@ -15,6 +15,11 @@ at positions that hold no token, and broadcast from the last stage to every pipe
 ``Trainer.evaluation_loop`` gathers them over the replicas in the dataset's order and calls
 ``compute_metrics`` on every rank, as it does for ``Trainer``.
 
+With sequence parallelism (``sp > 1``) the last stage's ranks each hold a token shard of a
+chunk's logits: with ``preprocess_logits_for_metrics`` each rank applies it to its own tokens
+(each slice's part of its shard) and only the results are gathered over the stage's sp group, so
+no rank holds a whole chunk's logits; without it the executor gathers the raw logits first.
+
 What differs from ``Trainer``, and why metrics do not: ``preprocess_logits_for_metrics`` sees a
 slice of a sequence at a time, so it must work token by token (return ``[1, tokens, ...]``,
 e.g. an argmax; anything else is refused, naming it); the predictions at pad positions of a
@@ -94,26 +99,65 @@ class _Pieces:
         self.by_seq: dict[int, list[tuple[int, tuple[torch.Tensor, ...]]]] = {}
         self.single = True
 
-    def __call__(self, slices: Sequence[SliceSpec], logits: torch.Tensor) -> None:
+    @property
+    def takes_sp_shards(self) -> bool:
+        """With sequence parallelism, take each rank's token shard of the logits (the executor's
+        ``on_logits`` protocol) when preprocessing: each rank preprocesses its own tokens and only
+        the per-token results are gathered (raw logits are gathered by the executor instead)."""
+        return self.preprocess is not None
+
+    def __call__(self, slices: Sequence[SliceSpec], logits: torch.Tensor, sp: Any = None) -> None:
+        if sp is not None:
+            return self._shard(slices, logits, sp)
         for s in slices:
-            part = logits[:, s.offset:s.offset + s.length]
-            if self.preprocess is None:
-                out: Any = part.clone()  # a copy: not a view keeping the chunk's logits alive
-            else:
-                lab = self.labels[s.seq][s.start:s.start + s.length].to(part.device)[None]
-                out = self.preprocess(part, lab)
-            self.single = isinstance(out, torch.Tensor)
-            parts = (out,) if self.single else tuple(out)
-            for p in parts:
-                if not isinstance(p, torch.Tensor) or p.dim() < 2 or tuple(p.shape[:2]) != (1, s.length):
-                    got = tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
-                    raise ValueError(
-                        f"preprocess_logits_for_metrics returned {got} for logits of shape {tuple(part.shape)}: "
-                        "ConcertinaTrainer applies it on the last pipeline stage to one slice of a sequence at "
-                        "a time (logits [1, tokens, vocab], labels [1, tokens]) and lays the results out like "
-                        "the batch's rows, so it must return one value per token, [1, tokens, ...] (e.g. "
-                        "logits.argmax(-1)), or a tuple of such tensors")
-            self.by_seq.setdefault(s.seq, []).append((s.start, tuple(p.detach() for p in parts)))
+            self._keep(s.seq, s.start, logits[:, s.offset:s.offset + s.length])
+
+    def _keep(self, seq: int, start: int, part: torch.Tensor, device: torch.device | None = None) -> None:
+        """The (preprocessed) logits of tokens ``[start, start + tokens)`` of sequence ``seq``."""
+        if self.preprocess is None:
+            out: Any = part.clone()  # a copy: not a view keeping the chunk's logits alive
+        else:
+            lab = self.labels[seq][start:start + part.shape[1]].to(part.device)[None]
+            out = self.preprocess(part, lab)
+        self.single = isinstance(out, torch.Tensor)
+        parts = (out,) if self.single else tuple(out)
+        for p in parts:
+            if not isinstance(p, torch.Tensor) or p.dim() < 2 or tuple(p.shape[:2]) != (1, part.shape[1]):
+                got = tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
+                raise ValueError(
+                    f"preprocess_logits_for_metrics returned {got} for logits of shape {tuple(part.shape)}: "
+                    "ConcertinaTrainer applies it on the last pipeline stage to one slice of a sequence at "
+                    "a time (logits [1, tokens, vocab], labels [1, tokens]) and lays the results out like "
+                    "the batch's rows, so it must return one value per token, [1, tokens, ...] (e.g. "
+                    "logits.argmax(-1)), or a tuple of such tensors")
+        self.by_seq.setdefault(seq, []).append((start, tuple(p.detach().to(device or p.device) for p in parts)))
+
+    def _shard(self, slices: Sequence[SliceSpec], logits: torch.Tensor, sp: Any) -> None:
+        """Sequence parallelism: this rank preprocesses the tokens of its shard (chunk tokens
+        ``[rank * t, (rank + 1) * t)``, each slice's part of them with its labels) and every rank
+        of the group gets everyone's results (on the CPU; a failure on any rank raises on all)."""
+        t = logits.shape[1]
+        lo = sp.rank * t
+        own: Exception | None = None
+        self.by_seq, kept = {}, self.by_seq  # this chunk's pieces of this rank, apart
+        try:
+            for s in slices:
+                a, b = max(s.offset, lo), min(s.offset + s.length, lo + t)
+                if a < b:
+                    self._keep(s.seq, s.start + a - s.offset, logits[:, a - lo:b - lo], torch.device("cpu"))
+        except Exception as exc:  # raised below on every rank, so that none waits in the gather
+            own = exc
+        mine, self.by_seq = self.by_seq, kept
+        gathered = sp.gather_objects((mine, self.single, None if own is None else f"{type(own).__name__}: {own}"))
+        errors = [(r, e) for r, (_, _, e) in enumerate(gathered) if e is not None]
+        if errors:
+            rank, first = errors[0]
+            raise ValueError(f"preprocess_logits_for_metrics failed on sequence-parallel rank {rank}: {first}") from own
+        for pieces, single, _ in gathered:
+            if pieces:
+                self.single = single
+            for seq, items in pieces.items():
+                self.by_seq.setdefault(seq, []).extend(items)
 
     def assemble(self, batch: Mapping[str, Any]) -> Any:
         """The pieces in the batch's ``[B, L, ...]`` layout, ``PADDING_INDEX`` where no token is."""

@@ -265,7 +265,10 @@ class PipelineExecutor:
         chunk's slices and its detached ``[1, tokens, vocab]`` logits (``slices[i].offset`` is where
         slice ``i`` starts in them), so a caller keeps what it needs of them chunk by chunk. With
         sequence parallelism the ranks' token shards are gathered over the stage's ``sp`` group
-        first (every rank of the last stage gets the whole chunk's logits, in token order)."""
+        first (every rank of the last stage gets the whole chunk's logits, in token order), unless
+        the hook has a true ``takes_sp_shards``: then it gets ``(slices, local logits [1, t,
+        vocab], sp)`` (this rank's tokens ``[sp.rank * t, (sp.rank + 1) * t)`` of the chunk, padded)
+        and gathers what it keeps itself (collectively over ``sp.group``)."""
         self._check(plan, input_ids, labels)
         if labels is None:
             labels = input_ids
@@ -476,9 +479,12 @@ class _Step:
                 logits = w.head_logits(y)
                 chunk_loss = w.loss_sum(logits, targets)
                 logits = logits.detach()
-                if self.sp is not None:  # every sp rank: the whole chunk's logits, in token order
-                    logits = self.sp.gather_tokens(logits, sum(s.length for s in slices))
-                self.on_logits(slices, logits)
+                if self.sp is None:
+                    self.on_logits(slices, logits)
+                elif getattr(self.on_logits, "takes_sp_shards", False):  # the hook gathers what it keeps
+                    self.on_logits(slices, logits, self.sp)
+                else:  # every sp rank: the whole chunk's logits, in token order
+                    self.on_logits(slices, self.sp.gather_tokens(logits, sum(s.length for s in slices)))
                 del logits
             self.loss_sum += chunk_loss.detach()
             self.sums.append((f"F{c}", chunk_loss.detach().float()))

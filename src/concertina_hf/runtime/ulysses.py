@@ -26,7 +26,10 @@ heads (their gradient is summed over the group with the others'); per-query sink
 tokens go through the all-to-all like the query (:meth:`UlyssesContext._rank_sinks`).
 
 Evaluation hooks: the last stage's ``on_logits`` gets the whole chunk's logits on every rank
-(:meth:`SequenceParallel.gather_tokens`: one all-gather of the ranks' token shards per chunk).
+(:meth:`SequenceParallel.gather_tokens`: one all-gather of the ranks' token shards per chunk), or
+its local shard when it gathers what it keeps itself (``preprocess_logits_for_metrics``: each
+rank applies it to its own tokens and the per-token results are gathered,
+:meth:`SequenceParallel.gather_objects`, so no rank holds the whole chunk's logits).
 
 Padded positions: token id 0 at stage 0, position 0, target ``-100`` (no loss), and their
 query/key/value are dropped before attention, so they affect nothing; their hidden states still
@@ -197,6 +200,12 @@ class SequenceParallel:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=1)[:, :num_tokens]
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order; collective over the group."""
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         out = t.detach().clone()
