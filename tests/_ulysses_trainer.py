@@ -1,7 +1,7 @@
 """Worker of ``test_ulysses.py::test_trainer_pp2_sp2_matches_trainer``, run by torchrun on 4 CPU
 processes: ``ConcertinaTrainer`` at pp=2 x sp=2 (Ulysses inside each stage) for 3 steps with
 sequences split into 16-token chunks, then evaluation (run_clm's metrics, ``predict()``), ``save_model`` and a run resumed from
-the step-2 checkpoint, and a LoRA model (``test_peft``'s "embed-head") trained with label smoothing;
+the step-2 checkpoint, and a LoRA model (``test_peft``'s "embed-head") trained with label smoothing and the online cost-model refit;
 each rank writes what it saw to ``<out>/info-rank<r>.json``. The models, data and Trainer settings are
 ``test_trainer_pipeline``'s, so its ``_reference`` (``Trainer`` on one process) is the reference.
 """
@@ -51,9 +51,12 @@ def main(out: str) -> None:
     lora = ConcertinaTrainer(model=test_peft._peft_model("embed-head"), train_dataset=test_peft._dataset(),
                              args=ConcertinaTrainingArguments(
                                  output_dir=out + "-peft", save_strategy="no", label_smoothing_factor=PEFT_SMOOTHING,
+                                 concertina_cost_model="online", concertina_replan_interval=1,
                                  **sizes, **test_peft.COMMON))
     lora.train()
     info["peft"] = test_peft._logged(lora)
+    # the online refit at sp=2 (every step, on the measured actions, all-to-alls included)
+    info["peft_refits"] = [lora.replan.refits, lora.replan.rejected_refits, lora.replan.cost_model.sp]
     lora.save_model(os.path.join(out, "peft"))
     with open(os.path.join(out, f"info-rank{t.rank}.json"), "w") as fh:
         json.dump(info, fh)

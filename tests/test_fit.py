@@ -196,7 +196,10 @@ def test_refit_at_sequence_parallel_size_2_recovers_the_compute_around_the_all_t
     as_sp1 = dataclasses.replace(refit_cost_model(dataclasses.replace(start, sp=1), layout, samples), sp=2)
     assert worst(as_sp1) > 0.2, worst(as_sp1)
     # zero3 (the sp-only baseline: a layer is max(compute, gather)) is not refitted
-    assert refit_cost_model(dataclasses.replace(start, zero3=True, state_shards=2), layout, samples) is None
+    zero3 = dataclasses.replace(start, zero3=True, state_shards=2)
+    assert refit_cost_model(zero3, layout, samples) is None
+    assert fit_module.bounded_refit(zero3, layout, samples, samples[:5]) == (None, fit_module.bounded_refit(
+        zero3, layout, [], [])[1]) and "zero3" in fit_module.bounded_refit(zero3, layout, [], [])[1]
 
 
 def test_action_samples_pair_forward_and_backward_of_each_chunk():

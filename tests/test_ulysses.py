@@ -127,7 +127,8 @@ def test_trainer_pp2_sp2_matches_trainer(tmp_path):
     logged losses 1e-5, gradient norms 1e-4, every parameter of the saved model 1e-4 (relative),
     evaluation loss 1e-5, run_clm's accuracy and predict() (argmax ids, raw logits 1e-4) on every
     rank; resuming from the step-2 checkpoint ends on the same model; a LoRA model trained with label
-    smoothing equals Trainer's (losses 1e-5, adapter update 1e-3)."""
+    smoothing (and the online cost-model refit each step) equals Trainer's (losses 1e-5, adapter
+    update 1e-3)."""
     import subprocess
     import sys
 
@@ -186,6 +187,8 @@ def test_trainer_pp2_sp2_matches_trainer(tmp_path):
     from _ulysses_trainer import PEFT_SMOOTHING
 
     assert all(r["peft"] == info["peft"] for r in ranks)
+    refits, rejected, sp = info["peft_refits"]  # the planner rank: one refit tried each step, at sp=2
+    assert refits + rejected == 3 and sp == 2, info["peft_refits"]
     ref = Trainer(model=test_peft._peft_model("embed-head"), train_dataset=test_peft._dataset(),
                   data_collator=DataCollatorWithFlattening(),
                   args=TrainingArguments(output_dir=str(tmp_path / "ref-peft"), save_strategy="no",

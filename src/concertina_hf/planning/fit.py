@@ -253,6 +253,8 @@ def bounded_refit(cost: CostModel, layout: StageLayout, samples: Sequence[Action
     than ``cost`` does (:func:`prediction_error`). Without held-out samples there is no
     evidence, and the refit is rejected.
     """
+    if cost.zero3:
+        return None, "zero3 models (each layer the larger of its compute and its weight gather) are not refitted"
     new = refit_cost_model(cost, layout, samples, memory_scale, floors=floors)
     if new is None:
         return None, f"underdetermined: {len(samples)} samples of too few distinct chunks"
