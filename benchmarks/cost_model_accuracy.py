@@ -224,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                        "kv_bytes_per_token",
                        "context_bytes_per_token", "mask_bytes_per_pair", "logits_bytes_per_token",
                        "bwd_transient_bytes_per_token", "head_bwd_transient_bytes_per_token",
+                       "bwd_transient_bytes", "head_bwd_transient_bytes", "embed_bwd_transient_bytes",
                        "recompute_factor")}
 
     lines = [

@@ -55,7 +55,7 @@ def worker(rank: int, world: int, port: int, outdir: str, pp: int, sp: int, dp: 
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                            timeout=timedelta(seconds=300))
-    report: dict = {"rank": rank, "failures": [], "cases": [], "memory": []}
+    report: dict = {"rank": rank, "failures": [], "cases": [], "memory": [], "allocated": []}
     try:
         _run(rank, world, pp, sp, dp, report)
     except Exception:
@@ -166,6 +166,26 @@ def _run(rank: int, world: int, pp: int, sp: int, dp: int, report: dict) -> None
                 predicted1 = simulate(plan, cost1).peak_memory_bytes[0] - cost1.static_memory(layout, 0)
                 report["memory"].append((name, peak_sp, alone.run_step(plan, ids, labels).peak_activation_bytes,
                                          predicted, predicted1))
+            # issue 12: the allocated peak (every op output, as the benchmarks count it: all-to-all
+            # buffers and transients included; .grad absent at the start) of the same plans at sp
+            # and alone, against the profiled model's prediction (profiled alone, per GPU at sp)
+            from concertina_hf.runtime.memory import AllocationTracker
+            from concertina_hf.runtime.profiler import profile_cost_model
+
+            prof1 = profile_cost_model(model, repeats=1, warmup=0, num_layers=NUM_LAYERS, max_tokens=64)
+            prof = prof1.with_parallel(sp=sp, state_shards=1)
+
+            def allocated(executor, plan):
+                wr = executor.wrapper
+                wr.zero_grad(set_to_none=True)
+                with AllocationTracker() as t:
+                    executor.run_step(plan, ids, labels)
+                return t.peak_bytes(exclude=[*wr.parameters(), *wr.buffers(), *(q.grad for q in wr.parameters())])
+
+            for name, plan in plans.items():
+                report["allocated"].append((name, allocated(ex, plan), allocated(alone, plan),
+                                            simulate(plan, prof).peak_memory_bytes[0] - prof.static_memory(layout, 0),
+                                            simulate(plan, prof1).peak_memory_bytes[0] - prof1.static_memory(layout, 0)))
         if kind == "llama K=4":  # bf16 autocast (float32 weights; bf16 all-to-alls): HF under autocast
             amp_loss, amp_grads = reference(model, ids, labels, autocast=torch.bfloat16)
             w.zero_grad(set_to_none=True)

@@ -86,6 +86,16 @@ CASES = {
 }
 
 
+def test_profiled_weight_gradient_terms(stage):
+    """The profiler measures the constant parts: the embedding's and the LM head's weight
+    gradients (``vocab x hidden`` float32) and a layer's largest (its MLP matrix)."""
+    _, cost, _ = stage
+    grad = VOCAB * 64 * 4
+    assert cost.embed_bwd_transient_bytes == grad
+    assert grad <= cost.head_bwd_transient_bytes <= 1.05 * grad
+    assert 64 * 176 * 4 <= cost.bwd_transient_bytes <= 2 * 64 * 176 * 4
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_allocated_peak_within_5_percent_of_the_prediction(stage, case):
     ex, cost, lay = stage

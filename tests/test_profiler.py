@@ -221,6 +221,7 @@ def test_wrapper_profile_matches_model_profile(profiled):
     names = ("act_bytes_per_token", "ckpt_bytes_per_token", "ckpt_chunk_bytes_per_token", "kv_bytes_per_token",
              "mask_bytes_per_pair",
              "logits_bytes_per_token", "bwd_transient_bytes_per_token", "head_bwd_transient_bytes_per_token",
+             "bwd_transient_bytes", "head_bwd_transient_bytes", "embed_bwd_transient_bytes", "embed_bwd_bytes_per_token",
              "layer_params", "head_params", "embed_params")
     for name in names:
         assert getattr(wcost, name) == pytest.approx(getattr(cost, name), rel=1e-3), name

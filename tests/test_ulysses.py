@@ -112,11 +112,24 @@ def test_ulysses_matches_hf(dp, pp, sp, tmp_path, monkeypatch):
         for name, at_sp, alone, predicted, predicted1 in r["memory"]:
             print(f"  {name:<24} {at_sp:>9} {alone:>9}  x{at_sp / alone:.2f}  {predicted:>11.0f}  "
                   f"measured/predicted x{at_sp / predicted:.2f} (at sp=1: x{alone / predicted1:.2f})")
+        print(f"rank {r['rank']}: allocated peak at sp={sp}, alone, x, predicted (profiled) at sp={sp}, alone:")
+        for name, at_sp, alone, predicted, predicted1 in r["allocated"]:
+            print(f"  {name:<24} {at_sp:>9} {alone:>9}  x{at_sp / alone:.2f}  {predicted:>11.0f} "
+                  f"measured/predicted x{at_sp / predicted:.3f} (alone: x{alone / predicted1:.3f})")
     failures = [f for r in reports for f in r["failures"]]
     assert failures == []
     # each rank's activation peak: within 60% of the same plan's on one rank (tokens and heads / sp)
     assert all(at_sp <= 0.6 * alone for r in reports for _, at_sp, alone, _, _ in r["memory"])
     assert all(len(r["memory"]) == (4 if pp == dp == 1 else 0) for r in reports)
+    # issue 12, counted as the benchmarks count (every allocation: all-to-all buffers, transients):
+    # each rank's allocated activation peak within 60% of the same plan's alone (measured x0.52 to
+    # x0.54), and the profiled model's per-GPU prediction at sp within 10% of it (measured: the
+    # prediction 4% under to 8% over; full recompute is over-predicted alone too)
+    assert all(len(r["allocated"]) == len(r["memory"]) for r in reports)
+    for r in reports:
+        for name, at_sp, alone, predicted, _ in r["allocated"]:
+            assert at_sp <= 0.6 * alone, (r["rank"], name, at_sp, alone)
+            assert abs(predicted - at_sp) <= 0.10 * at_sp, (r["rank"], name, at_sp, predicted)
     cases = (1 if pp > 1 else 2 * 2) if dp > 1 else (4 + (pp > 1)) * 5 + 1
     assert all(len(r["cases"]) == cases for r in reports)
 
