@@ -8,7 +8,7 @@ Ulysses inside every stage, reduces the gradients over the stage's ranks
 (:func:`reduce_gradients`) and compares the loss and its stage's gradients. Models: Llama with
 ``K = H`` K/V heads (split over ``sp``), Qwen2 with ``K = 2`` (split) and ``K = 1 < sp``
 (replicated), gpt-oss (attention sinks, sliding layers, MoE), and a tied-embedding Llama when the
-pipeline has two stages; one plan also under
+pipeline has two stages; the sink layouts each rank's attention gets (per head, per head and token); one plan also under
 bf16 autocast (bf16 tolerances). At pp=1 each rank also
 runs the plans alone (no sp) for the activation peaks. With two replicas (dp=2) each replica runs
 its share of the batch instead (:func:`_replicas`). Results go to ``<outdir>/rank<r>.json``; the
@@ -127,6 +127,7 @@ def _run(rank: int, world: int, pp: int, sp: int, dp: int, report: dict) -> None
     if dp > 1:
         _replicas(topo, report)
         return
+    _sink_layouts(topo, report)
     ids, labels = batch()
     layout = StageLayout.even(NUM_LAYERS, pp)
     plans = {f"{name}/{rec}": make_plan(SEQ_LENS, CHUNKINGS[name], layout, rec) for name, rec in PLANS
@@ -203,6 +204,34 @@ def _run(rank: int, world: int, pp: int, sp: int, dp: int, report: dict) -> None
         report["cases"].append(f"{kind} eval")
         if not _rel(res.loss, ref_loss) < LOSS_TOL:
             fail.append(f"{kind} eval: loss {res.loss} vs {ref_loss}")
+
+
+def _sink_layouts(topo, report: dict) -> None:
+    """Attention sinks as each rank's attention gets them (``UlyssesContext._rank_sinks``): one per
+    query head ``[H]`` and ``[1, H, 1, 1]`` sliced to the rank's heads; per query head and token
+    ``[1, H, t, 1]`` of the local tokens through the all-to-all, all tokens of the rank's heads."""
+    from concertina_hf.runtime.ulysses import SequenceParallel, UlyssesContext, local_shard
+
+    sp, r = topo.sequence_parallel_size, topo.sp_rank
+    heads, n = 2 * sp, 7  # 7 tokens: the last rank's shard padded
+    ctx = UlyssesContext(SimpleNamespace(num_tokens=n, position_ids=torch.arange(n)[None]),
+                         SequenceParallel(topo.sp_group))
+    g = torch.Generator().manual_seed(0)
+    per_head, per_query = torch.randn(heads, generator=g), torch.randn(1, heads, n, 1, generator=g)
+    mine = slice(r * heads // sp, (r + 1) * heads // sp)
+    local = local_shard(per_query[0].transpose(0, 1), sp, r).transpose(0, 1)[None]  # [1, H, t, 1]
+    got = (ctx._rank_sinks(None, per_head, heads), ctx._rank_sinks(None, per_head.view(1, heads, 1, 1), heads),
+           ctx._rank_sinks(None, local, heads))
+    want = (per_head[mine], per_head.view(1, heads, 1, 1)[:, mine], per_query[:, mine])
+    report["cases"].append("sink layouts")
+    if not all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(got, want)):
+        report["failures"].append(f"sink layouts rank {topo.rank}: {[tuple(a.shape) for a in got]}")
+    try:
+        ctx._rank_sinks(None, torch.zeros(heads + 1), heads)
+        report["failures"].append("sinks of the wrong size were accepted")
+    except NotImplementedError as exc:
+        if f"attention sinks of shape ({heads + 1},)" not in str(exc):
+            report["failures"].append(f"sink refusal: {exc}")
 
 
 # each replica's sequences (of SEQ_LENS) and its chunks, over its own sequences: a split sequence
