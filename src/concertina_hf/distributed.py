@@ -190,11 +190,12 @@ class Topology:
         return torch.cat(parts).to(tensor.device)
 
     # ------------------------------------------------------------------ objects in the pipeline
-    def broadcast_in_pipeline(self, obj: Any, src_stage: int = 0) -> Any:
+    def broadcast_in_pipeline(self, obj: Any, src_stage: int = 0, same_on_sp_ranks: bool = False) -> Any:
         """``obj`` of pipeline stage ``src_stage`` on every rank of the pipeline; with sequence
         parallelism that stage's ``sp`` rank 0's, on every rank of the replica (first over the
-        stage's ``sp`` group, then over each ``pp`` group)."""
-        if self.sequence_parallel_size > 1 and self.stage == src_stage:
+        stage's ``sp`` group, then over each ``pp`` group; ``same_on_sp_ranks``: every sp rank of
+        that stage holds it already, so each sends its own down its ``pp`` group)."""
+        if self.sequence_parallel_size > 1 and self.stage == src_stage and not same_on_sp_ranks:
             box = [obj]
             with self._waiting(f"an object from sequence-parallel rank 0 of stage {src_stage} "
                                f"(rank {self.sp_ranks[0]})"):

@@ -82,7 +82,9 @@ class PipelinePredictor:
         preds = keep.assemble(inputs) if self.executor.wrapper.is_last else None
         if self.topology.pipeline_size > 1:
             preds = _to(preds, torch.device("cpu"))
-            preds = self.topology.broadcast_in_pipeline(preds, src_stage=self.topology.pipeline_size - 1)
+            # (with sequence parallelism every sp rank of the last stage has gathered them)
+            preds = self.topology.broadcast_in_pipeline(preds, src_stage=self.topology.pipeline_size - 1,
+                                                        same_on_sp_ranks=True)
         label_ids = None
         if label_names and all(inputs.get(k) is not None for k in label_names):
             found = tuple(torch.as_tensor(inputs[k]).detach().to(device) for k in label_names)
