@@ -167,6 +167,11 @@ def run_context(max_len: int, corpus, config: dict, cost, pre: dict, args, log) 
     }
 
 
+def _peak_over(measured, reference) -> float:
+    """The largest ratio of a measured peak to its reference over the ranks."""
+    return max(m / r for m, r in zip(measured, reference))
+
+
 def _mib(x) -> str:
     return "-" if x is None else f"{x / MIB:.1f}"
 
@@ -193,6 +198,26 @@ def to_markdown(res: dict[str, Any]) -> str:
          "raised by 10% steps until every layout plans every batch; "
          "each layout's own figure is given in parentheses (pp=4 x sp=1's last GPU holds a whole sequence's logits: "
          "its figure would leave the sp layouts unconstrained).", ""]
+    L += ["## Summary", "",
+          "Ratios of tokens/s (median over the timed steps; paired: median of step-by-step ratios on the same batch), "
+          "and each layout's largest allocated activation peak of the warm-up step over the budget and over the plan's "
+          "prediction (any rank).", "",
+          "| context | cores probe before / after | pp2xsp2 / pp1xsp4 (paired) | pp2xsp2 / pp4xsp1 (paired) | "
+          "peak / budget: pp2xsp2, pp1xsp4, pp4xsp1 | peak / predicted: pp2xsp2, pp1xsp4, pp4xsp1 | losses = HF |",
+          "|---:|---|---|---|---|---|---|"]
+    for c in res["contexts"]:
+        r = c["runs"]
+        L.append(f"| {c['max_len']} | {' / '.join(f'{x:.2f}' for x in c['cores_probe'])} | "
+                 f"{r['pp1xsp4']['pp2xsp2_over_this']:.3f}x ({r['pp1xsp4']['pp2xsp2_over_this_paired']:.3f}x) | "
+                 f"{r['pp4xsp1']['pp2xsp2_over_this']:.3f}x ({r['pp4xsp1']['pp2xsp2_over_this_paired']:.3f}x) | "
+                 + ", ".join(f"{_peak_over(x['memory_batch_alloc_peak_bytes'], [c['activation_budget_bytes']] * 4):.3f}"
+                             for x in r.values()) + " | "
+                 + ", ".join(f"{_peak_over(x['memory_batch_alloc_peak_bytes'], x['memory_batch_predicted_act_peak_bytes']):.3f}"
+                             for x in r.values())
+                 + f" | {'yes' if c['loss_ok'] else '**no**'} |")
+    L += ["", "Predicted step times come from a cost model profiled with two processes on the machine's cores; the "
+          "four ranks here get about half of that (and other jobs shared the machine): the predictions are the plans' "
+          "relative expectations, not forecasts of these CPU step times.", ""]
     for c in res["contexts"]:
         L += [f"## Context {c['max_len']} tokens", "",
               f"Batches of at most {c['tokens_per_step']} tokens: "
@@ -239,6 +264,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=pathlib.Path, default=None,
                     help="output prefix (default benchmarks/results/measured_sp, measured_sp_quick)")
+    ap.add_argument("--from-json", type=pathlib.Path, default=None,
+                    help="only rewrite the markdown of an earlier run's JSON (its command and figures kept)")
     args = ap.parse_args(argv)
     args.preset = "quick" if args.quick else "full"
     pre = PRESETS[args.preset]
@@ -294,6 +321,11 @@ def run(args: argparse.Namespace, argv_text: str, log=print) -> dict[str, Any]:
 def main(argv=None) -> dict[str, Any]:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if args.from_json:
+        res = json.loads(args.from_json.read_text())
+        args.from_json.with_suffix(".md").write_text(to_markdown(res) + "\n")
+        print(f"rewrote {args.from_json.with_suffix('.md')}")
+        return res
     text = " ".join(["python", "benchmarks/measured_sp.py", *argv])
     res = run(args, text, log=lambda m: print(f"[measured_sp] {m}", flush=True))
     for c in res["contexts"]:
