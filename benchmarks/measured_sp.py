@@ -217,7 +217,10 @@ def to_markdown(res: dict[str, Any]) -> str:
                  + f" | {'yes' if c['loss_ok'] else '**no**'} |")
     L += ["", "Predicted step times come from a cost model profiled with two processes on the machine's cores; the "
           "four ranks here get about half of that (and other jobs shared the machine): the predictions are the plans' "
-          "relative expectations, not forecasts of these CPU step times.", ""]
+          "relative expectations, not forecasts of these CPU step times. With fewer cores than ranks, every "
+          "collective waits until all its ranks are scheduled: an sp=4 all-to-all needs all four ranks running at once "
+          "(at most two are on 2 cores), a P2P send only two, so the oversubscription penalizes the sp-heavy layouts "
+          "more than a GPU run would.", ""]
     for c in res["contexts"]:
         L += [f"## Context {c['max_len']} tokens", "",
               f"Batches of at most {c['tokens_per_step']} tokens: "
@@ -229,6 +232,9 @@ def to_markdown(res: dict[str, Any]) -> str:
               + f"; raised {c['budget_raised']} time(s) by 10% so that every layout plans every batch). Cores probe before / after: {' / '.join(f'{x:.2f}' for x in c['cores_probe'])}; load "
               f"{c['loadavg']['before'][0]:.2f} / {c['loadavg']['after'][0]:.2f}. Layers per stage: "
               + "; ".join(f"{n}: {r}" for n, r in c["layer_ranges"].items())
+              + ". Static memory per rank (weights, gradients, AdamW state; not in the activation figures), MiB: "
+              + "; ".join(f"{n}: " + " / ".join(_mib(st[k]) for k in c["runs"][n]["stage_of_rank"])
+                          for n, st in c["static_bytes"].items())
               + ". All-to-all fit (latency us, GB/s): "
               + "; ".join(f"{n}: {a[0] * 1e6:.0f}, {a[1] / 1e9:.2f}" for n, a in c["a2a_fit"].items() if a) + ".", "",
               "| layout | tokens/s median [min..max] | pp2xsp2 / this (paired) | step s | run s | grad reduce s | "
