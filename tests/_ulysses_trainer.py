@@ -1,5 +1,6 @@
 """Worker of ``test_ulysses.py::test_trainer_pp2_sp2_matches_trainer``, run by torchrun on 4 CPU
-processes: ``ConcertinaTrainer`` at pp=2 x sp=2 (Ulysses inside each stage) for 3 steps with
+processes: ``ConcertinaTrainer`` at pp=2 x sp=2 (Ulysses inside each stage; the model perturbed on ranks
+1-3, so rank 0's weights must reach them) for 3 steps with
 sequences split into 16-token chunks, then evaluation (run_clm's metrics, ``predict()``), ``save_model`` and a run resumed from
 the step-2 checkpoint, and a LoRA model (``test_peft``'s "embed-head") trained with label smoothing and the online cost-model refit;
 each rank writes what it saw to ``<out>/info-rank<r>.json``. The models, data and Trainer settings are
@@ -26,11 +27,20 @@ def main(out: str) -> None:
     sizes = dict(concertina_pipeline_size=2, concertina_sequence_parallel_size=2, concertina_max_tokens_per_chunk=16)
     args = ConcertinaTrainingArguments(output_dir=out, save_strategy="steps", save_steps=2, **sizes,
                                        **dict(COMMON, max_steps=STEPS))
-    trainer = ConcertinaTrainer(model=_model("llama"), args=args, train_dataset=_dataset(),
-                                eval_dataset=_dataset(8, seed=1))
+    info: dict = {}
+    model = _model("llama")
+    if int(os.environ["RANK"]):  # built differently on the other processes: rank 0's weights are used, as DDP does
+        import torch
+
+        torch.manual_seed(int(os.environ["RANK"]))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+    trainer = ConcertinaTrainer(model=model, args=args, train_dataset=_dataset(), eval_dataset=_dataset(8, seed=1))
+    info["synced"] = len(trainer.weights_synced)
     t = trainer.topology
     trainer.train()
-    info = _summary(trainer)
+    info.update(_summary(trainer))
     info["eval_loss"] = trainer.evaluate()["eval_loss"]
     # run_clm's accuracy (preprocess_logits_for_metrics = argmax), predict(), predict()'s raw logits:
     # the last stage gathers its sp ranks' logit shards before the hooks
@@ -55,6 +65,7 @@ def main(out: str) -> None:
                                  **sizes, **test_peft.COMMON))
     lora.train()
     info["peft"] = test_peft._logged(lora)
+    info["peft_synced"] = len(lora.weights_synced)  # built alike everywhere: nothing to broadcast
     # the online refit at sp=2 (every step, on the measured actions, all-to-alls included)
     info["peft_refits"] = [lora.replan.refits, lora.replan.rejected_refits, lora.replan.cost_model.sp]
     lora.save_model(os.path.join(out, "peft"))

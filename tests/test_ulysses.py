@@ -136,7 +136,8 @@ def test_ulysses_matches_hf(dp, pp, sp, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_trainer_pp2_sp2_matches_trainer(tmp_path):
-    """ConcertinaTrainer on 4 processes (pp=2 x sp=2) equals Trainer on one process after 3 steps:
+    """ConcertinaTrainer on 4 processes (pp=2 x sp=2), given a model built differently on ranks 1-3
+    (rank 0's weights are used, as DDP does), equals Trainer on one process after 3 steps:
     logged losses 1e-5, gradient norms 1e-4, every parameter of the saved model 1e-4 (relative),
     evaluation loss 1e-5, run_clm's accuracy and predict() (argmax ids, raw logits 1e-4) on every
     rank; resuming from the step-2 checkpoint ends on the same model; a LoRA model trained with label
@@ -162,6 +163,9 @@ def test_trainer_pp2_sp2_matches_trainer(tmp_path):
     assert ranks[0]["stage_params"] == ranks[1]["stage_params"] != ranks[2]["stage_params"]
     assert all(r["losses"] == ranks[0]["losses"] and r["grad_norms"] == ranks[0]["grad_norms"] for r in ranks)
     assert all(n > 0 for n in ranks[0]["split_chunks"]), ranks[0]["split_chunks"]
+    # the model was perturbed on ranks 1-3: every parameter broadcast from rank 0 (reported on every rank)
+    assert all(r["synced"] == ranks[0]["synced"] >= 39 for r in ranks), [r["synced"] for r in ranks]
+    assert all(r["peft_synced"] == 0 for r in ranks)
     ref_info, ref_state = _reference("llama", tmp_path / "ref", metrics=True, max_steps=STEPS)
     info = ranks[0]
     assert len(info["losses"]) == len(ref_info["losses"]) == STEPS

@@ -25,6 +25,9 @@ Collectives (all no-ops with one process, each a few lines over ``torch.distribu
   evaluation values over the replicas;
 - :meth:`Topology.broadcast_in_pipeline`, :meth:`Topology.gather_in_pipeline`,
   :meth:`Topology.broadcast_from_rank0`: small Python objects (plans, statistics, cost models);
+- :meth:`Topology.sync_weights_from_rank0`: at construction, rank 0's weights wherever a
+  process's differ (what ``DistributedDataParallel`` does for ``Trainer``; a checksum compare
+  when they are the same);
 - :meth:`Topology.numbers_of_every_rank`, :meth:`Topology.objects_of_every_rank`: a number (one
   all-reduce of ``world_size`` floats) or an object of every rank of the job, on every rank (the
   step's verdict on non-finite values, which all ranks must reach together).
@@ -49,6 +52,7 @@ from __future__ import annotations
 
 import atexit
 import inspect
+import logging
 import os
 import sys
 import threading
@@ -67,6 +71,8 @@ from .args import ConcertinaTrainingArguments, resolve_parallel_sizes
 __all__ = ["ABORT_GRACE_S", "ABORT_POLL_S", "BUCKET_ELEMENTS", "MESH_DIMS", "Topology", "global_grad_norm",
            "is_sharded", "load_optimizer_shards", "optimizer_share", "reduce_gradients", "save_optimizer_shards",
            "shard_optimizer"]
+
+logger = logging.getLogger(__name__)
 
 # outermost first; a new dimension goes innermost (after "pp") and is built in Topology.build
 MESH_DIMS = ("dp", "pp", "sp")
@@ -245,6 +251,45 @@ class Topology:
         with self._waiting("an object from every rank"):
             dist.all_gather_object(out, obj)
         return out
+
+    def sync_weights_from_rank0(self, model: nn.Module) -> list[str]:
+        """Every process's ``model`` (before it is split) with global rank 0's weights and
+        buffers, as ``DistributedDataParallel`` makes them at construction for ``Trainer``: the
+        ``sp`` ranks of a stage and the replicas must hold the same weights (their gradients are
+        summed), and the stages together rank 0's model. A checksum of each state tensor (float64
+        sum and sum of squares of at most 4096 evenly strided elements) is compared over the job
+        (one MIN and one MAX all-reduce); only when one differs (a model built from an unseeded
+        random initialization, a different checkpoint) are those tensors broadcast from rank 0,
+        with one warning naming them. Returns their names (the same list on every rank);
+        collective."""
+        if self.world_size == 1:
+            return []
+        named = [(n, t) for n, t in model.state_dict().items() if t.device.type != "meta"]
+        sums = []
+        for _, t in named:
+            x = t.detach().reshape(-1)
+            x = x[::max(1, x.numel() // 4096)].double()
+            sums.append(torch.stack([x.sum(), (x * x).sum()]) if x.numel() else torch.zeros(2, dtype=torch.float64))
+        lo = torch.nan_to_num(torch.stack(sums)).to(self.comm_device) if sums else torch.zeros(0, 2, dtype=torch.float64)
+        hi = lo.clone()
+        with self._waiting("the weights' checksums of every rank"):
+            dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        differ = [i for i in range(len(named)) if not torch.equal(lo[i], hi[i])]
+        with torch.no_grad(), self._waiting("rank 0's weights"):
+            for i in differ:
+                t = named[i][1]
+                buf = t.detach().to(self.comm_device).contiguous()
+                dist.broadcast(buf, src=0)
+                t.copy_(buf.to(t.device))
+        names = [named[i][0] for i in differ]
+        if names and self.rank == 0:
+            logger.warning(
+                "concertina: the model's weights differ between processes (%d tensors, e.g. %s): every process "
+                "now holds rank 0's, as DistributedDataParallel makes them for Trainer (build the model "
+                "identically on every process, e.g. from_pretrained or set_seed before from_config, to skip this)",
+                len(names), ", ".join(names[:3]))
+        return names
 
     def barrier(self) -> None:
         if self.world_size > 1 and dist.is_initialized():

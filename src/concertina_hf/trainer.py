@@ -98,6 +98,7 @@ class ConcertinaTrainer(Trainer):
         check_trainer_arguments(model, args, optimizers, model_init=model_init, compute_loss_func=compute_loss_func)
         _ = args.device  # the process group must exist before the model is split: the stage is the pipeline rank
         self.topology = Topology.build(args)
+        self.weights_synced = self.topology.sync_weights_from_rank0(model)  # DDP's: rank 0's weights everywhere
         hf_model = base_model_of(model)  # a PeftModel's HF model; the wrapper keeps the PeftModel to save adapters
         self.setup = resolve_run(args, hf_model, self.topology)
         self.cost_model, self.layout = self.setup.cost_model, self.setup.layout
