@@ -264,7 +264,8 @@ class Topology:
         collective."""
         if self.world_size == 1:
             return []
-        named = [(n, t) for n, t in model.state_dict().items() if t.device.type != "meta"]
+        named = [(n, t) for n, t in model.state_dict().items()
+                 if isinstance(t, torch.Tensor) and t.device.type != "meta"]  # not a module's extra state
         sums = []
         for _, t in named:
             x = t.detach().reshape(-1)
