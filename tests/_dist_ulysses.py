@@ -7,8 +7,8 @@ hybrid chunks, recompute none / partial / full, chunk token counts not divisible
 Ulysses inside every stage, reduces the gradients over the stage's ranks
 (:func:`reduce_gradients`) and compares the loss and its stage's gradients. Models: Llama with
 ``K = H`` K/V heads (split over ``sp``), Qwen2 with ``K = 2`` (split) and ``K = 1 < sp``
-(replicated), gpt-oss (attention sinks, sliding layers, MoE), and a tied-embedding Llama when the
-pipeline has two stages; the sink layouts each rank's attention gets (per head, per head and token); one plan also under
+(replicated), gpt-oss (attention sinks, sliding layers, MoE; with K = 1 replicated too at pp=1),
+and a tied-embedding Llama when the pipeline has two stages; the sink layouts each rank's attention gets (per head, per head and token); one plan also under
 bf16 autocast (bf16 tolerances). At pp=1 each rank also
 runs the plans alone (no sp) for the activation peaks. With two replicas (dp=2) each replica runs
 its share of the batch instead (:func:`_replicas`). Results go to ``<outdir>/rank<r>.json``; the
@@ -84,7 +84,7 @@ def _model(kind: str, kv_heads: int | None = None, tied: bool = False, seed: int
     return model.float()
 
 
-def _gpt_oss(seed: int = 5):
+def _gpt_oss(seed: int = 5, kv_heads: int | None = None):
     """gpt-oss (attention sinks ``s_aux``: one logit per query head; 4 heads, 2 K/V heads; sliding
     and full layers; MoE) from the model-support tiny config, the sinks drawn away from zero."""
     from transformers import AutoModelForCausalLM
@@ -93,6 +93,8 @@ def _gpt_oss(seed: int = 5):
     import model_support
 
     cfg = model_support.tiny_config("gpt_oss", num_hidden_layers=NUM_LAYERS, use_cache=False)
+    if kv_heads is not None:
+        cfg.num_key_value_heads = kv_heads
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     with torch.no_grad():
@@ -138,6 +140,8 @@ def _run(rank: int, world: int, pp: int, sp: int, dp: int, report: dict) -> None
               ("qwen2 K=1 (replicated)", _model("qwen2", kv_heads=1, seed=3)), ("gpt_oss sinks", _gpt_oss())]
     if pp > 1:
         models.append(("llama tied", _model("llama", tied=True, seed=4)))
+    else:  # sinks with K/V heads replicated (K = 1 < sp): the sinks follow the query heads
+        models.append(("gpt_oss K=1 sinks (replicated)", _gpt_oss(seed=6, kv_heads=1)))
     for kind, model in models:
         ref_loss, ref_grads = reference(model, ids, labels)
         w = PipelineWrapper(copy.deepcopy(model), layout, topo.stage)

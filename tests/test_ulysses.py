@@ -130,7 +130,7 @@ def test_ulysses_matches_hf(dp, pp, sp, tmp_path, monkeypatch):
         for name, at_sp, alone, predicted, _ in r["allocated"]:
             assert at_sp <= 0.6 * alone, (r["rank"], name, at_sp, alone)
             assert abs(predicted - at_sp) <= 0.10 * at_sp, (r["rank"], name, at_sp, predicted)
-    cases = (1 if pp > 1 else 2 * 2) if dp > 1 else (4 + (pp > 1)) * 5 + 1 + 1  # + the sink layouts
+    cases = (1 if pp > 1 else 2 * 2) if dp > 1 else 5 * 5 + 1 + 1  # + the sink layouts
     assert all(len(r["cases"]) == cases for r in reports)
 
 
