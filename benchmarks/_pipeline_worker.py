@@ -15,7 +15,8 @@ strategy computes the same gradients for a batch (the runtime's equivalence with
 so the interleaved run is one valid training run.
 
 Planning is overlapped as in ``ReplanCallback``: pipeline rank 0 plans a job's next step in a
-background thread while the job's current step runs (so the planning of one strategy never
+background thread (which hands it to a planning process, as ``StepPlanner`` does; spec
+``planner: "thread"``: in the thread itself) while the job's current step runs (so the planning of one strategy never
 competes with another strategy's step), and broadcasts the plan (JSON) at the start of the
 step. One timed step on every rank::
 
@@ -179,19 +180,23 @@ def _capacity_probe(rank: int, world: int, iters: int = 150) -> float:
     return float(total) / float(together)
 
 
-def _plan_for(spec: dict, cost, layout, job: dict, lens: list[int]):
-    """``(plan, wall seconds, CPU seconds of the planning thread)``; a job's ``budgets`` (0:
-    unbounded) override the spec's."""
-    from concertina_hf.planning import plan_step, simulate
+def _plan_for(spec: dict, cost, layout, job: dict, lens: list[int], process=None):
+    """``(plan, wall seconds, CPU seconds of the planning)``; a job's ``budgets`` (0: unbounded)
+    override the spec's. ``process``: a :class:`~concertina_hf.planning.process.PlanningProcess`
+    to plan in (as ``StepPlanner`` does), else in this thread."""
+    from concertina_hf.planning.process import plan_checked
 
     t0, c0 = time.perf_counter(), time.thread_time()
     budgets = job.get("budgets", spec["budgets"])
-    plan = plan_step(lens, cost, layout, tuple(budgets) if budgets else 0, job["strategy"], solver=spec["solver"],
-                     time_limit_s=spec["time_limit_s"], **job["knobs"])
-    if plan.predicted is None:
-        plan = plan.with_predicted(simulate(plan, cost).stats())
-    plan = plan.validate()
-    return plan, time.perf_counter() - t0, time.thread_time() - c0
+    args = (lens, cost, layout, tuple(budgets) if budgets else 0, job["strategy"])
+    kwargs = dict(solver=spec["solver"], time_limit_s=spec["time_limit_s"], **job["knobs"])
+    if process is not None:
+        plan = process.plan(*args, **kwargs)
+        cpu = process.last_cpu_s
+    else:
+        plan = plan_checked(*args, **kwargs)
+        cpu = time.thread_time() - c0
+    return plan, time.perf_counter() - t0, cpu
 
 
 class _Replica:
@@ -228,6 +233,14 @@ def _run(rank: int, world: int, spec: dict) -> dict:
     # round r runs the jobs rotated by r, so no job always follows the same one
     steps = [(r, (j + r) % len(jobs)) for r in range(len(rounds)) for j in range(len(jobs))]
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plan") if rank == 0 else None
+    # the background thread plans in a process of its own (StepPlanner's default) unless the spec
+    # asks for the thread itself (planner "thread": what StepPlanner(isolate=False) does)
+    # (a job's own "planner" overrides the spec's)
+    process = None
+    if rank == 0 and any(j.get("planner", spec.get("planner", "process")) == "process" for j in spec["jobs"]):
+        from concertina_hf.planning.process import PlanningProcess
+
+        process = PlanningProcess()
     futures: dict[tuple[int, int], object] = {}
 
     def replica(j: int) -> _Replica:
@@ -235,7 +248,9 @@ def _run(rank: int, world: int, spec: dict) -> dict:
 
     def submit(r: int, j: int) -> None:
         futures[(r, j)] = pool.submit(_plan_for, spec, cost, replica(j).layout, jobs[j],
-                                      [len(s) for s in batches[rounds[r]]])
+                                      [len(s) for s in batches[rounds[r]]],
+                                      process if jobs[j].get("planner", spec.get("planner", "process")) == "process"
+                                      else None)
 
     if rank == 0:
         # the warm-up round's plans are made before it, off the clock
@@ -318,6 +333,8 @@ def _run(rank: int, world: int, spec: dict) -> dict:
                   f"(pred {rec['predicted_step_s']:.2f}s)  plan wait {rec['plan_wait_s'] * 1e3:.1f}ms", flush=True)
     if pool is not None:
         pool.shutdown(wait=True)
+    if process is not None:
+        process.close()
     capacity.append(_capacity_probe(rank, world))
     return {"records": records, "loadavg_end": os.getloadavg(), "capacity": capacity, "waited_s": waited}
 

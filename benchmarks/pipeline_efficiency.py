@@ -5,8 +5,11 @@
     python benchmarks/pipeline_efficiency.py --quick                            # tiny model, < 1 min (smoke test)
 
 Same model, batches and cost model as ``measured.py`` (its ``full`` preset's 10M Llama, stdlib
-sources cut at the context length into batches of at most ``--tokens-per-step`` tokens; the cost
-model ``measured.py`` profiled, ``benchmarks/results/measured.json``, unless ``--profile``). Three
+sources cut at the context length into batches of at most ``--tokens-per-step`` tokens, 16384 by
+default; the cost
+model ``measured.py`` profiled, ``benchmarks/results/measured.json``, or the one this benchmark
+profiled last, unless ``--profile``; a model profiled on the former dense-mask CPU backend is
+never reused: it prices every sliced chunk as a dense ``T x S`` attention). Three
 jobs, their steps interleaved round by round (``_pipeline_worker``: round 0 warm-up, then
 ``--steps`` timed rounds, jobs rotated every round), each planned in the background thread of
 rank 0 while the job's previous step runs (as ``ReplanCallback``):
@@ -22,7 +25,7 @@ the medians, and paired: the median of per-round ratios) and what the plans them
 it (the simulator's pp=1 step over twice its pp=2 step: bubbles and communication the plan
 expects); per stage where the step went (plan wait, compute, comm waits, other: Python and
 allocation between actions in ``run_step``, optimizer; planner: CPU seconds of rank 0's planning
-thread for the job's next plan, made while this step runs and competing for a core); and the
+(a process of its own, as ``StepPlanner`` does) for the job's next plan, made while this step runs and competing for a core); and the
 actions where the measured timeline departs most from the plan (per action of a timed step:
 its measured duration against the simulator's, and the idle gap before it on its stage measured
 against planned). The cores probe (``_pipeline_worker._capacity_probe``: 2.0 on an idle machine)
@@ -58,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny model, one 256-token context, one timed step (smoke)")
     ap.add_argument("--contexts", type=str, default=None, help="context lengths, comma separated (default 2048,4096,8192)")
-    ap.add_argument("--tokens-per-step", type=int, default=None, help="most tokens in one step's batch (default 8192)")
+    ap.add_argument("--tokens-per-step", type=int, default=None, help="most tokens in one step's batch (default 16384)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per job (default 2)")
     ap.add_argument("--budget-frac", type=float, default=0.5, help="as in measured.py")
     ap.add_argument("--solver", choices=("ilp", "greedy"), default="ilp", help="adaptive recompute solver")
@@ -66,6 +69,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--min-capacity", type=float, default=None,
                     help="wait (up to --max-wait) until the two ranks get this many cores (default 1.7; --quick 0)")
     ap.add_argument("--max-wait", type=float, default=None, help="seconds (default 300; --quick 0)")
+    ap.add_argument("--before", choices=("warmup", "planner"), action="append", default=[],
+                    help="also run both pp=2 jobs with one fix switched off, interleaved (the before/after of it): "
+                         "'warmup': the planner's knob extra_warmup=0 (plain 1F1B); 'planner': planning in rank 0's "
+                         "background thread itself (StepPlanner(isolate=False)) instead of a planning process")
     ap.add_argument("--profile", action="store_true", help="profile a fresh cost model instead of measured.json's")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=pathlib.Path, default=None)
@@ -73,7 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.preset = "tiny" if args.quick else "full"
     args.contexts = ([int(x) for x in args.contexts.split(",")] if args.contexts
                      else [256] if args.quick else [2048, 4096, 8192])
-    args.tokens_per_step = args.tokens_per_step or (1024 if args.quick else 8192)
+    args.tokens_per_step = args.tokens_per_step or (1024 if args.quick else 16384)
     args.steps = args.steps or (1 if args.quick else 2)
     if args.min_capacity is None:
         args.min_capacity = 0.0 if args.quick else 1.7
@@ -178,6 +185,10 @@ def run_context(max_len: int, corpus, config: dict, cost, args, log) -> dict[str
     jobs = [{"name": "pp=1", "pp": 1, "budgets": 0, **adaptive},
             {"name": "pp=2 unbounded", "pp": 2, "budgets": 0, **adaptive},
             {"name": "pp=2 budget", "pp": 2, "budgets": budgets, **adaptive}]
+    before = {"warmup": ("plain 1F1B", {"knobs": {"extra_warmup": 0}}), "planner": ("planning thread", {"planner": "thread"})}
+    for what in args.before:
+        label, change = before[what]
+        jobs += [dict(j, name=f"{j['name']}, {label}", **change) for j in jobs[1:3]]
     spec = {"config": config, "seed": args.seed, "cost": cost.to_dict(), "optimizer": trainer_optimizer_spec(),
             "layer_ranges": [list(r) for r in layout.layer_ranges], "budgets": budgets, "batches": batches,
             "memory_batch": memory_batch, "timed_batches": timed, "jobs": jobs, "solver": args.solver,
@@ -231,7 +242,7 @@ def to_markdown(res: dict[str, Any]) -> str:
                      f"{statistics.median(j['step_s']):.2f} | {statistics.median(j['pipeline_s']):.2f} | "
                      f"{statistics.median(j['predicted_step_s']):.2f} | {j['num_chunks']} | {j['recompute_layers']} |")
         L += ["", "Where each stage's step went (seconds, median over timed steps; share of the stage's step). "
-              "planner: CPU seconds of rank 0's planning thread overlapping the step (not part of the step's "
+              "planner: CPU seconds of rank 0's planning (process, or thread) overlapping the step (not part of the step's "
               "parts: it competes for a core):", "",
               "| job | stage | step s | plan wait | compute | comm wait | other (Python) | optimizer | planner CPU | "
               "action time over plan | idle gaps over plan |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -279,7 +290,8 @@ def main(argv=None) -> dict[str, Any]:
     pre = measured.PRESETS[args.preset]
     config = measured.model_config(pre["model"], max(args.contexts))
     corpus = measured.load_corpus(pre["max_files"])
-    cost, cost_source = cost_model(config, args, log)
+    # measured.json's, or the one this benchmark profiled last (only for this model and the current backend)
+    cost, cost_source = cost_model(config, args, log, ("measured.json", "pipeline_efficiency.json"))
     contexts = []
     for L in args.contexts:
         contexts.append(run_context(L, corpus, config, cost, args, log))

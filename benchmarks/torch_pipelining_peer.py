@@ -99,17 +99,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def cost_model(config: dict, args, log):
-    """The cost model: measured.json's when it was profiled for this model (``--profile``: fresh)."""
+def cost_model(config: dict, args, log, sources: tuple[str, ...] = ("measured.json",)):
+    """The cost model: the first of ``sources`` (result files) profiled for this model on the
+    current attention backend (``--profile``: fresh). A model with ``alpha_mask > 0`` was profiled
+    on the former dense-mask CPU backend: it prices every sliced or packed chunk as a dense
+    ``T x S`` attention, which no backend does now, and is not reused."""
     import measured
     from concertina_hf.planning import CostModel
 
-    src = RESULTS / "measured.json"
-    if not args.profile and args.preset != "tiny" and src.exists():
-        rec = json.loads(src.read_text())
-        if rec.get("config") == config:
-            log(f"cost model from {src.name} ({rec.get('date')}, {rec.get('command')})")
-            return CostModel.from_dict(rec["cost_model"]), f"{src.name} ({rec.get('date')})"
+    for name in sources if not args.profile and args.preset != "tiny" else ():
+        src = RESULTS / name
+        rec = json.loads(src.read_text()) if src.exists() else {}
+        if rec.get("config") != config:
+            continue
+        if rec["cost_model"].get("alpha_mask"):
+            log(f"{src.name} ({rec.get('date')}): its cost model was profiled on the former dense-mask backend "
+                "(alpha_mask > 0); not reused")
+            continue
+        log(f"cost model from {src.name} ({rec.get('date')}, {rec.get('command')})")
+        return CostModel.from_dict(rec["cost_model"]), f"{src.name} ({rec.get('date')})"
     pre = measured.PRESETS["tiny" if args.preset == "tiny" else "full"]
     cost, took = measured.profile(config, args.seed, pre, max(args.contexts), log)
     return cost, f"profiled here in {took:.0f} s"

@@ -65,7 +65,7 @@ def batch(seq_lens: Sequence[int] = SEQ_LENS, seed: int = 1):
 def make_plan(seq_lens: Sequence[int], chunk_specs: Sequence[Sequence[tuple[int, int, int]]], layout: StageLayout,
               recompute: Callable[[int, int, int], int] | str = "none",
               groups: Sequence[Sequence[int]] | None = None, strategy: str = "test",
-              prefetch: bool = False) -> Plan:
+              prefetch: bool = False, extra_warmup: int = 0) -> Plan:
     """A validated plan from explicit chunks. ``recompute``: "none", "full", "partial" or
     ``f(stage, chunk, num_stage_layers) -> layers``."""
     chunks = []
@@ -93,7 +93,8 @@ def make_plan(seq_lens: Sequence[int], chunk_specs: Sequence[Sequence[tuple[int,
         rfun = recompute
     rec = tuple(tuple(rfun(s, c.index, layout.num_stage_layers(s)) for c in chunks) for s in range(layout.num_stages))
     plan = Plan(strategy=strategy, seq_lens=tuple(seq_lens), layout=layout, chunks=chunks, groups=groups,
-                schedule=build_schedule(chunks, groups, layout.num_stages, prefetch=prefetch), recompute=rec)
+                schedule=build_schedule(chunks, groups, layout.num_stages, prefetch=prefetch,
+                                        extra_warmup=extra_warmup), recompute=rec)
     return plan.validate()
 
 
@@ -123,6 +124,9 @@ def plans_for(layout: StageLayout, seq_lens: tuple[int, ...] = SEQ_LENS) -> list
     name, groups = GROUPED
     out.append((f"{name}-2groups/partial", make_plan(seq_lens, CHUNKINGS[name], layout, "partial", groups=groups)))
     out.append(("split-prefetch/partial", make_plan(seq_lens, CHUNKINGS["split"], layout, "partial", prefetch=True)))
+    # one forward more ahead on every stage but the last (what adaptive picks when it simulates faster)
+    out.append(("hybrid-warmup/partial", make_plan(seq_lens, CHUNKINGS["hybrid"], layout, "partial", prefetch=True,
+                                                   extra_warmup=1)))
     out.append(("hybrid-gpipe/partial", gpipe(make_plan(seq_lens, CHUNKINGS["hybrid"], layout, "partial"))))
     return out + adaptive_plans(layout, seq_lens)
 

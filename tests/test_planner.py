@@ -212,6 +212,35 @@ def test_packed_uniform_sequences_reproduce_textbook_1f1b():
             assert math.isclose(plan.predicted.bubble_fraction, (p - 1) / (m + p - 1), rel_tol=1e-9, abs_tol=1e-12)
 
 
+def test_extra_warmup_runs_one_forward_more_ahead_and_adaptive_keeps_it_when_faster():
+    # heterogeneous chunks on 2 stages, the head on the last: in 1F1B stage 0 waits for the first
+    # backward to come back; one forward more ahead fills that wait
+    lens = [2048] * 4 + [1917, 1559, 1164, 1061, 1016, 902, 297]
+    layout = StageLayout((NUM_LAYERS), ((0, 10), (10, NUM_LAYERS)))
+    ch = make_chunking(lens, COST, num_slices_longest=1, token_cap=2048)
+    chunks, groups = ch.assemble()
+    plain, deeper = build_schedule(chunks, groups, 2, prefetch=True), build_schedule(chunks, groups, 2, prefetch=True,
+                                                                                      extra_warmup=1)
+    assert deeper[1] == plain[1]  # the last stage runs F, B alternately either way
+
+    def ahead(acts):  # forwards before the first backward
+        return next(i for i, a in enumerate(acts) if a.kind.value == "B")
+
+    assert ahead(plain[0]) == 2 and ahead(deeper[0]) == 3
+    with pytest.raises(ValueError, match="extra_warmup"):
+        build_schedule(chunks, groups, 2, extra_warmup=-1)
+    fixed = plan_step(lens, COST, layout, 0, "adaptive", extra_warmup=0).validate()
+    auto = plan_step(lens, COST, layout, 0, "adaptive").validate()
+    assert fixed.knob("extra_warmup") == 0
+    assert auto.knob("extra_warmup") == 1  # 0.147 s against 0.159 s planned (-8%)
+    assert auto.predicted.step_time_s < fixed.predicted.step_time_s * 0.97
+    forced = plan_step(lens, COST, layout, 0, "adaptive", extra_warmup=1).validate()
+    assert forced.knob("extra_warmup") == 1 and simulate(forced, COST).step_time_s == forced.predicted.step_time_s
+    # one stage: nothing to run ahead of
+    single = plan_step(lens, COST, StageLayout.even(NUM_LAYERS, 1), 0, "adaptive")
+    assert single.knob("extra_warmup") == 0
+
+
 def test_fixed_knobs_are_used_and_reported():
     lens = [5000, 300, 200, 900, 40, 4000, 1200]
     layout = StageLayout.even(NUM_LAYERS, 4)
@@ -339,3 +368,24 @@ def test_a_budget_below_static_memory_is_refused_before_any_search():
     for strategy in STRATEGIES:
         with pytest.raises(InfeasiblePlanError, match="stage 0's memory budget .* below its static memory alone"):
             plan_step([9000, 300, 20], COST, layout, [int(static / 2), 0], strategy, max_tokens_per_chunk=2)
+
+
+def test_planning_process_plans_what_this_process_plans_and_raises_its_errors():
+    from concertina_hf.planning.process import PlanningProcess, plan_checked
+
+    lens = [5000, 300, 200, 900, 40, 4000, 1200]
+    layout = StageLayout.even(NUM_LAYERS, 2)
+    proc = PlanningProcess()
+    try:
+        here = plan_checked(lens, COST, layout, 0, "adaptive", solver="greedy")
+        there = proc.plan(lens, COST, layout, 0, "adaptive", solver="greedy")
+        assert there == here and there.predicted == here.predicted and proc.last_cpu_s > 0
+        with pytest.raises(InfeasiblePlanError, match="budget"):
+            proc.plan(lens, COST, layout, int(COST.static_memory(layout, 0)) + 1, "adaptive")
+        with pytest.raises(ValueError, match="strategy"):
+            proc.plan(lens, COST, layout, 0, "no-such-strategy")
+        assert proc.plan([300, 200], COST, layout, 0, "packed", token_budget=300).num_chunks == 2  # still serving
+    finally:
+        proc.close()
+    assert proc.plan([300], COST, layout, 0, "packed", token_budget=300).num_chunks == 1  # a new child after close
+    proc.close()

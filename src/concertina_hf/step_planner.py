@@ -2,7 +2,8 @@
 
 - :meth:`StepPlanner.submit` takes a step's sequence lengths. On the *planner* (pipeline rank 0
   of each replica) it starts :func:`~concertina_hf.planning.plan_step` in a background thread
-  (one worker, so plans are made in submission order); the trainer submits step ``k+1`` before
+  (one worker, so plans are made in submission order), which runs it in a process of its own
+  (:class:`~concertina_hf.planning.process.PlanningProcess`: no GIL shared with training); the trainer submits step ``k+1`` before
   running step ``k``, so planning (pure Python, a few ms to the ILP's time limit) hides behind
   the step's compute. Other ranks only remember the lengths.
 - :meth:`StepPlanner.plan` waits for that plan on the planner and broadcasts it as JSON over the
@@ -32,7 +33,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .distributed import Topology
-from .planning import CostModel, Plan, plan_step, simulate
+from .planning import CostModel, Plan, simulate
+from .planning.process import PlanningProcess, plan_checked
 from .run_setup import RunSetup
 
 __all__ = ["JUMP_FACTOR", "StepPlanner", "Ticket", "plan_jump"]
@@ -75,10 +77,14 @@ class Ticket:
 
 class StepPlanner:
     """Plans the steps of this rank's replica (see the module docstring); ``overlap``: plan in a
-    background thread on the planner rank; ``jump_factor``: see the module docstring."""
+    background thread on the planner rank; ``jump_factor``: see the module docstring;
+    ``isolate``: the background thread hands the planning itself to a process of its own
+    (:class:`~concertina_hf.planning.process.PlanningProcess`), so that it never holds the GIL
+    the training thread needs (in the thread itself it slowed CPU steps several times over for
+    as long as it ran)."""
 
     def __init__(self, setup: RunSetup, topology: Topology, overlap: bool = True,
-                 jump_factor: float = JUMP_FACTOR) -> None:
+                 jump_factor: float = JUMP_FACTOR, isolate: bool = True) -> None:
         self.setup = setup
         self.layout = setup.layout
         self.topology = topology
@@ -91,6 +97,8 @@ class StepPlanner:
         self.fallbacks: list[str] = []
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self.isolate = isolate
+        self._process: PlanningProcess | None = None
         #: planning time of the last plan handed out, and how long the step waited for it
         self.last_plan_time_s = 0.0
         self.last_wait_s = 0.0
@@ -112,13 +120,16 @@ class StepPlanner:
             return self._cost_model, self._fallback
 
     def make_plan(self, seq_lens: Sequence[int], cost: CostModel | None = None) -> Plan:
-        """Plan one step now, in this thread (pure; the same on every rank given the same inputs)."""
+        """Plan one step now (in the planning process once the background thread has started one;
+        pure: the same on every rank given the same inputs)."""
         setup = self.setup
         cost = cost or self.cost_model
+        args = (list(seq_lens), cost, self.layout, setup.budgets, setup.strategy)
+        kwargs = dict(max_tokens_per_chunk=setup.max_tokens_per_chunk, solver=setup.solver,
+                      time_limit_s=setup.solver_time_limit_s)
         try:
-            plan = plan_step(list(seq_lens), cost, self.layout, setup.budgets, setup.strategy,
-                             max_tokens_per_chunk=setup.max_tokens_per_chunk, solver=setup.solver,
-                             time_limit_s=setup.solver_time_limit_s)
+            process = self._process
+            return process.plan(*args, **kwargs) if process is not None else plan_checked(*args, **kwargs)
         except Exception as e:
             msg = (f"{e} [planning a step of {len(seq_lens)} sequences, longest {max(seq_lens, default=0)} tokens; "
                    "see concertina_memory_budget, concertina_max_tokens_per_chunk, concertina_strategy]")
@@ -127,9 +138,6 @@ class StepPlanner:
             except Exception:  # an exception type that does not take one message
                 wrapped = RuntimeError(msg)
             raise wrapped from e
-        if plan.predicted is None:
-            plan = plan.with_predicted(simulate(plan, cost).stats())
-        return plan.validate()
 
     def _timed_plan(self, seq_lens: tuple[int, ...], cost: CostModel,
                     fallback: CostModel | None = None) -> tuple[Plan, float]:
@@ -171,6 +179,8 @@ class StepPlanner:
         if self.topology.is_planner and background and self.overlap and ticket.seq_lens:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="concertina-plan")
+            if self.isolate and self._process is None:
+                self._process = PlanningProcess()
             ticket.future = self._pool.submit(self._timed_plan, ticket.seq_lens, *self._models())
         return ticket
 
@@ -209,3 +219,6 @@ class StepPlanner:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._process is not None:
+            self._process.close()
+            self._process = None

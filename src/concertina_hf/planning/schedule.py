@@ -15,6 +15,13 @@ backward earlier per chunk of the chain, so the stage below, which must forward 
 before its first backward, never waits for chunks its neighbour holds back behind backwards
 (without it every split chain costs about one backward of idle time per stage). The in-flight
 maximum stays ``p - s - 1 + n``; with no split sequence the two rules coincide.
+
+``extra_warmup=k`` lets every stage but the last run ``k`` more forwards ahead of each backward
+(``k`` more chunks in flight there, memory the simulator charges): in 1F1B a stage waits, after
+its warm-up, for the first backward to come back through every later stage (their forward and
+backward of the first chunk), and in the steady state a stage whose next forward sits behind a
+backward it waits for starves the stage below. One forward more fills most of that
+(``plan_adaptive`` keeps it when it simulates faster within the budgets).
 """
 
 from __future__ import annotations
@@ -43,8 +50,10 @@ def backward_order(chunks: Sequence[Chunk], group: Sequence[int]) -> list[int]:
 
 
 def build_schedule(chunks: Sequence[Chunk], groups: Sequence[Sequence[int]], num_stages: int,
-                   *, prefetch: bool = False) -> tuple[tuple[Action, ...], ...]:
+                   *, prefetch: bool = False, extra_warmup: int = 0) -> tuple[tuple[Action, ...], ...]:
     """Per-stage action lists for groups run back to back (see the module docstring)."""
+    if extra_warmup < 0:
+        raise ValueError(f"extra_warmup must be >= 0, got {extra_warmup}")
     p = num_stages
     stages: list[list[Action]] = [[] for _ in range(p)]
     for group in groups:
@@ -62,7 +71,7 @@ def build_schedule(chunks: Sequence[Chunk], groups: Sequence[Sequence[int]], num
             acts = stages[s]
             done = 0
             for b, need in zip(bwd, needs):
-                target = min(len(fwd), need + 1 + (p - s - 1))
+                target = min(len(fwd), need + 1 + (p - s - 1) + (extra_warmup if s < p - 1 else 0))
                 while done < target:
                     acts.append(Action(s, ActionKind.FORWARD, fwd[done]))
                     done += 1

@@ -35,7 +35,7 @@ __all__ = ["ADAPTIVE_KNOBS", "CHUNKING_KNOBS", "plan_adaptive", "plan_full_recom
 #: settings of the chunking search (searched unless given)
 CHUNKING_KNOBS = ("num_slices_longest", "k_candidates", "max_groups", "split_threshold", "time_target")
 #: adaptive's settings: the chunking search's, and how many finalists it simulates
-ADAPTIVE_KNOBS = CHUNKING_KNOBS + ("num_finalists",)
+ADAPTIVE_KNOBS = CHUNKING_KNOBS + ("num_finalists", "extra_warmup")
 #: plans of more chunk-stages keep the greedy recompute assignment with ``solver="ilp"`` (at 1600
 #: chunk-stages building and solving the ILP takes about 0.2 s on a free core, and grows faster)
 ILP_MAX_CHUNK_STAGES = 2048
@@ -103,6 +103,20 @@ def plan_adaptive(req: PlanRequest) -> Plan:
             f"K = {tried} slices of the longest, {describe_longest(req.lens)}); the closest attempt: {errors[0]}"
         ) from errors[0]
     cand, best = found
+    # one forward more ahead on every stage but the last (schedule.build_schedule): fills the wait
+    # for the first backward and keeps the stage below fed, for one chunk more in flight; kept when
+    # it simulates faster within the budgets (knob extra_warmup: that many, 0 = plain 1F1B)
+    warmup = int(knobs.get("extra_warmup", 1)) if layout.num_stages > 1 else 0
+    if warmup:
+        try:
+            deeper = _with_recompute(plan_of("adaptive", cand.chunking, layout, cand.cuts, warmup), cost, budgets,
+                                     not any(any(row) for row in best.recompute))
+        except InfeasiblePlanError:
+            deeper = None
+        if deeper is not None and ("extra_warmup" in knobs or deeper.predicted.step_time_s < best.predicted.step_time_s):
+            best = deeper
+        else:
+            warmup = 0
     used = "greedy" if any(any(row) for row in best.recompute) else "none"
     # the ILP's model grows with chunk-stages and PuLP builds it in Python beyond CBC's time
     # limit: large plans keep the greedy assignment
@@ -114,7 +128,8 @@ def plan_adaptive(req: PlanRequest) -> Plan:
                 best, used = ilp, "ilp"
         except InfeasiblePlanError:  # pragma: no cover - greedy found a plan, so one exists
             pass
-    return finish(best, best.predicted, budgets, candidate_knobs(cand, {"recompute_solver": used}))
+    return finish(best, best.predicted, budgets, candidate_knobs(cand, {"recompute_solver": used,
+                                                                         "extra_warmup": warmup}))
 
 
 def _plan_fixed_recompute(strategy: str, req: PlanRequest) -> Plan:

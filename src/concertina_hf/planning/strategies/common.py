@@ -89,9 +89,10 @@ def token_budget_candidates(longest: int, cap: int | None) -> list[int]:
     return ordered
 
 
-def plan_of(strategy: str, chunking: Chunking, layout: StageLayout, cuts: Sequence[int] = ()) -> Plan:
-    """The plan of ``chunking`` grouped at ``cuts``: the 1F1B schedule with prefetch, no
-    recompute, no prediction."""
+def plan_of(strategy: str, chunking: Chunking, layout: StageLayout, cuts: Sequence[int] = (),
+            extra_warmup: int = 0) -> Plan:
+    """The plan of ``chunking`` grouped at ``cuts``: the 1F1B schedule with prefetch (and
+    ``extra_warmup`` more forwards ahead on every stage but the last), no recompute, no prediction."""
     chunks, groups = chunking.assemble(cuts)
     p = layout.num_stages
     return Plan(
@@ -100,7 +101,7 @@ def plan_of(strategy: str, chunking: Chunking, layout: StageLayout, cuts: Sequen
         layout=layout,
         chunks=chunks,
         groups=groups,
-        schedule=build_schedule(chunks, groups, p, prefetch=True),
+        schedule=build_schedule(chunks, groups, p, prefetch=True, extra_warmup=extra_warmup),
         recompute=tuple((0,) * len(chunks) for _ in range(p)),
     )
 
