@@ -51,7 +51,6 @@ built for the whole chunk on every rank (``T x S``).
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 from typing import Any, Callable, Sequence
 
@@ -293,7 +292,8 @@ def measure_all_to_all(cost: Any, group: Any, token_counts: Sequence[int], *, re
     ``group`` (every rank calls it with the same arguments). Returns ``(bytes moved per rank
     per collective summed over the four, seconds)`` per token count: the bytes that leave a rank,
     ``(sp - 1) / sp`` of what it sends, as :meth:`CostModel.a2a_time` counts them; the seconds are
-    the median over ``repeats`` of the slowest rank's time."""
+    the fastest of ``repeats`` timings of the slowest rank (load on a shared machine only ever adds
+    time: the minimum is the link's cost, a median still carries the load's spikes)."""
     sp = dist.get_world_size(group)
     device = torch.device(device)
     out: list[tuple[float, float]] = []
@@ -316,7 +316,7 @@ def measure_all_to_all(cost: Any, group: Any, token_counts: Sequence[int], *, re
             if i:
                 times.append(float(elapsed))
         moved = 4.0 * sum(numels) * (sp - 1) / sp  # float32: 4 bytes an element
-        out.append((moved, statistics.median(times)))
+        out.append((moved, min(times)))
     return out
 
 
