@@ -228,6 +228,9 @@ class CostModel:
     head_bwd_transient_slope: float = 0.0  # ... and its bytes per token
     embed_bwd_transient_bytes: float = 0.0  # the embedding's backward: its weight gradient
     embed_bwd_bytes_per_token: float = 0.0  # per token held during the embedding's backward
+    # peak extra of a layer's backward when every layer of the stage recomputes (measured; 0: a
+    # saved layer's transient plus its activations, act_bytes_per_token, the conservative sum)
+    recompute_bwd_transient_bytes_per_token: float = 0.0
     # a recomputed layer's forward, relative to a plain one (non-reentrant checkpointing stops
     # the replay once the tensors backward needs exist, so the last ops are skipped)
     recompute_factor: float = 1.0
@@ -324,9 +327,7 @@ class CostModel:
             head_bwd_transient_bytes=b * vocab * h,
             head_bwd_transient_slope=2 * b * h,
             embed_bwd_transient_bytes=b * vocab * h,
-            # during the embedding's backward: the received gradient, the stage output it
-            # belongs to, the embedding output's gradient
-            embed_bwd_bytes_per_token=3 * b * h,
+            embed_bwd_bytes_per_token=b * h,  # the embedding output's gradient
             layer_params=layer_params,
             embed_params=embed_params,
             head_params=head_params,
@@ -350,7 +351,8 @@ class CostModel:
                 "act_bytes_per_token", "ckpt_bytes_per_token", "kv_bytes_per_token", "logits_bytes_per_token",
                 "hidden_bytes_per_token", "context_bytes_per_token", "output_bytes_per_token",
                 "bwd_transient_bytes_per_token", "head_bwd_transient_bytes_per_token", "ckpt_chunk_bytes_per_token",
-                "embed_bwd_bytes_per_token", "bwd_transient_slope", "head_bwd_transient_slope")
+                "embed_bwd_bytes_per_token", "bwd_transient_slope", "head_bwd_transient_slope",
+                "recompute_bwd_transient_bytes_per_token")
 
     def with_parallel(self, *, sp: int = 1, state_shards: int | None = None, zero3: bool = False) -> "CostModel":
         """This model for a stage of ``sp`` GPUs (Ulysses inside attention) whose state is
@@ -567,7 +569,11 @@ class CostModel:
             # while it computes a weight gradient (the per-token peak is another moment of it)
             layer = max(layer, self.bwd_transient_bytes + self.bwd_transient_slope * tok)
         if n and recompute_layers >= n:
-            layer += self.act_bytes_per_token * tok
+            if self.recompute_bwd_transient_bytes_per_token:
+                # measured with the replay: it holds less than a saved layer's activations
+                layer = max(layer, self.bwd_transient_bytes + self.recompute_bwd_transient_bytes_per_token * tok)
+            else:
+                layer += self.act_bytes_per_token * tok
         head = 0.0
         if layout.has_head(stage):
             if self.head_bwd_transient_bytes_per_token:
@@ -582,11 +588,15 @@ class CostModel:
     def embed_bwd_memory(self, layout: StageLayout, stage: int, chunk: Chunk) -> float:
         """Bytes of the chunk during the embedding's backward (stage 0, the last thing its
         backward runs, after every layer freed its activations): the embedding's dense weight
-        gradient before it is added into ``.grad`` and the per-token gradients still held.
-        0 on other stages (no such moment)."""
+        gradient before it is added into ``.grad`` and the per-token gradients still held (with
+        more stages, the received gradient and the stage output it belongs to too, until the
+        backward returns). 0 on other stages (no such moment)."""
         if not layout.has_embedding(stage) or not (self.embed_bwd_transient_bytes or self.embed_bwd_bytes_per_token):
             return 0.0
-        return self.embed_bwd_transient_bytes + self.embed_bwd_bytes_per_token * chunk.num_tokens
+        per_tok = self.embed_bwd_bytes_per_token
+        if not layout.has_head(stage):
+            per_tok += 2 * self.hidden_bytes_per_token
+        return self.embed_bwd_transient_bytes + per_tok * chunk.num_tokens
 
     def _stage_params(self, layout: StageLayout, stage: int) -> int:
         params = layout.num_stage_layers(stage) * self.layer_params

@@ -35,11 +35,13 @@ Memory of stage ``s`` over time (only its own action order matters, not timing):
                weight gradient before it is added into ``.grad``)
             +  on s > 0, the input gradient a backward sends to stage s - 1
                (``hidden_bytes_per_token`` per token of its chunk), from the end of that
-               backward until the end of the stage's next backward: a send's buffer lives until
-               the previous stage has received it (gloo completes a send once the receive is
-               posted, which stage s - 1 does just before its own backward of the chunk) and the
-               executor drops completed sends at its next exchange (the last one: at the
-               step's end, which waits for every send)
+               backward until the end of the stage's next backward (an upper bound): a send's
+               buffer lives until stage s - 1 has posted its receive, which it does just before
+               its own backward of the chunk, and the executor drops it at its first exchange
+               that tells it so (``runtime.p2p``: on gloo, a message stage s - 1 sent with or
+               after that receive; on NCCL, the work's completion); the last one at the step's
+               end, which waits for every send. A forward's send (the stage output) goes the
+               same way, before the chunk's backward ends: counted with the chunk
 
 It peaks right after a forward (activations are counted from the forward's start) or during a
 backward. :func:`memory_moments` lists those moments, as linear functions of the recompute

@@ -283,6 +283,8 @@ class PipelineExecutor:
         wire_dtype = self.wire_dtype(amp)
         step = _Step(self, plan, input_ids, labels, divisor, train, on_logits)
         program = self._program(plan, train)
+        msg_steps = _message_steps(program) if self.comm is not None and self.comm.needs_release else None
+        self._release_horizon: dict[int, int] = {}  # peer stage -> its latest step known posted
         meter = self.meter
         meter.release_all()
         meter.reset()
@@ -312,7 +314,7 @@ class PipelineExecutor:
                             to_send[(ActionKind.SEND_F if fwd else ActionKind.SEND_B, c)] = out
                         times.append((action, t_start, clock.mark()))
                     else:
-                        self._exchange(plan, actions, received, to_send, wire_dtype)
+                        self._exchange(plan, actions, received, to_send, wire_dtype, msg_steps)
                         comm_s += time.perf_counter() - t_wait
                 except Exception as exc:
                     logger.error("%s failed in %s:\n%s", self._where(), _label(actions), program.grid(mark=actions))
@@ -379,21 +381,46 @@ class PipelineExecutor:
                 f"{'+'.join(map(str, recvs))} from {sources}: {exc}")
 
     def _exchange(self, plan: Plan, actions: Sequence[Action], received: dict, to_send: dict,
-                  wire_dtype: torch.dtype) -> None:
+                  wire_dtype: torch.dtype, msg_steps: dict | None = None) -> None:
         """One batch of messages: sends of what a compute action left in ``to_send``, receives
-        into fresh ``[1, tokens, hidden]`` buffers left in ``received``."""
-        sends, recvs = [], []
+        into fresh ``[1, tokens, hidden]`` buffers left in ``received``. With ``msg_steps``
+        (:func:`_message_steps`; gloo), the sends whose receive the peer has posted by now are
+        waited for and dropped (:meth:`StageComm.release`): their buffers (a stage output, an
+        input gradient) are not kept until the step's end."""
+        sends, recvs, keys = [], [], []
         for a in actions:
             c = a.chunk
             tag = activation_tag(c) if a.kind in (ActionKind.SEND_F, ActionKind.RECV_F) else gradient_tag(c)
             if a.kind.is_send:
                 sends.append(self.comm.send_op(to_send.pop((a.kind, c)).to(wire_dtype), a.peer, tag))
+                if msg_steps is not None:  # the peer's step that posts this message's receive
+                    keys.append((a.peer, msg_steps.get((a.peer, _MATCH[a.kind], c), -1)))
             else:
                 tokens = plan.chunks[c].num_tokens
                 shape = (1, tokens if self.sp is None else self.sp.tokens(tokens), self.hidden_size)
                 buf = received[(a.kind, c)] = torch.empty(shape, dtype=wire_dtype, device=self.device)
                 recvs.append(self.comm.recv_op(buf, a.peer, tag))
-        self.comm.exchange(sends, recvs)
+        self.comm.exchange(sends, recvs, keys if msg_steps is not None else None)
+        if msg_steps is None or not recvs:
+            return
+        # a message that arrived was sent in the peer's step j: the peer has posted every
+        # receive of its steps up to j
+        horizon = self._release_horizon
+        for a in actions:
+            if not a.kind.is_send:
+                j = msg_steps.get((a.peer, _MATCH[a.kind], a.chunk), -1)
+                horizon[a.peer] = max(horizon.get(a.peer, -1), j)
+        self.comm.release(lambda k: k[1] <= horizon.get(k[0], -1))
+
+
+_MATCH = {ActionKind.SEND_F: ActionKind.RECV_F, ActionKind.RECV_F: ActionKind.SEND_F,
+          ActionKind.SEND_B: ActionKind.RECV_B, ActionKind.RECV_B: ActionKind.SEND_B}
+
+
+def _message_steps(program: Program) -> dict[tuple[int, ActionKind, int], int]:
+    """``(stage, message kind, chunk) -> index of the stage's program step`` that posts it."""
+    return {(st, a.kind, a.chunk): j for st, steps in enumerate(program.steps)
+            for j, step in enumerate(steps) for a in step if not a.kind.is_compute}
 
 
 def _label(actions: Sequence[Action]) -> str:

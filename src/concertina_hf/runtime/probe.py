@@ -241,12 +241,13 @@ class Probe:
         store.clear()
         return int(nbytes)
 
-    def bwd_transients(self, tokens: int) -> tuple[float, float]:
+    def bwd_transients(self, tokens: int, recompute: int = 0) -> tuple[float, float]:
         """Peak bytes per token that the backward of a decoder layer and of the head hold beyond
         the activations they free (gradients of intermediate activations, the logits' gradient),
         on a whole sequence of ``tokens`` with no recompute: every live tensor on CPU, the
         allocator on CUDA. The incoming gradient is allocated inside the measurement, as the
-        executor receives it."""
+        executor receives it. ``recompute``: that many layers (the first) run checkpointed, the
+        head is not measured (0)."""
         params = [p for m in self.stage.decoder_layers for p in m.parameters()]
         if self.has_head:
             params += [*self.stage.model.model.norm.parameters(), *self.stage.model.lm_head.parameters()]
@@ -260,14 +261,14 @@ class Probe:
             ctx = ChunkAttentionContext(specs, KVStore(), self.device, requires_grad=True)
             x = torch.randn(1, tokens, self.hidden_size, dtype=self.dtype, device=self.device).requires_grad_()
             with self._fwd():
-                y = self.stage.run_layers(x, ctx, 0)
+                y = self.stage.run_layers(x, ctx, recompute)
             start = m.current_bytes
             m.reset()
             torch.autograd.backward(y, torch.randn_like(y))
             layers = (m.peak_bytes - start) / tokens
         del x, y, ctx
         head = 0.0
-        if self.has_head:
+        if self.has_head and not recompute:
             targets = torch.randint(0, self.vocab_size, (tokens,),
                                     generator=torch.Generator().manual_seed(1)).to(self.device)
             with self._live_meter(exclude) as m, torch.enable_grad():

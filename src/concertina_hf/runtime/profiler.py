@@ -216,6 +216,9 @@ def profile_cost_model(
         # gradients, whatever the tokens) from a line through two short chunks
         tr_tokens = (max(16, size // 2), size)
         transients = [pr.bwd_transients(tok) for tok in tr_tokens]
+        # every layer recomputed: the backward re-materializes one layer's activations, less
+        # than a saved layer keeps (checkpointing stops the replay once backward has its tensors)
+        rec_transient = pr.bwd_transients(size, recompute=n)[0]
         short = (8, 16)
         short_tr = [pr.bwd_transients(tok) for tok in short]
         embed_bwd = [pr.embed_bwd_bytes(tok) for tok in short] if pr.has_embed else []
@@ -260,6 +263,7 @@ def profile_cost_model(
         output_bytes_per_token=hidden_bytes,
         # a + b * tokens through the two token counts: the weight gradients are per backward
         bwd_transient_bytes_per_token=max(t for t, _ in transients),
+        recompute_bwd_transient_bytes_per_token=rec_transient,
         **dict(zip(("bwd_transient_bytes", "bwd_transient_slope"),
                    _line(short, [t * k for (t, _), k in zip(short_tr, short)]))),
         recompute_factor=min(1.5, max(0.0, extra / plain_fwd)) if plain_fwd > 0 else base.recompute_factor,
@@ -283,9 +287,9 @@ def profile_cost_model(
         changes["embed_params"] = pr.embed_params
     if embed_bwd:
         const, per_tok = _line(short, embed_bwd)
-        # the executor holds the received gradient and the stage output it belongs to as well
+        # (what the executor holds besides on a stage without the head: CostModel.embed_bwd_memory)
         changes["embed_bwd_transient_bytes"] = const
-        changes["embed_bwd_bytes_per_token"] = per_tok + (0.0 if pr.has_head else 2 * hidden_bytes)
+        changes["embed_bwd_bytes_per_token"] = per_tok
     return dataclasses.replace(cost, **changes)
 
 
