@@ -586,6 +586,20 @@ def targets(contexts: list[dict]) -> list[dict[str, Any]]:
         if v is not None:
             add("same, cost model refitted online from the other timed steps", c, v,
                 f"<= {TARGETS['prediction_error']:.0%}", v <= TARGETS["prediction_error"], f"{v:.1%}")
+        # issue 13: every run's allocated activation peak (memory batch) within the budget and
+        # within 5% of its plan's prediction, on every stage
+        mem = [(name, s, got, pred) for name, run in c["runs"].items()
+               for s, (got, pred) in enumerate(zip(run["memory_batch_alloc_peak_bytes"] or (),
+                                                   run["predicted_activation_peak_bytes"]))]
+        if mem:
+            worst = max(got / c["activation_budget_bytes"] for _, _, got, _ in mem)
+            add("max allocated activation peak / budget (every run and stage)", c, worst, "<= 100%", worst <= 1.0,
+                f"{worst:.1%}")
+            errs = [got / pred - 1 for *_, got, pred in mem if pred > 0]
+            lo, hi = min(errs), max(errs)
+            v = max(abs(lo), abs(hi))
+            add("allocated activation peak vs predicted (every run and stage)", c, v, "within 5%", v <= 0.05,
+                f"{lo:+.1%} to {hi:+.1%}")
         v, vmax = r["adaptive_plan_wait_fraction"], r["adaptive_plan_wait_fraction_max"]
         add("planning on the critical path / step time (median over steps)", c, v,
             f"< {TARGETS['planning_fraction']:.0%}", v < TARGETS["planning_fraction"], f"{v:.2%} (max {vmax:.2%})")

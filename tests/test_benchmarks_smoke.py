@@ -36,7 +36,6 @@ def test_measured_benchmark_tiny(tmp_path):
     runs = ctx["runs"]
     assert runs["adaptive"]["strategy"] == "adaptive"
     assert set(ctx["best"]) == {"packed", "split"}
-    over_prediction = []
     for name, r in runs.items():
         assert r["tokens_per_s"]["min"] > 0, name
         assert r["predicted_step_s"]["median"] > 0, name
@@ -44,14 +43,12 @@ def test_measured_benchmark_tiny(tmp_path):
         assert all(b > 0 for b in r["memory_batch_alloc_peak_bytes"]), name
         # issue 13: the allocated activation peak (parameters, their views and gradients left
         # out) never above the activation budget, and within 5% of the plan's prediction on
-        # every stage (measured: -1.6% to +1.2% in most runs; counting the parameters the layers
-        # view, as before, 7-13% over). The plan follows the profiled (timed) cost model, and
-        # some plans still peak above their prediction (stage 0 of adaptive at +16.7% in one CI
-        # run, under budget): that open miss is reported as an expected failure, not hidden.
+        # every stage, either way (measured: -2.7% to +0.4%). Before: one CI run's adaptive plan
+        # peaked +16.7% on stage 0 (the embedding's and LM head's weight gradients, not modelled
+        # per backward, and gloo send buffers kept until the step's end; tests/test_memory_model.py)
         for s, (got, pred) in enumerate(zip(r["memory_batch_alloc_peak_bytes"], r["predicted_activation_peak_bytes"])):
             assert got <= ctx["activation_budget_bytes"], (name, s, got, ctx["activation_budget_bytes"])
-            if got > 1.05 * pred:
-                over_prediction.append((name, s, got, pred))
+            assert got <= 1.05 * pred and pred <= 1.05 * got, (name, s, got, pred, got / pred)
         assert r["plan_wait_s"]["max"] >= 0, name
         # where each stage's step went: parts >= 0 summing (medians of each) to about the step time
         for s, b in enumerate(r["stage_breakdown"]):
@@ -68,9 +65,8 @@ def test_measured_benchmark_tiny(tmp_path):
     assert ctx["gantt"]["actions"] and ctx["gantt"]["plan"]
     names = {t["target"] for t in res["targets"]}
     assert any("best packed" in n for n in names) and any("Trainer" in n for n in names)
+    assert {"max allocated activation peak / budget (every run and stage)",
+            "allocated activation peak vs predicted (every run and stage)"} <= names
     assert all(isinstance(t["met"], bool) for t in res["targets"])
     md = (tmp_path / "measured_tiny.md").read_text()
     assert "## Targets" in md and "## Context 256 tokens" in md and "| comm wait |" in md
-    if over_prediction:
-        pytest.xfail(f"issue 13 item 2 (open): measured activation peak over 1.05x the prediction "
-                     f"(strategy, stage, measured, predicted): {over_prediction}")
