@@ -326,6 +326,7 @@ def _run(rank: int, world: int, spec: dict) -> dict:
                             for m in per},
                 "stage_breakdown": [m["breakdown"] for m in per],  # seconds per stage (rank), see mine
                 "stage_step_s": [m["step_s"] for m in per],
+                "stage_cpu_s": [m["cpu_s"] for m in per],
                 "plan": plan.to_json(),  # for the online refit and the Gantt chart; not written out
             }
             records.append(rec)
@@ -348,7 +349,7 @@ def _step(rank: int, rep: _Replica, plan, ids, memory_round: bool, t0: float, t_
     if memory_round:
         tracker = AllocationTracker()
         tracker.__enter__()
-    t_call = time.perf_counter()
+    t_call, c_call = time.perf_counter(), time.thread_time()
     try:
         res = rep.executor.run_step(plan, ids)
     finally:
@@ -366,7 +367,7 @@ def _step(rank: int, rep: _Replica, plan, ids, memory_round: bool, t0: float, t_
     t_run = time.perf_counter()
     rep.opt.step()
     rep.opt.zero_grad(set_to_none=True)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.thread_time()
     return {
         "rank": rank, "step_s": t1 - t0, "wait_s": t_ready - t0, "wait_plan_s": t_ready0 - t0,
         "run_s": t_run - t_call, "opt_s": t1 - t_run, "t_call": t_call, "loss": res.loss,
@@ -375,4 +376,7 @@ def _step(rank: int, rep: _Replica, plan, ids, memory_round: bool, t0: float, t_
         # where this rank's step went: plan wait, run_step's compute / comm waits / other, the rest
         # (allocation tracker, optimizer); the parts sum to step_s
         "breakdown": {"plan_wait": t_call - t0, **res.breakdown, "optimizer": t1 - t_call - res.wall_time_s},
+        # CPU seconds of this rank's main thread from run_step to the end of the optimizer step: over
+        # that wall time, the share of a core the rank got while it had work (waits sleep)
+        "cpu_s": c1 - c_call,
     }

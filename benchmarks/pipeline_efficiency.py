@@ -6,10 +6,9 @@
 
 Same model, batches and cost model as ``measured.py`` (its ``full`` preset's 10M Llama, stdlib
 sources cut at the context length into batches of at most ``--tokens-per-step`` tokens, 16384 by
-default; the cost
-model ``measured.py`` profiled, ``benchmarks/results/measured.json``, or the one this benchmark
-profiled last, unless ``--profile``; a model profiled on the former dense-mask CPU backend is
-never reused: it prices every sliced chunk as a dense ``T x S`` attention). Three
+default; the cost model ``measured.py`` profiled, ``benchmarks/results/measured.json``, or the one
+this benchmark profiled last, unless ``--profile``; a model profiled on the former dense-mask CPU
+backend is never reused: it prices every sliced chunk as a dense ``T x S`` attention). Three
 jobs, their steps interleaved round by round (``_pipeline_worker``: round 0 warm-up, then
 ``--steps`` timed rounds, jobs rotated every round), each planned in the background thread of
 rank 0 while the job's previous step runs (as ``ReplanCallback``):
@@ -94,23 +93,27 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ---------------------------------------------------------------------------------- analysis
 def action_losses(rec: dict, cost) -> list[dict[str, Any]]:
     """Per compute action of one step: measured vs planned duration, and the idle gap before it
-    on its stage (measured vs planned); ``loss``: the larger excess of the two (seconds)."""
+    on its stage (measured vs planned). Planned times are first scaled by the stage's measured
+    over planned compute in this step (``scale``: the cost model's error and the machine's speed
+    then, alike for every action), so ``loss_s`` (the larger of the two scaled excesses) points at
+    where the timeline departs from the plan's shape."""
     from concertina_hf.planning import Plan, simulate
 
     plan = Plan.from_json(rec["plan"])
     planned = {str(a): t for a, t in simulate(plan, cost).action_times.items()}
     out = []
     for stage, acts in rec["actions"].items():
+        acts = [a for a in acts if a[0] in planned]
+        busy_p = sum(planned[n][1] - planned[n][0] for n, _, _ in acts)
+        scale = sum(t1 - t0 for _, t0, t1 in acts) / busy_p if busy_p > 0 else 1.0
         prev_m = prev_p = 0.0
         for name, t0, t1 in acts:
-            if name not in planned:
-                continue
             p0, p1 = planned[name]
-            row = {"stage": int(stage), "action": name, "round": rec["round"], "batch": rec["batch"],
+            row = {"stage": int(stage), "action": name, "round": rec["round"], "batch": rec["batch"], "scale": scale,
                    "planned_s": p1 - p0, "measured_s": t1 - t0, "planned_gap_s": p0 - prev_p,
                    "measured_gap_s": t0 - prev_m}
-            row["duration_excess_s"] = row["measured_s"] - row["planned_s"]
-            row["gap_excess_s"] = row["measured_gap_s"] - row["planned_gap_s"]
+            row["duration_excess_s"] = row["measured_s"] - scale * row["planned_s"]
+            row["gap_excess_s"] = row["measured_gap_s"] - scale * row["planned_gap_s"]
             row["loss_s"] = max(row["duration_excess_s"], row["gap_excess_s"])
             out.append(row)
             prev_m, prev_p = t1, p1
@@ -135,6 +138,11 @@ def summarize(records: list[dict], cost) -> dict[str, Any]:
             row = {k: statistics.median(r["stage_breakdown"][s][k] for r in timed) for k in PARTS}
             row["planner_cpu"] = statistics.median(planner.get(r["round"], 0.0) for r in timed) if s == 0 else 0.0
             row["step"] = statistics.median(r["stage_step_s"][s] for r in timed)
+            # the share of a core the stage's thread got while it had work: CPU over (compute + other +
+            # optimizer) wall time (communication waits sleep); below 1 the machine took the rest
+            row["cpu_share"] = statistics.median(
+                r["stage_cpu_s"][s] / max(1e-9, sum(r["stage_breakdown"][s][k] for k in ("compute", "other", "optimizer")))
+                for r in timed)
             stages.append(row)
         losses = [x for r in timed if len(r["actions"]) > 1 for x in action_losses(r, cost)]
         losses.sort(key=lambda x: -x["loss_s"])
@@ -243,31 +251,37 @@ def to_markdown(res: dict[str, Any]) -> str:
                      f"{statistics.median(j['predicted_step_s']):.2f} | {j['num_chunks']} | {j['recompute_layers']} |")
         L += ["", "Where each stage's step went (seconds, median over timed steps; share of the stage's step). "
               "planner: CPU seconds of rank 0's planning (process, or thread) overlapping the step (not part of the step's "
-              "parts: it competes for a core):", "",
+              "parts: it competes for a core); core share: the stage thread's CPU seconds over its compute, Python and "
+              "optimizer wall time (1.0: it had a core whenever it had work; pp=1 against pp=2 here is the "
+              "machine's share, not the runtime's):", "",
               "| job | stage | step s | plan wait | compute | comm wait | other (Python) | optimizer | planner CPU | "
-              "action time over plan | idle gaps over plan |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "core share | action time over plan | idle gaps over plan |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, j in c["jobs"].items():
             for s, b in enumerate(j["stage_breakdown"]):
                 L.append(f"| {name} | {s} | {b['step']:.2f} | "
                          + " | ".join(f"{b[k]:.3f} ({b[k] / b['step']:.0%})" for k in (*PARTS, "planner_cpu"))
-                         + f" | {j['total_duration_excess_s'][s]:+.2f} | {j['total_gap_excess_s'][s]:+.2f} |")
+                         + f" | {b['cpu_share']:.2f} | {j['total_duration_excess_s'][s]:+.2f} | "
+                         f"{j['total_gap_excess_s'][s]:+.2f} |")
         L += ["", "Biggest departures from the plan (pp=2 jobs; per action: measured vs planned duration, idle gap "
-              "before it on its stage measured vs planned):", "",
-              "| job | round | stage | action | planned s | measured s | planned gap s | measured gap s |",
-              "|---|---|---|---|---|---|---|---|"]
+              "before it on its stage measured vs planned; scale: the stage's measured over planned compute in that "
+              "step, applied to the planned figures before comparing):", "",
+              "| job | round | stage | action | scale | planned s | measured s | planned gap s | measured gap s |",
+              "|---|---|---|---|---|---|---|---|---|"]
         for name, j in c["jobs"].items():
             if j["pp"] == 1:
                 continue
             for x in j["biggest_losses"]:
-                L.append(f"| {name} | {x['round']} | {x['stage']} | {x['action']} | {x['planned_s']:.3f} | "
+                L.append(f"| {name} | {x['round']} | {x['stage']} | {x['action']} | {x['scale']:.2f} | {x['planned_s']:.3f} | "
                          f"{x['measured_s']:.3f} | {x['planned_gap_s']:.3f} | {x['measured_gap_s']:.3f} |")
     L += ["", "## How to read this", "",
           "- tokens/s: tokens of the batch over the step's wall time (slowest rank: plan wait, `run_step`, "
           "optimizer). pp=1 runs on rank 0 while rank 1 waits in a barrier.",
           "- planned / (2x pp=1): the simulator's pp=1 step over twice its pp=2 step for the same batch (the "
           "plans' own bubbles, P2P and recompute); the rest of the gap to the measured ratio is execution.",
-          "- action time / idle gaps over plan: sums over the timed steps of (measured - planned) action "
-          "durations and idle gaps before actions on the stage; the cost model's absolute error shows in both.", ""]
+          "- action time / idle gaps over plan: sums over the timed steps of (measured - scaled planned) action "
+          "durations and idle gaps before actions on the stage (planned figures scaled by the stage's measured over "
+          "planned compute of the step, so the sum of action time over plan is 0 and the idle gaps over plan are "
+          "the waits the plan does not predict).", ""]
     return "\n".join(L)
 
 

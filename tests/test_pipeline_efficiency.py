@@ -39,6 +39,7 @@ def test_pipeline_efficiency_quick(tmp_path):
         for b in j["stage_breakdown"]:
             parts = sum(b[k] for k in ("plan_wait", "compute", "comm_wait", "other", "optimizer"))
             assert abs(parts - b["step"]) <= 0.02 * b["step"] + 1e-3, (name, b)
+            assert 0 < b["cpu_share"] <= 1.05, (name, b)
         if j["pp"] == 2:
             assert len(j["stage_breakdown"]) == 2 and j["biggest_losses"]
             assert 0 < j["planned_over_2x_pp1"] and 0 < j["over_2x_pp1"]
