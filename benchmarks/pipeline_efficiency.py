@@ -166,9 +166,11 @@ def summarize(records: list[dict], cost) -> dict[str, Any]:
             "losses": [r["loss"] for r in recs],
         }
     one = jobs["pp=1"]
+    planned = plan_losses(records, cost)
     for name, j in jobs.items():
         if j["pp"] == 1:
             continue
+        j["planned_losses"] = planned[name]
         j["over_2x_pp1"] = j["tokens_per_s"]["median"] / (2 * one["tokens_per_s"]["median"])
         j["over_2x_pp1_paired"] = statistics.median(a / (2 * b) for a, b in zip(j["tokens_per_s_by_round"],
                                                                                  one["tokens_per_s_by_round"]))
@@ -177,6 +179,27 @@ def summarize(records: list[dict], cost) -> dict[str, Any]:
                                                                                   j["predicted_step_s"]))
         j["speedup_over_pp1"] = 2 * j["over_2x_pp1"]
     return jobs
+
+
+def plan_losses(records: list[dict], cost) -> dict[str, dict[str, float]]:
+    """Where each pp=2 job's plans lose against half the pp=1 plan of the same batch, by the
+    simulator (medians over the timed steps): ``chunk_overhead`` (the two stages' compute over
+    pp=1's: per-chunk constants, cut sequences, recompute), ``imbalance`` (the busier stage over
+    half the two), ``bubble`` (the step over the busier stage's compute: fill, drain, waits, P2P)."""
+    from concertina_hf.planning import Plan, simulate
+
+    timed = [r for r in records if not r["memory_round"]]
+    pp1 = {r["batch"]: simulate(Plan.from_json(r["plan"]), cost).step_time_s for r in timed if r["pp"] == 1}
+    rows: dict[str, list[tuple[float, float, float]]] = {}
+    for r in timed:
+        if r["pp"] == 1 or r["batch"] not in pp1:
+            continue
+        sim = simulate(Plan.from_json(r["plan"]), cost)
+        busy = sim.stage_busy_s
+        rows.setdefault(r["job"], []).append((sum(busy) / pp1[r["batch"]] - 1, max(busy) / (sum(busy) / len(busy)) - 1,
+                                             sim.step_time_s / max(busy) - 1))
+    return {name: {k: statistics.median(x[i] for x in v) for i, k in enumerate(("chunk_overhead", "imbalance", "bubble"))}
+            for name, v in rows.items()}
 
 
 def run_context(max_len: int, corpus, config: dict, cost, args, log) -> dict[str, Any]:
@@ -241,13 +264,16 @@ def to_markdown(res: dict[str, Any]) -> str:
                                       for i, b in enumerate(c["batches"]))
               + f"; timed {c['timed_batches']}. Activation budget {c['activation_budget_bytes'] / MIB:.0f} MiB "
               f"per stage. Cores: {'/'.join(f'{x:.2f}' for x in c['parallel_capacity'])}.", "",
-              "| job | tokens/s median [min..max] | / (2x pp=1) | planned / (2x pp=1) | step s | run_step s | "
-              "predicted s | chunks | recompute layers |", "|---|---|---|---|---|---|---|---|---|"]
+              "| job | tokens/s median [min..max] | / (2x pp=1) | planned / (2x pp=1) | planned losses: chunk overhead / "
+              "imbalance / bubble | step s | run_step s | predicted s | chunks | recompute layers |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
         for name, j in c["jobs"].items():
             t = j["tokens_per_s"]
             L.append(f"| {name} | {t['median']:.0f} [{t['min']:.0f}..{t['max']:.0f}] | "
                      f"{j.get('over_2x_pp1', 0.5):.2f} | {j.get('planned_over_2x_pp1', 0.5):.2f} | "
-                     f"{statistics.median(j['step_s']):.2f} | {statistics.median(j['pipeline_s']):.2f} | "
+                     + (" / ".join(f"{v:+.1%}" for v in j["planned_losses"].values()) if j.get("planned_losses") else "")
+                     + " | "
+                     + f"{statistics.median(j['step_s']):.2f} | {statistics.median(j['pipeline_s']):.2f} | "
                      f"{statistics.median(j['predicted_step_s']):.2f} | {j['num_chunks']} | {j['recompute_layers']} |")
         L += ["", "Where each stage's step went (seconds, median over timed steps; share of the stage's step). "
               "planner: CPU seconds of rank 0's planning (process, or thread) overlapping the step (not part of the step's "
@@ -277,7 +303,10 @@ def to_markdown(res: dict[str, Any]) -> str:
           "- tokens/s: tokens of the batch over the step's wall time (slowest rank: plan wait, `run_step`, "
           "optimizer). pp=1 runs on rank 0 while rank 1 waits in a barrier.",
           "- planned / (2x pp=1): the simulator's pp=1 step over twice its pp=2 step for the same batch (the "
-          "plans' own bubbles, P2P and recompute); the rest of the gap to the measured ratio is execution.",
+          "plans' own bubbles, P2P and recompute); the rest of the gap to the measured ratio is execution. Planned "
+          "losses split it: chunk overhead (the two stages' planned compute over pp=1's: per-chunk constants, "
+          "recompute), imbalance (the busier stage over the mean of the two: whole layers per stage, the LM head on "
+          "the last), bubble (the planned step over the busier stage's compute).",
           "- action time / idle gaps over plan: sums over the timed steps of (measured - scaled planned) action "
           "durations and idle gaps before actions on the stage (planned figures scaled by the stage's measured over "
           "planned compute of the step, so the sum of action time over plan is 0 and the idle gaps over plan are "

@@ -43,4 +43,6 @@ def test_pipeline_efficiency_quick(tmp_path):
         if j["pp"] == 2:
             assert len(j["stage_breakdown"]) == 2 and j["biggest_losses"]
             assert 0 < j["planned_over_2x_pp1"] and 0 < j["over_2x_pp1"]
+            assert set(j["planned_losses"]) == {"chunk_overhead", "imbalance", "bubble"}
+            assert j["planned_losses"]["imbalance"] >= 0 and j["planned_losses"]["bubble"] >= 0
     assert {t["job"] for t in res["targets"]} == {"pp=2 unbounded", "pp=2 budget"}
