@@ -84,4 +84,10 @@ def test_measured_sp_quick(tmp_path):
     assert runs["pp2xsp2"]["pp2xsp2_over_this"] == 1.0
     assert ctx["loss_ok"]
     md = (tmp_path / "measured_sp_quick.md").read_text()
-    assert "share" in md and "Cores probe" in md and "| pp1xsp4 |" in md
+    assert "share" in md and "Cores probe" in md and "| pp1xsp4 |" in md and "## Summary" in md
+    # the markdown is rewritten from the JSON alone, unchanged
+    (tmp_path / "measured_sp_quick.md").unlink()
+    from measured_sp import main
+
+    main(["--from-json", str(tmp_path / "measured_sp_quick.json")])
+    assert (tmp_path / "measured_sp_quick.md").read_text() == md
