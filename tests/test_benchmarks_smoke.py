@@ -43,7 +43,7 @@ def test_measured_benchmark_tiny(tmp_path):
         assert all(b > 0 for b in r["memory_batch_alloc_peak_bytes"]), name
         # issue 13: the allocated activation peak (parameters, their views and gradients left
         # out) never above the activation budget, and within 5% of the plan's prediction on
-        # every stage, either way (measured: -2.7% to +0.4%). Before: one CI run's adaptive plan
+        # every stage, either way (measured: -0.9% to +0.1%, seeds 0-2). Before: one CI run's adaptive plan
         # peaked +16.7% on stage 0 (the embedding's and LM head's weight gradients, not modelled
         # per backward, and gloo send buffers kept until the step's end; tests/test_memory_model.py)
         for s, (got, pred) in enumerate(zip(r["memory_batch_alloc_peak_bytes"], r["predicted_activation_peak_bytes"])):

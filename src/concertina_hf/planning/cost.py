@@ -571,7 +571,7 @@ class CostModel:
         if n and recompute_layers >= n:
             if self.recompute_bwd_transient_bytes_per_token:
                 # measured with the replay: it holds less than a saved layer's activations
-                layer = max(layer, self.bwd_transient_bytes + self.recompute_bwd_transient_bytes_per_token * tok)
+                layer = max(layer, self.recompute_bwd_transient_bytes_per_token * tok)
             else:
                 layer += self.act_bytes_per_token * tok
         head = 0.0

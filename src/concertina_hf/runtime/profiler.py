@@ -16,7 +16,10 @@ autocast state) and measures:
 - **recompute**: the extra time of a chunk with every layer checkpointed, on three shapes,
   relative to its plain forward (``recompute_factor``: non-reentrant checkpointing stops the
   replay once the tensors backward needs exist);
-- **backward transients** of a decoder layer and of the head, on two token counts;
+- **backward transients** of a decoder layer and of the head, on two token counts (the larger
+  one's per token), their constant parts (the weight gradients computed before they are added
+  into ``.grad``) from 8 and 16 tokens, the embedding's backward likewise, and a layer's backward
+  with every layer recomputed;
 - **head** (final norm, LM head, float32 summed cross-entropy) and **embedding**: time and bytes
   on a few token counts.
 
@@ -262,7 +265,7 @@ def profile_cost_model(
         hidden_bytes_per_token=hidden_bytes,
         output_bytes_per_token=hidden_bytes,
         # a + b * tokens through the two token counts: the weight gradients are per backward
-        bwd_transient_bytes_per_token=max(t for t, _ in transients),
+        bwd_transient_bytes_per_token=transients[-1][0],
         recompute_bwd_transient_bytes_per_token=rec_transient,
         **dict(zip(("bwd_transient_bytes", "bwd_transient_slope"),
                    _line(short, [t * k for (t, _), k in zip(short_tr, short)]))),
