@@ -8,8 +8,8 @@ Slow tier, one launch of 2 gloo processes (pp=1 x sp=2, option on): ``Concertina
 ``Trainer`` on one process, each rank holds the Adam state of only its share of the parameters
 (disjoint shares covering the stage), the checkpoint holds one DCP shard file per rank (sealed
 and verified by the manifest, a damaged shard refused by name), and resuming from it is exact:
-at the same layout, with a plain optimizer (every rank reads the whole state) and at dp=2 x sp=1
-(the shares read over the replicas' group); resuming at pp=2 is refused before the first step on
+at the same layout, with a plain optimizer (every rank reads the whole state), at dp=2 x sp=1
+(the shares read over the replicas' group), and sharded from the plain run's own checkpoint; resuming at pp=2 is refused before the first step on
 every rank, naming ``concertina_pipeline_size``.
 """
 
@@ -90,7 +90,7 @@ def _worker(out: str) -> None:
                                            **sizes, **dict(COMMON, **dict(TRAIN, **kw)))
 
     trainer = ConcertinaTrainer(model=_model("llama"), train_dataset=_dataset(),
-                                args=args(out, save_strategy="steps", save_steps=2))
+                                args=args(out, save_strategy="steps", save_steps=1))
     trainer.train()
     info = _summary(trainer)
     names = {id(p): n for n, p in trainer.model.named_parameters()}
@@ -105,11 +105,15 @@ def _worker(out: str) -> None:
     trainer.save_model(os.path.join(out, "final"))
     # resuming from the step-2 checkpoint: sharded at the same layout, with a plain optimizer, and
     # sharded over two replicas (dp=2 x sp=1, one row per replica and micro-batch: the same steps)
-    cases = {"same": dict(), "plain": dict(shard=False), "dp2": dict(sizes=DP2, per_device_train_batch_size=1)}
+    # (which saves plain checkpoints, save_steps=1 as the resumed state says, from whose step 3 a
+    # sharded run resumes in turn)
+    cases = {"same": dict(), "plain": dict(shard=False, save_strategy="steps", save_steps=1),
+             "dp2": dict(sizes=DP2, per_device_train_batch_size=1), "from_plain": dict()}
     for case, kw in cases.items():
         resumed = ConcertinaTrainer(model=_model("llama"), train_dataset=_dataset(),
-                                    args=args(f"{out}-resumed-{case}", save_strategy="no", **kw))
-        resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
+                                    args=args(f"{out}-resumed-{case}", **dict(dict(save_strategy="no"), **kw)))
+        resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2") if case != "from_plain" else
+                      os.path.join(f"{out}-resumed-plain", "checkpoint-3"))
         assert is_sharded(resumed.optimizer) == kw.get("shard", True)
         resumed.save_model(os.path.join(out, f"resumed-{case}"))
         info[f"resumed_losses_{case}"] = _summary(resumed)["losses"]
@@ -186,7 +190,9 @@ def test_sharded_optimizer_sp2_matches_trainer_checkpoints_and_resumes(tmp_path)
     with pytest.raises(CheckpointError, match=r"__1_0.distcp does not match"):
         verify_checkpoint(str(damaged))
     # resumed at step 2: the uninterrupted run's last two steps and weights
-    for case in ("same", "plain", "dp2"):
+    plain_file = tmp_path.parent / f"{tmp_path.name}-resumed-plain" / "checkpoint-3" / "optimizer.stage0-of-1.pt"
+    assert plain_file.is_file()  # a plain optimizer's checkpoint: one file per stage
+    for case in ("same", "plain", "dp2", "from_plain"):
         for r in ranks:
             assert r[f"resumed_losses_{case}"] == pytest.approx(info["losses"], abs=1e-5), (case, r)
         resumed = _load(tmp_path / f"resumed-{case}")
