@@ -389,3 +389,14 @@ def test_planning_process_plans_what_this_process_plans_and_raises_its_errors():
         proc.close()
     assert proc.plan([300], COST, layout, 0, "packed", token_budget=300).num_chunks == 1  # a new child after close
     proc.close()
+    # a child that dies is named as such (StepPlanner then plans in its own process)
+    import subprocess
+    import sys
+
+    from concertina_hf.planning.process import PlanningProcessError
+
+    proc._start = lambda: subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"], stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE)
+    with pytest.raises(PlanningProcessError, match="ended"):
+        proc.plan([300], COST, layout, 0, "packed", token_budget=300)
+    proc.close()

@@ -102,6 +102,30 @@ def test_step_planner_falls_back_when_a_refit_shreds_the_step(caplog):
     assert planner.plan(planner.submit(a)).num_chunks > 10 * first.num_chunks and len(planner.fallbacks) == 1
 
 
+def test_background_planning_runs_in_a_process_and_falls_back_to_the_thread(caplog):
+    import subprocess
+    import sys
+
+    planner = _planner(_start_model())
+    planner.overlap = True  # the background path: submit starts the thread and the planning process
+    lens = [300, 200, 100, 40]
+    ticket = planner.submit(lens)
+    assert planner._process is not None
+    plan = planner.plan(ticket)
+    assert plan.seq_lens == tuple(lens) and planner._process.last_cpu_s > 0
+    assert plan == planner.make_plan(lens)  # what the process plans is what this process plans
+    # a planning process that cannot run: a warning, then planning goes on here
+    planner._process._start = lambda: subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"],
+                                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    planner._process.close()
+    with caplog.at_level("WARNING", logger="concertina_hf.step_planner"):
+        again = planner.plan(planner.submit(lens))
+    assert again == plan and planner._process is None
+    assert "planning in the training process from now on" in caplog.text
+    assert planner.plan(planner.submit(lens)) == plan and planner._process is None  # no new process each step
+    planner.close()
+
+
 def test_noisy_steps_refit_keeps_chunk_counts_within_2x():
     """``ReplanCallback`` on the default recipe's shape (one stage, refit every 5 steps) with
     every other step slowed by sleeps: the plans after the refit keep within 2x of the start

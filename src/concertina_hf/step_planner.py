@@ -34,7 +34,7 @@ from typing import Sequence
 
 from .distributed import Topology
 from .planning import CostModel, Plan, simulate
-from .planning.process import PlanningProcess, plan_checked
+from .planning.process import PlanningProcess, PlanningProcessError, plan_checked
 from .run_setup import RunSetup
 
 __all__ = ["JUMP_FACTOR", "StepPlanner", "Ticket", "plan_jump"]
@@ -129,7 +129,14 @@ class StepPlanner:
                       time_limit_s=setup.solver_time_limit_s)
         try:
             process = self._process
-            return process.plan(*args, **kwargs) if process is not None else plan_checked(*args, **kwargs)
+            if process is not None:
+                try:
+                    return process.plan(*args, **kwargs)
+                except PlanningProcessError as e:  # the process, not the planning: plan here from now on
+                    logger.warning("concertina: %s; planning in the training process from now on", e)
+                    self._process, self.isolate = None, False
+                    process.close()
+            return plan_checked(*args, **kwargs)
         except Exception as e:
             msg = (f"{e} [planning a step of {len(seq_lens)} sequences, longest {max(seq_lens, default=0)} tokens; "
                    "see concertina_memory_budget, concertina_max_tokens_per_chunk, concertina_strategy]")

@@ -32,7 +32,11 @@ from .simulate import simulate
 from .strategies import plan_step
 from .types import Plan
 
-__all__ = ["PlanningProcess", "plan_checked"]
+__all__ = ["PlanningProcess", "PlanningProcessError", "plan_checked"]
+
+
+class PlanningProcessError(RuntimeError):
+    """The planning process could not start or ended (not an error of the planning itself)."""
 
 
 def plan_checked(seq_lens: Sequence[int], cost, layout, budgets, strategy: str, **kwargs: Any) -> Plan:
@@ -81,7 +85,10 @@ class PlanningProcess:
         """:func:`plan_checked` in the child; its exceptions are raised here."""
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
-                self._proc = self._start()
+                try:
+                    self._proc = self._start()
+                except OSError as e:
+                    raise PlanningProcessError(f"the planning process did not start: {e}") from e
             proc = self._proc
             try:
                 _send(proc.stdin, ((list(seq_lens), cost, layout, budgets, strategy), kwargs))
@@ -89,7 +96,7 @@ class PlanningProcess:
             except (EOFError, BrokenPipeError) as e:
                 code = proc.poll()
                 self._proc = None
-                raise RuntimeError(f"the planning process (pid {proc.pid}) ended"
+                raise PlanningProcessError(f"the planning process (pid {proc.pid}) ended"
                                    f"{'' if code is None else f' with exit code {code}'}; see its stderr") from e
         if not ok:
             raise value
