@@ -21,7 +21,7 @@ maximum stays ``p - s - 1 + n``; with no split sequence the two rules coincide.
 its warm-up, for the first backward to come back through every later stage (their forward and
 backward of the first chunk), and in the steady state a stage whose next forward sits behind a
 backward it waits for starves the stage below. One forward more fills most of that
-(``plan_adaptive`` keeps it when it simulates faster within the budgets).
+(``plan_adaptive`` adds one at a time while it simulates faster within the budgets).
 """
 
 from __future__ import annotations

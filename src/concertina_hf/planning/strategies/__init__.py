@@ -109,8 +109,8 @@ def plan_step(
     for the baselines, the largest token budget / slice size tried). ``solver``: ``"ilp"`` or
     ``"greedy"`` recompute assignment (adaptive). ``knobs`` fix a strategy's searched settings:
     adaptive ``num_slices_longest``, ``k_candidates``, ``max_groups``, ``split_threshold``,
-    ``time_target``, ``num_finalists``, ``extra_warmup`` (forwards ahead beyond 1F1B; default: 1 when it
-    simulates faster, else 0); packed ``token_budget``, ``recompute_layers``; split
+    ``time_target``, ``num_finalists``, ``extra_warmup`` (forwards ahead beyond 1F1B; default: one more at a
+    time, up to 3, while it simulates faster); packed ``token_budget``, ``recompute_layers``; split
     ``num_slices``, ``recompute_layers`` (see :data:`REGISTRY`). The chosen settings are in
     ``plan.knobs``.
 

@@ -36,6 +36,8 @@ __all__ = ["ADAPTIVE_KNOBS", "CHUNKING_KNOBS", "plan_adaptive", "plan_full_recom
 CHUNKING_KNOBS = ("num_slices_longest", "k_candidates", "max_groups", "split_threshold", "time_target")
 #: adaptive's settings: the chunking search's, and how many finalists it simulates
 ADAPTIVE_KNOBS = CHUNKING_KNOBS + ("num_finalists", "extra_warmup")
+#: the most forwards ``adaptive`` runs ahead of 1F1B on a stage (it stops at the first that is not faster)
+MAX_EXTRA_WARMUP = 3
 #: plans of more chunk-stages keep the greedy recompute assignment with ``solver="ilp"`` (at 1600
 #: chunk-stages building and solving the ILP takes about 0.2 s on a free core, and grows faster)
 ILP_MAX_CHUNK_STAGES = 2048
@@ -103,20 +105,22 @@ def plan_adaptive(req: PlanRequest) -> Plan:
             f"K = {tried} slices of the longest, {describe_longest(req.lens)}); the closest attempt: {errors[0]}"
         ) from errors[0]
     cand, best = found
-    # one forward more ahead on every stage but the last (schedule.build_schedule): fills the wait
-    # for the first backward and keeps the stage below fed, for one chunk more in flight; kept when
-    # it simulates faster within the budgets (knob extra_warmup: that many, 0 = plain 1F1B)
-    warmup = int(knobs.get("extra_warmup", 1)) if layout.num_stages > 1 else 0
-    if warmup:
+    # forwards further ahead on every stage but the last (schedule.build_schedule): fill the wait for
+    # the first backward and keep the stage below fed, for more chunks in flight; one more at a time
+    # while it simulates faster within the budgets (knob extra_warmup: exactly that many, 0 = 1F1B)
+    warmup = 0
+    tries = [int(knobs["extra_warmup"])] if "extra_warmup" in knobs else list(range(1, MAX_EXTRA_WARMUP + 1))
+    for k in tries if layout.num_stages > 1 else ():
+        if k <= 0:
+            break
         try:
-            deeper = _with_recompute(plan_of("adaptive", cand.chunking, layout, cand.cuts, warmup), cost, budgets,
+            deeper = _with_recompute(plan_of("adaptive", cand.chunking, layout, cand.cuts, k), cost, budgets,
                                      not any(any(row) for row in best.recompute))
         except InfeasiblePlanError:
-            deeper = None
-        if deeper is not None and ("extra_warmup" in knobs or deeper.predicted.step_time_s < best.predicted.step_time_s):
-            best = deeper
-        else:
-            warmup = 0
+            break
+        if "extra_warmup" not in knobs and deeper.predicted.step_time_s >= best.predicted.step_time_s:
+            break
+        best, warmup = deeper, k
     used = "greedy" if any(any(row) for row in best.recompute) else "none"
     # the ILP's model grows with chunk-stages and PuLP builds it in Python beyond CBC's time
     # limit: large plans keep the greedy assignment
