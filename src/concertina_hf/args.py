@@ -163,8 +163,9 @@ class ConcertinaTrainingArguments(TrainingArguments):
         "Shard each stage's optimizer state (Adam moments) over the stage's data-parallel x "
         "sequence-parallel ranks with torch's ZeroRedundancyOptimizer (ZeRO-1: gradients are still "
         "all-reduced whole, clipping uses the exact global norm, each rank steps its share of the "
-        "parameters and broadcasts them). Checkpoints keep one optimizer file per stage (the state "
-        "gathered to the stage's first rank when saving). No effect with one rank per stage.",
+        "parameters and broadcasts them). Checkpoints hold each stage's state written by every rank, "
+        "its own share, with torch.distributed.checkpoint (optimizer.stage{s}-of-{p}.dcp/), read back "
+        "at any dp x sp of the same pipeline size. No effect with one rank per stage.",
     )
     concertina_memory_budget: str = _option(
         "auto",
