@@ -196,8 +196,9 @@ def _worker(rank: int, variant: str, cfg: dict, port: int, out: str) -> None:
     with open(os.path.join(out, f"{variant}-rank{rank}.json"), "w") as fh:
         json.dump({"times": times[cfg["warmup"]:], "losses": losses, "resident": resident,
                    "peak_rss_growth": peak, "grad_norm": norm_last, "cores": cores}, fh)
-    dist.barrier()
-    dist.destroy_process_group()
+    from _pipeline_worker import finish
+
+    finish()
 
 
 def _free_port() -> int:
