@@ -284,27 +284,21 @@ def _timed(fn, track: bool, exclude_params) -> tuple[Any, float, float, int | No
 
 
 class _ProjectJob:
-    """The project's runtime on this rank: pp=2 (both ranks) or pp=1 (rank 0 only)."""
+    """The project's runtime on this rank: pp=2 (both ranks) or pp=1 (rank 0 only); the stage,
+    executor and optimizer are :class:`_pipeline_worker._Replica`'s."""
 
     def __init__(self, job: dict, spec: dict, rank: int) -> None:
-        from _pipeline_worker import build_model
+        from _pipeline_worker import _Replica
         from concertina_hf.planning import Plan, StageLayout
-        from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
 
         self.name = job["name"]
         self.pp = job["pp"]
-        self.active = rank < self.pp
         self.plans = [Plan.from_json(p) for p in job["plans"]]
-        if not self.active:
-            return
         n = int(spec["config"]["num_hidden_layers"])
-        layout = StageLayout(n, tuple(tuple(r) for r in job["layer_ranges"]))
-        self.wrapper = PipelineWrapper(build_model(spec["config"], spec["seed"]), layout, rank)
-        self.wrapper.train()
-        self.params = [p for p in self.wrapper.parameters() if p.requires_grad]
-        self.executor = PipelineExecutor(self.wrapper)
-        opt_cls, opt_kwargs = spec["optimizer"]
-        self.opt = opt_cls(self.params, **opt_kwargs)
+        replica = _Replica(spec, StageLayout(n, tuple(tuple(r) for r in job["layer_ranges"])), rank)
+        self.active = replica.active
+        if self.active:
+            self.params, self.executor, self.opt = replica.params, replica.executor, replica.opt
 
     def step(self, batch_index: int, ids: list[torch.Tensor]):
         return self.executor.run_step(self.plans[batch_index], ids).loss
