@@ -314,3 +314,86 @@ def a2a_worker(rank: int, world: int, port: int, outdir: str) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- issue 12: allocated peaks at sp = 4
+MEM_TOKENS = 512  # one sequence (whole, or two slices): 128 tokens a rank at sp = 4
+MEM_LAYERS = 3
+MEM_KV_HEADS = (2, 4)  # of 4 query heads: replicated to 4 at sp = 4, or split
+MEM_RECOMPUTE = ("none", "full")
+
+
+def memory_model(kv_heads: int):
+    """A Llama with the benchmark's head shape (``measured_sp.py``: 4 heads of 64), 3 layers,
+    a 1024-token vocabulary; fp32."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=MEM_LAYERS,
+                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=4 * MEM_TOKENS,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float()
+
+
+def memory_profiles() -> dict[int, dict]:
+    """The profiled cost model of each ``memory_model`` (one process, as ``run_setup`` profiles)."""
+    from concertina_hf.runtime.profiler import profile_cost_model
+
+    return {kv: profile_cost_model(memory_model(kv), repeats=1, warmup=0, num_layers=2,
+                                   max_tokens=MEM_TOKENS).to_dict() for kv in MEM_KV_HEADS}
+
+
+def memory_worker(rank: int, world: int, port: int, outdir: str, profiles: dict) -> None:
+    """Four processes: the allocated activation peak (``AllocationTracker``, parameters and their
+    gradients left out, as the benchmarks count it) of one-stage plans at ``sp = 4`` (all ranks)
+    and ``sp = 2`` (ranks {0, 1} and {2, 3}) and, on rank 0, alone; each next to the profiled
+    model's per-GPU prediction (:meth:`CostModel.with_parallel`). Rows to ``<outdir>/mem<r>.json``:
+    ``[kv_heads, sp, plan, allocated, predicted]``."""
+    torch.set_num_threads(1)
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
+    rows: list = []
+    try:
+        from _runtime_cases import make_plan
+        from concertina_hf.planning import CostModel, StageLayout
+        from concertina_hf.planning.simulate import simulate
+        from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
+        from concertina_hf.runtime.memory import AllocationTracker
+
+        groups = {4: dist.new_group(list(range(world))), 2: None}
+        for pair in ([0, 1], [2, 3]):
+            g = dist.new_group(pair)
+            if rank in pair:
+                groups[2] = g
+        layout = StageLayout.even(MEM_LAYERS, 1)
+        n = MEM_TOKENS
+        ids = [torch.randint(0, 1024, (n,), generator=torch.Generator().manual_seed(1))]
+        plans = {f"{name}/{rec}": make_plan([n], chunks, layout, rec)
+                 for name, chunks in (("whole", [[(0, 0, n)]]), ("split", [[(0, 0, n // 2)], [(0, n // 2, n // 2)]]))
+                 for rec in MEM_RECOMPUTE}
+        for kv in MEM_KV_HEADS:
+            model = memory_model(kv)
+            cost1 = CostModel.from_dict(profiles[kv])
+            for sp in (4, 2, 1):
+                if sp == 1 and rank:
+                    continue
+                w = PipelineWrapper(copy.deepcopy(model), layout, 0)
+                ex = PipelineExecutor(w, sp_group=groups.get(sp))
+                cost = cost1.with_parallel(sp=sp, state_shards=1)
+                for name, plan in plans.items():
+                    w.zero_grad(set_to_none=True)
+                    with AllocationTracker() as t:
+                        ex.run_step(plan, ids)
+                    peak = t.peak_bytes(exclude=[*w.parameters(), *w.buffers(), *(q.grad for q in w.parameters())])
+                    del t
+                    predicted = simulate(plan, cost).peak_memory_bytes[0] - cost.static_memory(layout, 0)
+                    rows.append([kv, sp, name, peak, predicted])
+    except Exception:
+        rows.append(["crash", traceback.format_exc()])
+    with open(os.path.join(outdir, f"mem{rank}.json"), "w") as f:
+        json.dump(rows, f)
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

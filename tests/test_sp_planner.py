@@ -50,12 +50,16 @@ def test_compute_and_activations_per_gpu_are_divided_by_sp():
         assert eight.layer_fwd_time(chunk.slices) == pytest.approx(c8 + eight.a2a_time(chunk.num_tokens), rel=1e-12)
         assert eight.layer_bwd_time(chunk.slices) == pytest.approx(2 * c8 + eight.a2a_time(chunk.num_tokens),
                                                                    rel=1e-12)
+        # activations: 1/8 of one GPU's, plus per saved (or replayed) layer and token the attention
+        # output's second storage (the kernel's, heads of the GPU, and the output projection's
+        # input, its tokens): 40 heads x 128 x 2 bytes / 8 (no K/V replicated: 40 K/V heads)
+        extra = 40 * 128 * 2 / 8 * chunk.num_tokens
         for stage in range(4):
             for r in (0, 3, 10):
                 assert eight.act_memory(layout, stage, chunk, r) == pytest.approx(
-                    one.act_memory(layout, stage, chunk, r) / 8, rel=1e-12)
+                    one.act_memory(layout, stage, chunk, r) / 8 + (10 - r) * extra, rel=1e-12)
                 assert eight.transient_memory(layout, stage, chunk, r) == pytest.approx(
-                    one.transient_memory(layout, stage, chunk, r) / 8, rel=1e-12)
+                    one.transient_memory(layout, stage, chunk, r) / 8 + (extra if r == 10 else 0), rel=1e-12)
             # each sp rank sends its token shard to the same sp rank of the next stage
             assert eight.p2p_time(chunk) - eight.p2p_latency_s == pytest.approx(
                 (one.p2p_time(chunk) - one.p2p_latency_s) / 8, rel=1e-12)
@@ -92,6 +96,16 @@ def test_all_to_all_time_formula():
     # and each GPU keeps one whole K/V head of the slices later slices attend to
     assert g.with_parallel(sp=4).kv_bytes_per_token == pytest.approx(g.kv_bytes_per_token / 2, rel=1e-12)
     assert g.with_parallel(sp=2).kv_bytes_per_token == pytest.approx(g.kv_bytes_per_token / 2, rel=1e-12)
+    # a saved layer's activations on one GPU: 1/sp of one GPU's plus the attention output's
+    # second storage (16 heads of 64, 2 bytes, / sp) and, at sp = 4 > 2 K/V heads, the kernel's
+    # replicated K and V (one head each instead of half a head: 2 x (4 - 2) heads / 4)
+    assert g.with_parallel(sp=2).act_bytes_per_token == pytest.approx(g.act_bytes_per_token / 2 + 128 * 16 / 2)
+    assert g.with_parallel(sp=4).act_bytes_per_token == pytest.approx(
+        g.act_bytes_per_token / 4 + 128 * (16 + 2 * (4 - 2)) / 4)
+    assert g.with_parallel(sp=2).with_parallel(sp=4).act_bytes_per_token == pytest.approx(
+        g.with_parallel(sp=4).act_bytes_per_token, rel=1e-12)
+    assert g.with_parallel(sp=4).with_parallel(sp=1).act_bytes_per_token == pytest.approx(
+        g.act_bytes_per_token, rel=1e-12)
     # a backward of a stage counts one a2a per layer (plus one per recomputed layer)
     layout = StageLayout.even(40, 4)
     m8 = one.with_parallel(sp=8)

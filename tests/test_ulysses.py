@@ -135,6 +135,33 @@ def test_ulysses_matches_hf(dp, pp, sp, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+def test_allocated_peak_at_sp4_matches_prediction(tmp_path, monkeypatch):
+    """Issue 12 at sp = 4 (4 processes, one launch): a one-stage Llama with the benchmark's heads
+    (4 of 64; K/V heads 2, replicated to 4, and 4, split), one 512-token sequence whole or in two
+    slices, no and full recompute, at sp = 4 and sp = 2: each rank's allocated activation peak
+    within 10% under to 3% over the profiled model's per-GPU prediction (measured x0.91 to x1.00;
+    alone the same plans read x0.91 to x1.00 too). Before the model counted the attention output
+    twice and the replicated K/V the kernel keeps, sp = 4 with K = 2 read x1.09 and sp = 2 x1.04."""
+    import torch.multiprocessing as mp
+
+    import _dist_ulysses
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    profiles = _dist_ulysses.memory_profiles()
+    mp.spawn(_dist_ulysses.memory_worker, args=(4, _free_port(), str(tmp_path), profiles), nprocs=4, join=True)
+    rows = [row for r in range(4) for row in json.loads((tmp_path / f"mem{r}.json").read_text())]
+    assert all(row[0] != "crash" for row in rows), [row[1] for row in rows if row[0] == "crash"]
+    for kv, sp, name, peak, predicted in sorted({tuple(row) for row in rows}, key=lambda row: (row[0], -row[1], row[2])):
+        print(f"K={kv} sp={sp} {name:<12} allocated {peak / 2**20:7.3f} MiB  predicted {predicted / 2**20:7.3f} MiB  "
+              f"x{peak / predicted:.3f}")
+    per_rank = len(_dist_ulysses.MEM_KV_HEADS) * 2 * len(_dist_ulysses.MEM_RECOMPUTE)
+    assert len(rows) == per_rank * (2 * 4 + 1)
+    for kv, sp, name, peak, predicted in rows:
+        assert 0.90 * predicted <= peak <= 1.02 * predicted, (kv, sp, name, peak, predicted)
+
+
+@pytest.mark.slow
 def test_trainer_pp2_sp2_matches_trainer(tmp_path):
     """ConcertinaTrainer on 4 processes (pp=2 x sp=2), given a model built differently on ranks 1-3
     (rank 0's weights are used, as DDP does), equals Trainer on one process after 3 steps:

@@ -51,8 +51,16 @@ recompute (``r == n``), by ``act_bytes_per_token`` per token.
 :meth:`CostModel.with_parallel`): a chunk's tokens are sharded over the stage's ``sp`` GPUs, so
 every per-token and per-pair coefficient above (compute and activation bytes) is that of one GPU
 and is ``1/sp`` of the single-GPU one; ``beta`` (per layer call) and the explicit mask (each GPU
-builds the whole ``T x S`` mask for its heads) are not divided. Token padding to a multiple of
-``sp`` (at most ``sp - 1`` tokens) is ignored. Each decoder layer adds four all-to-alls forward
+builds the whole ``T x S`` mask for its heads) are not divided. Two things a GPU holds beyond its
+``1/sp`` share, per saved (or replayed) layer and chunk token (measured on the allocated peak:
+``act_bytes_per_token`` and ``recompute_bwd_transient_bytes_per_token`` add them,
+:meth:`CostModel._sp_layer_extra`): the attention output twice, the kernel's (all tokens of
+``H/sp`` heads) and the output projection's input (the rank's tokens of all heads), one storage at
+``sp = 1``, ``H * head_dim * dtype_bytes / sp``; and with fewer K/V heads than ``sp`` (replicated)
+the kernel's K and V, ``sp/K`` times their share: ``2 * (sp - K) * head_dim * dtype_bytes / sp``
+more (the K/V store, ``kv_bytes_per_token`` and ``context_bytes_per_token``, is multiplied by
+``sp/K``). Token padding to a multiple of ``sp`` (at most ``sp - 1`` tokens) is ignored. Each
+decoder layer adds four all-to-alls forward
 (q, k, v: the token shard of all heads becomes all tokens of ``H/sp`` heads; the attention
 output back) and four backward (their gradients), each moving the rank's shard::
 
@@ -379,11 +387,30 @@ class CostModel:
         # K/V heads fewer than sp GPUs: each GPU holds (and receives) one replicated K/V head
         rep = lambda n: max(1.0, n / self.num_kv_heads) if self.num_kv_heads else 1.0  # noqa: E731
         changes["kv_bytes_per_token"] *= rep(sp) / rep(self.sp)
+        changes["context_bytes_per_token"] *= rep(sp) / rep(self.sp)
+        # what a saved (or replayed) layer holds at sp > 1 beyond its 1/sp share: removed at this
+        # model's sp, added at the new one
+        for name in ("act_bytes_per_token", "recompute_bwd_transient_bytes_per_token"):
+            if getattr(self, name):
+                changes[name] += self._sp_layer_extra(sp) - self._sp_layer_extra(self.sp) * ratio
         changes.update(sp=sp, state_shards=shards, zero3=bool(zero3))
         if shards > 1 and not self.sharded_bytes_per_param:
             keep = min(self.static_bytes_per_param, 2.0 * self.dtype_bytes)  # weights and gradients
             changes.update(static_bytes_per_param=keep, sharded_bytes_per_param=self.static_bytes_per_param - keep)
         return dataclasses.replace(self, **changes)
+
+    def _sp_layer_extra(self, sp: int) -> float:
+        """Bytes per chunk token one GPU of a stage of ``sp`` holds per saved decoder layer beyond
+        ``1/sp`` of one GPU's activations (module docstring, *A stage of several GPUs*): the
+        attention output twice (the kernel's, all tokens of ``H/sp`` heads, and the output
+        projection's input, the rank's tokens of all heads, one storage at ``sp = 1``), and with
+        ``K < sp`` K/V heads the replicated K and V the kernel keeps (``sp/K`` times the share).
+        0 at ``sp = 1`` or without the head counts."""
+        if sp <= 1 or not self.num_heads or not self.a2a_bytes_per_token:
+            return 0.0
+        kv = self.num_kv_heads or self.num_heads
+        per_head = self.a2a_bytes_per_token / (2 * (self.num_heads + kv))  # one head of one token
+        return per_head * (self.num_heads + 2 * (max(kv, sp) - kv)) / sp
 
     def for_plan(self, plan: Any) -> "CostModel":
         """The model a plan runs under: this one, unless the plan records its own stage size
