@@ -301,7 +301,8 @@ class _ProjectJob:
             self.params, self.executor, self.opt = replica.params, replica.executor, replica.opt
 
     def step(self, batch_index: int, ids: list[torch.Tensor]):
-        return self.executor.run_step(self.plans[batch_index], ids).loss
+        # no saved-tensor meter (its figure is not used here), as the trainer's unlogged steps
+        return self.executor.run_step(self.plans[batch_index], ids, measure_memory=False).loss
 
     def optimizer_step(self) -> None:
         self.opt.step()

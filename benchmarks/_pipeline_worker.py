@@ -26,7 +26,9 @@ step. One timed step on every rank::
 The step time is the slowest rank's ``t1 - t0``; the planning time on the critical path is the
 wait for the plan (rank 0) plus its broadcast. The memory round runs ``run_step`` under an
 :class:`~concertina_hf.runtime.memory.AllocationTracker` (untimed) besides the runtime's own
-:class:`~concertina_hf.runtime.memory.SavedTensorMeter`.
+:class:`~concertina_hf.runtime.memory.SavedTensorMeter`; the timed rounds run without the
+meter (``measure_memory=False``, ``meter_peak_bytes`` ``None``), as ``ConcertinaTrainer`` runs
+the steps it does not log.
 """
 
 from __future__ import annotations
@@ -363,7 +365,10 @@ def _step(rank: int, rep: _Replica, plan, ids, memory_round: bool, t0: float, t_
         tracker.__enter__()
     t_call, c_call = time.perf_counter(), time.thread_time()
     try:
-        res = rep.executor.run_step(plan, ids)
+        # the activation peak is measured on the memory round only, as the trainer measures only
+        # the steps it logs: the saved-tensor hooks cost 4-12% of a small-chunk step on CPU
+        # (issue 13, runtime_overhead.py); the Trainer baseline meters its first step only too
+        res = rep.executor.run_step(plan, ids, measure_memory=memory_round)
     finally:
         if tracker is not None:
             tracker.__exit__(None, None, None)

@@ -389,13 +389,16 @@ def memory_peak_pairs(run: dict) -> list[tuple[int, float, float]]:
 
 
 def summarize_job(records: list[dict], act_budget: float, static: Sequence[float]) -> dict[str, Any]:
-    """Figures of one pp=2 run from its step records (timed steps; memory from every step)."""
+    """Figures of one pp=2 run from its step records (timed steps; the meter from the metered
+    memory round, predictions from every step)."""
     timed = sorted((r for r in records if not r["memory_round"]), key=lambda r: r["round"])
     mem = next(r for r in records if r["memory_round"])
     tps = [r["tokens"] / r["step_s"] for r in timed]
     err = [(r["predicted_step_s"] - r["run_s"]) / r["run_s"] for r in timed]
     online = [(r["predicted_online_s"] - r["run_s"]) / r["run_s"] for r in timed if r.get("predicted_online_s")]
-    meter = [max(r["meter_peak_bytes"][s] for r in records) for s in range(len(static))]
+    # metered steps only (the memory round; timed rounds run unmetered, as the trainer's unlogged steps)
+    meter = [max((r["meter_peak_bytes"][s] for r in records if r["meter_peak_bytes"][s] is not None), default=0)
+             for s in range(len(static))]
     predicted_act = [max(r["predicted_peak_bytes"][s] for r in records) - static[s] for s in range(len(static))]
     # what the memory batch's own plan predicted: the allocation tracker runs on that step only
     mem_pred = [mem["predicted_peak_bytes"][s] - static[s] for s in range(len(static))]

@@ -74,3 +74,18 @@ def test_measured_benchmark_tiny(tmp_path):
     assert all(isinstance(t["met"], bool) for t in res["targets"])
     md = (tmp_path / "measured_tiny.md").read_text()
     assert "## Targets" in md and "## Context 256 tokens" in md and "| comm wait |" in md
+
+
+def test_runtime_overhead_quick(tmp_path):
+    """benchmarks/runtime_overhead.py --quick (a few seconds): every variant timed, the files
+    written with their command, and the unmetered step saves the same tensors (counted by an
+    outer hook) as the metered one would hook."""
+    import runtime_overhead
+
+    res = runtime_overhead.main(["--quick", "--out", str(tmp_path / "ro")])
+    (s,) = res["settings"]
+    assert all(s["median_s"][k] > 0 for k in runtime_overhead.VARIANTS)
+    assert s["saved_tensors_per_step"] > 0 and s["chunks"] == 5 and s["tokens"] == 5 * 32
+    assert (tmp_path / "ro.md").read_text().startswith("# Runtime overhead")
+    rec = json.loads((tmp_path / "ro.json").read_text())
+    assert rec["command"].startswith("python benchmarks/runtime_overhead.py --quick") and "load_average" in rec

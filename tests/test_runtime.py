@@ -250,6 +250,35 @@ def test_one_stage_matches_hf_for_every_chunking_and_recompute(model_and_ref):
     assert failures == []
 
 
+def test_unmetered_step_is_the_same_computation(model_and_ref):
+    """``measure_memory=False`` (issue 13: the saved-tensor hooks cost 4-12% of a small-chunk
+    step on CPU) installs no hook and reports no peak, but computes bit for bit the same loss
+    and gradients as a metered step; the executor's default and its attribute both apply, and
+    a metered step after an unmetered one measures the same peak as before."""
+    kind, model, ids, labels, ref_loss, ref_grads = model_and_ref
+    layout = StageLayout.even(8, 1)
+    w = PipelineWrapper(copy.deepcopy(model), layout, 0)
+    ex = PipelineExecutor(w)
+    assert ex.measure_memory
+    for name in ("split/partial", "hybrid/none"):
+        plan = dict(plans_for(layout))[name]
+        got = {}
+        for metered in (True, False, None):
+            w.zero_grad(set_to_none=True)
+            res = ex.run_step(plan, ids, labels, measure_memory=metered)
+            got[metered] = (res, {n: p.grad.clone() for n, p in w.named_parameters() if p.grad is not None})
+        (on, g_on), (off, g_off), (default, _) = got[True], got[False], got[None]
+        assert off.peak_activation_bytes is None and on.peak_activation_bytes > 0
+        assert default.peak_activation_bytes == on.peak_activation_bytes, name
+        assert off.loss == on.loss and off.loss_sum == on.loss_sum, name
+        assert g_off.keys() == g_on.keys() and len(g_on) > 0
+        assert all(torch.equal(g_off[n], g_on[n]) for n in g_on), name
+        assert _rel(on.loss, ref_loss) < LOSS_TOL
+    ex.measure_memory = False
+    assert ex.run_step(plan, ids, labels).peak_activation_bytes is None
+    assert ex.run_step(plan, ids, labels, measure_memory=True).peak_activation_bytes == on.peak_activation_bytes
+
+
 def test_gradients_accumulate_across_steps(model_and_ref):
     kind, model, ids, labels, ref_loss, ref_grads = model_and_ref
     layout = StageLayout.even(8, 1)

@@ -203,3 +203,41 @@ def test_default_run_draws_its_last_step_and_logs_where(tmp_path, caplog):
     ConcertinaTrainer(model=model, train_dataset=ds, args=ConcertinaTrainingArguments(
         output_dir=str(tmp_path / "b"), concertina_gantt_steps=-1, **common)).train()
     assert not (tmp_path / "b" / "gantt").exists()
+
+
+def test_only_logged_steps_measure_activation_memory(tmp_path):
+    """The executor's saved-tensor hooks cost 4-12% of a small-chunk CPU step (issue 13), so the
+    trainer measures the activation peak only on the steps whose statistics are logged (and on
+    every step with the online cost model, whose refit checks every step's peak): a real run of
+    4 steps logging every 2nd step measures steps 2 and 4, and both log entries carry the peak."""
+    from types import SimpleNamespace
+
+    from concertina_hf.callbacks import ReplanCallback
+
+    ds, model = _tiny_run(seed=1, num_docs=16)
+    args = ConcertinaTrainingArguments(
+        output_dir=str(tmp_path), report_to=[], max_steps=4, per_device_train_batch_size=4, logging_steps=2,
+        save_strategy="no", disable_tqdm=True, concertina_max_tokens_per_chunk=32)
+    trainer = ConcertinaTrainer(model=model, args=args, train_dataset=ds)
+    peaks = []
+    record = trainer.replan.record
+    trainer.replan.record = lambda plan, result: (peaks.append(result.peak_activation_bytes), record(plan, result))[1]
+    trainer.train()
+    assert len(peaks) == 4 and peaks[0] is None and peaks[2] is None, peaks
+    assert peaks[1] > 0 and peaks[3] > 0, peaks
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logged) == 2 and all(h["concertina/peak_activation_stage0_bytes"] > 0 for h in logged), logged
+
+    cb = ReplanCallback()
+    cb.args = SimpleNamespace(concertina_cost_model="analytic", logging_first_step=True, logging_strategy="steps",
+                              logging_steps=10)
+    state = SimpleNamespace(global_step=0, logging_steps=10)
+    wanted = []
+    for g in range(25):
+        state.global_step = g
+        wanted.append(cb.wants_memory(state))
+    assert [g + 1 for g, w in enumerate(wanted) if w] == [1, 10, 20]
+    cb.args.logging_strategy = "epoch"
+    assert cb.wants_memory(state)
+    cb.args.logging_strategy, cb.args.concertina_cost_model = "steps", "online"
+    assert all(cb.wants_memory(SimpleNamespace(global_step=g, logging_steps=10)) for g in range(25))

@@ -55,7 +55,8 @@ class StepStats:
     plan_wait_s: float
     measured_step_time_s: float
     measured_bubble_fraction: float
-    peak_activation_bytes: tuple[int, ...]
+    #: per stage; ``None`` where the step was run without measuring it (:meth:`ReplanCallback.wants_memory`)
+    peak_activation_bytes: tuple[int | None, ...]
     action_times: list[tuple[Action, float, float]] = field(default_factory=list)
     #: per stage: seconds of compute, communication waits and the rest (``StepResult.breakdown``)
     breakdown: tuple[dict[str, float], ...] = ()
@@ -81,7 +82,8 @@ class StepStats:
         for s, row in enumerate(plan.recompute):
             logs[f"concertina/recompute_layers_stage{s}"] = float(sum(row))
         for s, b in enumerate(self.peak_activation_bytes):
-            logs[f"concertina/peak_activation_stage{s}_bytes"] = float(b)
+            if b is not None:
+                logs[f"concertina/peak_activation_stage{s}_bytes"] = float(b)
         logs["concertina/planning_time_s"] = self.plan_time_s
         logs["concertina/plan_wait_s"] = self.plan_wait_s
         for s, parts in enumerate(self.breakdown):
@@ -135,13 +137,32 @@ class ReplanCallback(TrainerCallback):
         return self.planner.layout
 
     # ------------------------------------------------------------------ measurements
+    def wants_memory(self, state) -> bool:
+        """Whether the step the Trainer runs next (``state.global_step + 1``) needs its measured
+        activation peak: every step with the ``online`` cost model (the refit's memory check takes
+        the largest measured / predicted ratio of every step), otherwise the steps whose statistics
+        are logged (``logging_first_step``, every ``logging_steps``-th step, every step under
+        another logging strategy). Measuring costs a Python call per saved tensor on CPU
+        (:class:`~concertina_hf.runtime.memory.SavedTensorMeter`); a step logged for another
+        reason (a callback setting ``should_log``) logs no ``peak_activation`` figure."""
+        args = self.args
+        if args.concertina_cost_model == "online":
+            return True
+        step = state.global_step + 1
+        if step == 1 and args.logging_first_step:
+            return True
+        if str(getattr(args.logging_strategy, "value", args.logging_strategy)) != "steps":
+            return True
+        every = getattr(state, "logging_steps", None) or args.logging_steps
+        return bool(every) and step % every == 0
+
     def record(self, plan: Plan, result) -> StepStats | None:
         """Gather the stages' measurements to the planner; statistics and (online) refits there.
         Collective over the pipeline group."""
         mine = {
             "stage": self.topology.stage,
             "actions": [(str(a), float(t0), float(t1)) for a, t0, t1 in result.action_times],
-            "peak": int(result.peak_activation_bytes),
+            "peak": None if result.peak_activation_bytes is None else int(result.peak_activation_bytes),
             "wall": float(result.wall_time_s),
             "breakdown": {k: float(v) for k, v in getattr(result, "breakdown", {}).items()},
         }
@@ -174,6 +195,8 @@ class ReplanCallback(TrainerCallback):
                 self._samples.pop(0)
             if plan.predicted is not None:
                 for st, measured in enumerate(stats.peak_activation_bytes):
+                    if measured is None:
+                        continue
                     predicted = plan.predicted.peak_memory_bytes[st] - self.cost_model.static_memory(plan.layout, st)
                     if predicted > 0:
                         self._memory_ratio = max(self._memory_ratio, measured / predicted)

@@ -186,8 +186,8 @@ class ConcertinaTrainer(Trainer):
         # accelerate's autocast (bf16=True / mixed_precision), which Trainer puts around the model's
         # forward: the executor runs forwards under it and backwards outside it, like Trainer
         with self.compute_loss_context_manager(), self.accelerator.autocast():
-            result = self.executor.run_step(plan, step.input_ids, step.labels,
-                                            num_items_in_batch=max(1, norm), train=True)
+            result = self.executor.run_step(plan, step.input_ids, step.labels, num_items_in_batch=max(1, norm),
+                                            train=True, measure_memory=self.replan.wants_memory(self.state))
         # non-finite values or no target: raise on every rank, or drop the step (grads discarded)
         if not self.guard.check(self.state.global_step + 1, plan, result, self._stage_params(),
                                 step.num_items_total, self.pipeline.is_last):

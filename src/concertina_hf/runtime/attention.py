@@ -524,7 +524,10 @@ class _SegmentsCPU(torch.autograd.Function):
         n_prefix, window = fctx.n_prefix, fctx.window
         pk, pv = prefix[:n_prefix], prefix[n_prefix:]
         d, dv = query.shape[-1], value.shape[-1]
-        dquery, dkey, dvalue = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+        # every token's gradient is written by its segment when the segments tile the chunk (the
+        # runtime's always do): no zero fill needed
+        new = torch.empty_like if _tiles(fctx.segs, query.shape[2]) else torch.zeros_like
+        dquery, dkey, dvalue = new(query), new(key), new(value)
         dpk: list = [None] * n_prefix
         dpv: list = [None] * n_prefix
         for seg in fctx.segs:
@@ -551,13 +554,26 @@ class _SegmentsCPU(torch.autograd.Function):
             for i in idx:
                 length = pk[i].shape[2]
                 a, b = max(pos, 0), pos + length
-                gk, gv = torch.zeros_like(pk[i]), torch.zeros_like(pv[i])
+                gk, gv = torch.empty_like(pk[i]), torch.empty_like(pv[i])
+                if a > pos:  # tokens cut by the window get no gradient
+                    gk[:, :, :a - pos].zero_()
+                    gv[:, :, :a - pos].zero_()
                 gk[:, :, a - pos:] = dk[:, :, a:b]
                 gv[:, :, a - pos:] = dvv[:, :, a:b]
                 dpk[i] = gk if dpk[i] is None else dpk[i] + gk
                 dpv[i] = gv if dpv[i] is None else dpv[i] + gv
                 pos = b
         return (dquery, dkey, dvalue, None, None, None, None, *dpk, *dpv)
+
+
+def _tiles(segs, tokens: int) -> bool:
+    """Whether the segments ``(offset, length, ...)`` cover ``[0, tokens)`` exactly, in order."""
+    t = 0
+    for seg in segs:
+        if seg[0] != t:
+            return False
+        t += seg[1]
+    return t == tokens
 
 
 # ---------------------------------------------------------------------------- per-segment autograd paths

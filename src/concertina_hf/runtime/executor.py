@@ -50,7 +50,14 @@ and lists the actions whose sum was not finite in :attr:`StepResult.nonfinite` (
 Per step costs beyond compute: one P2P message per chunk and direction between neighbouring
 stages (``[1, tokens, hidden]`` in :meth:`PipelineExecutor.wire_dtype`), and one 2-float
 broadcast of the loss; lowering and dry-running a new plan take a few ms of CPU; one reduction
-per action (the finiteness sums) and one device synchronization to read them.
+per action (the finiteness sums) and one device synchronization to read them. Measuring the
+activation peak (``measure_memory``, on by default) costs on CPU one Python call per tensor
+autograd saves (:class:`~concertina_hf.runtime.memory.SavedTensorMeter`'s hooks: 4-12% of a
+step of chunks of 16-256 tokens on a 10M-parameter Llama, ``benchmarks/runtime_overhead.py``);
+a step run with ``measure_memory=False`` installs no hook, counts nothing and reports
+``peak_activation_bytes=None``, its computation unchanged (the hooks return every saved tensor
+as is). ``ConcertinaTrainer`` measures only the steps whose figure is used
+(:meth:`~concertina_hf.callbacks.ReplanCallback.wants_memory`).
 Failures inside an action are logged with the program grid, the failing action marked, and
 raised naming the stage, its rank and the action; a receive that times out (the process group's
 timeout, ``ddp_timeout``) names the stage and rank it waited for.
@@ -89,7 +96,8 @@ class StepResult:
     ``(action, start, end)`` of the compute of each action of this stage, in seconds since the
     step started (communication waits before an action are outside its span);
     ``peak_activation_bytes``: measured peak of activation memory on this stage
-    (:class:`~concertina_hf.runtime.memory.SavedTensorMeter`); ``nonfinite``: the actions of this
+    (:class:`~concertina_hf.runtime.memory.SavedTensorMeter`; ``None`` for a step run with
+    ``measure_memory=False``); ``nonfinite``: the actions of this
     stage whose result held a NaN or an infinity (``"F3"``: the output, or on the last stage the
     loss, of chunk 3's forward; ``"B3"``: the gradient chunk 3's backward sends on), in the order
     they ran (empty when every value was finite).
@@ -107,7 +115,7 @@ class StepResult:
     loss_sum: float
     num_items: int
     action_times: list[tuple[Action, float, float]] = field(default_factory=list)
-    peak_activation_bytes: int = 0
+    peak_activation_bytes: int | None = 0
     wall_time_s: float = 0.0
     nonfinite: list[str] = field(default_factory=list)
     breakdown: dict[str, float] = field(default_factory=dict)
@@ -145,13 +153,16 @@ class PipelineExecutor:
     random stream its forwards draw dropout from (:class:`~concertina_hf.runtime.rng.StageRNG`;
     default: seed 0, stream ``stage``). ``sp_group``: the ranks sharing this stage by Ulysses
     sequence parallelism (:mod:`.ulysses`; ``None`` or one rank: none); ``pp_group`` then links
-    this rank to the same sequence-parallel rank of every stage.
+    this rank to the same sequence-parallel rank of every stage. ``measure_memory``: whether
+    :meth:`run_step` measures the activation peak when its own ``measure_memory`` is ``None``
+    (see the module docstring for what it costs).
     """
 
     def __init__(self, wrapper: PipelineWrapper, pp_group: dist.ProcessGroup | None = None,
                  device: torch.device | str | None = None, rng: StageRNG | None = None,
-                 sp_group: dist.ProcessGroup | None = None) -> None:
+                 sp_group: dist.ProcessGroup | None = None, measure_memory: bool = True) -> None:
         self.wrapper = wrapper
+        self.measure_memory = measure_memory
         self.layout = wrapper.layout
         self.stage = wrapper.stage
         self.num_stages = wrapper.layout.num_stages
@@ -258,8 +269,13 @@ class PipelineExecutor:
     # ------------------------------------------------------------------ step
     def run_step(self, plan: Plan, input_ids: Sequence[torch.Tensor], labels: Sequence[torch.Tensor] | None = None,
                  num_items_in_batch: int | None = None, train: bool = True,
-                 on_logits: Callable[[Sequence[SliceSpec], torch.Tensor], None] | None = None) -> StepResult:
+                 on_logits: Callable[[Sequence[SliceSpec], torch.Tensor], None] | None = None,
+                 measure_memory: bool | None = None) -> StepResult:
         """Execute this stage's part of ``plan`` (see the module docstring).
+
+        ``measure_memory``: measure this step's activation peak (``None``: the executor's
+        :attr:`measure_memory`); without it ``StepResult.peak_activation_bytes`` is ``None`` and
+        the step installs no saved-tensor hook (the same computation, cheaper on CPU).
 
         ``on_logits(slices, logits)``: called on the last stage after each chunk's forward with the
         chunk's slices and its detached ``[1, tokens, vocab]`` logits (``slices[i].offset`` is where
@@ -281,12 +297,13 @@ class PipelineExecutor:
         # forward's state themselves).
         amp = autocast_dtype(dev.type)
         wire_dtype = self.wire_dtype(amp)
-        step = _Step(self, plan, input_ids, labels, divisor, train, on_logits)
+        metered = self.measure_memory if measure_memory is None else bool(measure_memory)
+        meter = self.meter if metered else _NO_METER
+        step = _Step(self, plan, input_ids, labels, divisor, train, on_logits, meter)
         program = self._program(plan, train)
         msg_steps = _message_steps(program) if self.comm is not None and self.comm.needs_release else None
         self._release_horizon: dict[int, int] = {}  # peer stage -> its latest step known posted
-        meter = self.meter
-        meter.release_all()
+        self.meter.release_all()  # what a failed step left held
         meter.reset()
         clock = _Clock(dev)
         times: list[tuple[Action, object, object]] = []
@@ -357,7 +374,7 @@ class PipelineExecutor:
             loss_sum=loss_sum_f,
             num_items=int(num_items_in_batch),
             action_times=action_times,
-            peak_activation_bytes=int(peak),
+            peak_activation_bytes=None if peak is None else int(peak),
             wall_time_s=wall,
             nonfinite=nonfinite,
             breakdown={"compute": compute_s, "comm_wait": comm_s,
@@ -413,6 +430,32 @@ class PipelineExecutor:
         self.comm.release(lambda k: k[1] <= horizon.get(k[0], -1))
 
 
+class _NoMeter:
+    """The meter of a step run with ``measure_memory=False``: installs no hook, counts nothing."""
+
+    peak_bytes = None
+
+    def __enter__(self) -> "_NoMeter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def hold(self, tag, *tensors) -> None:
+        pass
+
+    def release(self, tag) -> None:
+        pass
+
+    def release_all(self) -> None:
+        pass
+
+
+_NO_METER = _NoMeter()
+
 _MATCH = {ActionKind.SEND_F: ActionKind.RECV_F, ActionKind.RECV_F: ActionKind.SEND_F,
           ActionKind.SEND_B: ActionKind.RECV_B, ActionKind.RECV_B: ActionKind.SEND_B}
 
@@ -436,10 +479,11 @@ class _Step:
 
     def __init__(self, ex: PipelineExecutor, plan: Plan, input_ids: Sequence[torch.Tensor],
                  labels: Sequence[torch.Tensor], divisor: float, train: bool,
-                 on_logits: Callable[[Sequence[SliceSpec], torch.Tensor], None] | None = None) -> None:
+                 on_logits: Callable[[Sequence[SliceSpec], torch.Tensor], None] | None = None,
+                 meter: "SavedTensorMeter | _NoMeter | None" = None) -> None:
         self.w = w = ex.wrapper
         self.on_logits = on_logits
-        self.meter = ex.meter
+        self.meter = ex.meter if meter is None else meter
         self.plan = plan
         self.train = train
         self.divisor = divisor
