@@ -103,7 +103,8 @@ def cost_model(config: dict, args, log, sources: tuple[str, ...] = ("measured.js
     """The cost model: the first of ``sources`` (result files) profiled for this model on the
     current attention backend (``--profile``: fresh). A model with ``alpha_mask > 0`` was profiled
     on the former dense-mask CPU backend: it prices every sliced or packed chunk as a dense
-    ``T x S`` attention, which no backend does now, and is not reused."""
+    ``T x S`` attention, which no backend does now, and is not reused; nor is one without
+    ``max_chunk_tokens`` (profiled before the planner kept chunks within the profiled range)."""
     import measured
     from concertina_hf.planning import CostModel
 
@@ -115,6 +116,11 @@ def cost_model(config: dict, args, log, sources: tuple[str, ...] = ("measured.js
         if rec["cost_model"].get("alpha_mask"):
             log(f"{src.name} ({rec.get('date')}): its cost model was profiled on the former dense-mask backend "
                 "(alpha_mask > 0); not reused")
+            continue
+        if not rec["cost_model"].get("max_chunk_tokens"):
+            log(f"{src.name} ({rec.get('date')}): its cost model records no fitted chunk range (max_chunk_tokens, "
+                "profiled before issue 13's fix: its plans put a step in chunks far larger than any profiled one); "
+                "not reused")
             continue
         log(f"cost model from {src.name} ({rec.get('date')}, {rec.get('command')})")
         return CostModel.from_dict(rec["cost_model"]), f"{src.name} ({rec.get('date')})"

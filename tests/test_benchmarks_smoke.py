@@ -89,3 +89,21 @@ def test_runtime_overhead_quick(tmp_path):
     assert (tmp_path / "ro.md").read_text().startswith("# Runtime overhead")
     rec = json.loads((tmp_path / "ro.json").read_text())
     assert rec["command"].startswith("python benchmarks/runtime_overhead.py --quick") and "load_average" in rec
+
+
+def test_chunk_cap_quick(tmp_path):
+    """benchmarks/chunk_cap.py --quick (tiny model, ~10 s): both plans of each batch run, the capped
+    one within the profiled range, the uncapped one beyond it (one chunk per step at pp=1)."""
+    out = tmp_path / "cc"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "benchmarks/chunk_cap.py", "--quick", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert res["command"].startswith("python benchmarks/chunk_cap.py --quick") and "load_average" in res
+    cap = res["max_chunk_tokens"]
+    rows = {(r["batch"], r["plan"]): r for r in res["rows"]}
+    assert {p for _, p in rows} == {"capped", "uncapped"}
+    assert all(r["largest_chunk"] <= cap for (_, p), r in rows.items() if p == "capped")
+    assert any(r["largest_chunk"] > cap for (_, p), r in rows.items() if p == "uncapped")
+    assert "| capped |" in out.with_suffix(".md").read_text()

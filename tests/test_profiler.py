@@ -116,6 +116,8 @@ def test_profile_fits_exact_bytes_and_leaves_the_model_alone(profiled):
     model, cost = profiled
     h, kv_dim = 64, 2 * 16
     assert cost.source == "profiled" and cost.num_layers == NUM_LAYERS
+    # the largest profiled chunk: the planner builds none larger (test_chunk_cap)
+    assert cost.max_chunk_tokens == max(sum(s for _, s in shp) for shp in default_shapes(512)) == 512
     # the model itself is untouched: its attention and its gradients
     assert model.config._attn_implementation == "sdpa"
     assert all(p.grad is None for p in model.parameters())

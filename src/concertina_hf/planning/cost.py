@@ -256,6 +256,12 @@ class CostModel:
     inter_node_bandwidth: float = 20e9
     inter_node_latency_s: float = 2e-5
     gpus_per_node: int = 8
+    # the largest chunk (tokens, per GPU's sp = 1 equivalent: scaled by sp in with_parallel) the
+    # time coefficients were fitted on; the planner builds no larger chunk (plan_step). 0: no cap
+    # (analytic models, models saved before the field). Beyond it the per-token time can grow:
+    # on CPU, 8K-13K-token chunks of a 10M Llama ran 1.2-1.6x their linear prediction (the head's
+    # log-softmax over the fp32 logits up to 7x its per-element time in 4K-token chunks; issue 13)
+    max_chunk_tokens: int = 0
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -393,6 +399,8 @@ class CostModel:
         for name in ("act_bytes_per_token", "recompute_bwd_transient_bytes_per_token"):
             if getattr(self, name):
                 changes[name] += self._sp_layer_extra(sp) - self._sp_layer_extra(self.sp) * ratio
+        if self.max_chunk_tokens:  # a chunk's tokens are sharded over the sp GPUs
+            changes["max_chunk_tokens"] = max(1, self.max_chunk_tokens * sp // self.sp)
         changes.update(sp=sp, state_shards=shards, zero3=bool(zero3))
         if shards > 1 and not self.sharded_bytes_per_param:
             keep = min(self.static_bytes_per_param, 2.0 * self.dtype_bytes)  # weights and gradients

@@ -43,6 +43,12 @@ embedding -> ``embed_time_per_token`` (fits through the origin,
 :func:`~concertina_hf.planning.fit.through_origin`). The cost model applies ``bwd_factor`` to
 head and embedding too, so their per-token times are ``(forward + backward) / (1 +
 bwd_factor)``: the step total is right, the forward/backward split of those two approximate.
+The largest profiled chunk (tokens) becomes ``max_chunk_tokens``: the planner builds no larger
+chunk (:func:`~concertina_hf.planning.strategies.plan_step`), since the fit is linear and the
+time per token grows beyond some size (on CPU, a 10M Llama's 8K-13K-token chunks ran 1.2-1.6x
+their prediction in the executor, the fp32 logits' log-softmax at up to 7x its per-element time
+in 4K-token chunks, the matmuls slower too; issue 13). Profile up to the largest chunk
+a run should use (``max_tokens`` or ``shapes``).
 Under autocast, the weight copies it keeps for the step are added to ``static_bytes_per_param``
 (spread over the profiled parameters). Parameter counts are the model's own; static bytes per
 parameter, P2P rates and the layer count come from ``base`` (default: the analytic model of
@@ -271,6 +277,8 @@ def profile_cost_model(
                    _line(short, [t * k for (t, _), k in zip(short_tr, short)]))),
         recompute_factor=min(1.5, max(0.0, extra / plain_fwd)) if plain_fwd > 0 else base.recompute_factor,
         layer_params=pr.layer_params,
+        # the planner builds no larger chunk: beyond the profiled sizes the per-token time can grow
+        max_chunk_tokens=max(sum(s for _, s in shp) for shp in shape_list),
         source="profiled",
     )
     if cast_bytes:

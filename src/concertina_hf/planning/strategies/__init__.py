@@ -32,7 +32,7 @@ from ..recompute import SOLVERS
 from ..types import Plan, PlanError, StageLayout
 from .adaptive import ADAPTIVE_KNOBS, CHUNKING_KNOBS, plan_adaptive, plan_full_recompute, plan_no_recompute
 from .baselines import PACKED_KNOBS, SPLIT_KNOBS, plan_packed, plan_split
-from .common import PlanRequest, check_step
+from .common import PlanRequest, check_step, fitted_token_cap
 from .sp_only import SP_ONLY_KNOBS, plan_sp_only
 
 __all__ = ["PIPELINE_STRATEGIES", "REGISTRY", "STRATEGIES", "PlanRequest", "Strategy", "ideal_step_time", "plan_step"]
@@ -106,7 +106,10 @@ def plan_step(
 
     ``memory_budget_bytes``: per stage (static memory included), one size for all or one per
     stage; 0 means unconstrained. ``max_tokens_per_chunk``: the token cap of a chunk (adaptive;
-    for the baselines, the largest token budget / slice size tried). ``solver``: ``"ilp"`` or
+    for the baselines, the largest token budget / slice size tried); a profiled cost model's
+    ``max_chunk_tokens`` (the largest chunk its times were fitted on) caps it too, unless the
+    step needs larger chunks (:func:`~.common.fitted_token_cap`; ``packed`` keeps a longer
+    sequence whole, and knobs fixed by the caller are taken as given). ``solver``: ``"ilp"`` or
     ``"greedy"`` recompute assignment (adaptive). ``knobs`` fix a strategy's searched settings:
     adaptive ``num_slices_longest``, ``k_candidates``, ``max_groups``, ``split_threshold``,
     ``time_target``, ``num_finalists``, ``extra_warmup`` (forwards ahead beyond 1F1B; default: one more at a
@@ -142,6 +145,8 @@ def plan_step(
     budgets = stage_budgets(memory_budget_bytes, layout.num_stages)
     token_cap = int(max_tokens_per_chunk) if max_tokens_per_chunk is not None else None
     check_step(record, lens, cost, layout, budgets, token_cap)  # the refusals that need no search
+    user_cap = token_cap
+    token_cap = fitted_token_cap(record, lens, cost, layout, token_cap)  # no larger chunk than profiled
     return record.run(PlanRequest(lens=lens, batch=SequenceBatch(lens, cost, layout), cost=cost, layout=layout,
                                   budgets=budgets, token_cap=token_cap, solver=solver, time_limit_s=time_limit_s,
-                                  knobs=knobs))
+                                  knobs=knobs, user_capped=user_cap is not None and user_cap == token_cap))

@@ -14,7 +14,7 @@ from ..schedule import build_schedule
 from ..types import Chunk, ChunkKind, Plan, PlanError, PlanStats, Slice, StageLayout
 
 __all__ = [
-    "ASSIGN_COST", "GIB", "MAX_CHUNKS", "MAX_CHUNK_STAGES", "MAX_SLICES", "N_CANDIDATES", "SEARCH_EFFORT", "PlanRequest",
+    "ASSIGN_COST", "GIB", "fitted_token_cap", "MAX_CHUNKS", "MAX_CHUNK_STAGES", "MAX_SLICES", "N_CANDIDATES", "SEARCH_EFFORT", "PlanRequest",
     "check_step", "describe_longest", "finish", "max_chunks", "min_chunks", "overshoot", "plan_of",
     "token_budget_candidates", "too_many_chunks", "worst_stage",
 ]
@@ -58,7 +58,11 @@ class PlanRequest:
     """Memory budget per stage in bytes, static memory included; 0: unconstrained."""
     token_cap: int | None
     """``max_tokens_per_chunk``: the token cap of a chunk (for the baselines, the largest token
-    budget / slice size tried); ``None``: uncapped."""
+    budget / slice size tried), lowered to the cost model's fitted range
+    (:func:`fitted_token_cap`); ``None``: uncapped."""
+    user_capped: bool = False
+    """Whether the caller set ``max_tokens_per_chunk`` below the cost model's fitted range (the
+    search adds capped variants of its leaders only when not: a cap the caller chose is final)."""
     solver: str
     """Recompute solver, one of :data:`~..recompute.SOLVERS` (adaptive only)."""
     time_limit_s: float
@@ -235,3 +239,23 @@ def _smallest_cap(lens: Sequence[int], limit: int, splits_sequences: bool) -> in
         else:
             lo = mid + 1
     return lo
+
+
+def fitted_token_cap(record: Any, lens: Sequence[int], cost: CostModel, layout: StageLayout,
+                     token_cap: int | None) -> int | None:
+    """The token cap a step is planned under: ``token_cap`` (``max_tokens_per_chunk``), lowered
+    to the largest chunk the cost model's times were fitted on (``cost.max_chunk_tokens``, 0:
+    none), so no plan relies on an extrapolated chunk time. The model's cap is raised as far as
+    the chunk and slice limits need, with room for uneven chunks (twice the smallest cap within
+    :func:`max_chunks` and :data:`MAX_SLICES`): a step too large for it is planned with larger
+    chunks rather than refused. ``sp-only`` (another layout, its chunks sharded over a group of
+    its own choosing) is not capped by the model.
+    """
+    fitted = int(cost.max_chunk_tokens)
+    if fitted <= 0 or not record.pipeline:
+        return token_cap
+    need = _smallest_cap(lens, max_chunks(layout), record.splits_sequences)
+    if record.splits_sequences:
+        need = max(need, -(-max(lens) // MAX_SLICES))
+    fitted = max(fitted, 2 * need)
+    return fitted if token_cap is None else min(token_cap, fitted)

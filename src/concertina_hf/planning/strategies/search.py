@@ -109,6 +109,7 @@ class ChunkingSearch:
         if self.knobs.get("time_target") is not None:
             self.ks = self.ks[:1]  # K only matters through the time target
         self.token_cap = req.token_cap
+        self.user_capped = req.token_cap is not None and req.user_capped
         self.uncapped = req.token_cap if req.token_cap is not None else sum(self.batch.lens)
         self.cands: dict[tuple[float, int, str], Candidate] = {}
         # token caps / budgets below this cut the step into more chunks than a plan may have
@@ -216,7 +217,7 @@ class ChunkingSearch:
         else:
             for k in ks[1::2]:
                 self.get(k, uncapped)
-        if self.token_cap is None and (self.strategy != "adaptive" or self.proxy is not None):
+        if not self.user_capped and (self.strategy != "adaptive" or self.proxy is not None):
             ranked = sorted(self.cands.values(), key=Candidate.order)
             lead = ranked[:3] if not math.isinf(ranked[0].est) else ranked
             if self.strategy != "adaptive" or any(c.chunking.needs_recompute(self.cost, self.layout, self.proxy)
