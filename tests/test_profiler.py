@@ -128,12 +128,13 @@ def test_profile_fits_exact_bytes_and_leaves_the_model_alone(profiled):
     assert 0 < cost.layer_fwd_time(short) < cost.layer_fwd_time(long)
     assert cost.bwd_factor > 0.5 and cost.head_time_per_token > 0
     assert cost.alpha_mask == 0
-    # bytes of float32 tensors, exactly: a recomputed layer keeps its input, and the checkpoint
-    # closures keep the chunk's rotary tables (cos, sin; saved layers keep them too: spread over
-    # the 4 profiled layers) and, once per chunk with any recompute, the context's int64
+    # bytes of float32 tensors, exactly: a recomputed layer keeps its input; the stage's layers
+    # share the chunk's rotary tables (cos, sin), once per stage whatever its layer count; the
+    # checkpoint closures keep, once per chunk with any recompute, the context's int64
     # positions; a non-final slice keeps its K and V; no mask is kept (masks are per slice, built
     # in forward and again in backward); the head keeps at least the float32 log-probabilities
-    assert cost.ckpt_bytes_per_token == pytest.approx(4 * h + 2 * 4 * 16 / NUM_LAYERS)
+    assert cost.ckpt_bytes_per_token == pytest.approx(4 * h)
+    assert cost.stage_bytes_per_token == pytest.approx(2 * 4 * 16)
     assert cost.ckpt_chunk_bytes_per_token == pytest.approx(8)
     assert cost.kv_bytes_per_token == pytest.approx(4 * 2 * kv_dim)
     assert cost.mask_bytes_per_pair == 0
@@ -213,8 +214,8 @@ def test_profile_under_bf16_autocast(profiled):
 
 def test_wrapper_profile_matches_model_profile(profiled):
     """A PipelineWrapper's own stage (all its layers by default) profiles like the model it
-    wraps; profiling fewer layers than the stage changes the per-layer bytes only by the
-    per-chunk tensors spread over them."""
+    wraps; profiling fewer layers than the stage gives the same per-layer bytes (the per-chunk
+    tensors the layers share are the stage's, ``stage_bytes_per_token``)."""
     model, cost = profiled
     import copy
 
@@ -224,14 +225,16 @@ def test_wrapper_profile_matches_model_profile(profiled):
              "mask_bytes_per_pair",
              "logits_bytes_per_token", "bwd_transient_bytes_per_token", "head_bwd_transient_bytes_per_token",
              "bwd_transient_bytes", "head_bwd_transient_bytes", "embed_bwd_transient_bytes", "embed_bwd_bytes_per_token",
-             "layer_params", "head_params", "embed_params")
+             "stage_bytes_per_token", "layer_params", "head_params", "embed_params")
     for name in names:
         assert getattr(wcost, name) == pytest.approx(getattr(cost, name), rel=1e-3), name
     assert all(p.grad is None for p in w.parameters())
     two = profile_cost_model(model, repeats=1, warmup=0, num_layers=2)
     assert two.act_bytes_per_token == pytest.approx(cost.act_bytes_per_token, rel=0.01)
-    per_chunk = 2 * 4 * 16  # rotary tables, per token of a chunk (index tensors: once per chunk)
-    assert two.ckpt_bytes_per_token - cost.ckpt_bytes_per_token == pytest.approx(per_chunk / 2 - per_chunk / 4)
+    # the rotary tables are the stage's, once (index tensors: once per chunk), whatever the
+    # layers profiled
+    assert two.ckpt_bytes_per_token == pytest.approx(cost.ckpt_bytes_per_token)
+    assert two.stage_bytes_per_token == cost.stage_bytes_per_token == 2 * 4 * 16
     assert two.ckpt_chunk_bytes_per_token == cost.ckpt_chunk_bytes_per_token
 
 

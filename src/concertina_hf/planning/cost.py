@@ -32,11 +32,19 @@ the recompute planner's linear model over-approximates by ``(r - 1)`` times it (
 over ``T x S`` whenever a chunk needs a mask (the former CPU backend) cost ``alpha_mask * T * S``
 per layer instead of ``alpha_attn * pairs`` on such chunks (``alpha_mask = 0``: every current
 backend attends per slice or per varlen segment; kept for cost models saved before).
+The layers of a stage share per chunk what they all read (the rotary tables), held once per
+stage whatever its layer count (``stage_bytes_per_token``; the profiler measures it apart, so a
+one-layer stage is not predicted a share of it spread over the profiled layers).
 During a chunk's backward the stage briefly holds more than its activations: the hidden-state
 gradients in and out (``2 * hidden_bytes_per_token``), or, when measured, the peak extra of a
 decoder layer's backward (``bwd_transient_bytes_per_token``: gradients of its intermediate
 activations) or of the head's (``head_bwd_transient_bytes_per_token``: the logits' gradient;
-it runs first and frees the logits before the layers' backward), whichever is largest; and,
+it runs first and frees the logits before the layers' backward), whichever is largest; for a
+slice with context, its attention's backward holds the gradients of every key and value it
+attended to, ``bwd_context_bytes_per_token`` per key (``C + s``; the kernel's at the query heads'
+width and their sum over the heads sharing a K/V head, ``2 * (q_dim + kv_dim) * dtype_bytes``:
+a short late slice of a long sequence holds more there than its own activations), the largest
+slice of the chunk (slices run one at a time), if larger still; and,
 whatever the chunk's size, the weight gradient a backward computes before adding it into
 ``.grad`` (``bwd_transient_bytes`` and ``head_bwd_transient_bytes`` plus their per-token slopes:
 the LM head's is ``vocab x hidden``, more than a short chunk's activations). The embedding's
@@ -239,6 +247,11 @@ class CostModel:
     # peak extra of a layer's backward when every layer of the stage recomputes (measured; 0: a
     # saved layer's transient plus its activations, act_bytes_per_token, the conservative sum)
     recompute_bwd_transient_bytes_per_token: float = 0.0
+    # per key (context and own tokens) of a slice with context, during a decoder layer's
+    # backward: the gradients of every key and value it attended to (module docstring)
+    bwd_context_bytes_per_token: float = 0.0
+    # per chunk token, once per stage with decoder layers: what its layers share (rotary tables)
+    stage_bytes_per_token: float = 0.0
     # a recomputed layer's forward, relative to a plain one (non-reentrant checkpointing stops
     # the replay once the tensors backward needs exist, so the last ops are skipped)
     recompute_factor: float = 1.0
@@ -342,6 +355,10 @@ class CostModel:
             head_bwd_transient_slope=2 * b * h,
             embed_bwd_transient_bytes=b * vocab * h,
             embed_bwd_bytes_per_token=b * h,  # the embedding output's gradient
+            # a slice with context, backward: dK and dV of its keys at the query heads' width
+            # (the kernel's, before the K/V heads' sum) and their sum
+            bwd_context_bytes_per_token=b * 2 * (q_dim + kv_dim),
+            stage_bytes_per_token=b * 2 * head_dim,  # the rotary cos and sin of the chunk
             layer_params=layer_params,
             embed_params=embed_params,
             head_params=head_params,
@@ -366,7 +383,7 @@ class CostModel:
                 "hidden_bytes_per_token", "context_bytes_per_token", "output_bytes_per_token",
                 "bwd_transient_bytes_per_token", "head_bwd_transient_bytes_per_token", "ckpt_chunk_bytes_per_token",
                 "embed_bwd_bytes_per_token", "bwd_transient_slope", "head_bwd_transient_slope",
-                "recompute_bwd_transient_bytes_per_token")
+                "recompute_bwd_transient_bytes_per_token", "bwd_context_bytes_per_token", "stage_bytes_per_token")
 
     def with_parallel(self, *, sp: int = 1, state_shards: int | None = None, zero3: bool = False) -> "CostModel":
         """This model for a stage of ``sp`` GPUs (Ulysses inside attention) whose state is
@@ -566,6 +583,8 @@ class CostModel:
         mem += recompute_layers * (self.ckpt_bytes_per_token * tok + self.kv_bytes_per_token * kv_tok)
         if recompute_layers and self.ckpt_chunk_bytes_per_token:
             mem += self.ckpt_chunk_bytes_per_token * tok
+        if n:
+            mem += self.stage_bytes_per_token * tok  # what the layers share (saved or replayed)
         if layout.has_head(stage):
             mem += self.logits_bytes_per_token * tok
         else:
@@ -603,6 +622,11 @@ class CostModel:
         if n and self.bwd_transient_bytes:
             # while it computes a weight gradient (the per-token peak is another moment of it)
             layer = max(layer, self.bwd_transient_bytes + self.bwd_transient_slope * tok)
+        if n and self.bwd_context_bytes_per_token:
+            # a slice with context: the attention's backward, one slice at a time, holds the
+            # gradients of every key and value the slice attended to
+            keys = max((s.context + s.length for s in chunk.slices if s.context > 0), default=0)
+            layer = max(layer, self.bwd_context_bytes_per_token * keys)
         if n and recompute_layers >= n:
             if self.recompute_bwd_transient_bytes_per_token:
                 # measured with the replay: it holds less than a saved layer's activations

@@ -282,6 +282,50 @@ class Probe:
             del x, loss
         return max(0.0, layers), max(0.0, head)
 
+    def bwd_context_bytes(self, context: int, tokens: int) -> float:
+        """Peak bytes per key (``context + tokens``) that a decoder layer's backward holds beyond
+        the activations it frees, on one final slice of ``tokens`` tokens after ``context``
+        tokens of its sequence: the gradients of every key and value it attended to (the
+        kernel's at the query heads' width, their sum over them), as in the executor after
+        the sequence's first backward, whose K/V gradient buffers already exist (made here
+        before the measurement, left out of it). Every live tensor on CPU, the allocator on
+        CUDA."""
+        params = [p for m in self.stage.decoder_layers for p in m.parameters()]
+        for p in params:  # gradients are static memory
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        specs = _specs(((context, tokens),), False)
+        store = self._store(specs)
+        leaves = [t for layer in self.layer_ids for pair in store.prefix_parts(0, context, layer) for t in pair]
+        for t in leaves:
+            t.grad = torch.zeros_like(t)
+        exclude = [*self.exclude, *(p.grad for p in params), *leaves, *(t.grad for t in leaves)]
+        with self._live_meter(exclude) as m, torch.enable_grad():
+            ctx = ChunkAttentionContext(specs, store, self.device, requires_grad=True)
+            x = torch.randn(1, tokens, self.hidden_size, dtype=self.dtype, device=self.device).requires_grad_()
+            with self._fwd():
+                y = self.stage.run_layers(x, ctx, 0)
+            start = m.current_bytes
+            m.reset()
+            torch.autograd.backward(y, torch.randn_like(y))
+            peak = m.peak_bytes - start
+        del x, y, ctx, leaves
+        store.clear()
+        return max(0.0, peak / (context + tokens))
+
+    def shared_bytes(self, tokens: int) -> float:
+        """Bytes per token of what a stage's decoder layers share on a chunk, once per stage
+        whatever its layer count (the rotary tables), which :meth:`chunk_bytes` counts with the
+        probe's layers."""
+        pos = torch.arange(tokens, device=self.device).unsqueeze(0)
+        x = torch.zeros(1, tokens, self.hidden_size, dtype=self.dtype, device=self.device)
+        with self._live_meter() as m, torch.no_grad(), self._fwd():
+            rotary = self.stage.family.position_embeddings(self.stage.model.model.rotary_emb, x, pos,
+                                                           range(self.stage.layer_start, self.stage.layer_end))
+            nbytes = m.current_bytes
+        del rotary
+        return nbytes / tokens
+
     def embed_bwd_bytes(self, tokens: int) -> float:
         """Peak bytes of the embedding's backward on ``tokens`` tokens beyond its saved ids: the
         output's gradient (allocated inside, as a layer's backward hands it over) and the dense

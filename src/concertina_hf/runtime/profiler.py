@@ -228,6 +228,14 @@ def profile_cost_model(
         # every layer recomputed: the backward re-materializes one layer's activations, less
         # than a saved layer keeps (checkpointing stops the replay once backward has its tensors)
         rec_transient = pr.bwd_transients(size, recompute=n)[0]
+        # a short final slice after a long context: its backward's K/V gradients, per key (at
+        # two contexts: the larger's, or the slope between them when steeper, since a constant
+        # part, the weight gradients, hides the keys' share at short contexts)
+        tail = min(16, size)
+        ctx_peaks = [pr.bwd_context_bytes(c, tail) * (c + tail) for c in (size, 2 * size)]
+        ctx_transient = max(ctx_peaks[1] / (2 * size + tail), (ctx_peaks[1] - ctx_peaks[0]) / size)
+        # the layers' shared per-chunk tensors (rotary tables): once per stage, not per layer
+        shared = pr.shared_bytes(size)
         short = (8, 16)
         short_tr = [pr.bwd_transients(tok) for tok in short]
         embed_bwd = [pr.embed_bwd_bytes(tok) for tok in short] if pr.has_embed else []
@@ -259,6 +267,11 @@ def profile_cost_model(
     act, ctx_b, mask_b = fit_activation_bytes(mem_rows, mem_bytes, n)
     mask_b = max(mask_b, mask_rec)  # the cost model has one mask term: take the larger
     ckpt = (ckpt_final - chunk_extra) / (n * size)
+    # every measurement above holds the shared tables once for its n layers: the cost model
+    # counts them once per stage (stage_bytes_per_token), whatever its layer count
+    shared = min(shared, n * act, n * ckpt)
+    act -= shared / n
+    ckpt -= shared / n
     kv = max(0.0, (ckpt_split - ckpt_final) / (n * size))
     hidden_bytes = float(dtype_bytes * pr.hidden_size)
     changes: dict[str, Any] = dict(
@@ -273,6 +286,8 @@ def profile_cost_model(
         # a + b * tokens through the two token counts: the weight gradients are per backward
         bwd_transient_bytes_per_token=transients[-1][0],
         recompute_bwd_transient_bytes_per_token=rec_transient,
+        bwd_context_bytes_per_token=ctx_transient,
+        stage_bytes_per_token=shared,
         **dict(zip(("bwd_transient_bytes", "bwd_transient_slope"),
                    _line(short, [t * k for (t, _), k in zip(short_tr, short)]))),
         recompute_factor=min(1.5, max(0.0, extra / plain_fwd)) if plain_fwd > 0 else base.recompute_factor,
