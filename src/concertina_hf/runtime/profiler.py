@@ -37,6 +37,8 @@ recompute and with one recomputed layer (whole sequence) -> ``ckpt_bytes_per_tok
 tensors), (the extra of the non-final slice) ``kv_bytes_per_token``, and (the packed chunk's
 extra per key pair, when larger: what the context keeps of its mask under recompute)
 ``mask_bytes_per_pair``; backward transients -> ``bwd_transient_bytes_per_token``,
+``bwd_context_bytes_per_token`` (a 16-token slice after ``size`` and ``2 * size`` tokens of
+context, per key: the larger context's, or the slope between the two when steeper),
 ``head_bwd_transient_bytes_per_token``; recompute -> ``recompute_factor``; head ->
 ``logits_bytes_per_token`` (everything the head keeps per token) and ``head_time_per_token``;
 embedding -> ``embed_time_per_token`` (fits through the origin,
@@ -62,8 +64,10 @@ and the chunk sizes (bound it with ``max_tokens`` or ``shapes``).
 
 Accuracy (benchmarks/cost_model_accuracy.py): held-out chunk shapes of a hidden-256 Llama on
 CPU within 5% in time, activation bytes within 0.3%. Not modelled: the embedding's saved
-token ids (8 bytes per token); per-chunk tensors (the mask, rotary tables) are spread over the
-profiled layers, so profile about as many layers as a stage holds when they matter.
+token ids (8 bytes per token). The rotary tables the stage's layers share are measured apart
+(``stage_bytes_per_token``, once per stage) and taken out of the per-layer bytes; other
+per-chunk tensors (the context's index tensors) are spread over the profiled layers, so
+profile about as many layers as a stage holds when they matter.
 
 Shape legend: ``T`` tokens of a chunk, ``S`` keys (``T`` plus the contexts).
 """
