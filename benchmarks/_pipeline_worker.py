@@ -366,7 +366,7 @@ def _step(rank: int, rep: _Replica, plan, ids, memory_round: bool, t0: float, t_
     t_call, c_call = time.perf_counter(), time.thread_time()
     try:
         # the activation peak is measured on the memory round only, as the trainer measures only
-        # the steps it logs: the saved-tensor hooks cost 4-12% of a small-chunk step on CPU
+        # the steps it logs: the saved-tensor hooks cost 1-7% of a CPU step (chunks of 1024 to 64 tokens)
         # (issue 13, runtime_overhead.py); the Trainer baseline meters its first step only too
         res = rep.executor.run_step(plan, ids, measure_memory=memory_round)
     finally:

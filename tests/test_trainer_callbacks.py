@@ -206,7 +206,7 @@ def test_default_run_draws_its_last_step_and_logs_where(tmp_path, caplog):
 
 
 def test_only_logged_steps_measure_activation_memory(tmp_path):
-    """The executor's saved-tensor hooks cost 4-12% of a small-chunk CPU step (issue 13), so the
+    """The executor's saved-tensor hooks cost 1-7% of a CPU step (issue 13), so the
     trainer measures the activation peak only on the steps whose statistics are logged (and on
     every step with the online cost model, whose refit checks every step's peak): a real run of
     4 steps logging every 2nd step measures steps 2 and 4, and both log entries carry the peak."""

@@ -16,9 +16,10 @@ recomputed during backward, temporaries that autograd does not save (an op's wor
 gradients flowing through backward. On CUDA all of these are real allocations, so there the
 meter reads ``torch.cuda.max_memory_allocated`` minus the allocation at :meth:`reset` instead.
 
-Cost: one Python call per saved tensor (about 2.5 microseconds on the CI's CPU, twice the cost
-of a hook that does nothing; 4-12% of a step of 16-256-token chunks on a 10M-parameter Llama:
-``benchmarks/runtime_overhead.py``), and one more when autograd drops it; nothing on CUDA. The
+Cost: one Python call per saved tensor and one more when autograd drops it (2.75 us over no hook
+in a loop of tiny ops, a hook that does nothing 1.25 us; in whole steps of a 10M-parameter Llama
+1.1% / 3.7% / 6.6% of a step of chunks of 1024 / 256 / 64 tokens:
+``benchmarks/runtime_overhead.py``); nothing on CUDA. The
 executor runs it only on the steps whose figure is used (``PipelineExecutor.run_step``'s
 ``measure_memory``).
 
