@@ -239,5 +239,7 @@ def test_only_logged_steps_measure_activation_memory(tmp_path):
     assert [g + 1 for g, w in enumerate(wanted) if w] == [1, 10, 20]
     cb.args.logging_strategy = "epoch"
     assert cb.wants_memory(state)
+    cb.args.logging_strategy, cb.args.logging_first_step = "no", False
+    assert not any(cb.wants_memory(SimpleNamespace(global_step=g, logging_steps=10)) for g in range(25))
     cb.args.logging_strategy, cb.args.concertina_cost_model = "steps", "online"
     assert all(cb.wants_memory(SimpleNamespace(global_step=g, logging_steps=10)) for g in range(25))

@@ -142,7 +142,7 @@ class ReplanCallback(TrainerCallback):
         activation peak: every step with the ``online`` cost model (the refit's memory check takes
         the largest measured / predicted ratio of every step), otherwise the steps whose statistics
         are logged (``logging_first_step``, every ``logging_steps``-th step, every step under
-        another logging strategy). Measuring costs a Python call per saved tensor on CPU
+        ``logging_strategy="epoch"``, none under ``"no"``). Measuring costs a Python call per saved tensor on CPU
         (:class:`~concertina_hf.runtime.memory.SavedTensorMeter`); a step logged for another
         reason (a callback setting ``should_log``) logs no ``peak_activation`` figure."""
         args = self.args
@@ -151,8 +151,9 @@ class ReplanCallback(TrainerCallback):
         step = state.global_step + 1
         if step == 1 and args.logging_first_step:
             return True
-        if str(getattr(args.logging_strategy, "value", args.logging_strategy)) != "steps":
-            return True
+        strategy = str(getattr(args.logging_strategy, "value", args.logging_strategy))
+        if strategy != "steps":
+            return strategy != "no"  # "epoch": whichever step ends the epoch
         every = getattr(state, "logging_steps", None) or args.logging_steps
         return bool(every) and step % every == 0
 
