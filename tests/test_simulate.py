@@ -235,7 +235,7 @@ def test_stage0_holds_most_in_flight_activations():
     p, m = 4, 12
     cost = llama_cost(logits_bytes_per_token=0.0, layer_params=0, embed_params=0, head_params=0,
                       bwd_transient_bytes=0.0, head_bwd_transient_bytes=0.0, embed_bwd_transient_bytes=0.0,
-                      embed_bwd_bytes_per_token=0.0)
+                      embed_bwd_bytes_per_token=0.0, ids_bytes_per_token=0.0)
     plan = _uniform_plan(m, p, num_layers=4 * p)
     res = simulate(plan, cost)
     a = cost.act_memory(plan.layout, 0, plan.chunks[0])

@@ -36,7 +36,8 @@ def test_compute_and_activations_per_gpu_are_divided_by_sp():
 
     full = CostModel.from_hf_config(LLAMA13B, DeviceSpec.a800())
     # weight gradients before accumulation: per backward and whole on every GPU, not divided
-    consts = ("bwd_transient_bytes", "head_bwd_transient_bytes", "embed_bwd_transient_bytes")
+    # and the int64 token ids and targets of the whole chunk (a rank's share is a view of them)
+    consts = ("bwd_transient_bytes", "head_bwd_transient_bytes", "embed_bwd_transient_bytes", "ids_bytes_per_token")
     assert all(getattr(full.with_parallel(sp=8), k) == getattr(full, k) > 0 for k in consts)
     one = dataclasses.replace(full, **{k: 0.0 for k in consts})
     eight = one.with_parallel(sp=8)

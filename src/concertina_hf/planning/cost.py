@@ -34,7 +34,9 @@ per layer instead of ``alpha_attn * pairs`` on such chunks (``alpha_mask = 0``: 
 backend attends per slice or per varlen segment; kept for cost models saved before).
 The layers of a stage share per chunk what they all read (the rotary tables), held once per
 stage whatever its layer count (``stage_bytes_per_token``; the profiler measures it apart, so a
-one-layer stage is not predicted a share of it spread over the profiled layers).
+one-layer stage is not predicted a share of it spread over the profiled layers). The first stage
+keeps the token ids its embedding saved and the last the targets its loss saved
+(``ids_bytes_per_token`` each: int64, the whole chunk's on every GPU of the stage).
 During a chunk's backward the stage briefly holds more than its activations: the hidden-state
 gradients in and out (``2 * hidden_bytes_per_token``), or, when measured, the peak extra of a
 decoder layer's backward (``bwd_transient_bytes_per_token``: gradients of its intermediate
@@ -252,6 +254,10 @@ class CostModel:
     bwd_context_bytes_per_token: float = 0.0
     # per chunk token, once per stage with decoder layers: what its layers share (rotary tables)
     stage_bytes_per_token: float = 0.0
+    # per chunk token on the first stage (the ids the embedding saves) and on the last (the
+    # targets the loss saves): a whole chunk's on every GPU of the stage (a rank's share is a
+    # view of them), so not divided by sp
+    ids_bytes_per_token: float = 0.0
     # a recomputed layer's forward, relative to a plain one (non-reentrant checkpointing stops
     # the replay once the tensors backward needs exist, so the last ops are skipped)
     recompute_factor: float = 1.0
@@ -359,6 +365,7 @@ class CostModel:
             # (the kernel's, before the K/V heads' sum) and their sum
             bwd_context_bytes_per_token=b * 2 * (q_dim + kv_dim),
             stage_bytes_per_token=b * 2 * head_dim,  # the rotary cos and sin of the chunk
+            ids_bytes_per_token=8.0,  # int64 token ids (embedding) and targets (loss)
             layer_params=layer_params,
             embed_params=embed_params,
             head_params=head_params,
@@ -585,6 +592,7 @@ class CostModel:
             mem += self.ckpt_chunk_bytes_per_token * tok
         if n:
             mem += self.stage_bytes_per_token * tok  # what the layers share (saved or replayed)
+        mem += self.ids_bytes_per_token * tok * (layout.has_embedding(stage) + layout.has_head(stage))
         if layout.has_head(stage):
             mem += self.logits_bytes_per_token * tok
         else:
