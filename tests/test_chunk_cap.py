@@ -69,3 +69,60 @@ def test_cap_scales_with_sp_and_old_models_load_uncapped():
     old = {k: v for k, v in BASE.to_dict().items() if k != "max_chunk_tokens"}
     assert CostModel.from_dict(old).max_chunk_tokens == 0
     assert CostModel.from_dict(cost.to_dict()) == cost
+
+
+# ------------------------------------------------------------------ per-call embedding / head times
+def test_relative_line_holds_at_small_chunks_where_through_origin_does_not():
+    """The embedding's dense weight gradient costs the same at any chunk size: a line through the
+    origin fitted on large chunks misses it at the small chunks pp=2 plans use (issue 13)."""
+    from concertina_hf.planning.fit import relative_line, through_origin
+
+    toks = [64, 256, 1024, 4096]
+    secs = [1.8e-3 + 4e-7 * t for t in toks]  # the embedding of the 10M Llama, roughly
+    a, b = relative_line(toks, secs)
+    assert a == pytest.approx(1.8e-3, rel=1e-6) and b == pytest.approx(4e-7, rel=1e-6)
+    k = through_origin(toks[-2:], secs[-2:])  # the former fit: two large sizes, no constant
+    assert k * 256 < 0.5 * secs[1]
+    # a line through the origin when the constant would be negative; noise weighs alike at every size
+    a, b = relative_line([100, 200, 400], [1.0, 2.2, 4.6])
+    assert a == 0 and b > 0
+
+
+def test_per_call_times_on_the_end_stages_only():
+    cost = dataclasses.replace(BASE, embed_time_per_call=2e-3, head_time_per_call=1e-3)
+    layout = _layout(2)
+    plan = plan_step([300, 200], cost, layout, 0, "packed", token_budget=512)
+    chunk = plan.chunks[0]
+    for s, extra in ((0, 2e-3), (1, 1e-3)):
+        assert cost.fwd_time(layout, s, chunk) == pytest.approx(BASE.fwd_time(layout, s, chunk) + extra)
+        assert cost.bwd_time(layout, s, chunk) == pytest.approx(BASE.bwd_time(layout, s, chunk) + cost.bwd_factor * extra)
+    # the simulated step carries them once per chunk and stage, forward and backward
+    from concertina_hf.planning import simulate
+
+    more = simulate(plan, cost).step_time_s - simulate(plan, BASE).step_time_s
+    assert more >= (1 + cost.bwd_factor) * 1e-3 * plan.num_chunks * 0.99
+    old = {k: v for k, v in BASE.to_dict().items() if not k.endswith("_time_per_call")}
+    assert CostModel.from_dict(old).embed_time_per_call == CostModel.from_dict(old).head_time_per_call == 0
+
+
+def test_head_time_interpolates_measured_points():
+    """The head's time per token is no line on CPU (114-120 us per token from 256 to 896 tokens,
+    132-151 from 1024): the profile keeps its measured points and the model interpolates them."""
+    import json
+
+    pts = ((256.0, 0.010), (512.0, 0.019), (1024.0, 0.047))
+    cost = dataclasses.replace(BASE, head_time_per_token=4e-5, head_time_per_call=5e-4, head_time_points=pts)
+    assert cost.head_time(512) == pytest.approx(0.019)
+    assert cost.head_time(768) == pytest.approx(0.033)
+    assert cost.head_time(2048) == pytest.approx(0.047 + 4e-5 * 1024)  # beyond: the per-token rate
+    assert cost.head_time(128) == pytest.approx(0.010 - 4e-5 * 128)
+    assert BASE.head_time(512) == pytest.approx(BASE.head_time_per_token * 512)
+    layout = _layout(2)
+    plan = plan_step([512], cost, layout, 0, "packed", token_budget=512)
+    (chunk,) = plan.chunks
+    no_head = dataclasses.replace(cost, head_time_per_token=0.0, head_time_per_call=0.0, head_time_points=())
+    assert cost.fwd_time(layout, 1, chunk) - no_head.fwd_time(layout, 1, chunk) == pytest.approx(0.019)
+    assert cost.fwd_time(layout, 0, chunk) == no_head.fwd_time(layout, 0, chunk)
+    # saved as JSON and loaded back; a stage of 2 GPUs runs the head on half the tokens each
+    assert CostModel.from_dict(json.loads(json.dumps(cost.to_dict()))) == cost
+    assert cost.with_parallel(sp=2).head_time(1024) == pytest.approx(0.019)

@@ -118,6 +118,10 @@ def test_profile_fits_exact_bytes_and_leaves_the_model_alone(profiled):
     assert cost.source == "profiled" and cost.num_layers == NUM_LAYERS
     # the largest profiled chunk: the planner builds none larger (test_chunk_cap)
     assert cost.max_chunk_tokens == max(sum(s for _, s in shp) for shp in default_shapes(512)) == 512
+    # the head timed on a ladder of chunk sizes up to it, kept as points (their total never falls)
+    pts = cost.head_time_points
+    assert pts[-1][0] == 512 and len(pts) >= 6 and all(b[1] >= a[1] > 0 for a, b in zip(pts, pts[1:]))
+    assert cost.embed_time_per_call >= 0 and cost.embed_time_per_token + cost.embed_time_per_call > 0
     # the model itself is untouched: its attention and its gradients
     assert model.config._attn_implementation == "sdpa"
     assert all(p.grad is None for p in model.parameters())

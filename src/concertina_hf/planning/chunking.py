@@ -282,8 +282,11 @@ def _group_estimate(units: list[list[_ChunkInfo]], cost: CostModel, layout: Stag
     for s in range(p):
         e = (cost.embed_time_per_token if layout.has_embedding(s) else 0.0) + \
             (cost.head_time_per_token if layout.has_head(s) else 0.0)
-        per_stage.append((layout.num_stage_layers(s), e))
-        busy.append(bf * (layout.num_stage_layers(s) * sum_work + e * sum_tok))
+        # the embedding's and head's per-call times, once per chunk
+        c = (cost.embed_time_per_call if layout.has_embedding(s) else 0.0) + \
+            (cost.head_time_per_call if layout.has_head(s) else 0.0)
+        per_stage.append((layout.num_stage_layers(s), e, c))
+        busy.append(bf * (layout.num_stage_layers(s) * sum_work + e * sum_tok + c * n))
     # Fill and drain: the busiest stage waits while the first chunks go forward through the
     # other stages, and they work off their last backwards after it ends; 1F1B keeps up to
     # p - 1 chunks in that warm-up and cool-down, so the mean of the first and of the last
@@ -292,8 +295,8 @@ def _group_estimate(units: list[list[_ChunkInfo]], cost: CostModel, layout: Stag
     head_w, head_t = sum(ci.work for ci in infos[:m]) / m, sum(ci.tokens for ci in infos[:m]) / m
     tail_w, tail_t = sum(ci.work for ci in infos[-m:]) / m, sum(ci.tokens for ci in infos[-m:]) / m
     b = max(range(p), key=lambda q: busy[q])
-    fill = sum(nl * head_w + e * head_t + cost.bwd_factor * (nl * tail_w + e * tail_t)
-               for q, (nl, e) in enumerate(per_stage) if q != b)
+    fill = sum(nl * head_w + e * head_t + cost.bwd_factor * (nl * tail_w + e * tail_t) + bf * c
+               for q, (nl, e, c) in enumerate(per_stage) if q != b)
     if p > 1:
         fill += (p - 1) * (2 * cost.p2p_latency_s + cost.hidden_bytes_per_token * (head_t + tail_t)
                            / cost.p2p_bandwidth)

@@ -6,7 +6,9 @@ Per decoder layer, for a chunk whose slices have lengths ``s_i`` and contexts ``
     backward = bwd_factor * forward          (+ one more forward per recomputed layer)
 
 The attention term counts (query, key) pairs under the causal mask, so a late slice of a long
-sequence costs more than an early one of the same length. Activation memory per layer is
+sequence costs more than an early one of the same length. The first stage adds the embedding,
+the last the head and loss: ``embed_time_per_token * T + embed_time_per_call`` forward (and
+``head_...`` likewise), backward ``bwd_factor`` times it. Activation memory per layer is
 ``act_bytes_per_token * tokens`` when the layer saves its activations and
 ``ckpt_bytes_per_token * tokens`` when it is recomputed (only its input is kept); a split chunk (a
 non-final slice of a split sequence) additionally keeps its K/V (``kv_bytes_per_token`` per
@@ -60,8 +62,9 @@ recompute (``r == n``), by ``act_bytes_per_token`` per token.
 **A stage of several GPUs** (``sp > 1``, Ulysses sequence parallelism inside the stage;
 :meth:`CostModel.with_parallel`): a chunk's tokens are sharded over the stage's ``sp`` GPUs, so
 every per-token and per-pair coefficient above (compute and activation bytes) is that of one GPU
-and is ``1/sp`` of the single-GPU one; ``beta`` (per layer call) and the explicit mask (each GPU
-builds the whole ``T x S`` mask for its heads) are not divided. Two things a GPU holds beyond its
+and is ``1/sp`` of the single-GPU one; ``beta`` (per layer call), the embedding's and head's
+per-call times and the explicit mask (each GPU builds the whole ``T x S`` mask for its heads) are
+not divided. Two things a GPU holds beyond its
 ``1/sp`` share, per saved (or replayed) layer and chunk token (measured on the allocated peak:
 ``act_bytes_per_token`` and ``recompute_bwd_transient_bytes_per_token`` add them,
 :meth:`CostModel._sp_layer_extra`): the attention output twice, the kernel's (all tokens of
@@ -105,6 +108,7 @@ Pure Python; no torch.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
@@ -216,6 +220,16 @@ class CostModel:
     # embedding (stage 0) and head + loss (last stage), forward seconds per token
     embed_time_per_token: float = 0.0
     head_time_per_token: float = 0.0
+    # ... and forward seconds per chunk, whatever its tokens (the embedding's dense weight
+    # gradient, the head's; backward bwd_factor times it, like the per-token rates). 0: not
+    # measured (analytic models, models saved before the fields)
+    embed_time_per_call: float = 0.0
+    head_time_per_call: float = 0.0
+    # the head's forward seconds measured at a ladder of chunk sizes, ``((tokens, seconds), ...)``
+    # ascending: fwd_time interpolates them (the line above stays for the planner's proxies and
+    # beyond the ends). On CPU the head's time per token is not a line: 114-120 us/token (fwd +
+    # bwd) from 256 to 896 tokens, 132-151 from 1024 up (issue 13). Empty: the line alone
+    head_time_points: tuple[tuple[float, float], ...] = ()
     # bytes
     act_bytes_per_token: float = 0.0
     ckpt_bytes_per_token: float = 0.0
@@ -423,6 +437,8 @@ class CostModel:
         for name in ("act_bytes_per_token", "recompute_bwd_transient_bytes_per_token"):
             if getattr(self, name):
                 changes[name] += self._sp_layer_extra(sp) - self._sp_layer_extra(self.sp) * ratio
+        if self.head_time_points:  # a GPU's head runs on the chunk's tokens over sp
+            changes["head_time_points"] = tuple((t * sp / self.sp, x) for t, x in self.head_time_points)
         if self.max_chunk_tokens:  # a chunk's tokens are sharded over the sp GPUs
             changes["max_chunk_tokens"] = max(1, self.max_chunk_tokens * sp // self.sp)
         changes.update(sp=sp, state_shards=shards, zero3=bool(zero3))
@@ -540,10 +556,26 @@ class CostModel:
         """Forward time of ``chunk`` on ``stage`` (its layers, plus embedding / head)."""
         t = layout.num_stage_layers(stage) * self.layer_fwd_time(chunk.slices)
         if layout.has_embedding(stage):
-            t += self.embed_time_per_token * chunk.num_tokens
+            t += self.embed_time_per_token * chunk.num_tokens + self.embed_time_per_call
         if layout.has_head(stage):
-            t += self.head_time_per_token * chunk.num_tokens
+            t += self.head_time(chunk.num_tokens)
         return t
+
+    def head_time(self, tokens: int) -> float:
+        """Forward seconds of the head and loss on a chunk of ``tokens`` tokens: interpolated
+        between the measured ``head_time_points`` (beyond the ends, their nearest point moved
+        along the per-token rate), else ``head_time_per_call + head_time_per_token * tokens``."""
+        pts = self.head_time_points
+        if not pts:
+            return self.head_time_per_call + self.head_time_per_token * tokens
+        (t0, s0), (t1, s1) = pts[0], pts[-1]
+        if tokens <= t0:
+            return max(0.0, s0 - self.head_time_per_token * (t0 - tokens))
+        if tokens >= t1:
+            return s1 + self.head_time_per_token * (tokens - t1)
+        i = bisect.bisect_left(pts, (tokens, -1.0))
+        (xa, ya), (xb, yb) = pts[i - 1], pts[i]
+        return ya + (yb - ya) * (tokens - xa) / (xb - xa)
 
     def bwd_time(self, layout: StageLayout, stage: int, chunk: Chunk, recompute_layers: int = 0) -> float:
         """Backward time, including ``recompute_layers`` extra layer forwards."""
@@ -551,9 +583,9 @@ class CostModel:
             return self.bwd_factor * self.fwd_time(layout, stage, chunk) + self.recompute_time(chunk, recompute_layers)
         t = layout.num_stage_layers(stage) * self.layer_bwd_time(chunk.slices)
         if layout.has_embedding(stage):
-            t += self.bwd_factor * self.embed_time_per_token * chunk.num_tokens
+            t += self.bwd_factor * (self.embed_time_per_token * chunk.num_tokens + self.embed_time_per_call)
         if layout.has_head(stage):
-            t += self.bwd_factor * self.head_time_per_token * chunk.num_tokens
+            t += self.bwd_factor * self.head_time(chunk.num_tokens)
         return t + self.recompute_time(chunk, recompute_layers)
 
     def recompute_time(self, chunk: Chunk, recompute_layers: int) -> float:
@@ -693,6 +725,9 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "CostModel":
+        d = dict(d)
+        if "head_time_points" in d:  # JSON gives lists
+            d["head_time_points"] = tuple((float(t), float(s)) for t, s in d["head_time_points"])
         return cls(**d)
 
 

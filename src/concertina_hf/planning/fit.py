@@ -35,7 +35,7 @@ from .types import Action, ActionKind, Chunk, Plan, StageLayout
 
 __all__ = [
     "FLOOR_FRACTION", "ActionSample", "action_samples", "bounded_refit", "fit_activation_bytes", "fit_profile",
-    "nonneg_lstsq", "prediction_error", "refit_cost_model", "through_origin",
+    "nonneg_lstsq", "prediction_error", "refit_cost_model", "relative_line", "through_origin",
 ]
 
 def fit_profile(cost: CostModel, samples: Sequence[ProfileSample], *, dense_mask: bool = False) -> CostModel:
@@ -110,6 +110,28 @@ def fit_activation_bytes(chunks: Sequence[tuple[ChunkShape, bool]], nbytes: Sequ
         coef = np.zeros(a.shape[1])
     act, ctx_b, mask_b = (float(v) for v in coef)
     return act, ctx_b, mask_b
+
+
+def relative_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """``(a, b)`` of ``y = a + b * x``, both >= 0, fitted on relative errors (each point counts
+    alike, whatever its size: a line through measurements from a few to thousands of tokens
+    must hold at the small ones too); a line through the origin when the constant would be
+    negative. Points with ``y <= 0`` are ignored; ``(0, 0)`` when none is left.
+
+    >>> a, b = relative_line([64, 256, 1024], [2.0 + 0.5 * x for x in (64, 256, 1024)])
+    >>> round(a, 6), round(b, 6)
+    (2.0, 0.5)
+    """
+    import numpy as np
+
+    pts = [(float(x), float(y)) for x, y in zip(xs, ys) if y > 0]
+    if not pts:
+        return 0.0, 0.0
+    a_mat = np.array([[1.0 / y, x / y] for x, y in pts])
+    coef = nonneg_lstsq(a_mat, np.ones(len(pts)))
+    if coef is None:
+        return 0.0, 0.0
+    return float(coef[0]), float(coef[1])
 
 
 def through_origin(xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -199,7 +221,10 @@ def refit_cost_model(cost: CostModel, layout: StageLayout, samples: Sequence[Act
         keys = tok * sum(s.context + s.length for s in sl) if masked else 0.0
         extra = (e0 if layout.has_embedding(x.stage) else 0.0) + (h0 if layout.has_head(x.stage) else 0.0)
         rows.append([0.0 if masked else n * pairs, n * keys, n * tok, n, extra * tok])
-        y.append(x.fwd_s - comm(x))
+        # the embedding's and head's per-call times are the profile's (not refitted)
+        fixed = ((cost.embed_time_per_call if layout.has_embedding(x.stage) else 0.0)
+                 + (cost.head_time_per_call if layout.has_head(x.stage) else 0.0))
+        y.append(x.fwd_s - comm(x) - fixed)
     a_mat, y_vec = np.array(rows, dtype=float), np.array(y, dtype=float)
     cols = [0, 1, 2, 3, 4] if dense else [0, 2, 3, 4]
     floors = cost if floors is None else floors

@@ -40,9 +40,16 @@ extra per key pair, when larger: what the context keeps of its mask under recomp
 ``bwd_context_bytes_per_token`` (a 16-token slice after ``size`` and ``2 * size`` tokens of
 context, per key: the larger context's, or the slope between the two when steeper),
 ``head_bwd_transient_bytes_per_token``; recompute -> ``recompute_factor``; head ->
-``logits_bytes_per_token`` (everything the head keeps per token) and ``head_time_per_token``;
-embedding -> ``embed_time_per_token`` (fits through the origin,
-:func:`~concertina_hf.planning.fit.through_origin`). The cost model applies ``bwd_factor`` to
+``logits_bytes_per_token`` (everything the head keeps per token, through the origin,
+:func:`~concertina_hf.planning.fit.through_origin`) and ``head_time_per_token`` /
+``head_time_per_call`` and the measured points ``head_time_points``; embedding ->
+``embed_time_per_token`` / ``embed_time_per_call`` (both timed on chunks from the largest
+profiled one down to 1/64 of it, the lines fitted on relative errors,
+:func:`~concertina_hf.planning.fit.relative_line`). Why: the embedding's dense weight gradient is
+a per-call constant (1.9 ms of a 10M Llama's 2.0 ms at 512 tokens), and the LM head's time per
+token is no line on CPU (114-120 us per token fwd + bwd from 256 to 896 tokens, 132-151 from
+1024 up): the former line through the origin at 1024 and 4096 tokens priced it 12-20% too high
+at the 256-512-token chunks of pp=2 plans, so the last stage ran faster than planned (issue 13). The cost model applies ``bwd_factor`` to
 head and embedding too, so their per-token times are ``(forward + backward) / (1 +
 bwd_factor)``: the step total is right, the forward/backward split of those two approximate.
 The largest profiled chunk (tokens) becomes ``max_chunk_tokens``: the planner builds no larger
@@ -82,7 +89,7 @@ from typing import Any, Sequence
 import torch
 
 from ..planning.cost import ChunkShape, CostModel, DeviceSpec, ProfileSample
-from ..planning.fit import fit_activation_bytes, fit_profile, through_origin
+from ..planning.fit import fit_activation_bytes, fit_profile, relative_line, through_origin
 from .probe import build_probe
 
 __all__ = ["default_shapes", "measure_chunk", "profile_cost_model"]
@@ -254,13 +261,18 @@ def profile_cost_model(
             f, b = pr.time_chunk(shape_list[i], False, n, repeats, warmup)
             extra += f + b - n * (samples[i].fwd_time_s + samples[i].bwd_time_s)
             plain_fwd += n * samples[i].fwd_time_s
+        # the head on chunk sizes from the largest profiled one down to 1/64 of it, by factors of
+        # 2 with 1.5x between (kept as measured points: its time per token is no line on CPU),
+        # the embedding by factors of 4 (a line: a per-call constant and a per-token rate)
+        biggest = max(sum(s for _, s in shp) for shp in shape_list)
+        head_ladder = sorted({max(16, x) for k in range(7) for x in (biggest >> k, 3 * (biggest >> k) // 4)})
         heads = []
         if pr.has_head:
-            for tok in sorted({max(16, longest // 4), max(16, longest)}):
-                heads.append((tok, *pr.time_head(tok, repeats, warmup)))
+            for tok in head_ladder:  # (at least 4 repeats: small and cheap, and their minimum is kept)
+                heads.append((tok, *pr.time_head(tok, max(repeats, 4), warmup)))
         embeds = []
         if pr.has_embed:
-            for tok in sorted({max(16, longest // 4), max(16, longest)}):
+            for tok in sorted({max(16, biggest >> k) for k in (0, 2, 4, 6)}):
                 embeds.append((tok, pr.time_embed(tok, repeats, warmup)))
     say(f"measured in {time.perf_counter() - t_start:.1f} s")
 
@@ -306,14 +318,18 @@ def profile_cost_model(
     per_tok = 1.0 + cost.bwd_factor
     if heads:
         toks = [h[0] for h in heads]
-        changes["head_time_per_token"] = through_origin(toks, [(f + b) / per_tok for _, f, b, _ in heads])
+        head_s = [(f + b) / per_tok for _, f, b, _ in heads]
+        changes["head_time_per_call"], changes["head_time_per_token"] = relative_line(toks, head_s)
+        # a larger chunk never takes less time (noise between neighbouring sizes)
+        changes["head_time_points"] = tuple((float(t), max(head_s[:i + 1])) for i, t in enumerate(toks))
         changes["logits_bytes_per_token"] = through_origin(toks, [m for *_, m in heads])
         changes["head_bwd_transient_bytes_per_token"] = max(h for _, h in transients)
         changes["head_bwd_transient_bytes"], changes["head_bwd_transient_slope"] = _line(
             short, [h * k for (_, h), k in zip(short_tr, short)])
         changes["head_params"] = pr.head_params
     if embeds:
-        changes["embed_time_per_token"] = through_origin([t for t, _ in embeds], [s / per_tok for _, s in embeds])
+        changes["embed_time_per_call"], changes["embed_time_per_token"] = relative_line(
+            [t for t, _ in embeds], [s / per_tok for _, s in embeds])
         changes["embed_params"] = pr.embed_params
     if embed_bwd:
         const, per_tok = _line(short, embed_bwd)
