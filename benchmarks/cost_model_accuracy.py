@@ -15,7 +15,9 @@ runtime (SDPA attention on CPU).
    ``4 * (1 + bwd_factor) * layer_fwd_time``; also with the analytic model
    (``CostModel.from_hf_config`` at ``DeviceSpec.cpu()`` rates), the planner's default before any
    profiling. Activation bytes are compared too (exact counts of saved tensors).
-3. **Whole steps**: one-stage plans (embedding, 4 layers, head and loss; a split sequence;
+3. **Head and embedding** on chunk sizes between the profile's ladder points, against the model
+   and against the fit before issue 13 (per-token rates through the origin at ``m/4`` and ``m``).
+4. **Whole steps**: one-stage plans (embedding, 4 layers, head and loss; a split sequence;
    recompute none / partial / full) run by :class:`PipelineExecutor`: measured step wall time
    against ``simulate(plan, cost).step_time_s``, and the activation-memory peak (every live
    tensor, :class:`LiveTensorMeter`) against the simulated peak minus static memory.
@@ -118,6 +120,40 @@ def _plans(m: int, layout: StageLayout) -> list[tuple[str, Plan]]:
     return out
 
 
+def head_and_embedding(model, cost: CostModel, m: int, repeats: int, warmup: int) -> list[dict]:
+    """The head (with the loss) and the embedding, forward + backward, on chunk sizes between
+    the profile's ladder points, against ``cost`` and against the fit before issue 13 (rates
+    through the origin at ``m // 4`` and ``m`` tokens, from the same profile's measurements)."""
+    from concertina_hf.planning.fit import through_origin
+    from concertina_hf.runtime.probe import build_probe
+
+    bf = 1.0 + cost.bwd_factor
+    pts = dict(cost.head_time_points)
+    if m // 4 not in pts or m not in pts:
+        return []
+    head_former = through_origin([m // 4, m], [pts[m // 4], pts[m]])
+    line = lambda t: cost.embed_time_per_call + cost.embed_time_per_token * t  # noqa: E731
+    embed_former = through_origin([m // 4, m], [line(m // 4), line(m)])
+    pr = build_probe(model, 1, None, None)
+    out = []
+    with pr.measuring():
+        for tok in sorted({max(16, m * k // 32) for k in (3, 5, 7, 10, 14, 20, 28)}):
+            f, b, _ = pr.time_head(tok, repeats, warmup)
+            e = pr.time_embed(tok, repeats, warmup)
+            r = {"tokens": tok, "head_measured_ms": 1e3 * (f + b), "head_predicted_ms": 1e3 * bf * cost.head_time(tok),
+                 "head_former_ms": 1e3 * bf * head_former * tok, "embed_measured_ms": 1e3 * e,
+                 "embed_predicted_ms": 1e3 * bf * line(tok), "embed_former_ms": 1e3 * bf * embed_former * tok}
+            for k in ("head", "embed"):
+                for v in ("predicted", "former"):
+                    r[f"{k}_{'error' if v == 'predicted' else 'former_error'}"] = (
+                        r[f"{k}_{v}_ms"] / r[f"{k}_measured_ms"] - 1)
+            out.append(r)
+            print(f"head/embedding {tok} tokens: head {r['head_measured_ms']:.2f} ms ({r['head_error']:+.1%}, former "
+                  f"{r['head_former_error']:+.1%}), embedding {r['embed_measured_ms']:.2f} ms ({r['embed_error']:+.1%})",
+                  file=sys.stderr, flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--max-tokens", type=int, default=1024, help="largest chunk of the fit (and scale of held-out)")
@@ -174,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         r["analytic_error"] = (r["analytic_ms"] - r["measured_ms"]) / r["measured_ms"]
         r["bytes_error"] = (r["predicted_act_bytes"] - r["measured_act_bytes"]) / r["measured_act_bytes"]
 
+    ends = head_and_embedding(model, cost, m, args.repeats, args.warmup)
+
     steps = []
     if not args.no_steps:
         wrapper = PipelineWrapper(copy.deepcopy(model), StageLayout.even(NUM_LAYERS, 1), 0)
@@ -220,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd = "python benchmarks/cost_model_accuracy.py " + " ".join(sys.argv[1:])
     fitted = {k: v for k, v in cost.to_dict().items()
               if k in ("alpha_attn", "alpha_mask", "alpha_tok", "beta", "bwd_factor", "embed_time_per_token",
-                       "head_time_per_token", "act_bytes_per_token", "ckpt_bytes_per_token", "ckpt_chunk_bytes_per_token",
+                       "head_time_per_token", "embed_time_per_call", "head_time_per_call", "max_chunk_tokens",
+                       "act_bytes_per_token", "ckpt_bytes_per_token", "ckpt_chunk_bytes_per_token",
                        "kv_bytes_per_token",
                        "context_bytes_per_token", "mask_bytes_per_pair", "logits_bytes_per_token",
                        "bwd_transient_bytes_per_token", "head_bwd_transient_bytes_per_token",
@@ -270,6 +309,28 @@ def main(argv: list[str] | None = None) -> int:
         f"Activation bytes: max absolute error {summary['max_abs_bytes_error']:.2%}.",
         "",
     ]
+    if ends:
+        lines += [
+            "## Head and embedding on held-out chunk sizes, forward + backward",
+            "",
+            "Chunk sizes between the profile's ladder points. `former`: the fit before issue 13 (per-token rates "
+            f"through the origin at {m // 4} and {m} tokens, no per-call constant), from the same profile's "
+            "measurements at those sizes.",
+            "",
+            "| tokens | head measured ms | predicted | error | former | former error | embedding measured ms | "
+            "predicted | error | former | former error |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+            *[f"| {r['tokens']} | {r['head_measured_ms']:.2f} | {r['head_predicted_ms']:.2f} | {r['head_error']:+.1%} | "
+              f"{r['head_former_ms']:.2f} | {r['head_former_error']:+.1%} | {r['embed_measured_ms']:.2f} | "
+              f"{r['embed_predicted_ms']:.2f} | {r['embed_error']:+.1%} | {r['embed_former_ms']:.2f} | "
+              f"{r['embed_former_error']:+.1%} |" for r in ends],
+            "",
+            f"Mean absolute error: head {statistics.mean(abs(r['head_error']) for r in ends):.1%} (former "
+            f"{statistics.mean(abs(r['head_former_error']) for r in ends):.1%}), embedding "
+            f"{statistics.mean(abs(r['embed_error']) for r in ends):.1%} (former "
+            f"{statistics.mean(abs(r['embed_former_error']) for r in ends):.1%}).",
+            "",
+        ]
     if steps:
         lines += [
             "## Whole steps: one stage (embedding, 4 layers, head), executed by PipelineExecutor",
@@ -299,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "cost_model_accuracy.json").write_text(json.dumps({
         "command": cmd, "date": datetime.date.today().isoformat(), "elapsed_s": elapsed, "profile_s": fit_s,
         "load_average": [load0, load1], "config": CONFIG, "max_tokens": m, "repeats": args.repeats,
-        "fitted": fitted, "fit": fit_rows, "held_out": rows, "steps": steps, "summary": summary,
+        "fitted": fitted, "fit": fit_rows, "held_out": rows, "head_and_embedding": ends, "steps": steps,
+        "summary": summary,
     }, indent=1) + "\n")
     print("\n".join(lines))
     return 0
