@@ -126,3 +126,25 @@ def test_head_time_interpolates_measured_points():
     # saved as JSON and loaded back; a stage of 2 GPUs runs the head on half the tokens each
     assert CostModel.from_dict(json.loads(json.dumps(cost.to_dict()))) == cost
     assert cost.with_parallel(sp=2).head_time(1024) == pytest.approx(0.019)
+
+
+def test_online_refit_scales_the_head_points_it_fits():
+    """The refit's one factor on the embedding and head applies to every term the model prices
+    them with (points and per-call constants too): actions timed at 1.5x the start model's head
+    and embedding give a model that predicts them."""
+    from concertina_hf.planning import simulate
+    from concertina_hf.planning.fit import action_samples, refit_cost_model
+
+    pts = ((64.0, 0.003), (256.0, 0.011), (1024.0, 0.05))
+    start = dataclasses.replace(BASE, head_time_per_token=4e-5, head_time_per_call=5e-4, embed_time_per_call=1e-3,
+                                head_time_points=pts)
+    truth = dataclasses.replace(start, embed_time_per_token=1.5 * start.embed_time_per_token, head_time_per_token=6e-5,
+                                head_time_per_call=7.5e-4, embed_time_per_call=1.5e-3,
+                                head_time_points=tuple((t, 1.5 * v) for t, v in pts))
+    layout = _layout(2)
+    plan = plan_step([700, 500, 300, 200, 120, 90], truth, layout, 0, "packed", token_budget=256)
+    acts = [(a, t0, t1) for a, (t0, t1) in simulate(plan, truth).action_times.items()]
+    new = refit_cost_model(start, layout, action_samples(plan, acts), floor_fraction=0.0)
+    assert new is not None
+    assert new.head_time(500) == pytest.approx(truth.head_time(500), rel=0.02)
+    assert new.embed_time_per_call == pytest.approx(truth.embed_time_per_call, rel=0.02)

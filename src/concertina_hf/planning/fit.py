@@ -177,10 +177,11 @@ def refit_cost_model(cost: CostModel, layout: StageLayout, samples: Sequence[Act
     """Least-squares time coefficients from measured actions; ``None`` when underdetermined.
 
     A forward of a chunk (slices ``s_i`` at contexts ``C_i``, ``T`` tokens) on a stage of ``n``
-    layers is modelled as ``n * (alpha_attn * P + alpha_tok * T + beta) + k * (e * [first] + h *
-    [last]) * T`` with ``P = sum((C+s)^2 - C^2)`` and the analytic embedding / head rates ``e``,
-    ``h`` scaled by one fitted factor ``k`` (the head of a large vocabulary is a big share of the
-    last stage, so it must be fitted too). ``dense_mask`` (default: ``cost.alpha_mask > 0``, a
+    layers is modelled as ``n * (alpha_attn * P + alpha_tok * T + beta) + k * (E(T) * [first] +
+    H(T) * [last])`` with ``P = sum((C+s)^2 - C^2)`` and the start model's embedding / head times
+    ``E``, ``H`` (per token, per call, the head's measured points) scaled by one fitted factor
+    ``k`` (the head of a large vocabulary is a big share of the last stage, so it must be fitted
+    too). ``dense_mask`` (default: ``cost.alpha_mask > 0``, a
     model profiled on a dense-mask backend): chunks that need a mask cost ``alpha_mask * T * S``
     instead of ``alpha_attn * P``, and ``alpha_mask`` is fitted too (every term the profiler
     fits). The backward factor is then ``sum(t_bwd - r * layer_fwd) / sum(t_fwd)``.
@@ -211,6 +212,12 @@ def refit_cost_model(cost: CostModel, layout: StageLayout, samples: Sequence[Act
     e0, h0 = cost.embed_time_per_token, cost.head_time_per_token
     if e0 + h0 <= 0:
         e0 = h0 = 1e-9
+    start = dataclasses.replace(cost, embed_time_per_token=e0, head_time_per_token=h0)
+
+    def ends(x: ActionSample) -> float:  # the start model's embedding and head time of the sample
+        tok = x.chunk.num_tokens
+        return ((start.embed_time_per_call + e0 * tok if layout.has_embedding(x.stage) else 0.0)
+                + (start.head_time(tok) if layout.has_head(x.stage) else 0.0))
     rows, y = [], []
     for x in samples:
         n = layout.num_stage_layers(x.stage)
@@ -219,12 +226,8 @@ def refit_cost_model(cost: CostModel, layout: StageLayout, samples: Sequence[Act
         tok = x.chunk.num_tokens
         masked = dense and needs_mask([(s.context, s.length) for s in sl])
         keys = tok * sum(s.context + s.length for s in sl) if masked else 0.0
-        extra = (e0 if layout.has_embedding(x.stage) else 0.0) + (h0 if layout.has_head(x.stage) else 0.0)
-        rows.append([0.0 if masked else n * pairs, n * keys, n * tok, n, extra * tok])
-        # the embedding's and head's per-call times are the profile's (not refitted)
-        fixed = ((cost.embed_time_per_call if layout.has_embedding(x.stage) else 0.0)
-                 + (cost.head_time_per_call if layout.has_head(x.stage) else 0.0))
-        y.append(x.fwd_s - comm(x) - fixed)
+        rows.append([0.0 if masked else n * pairs, n * keys, n * tok, n, ends(x)])
+        y.append(x.fwd_s - comm(x))
     a_mat, y_vec = np.array(rows, dtype=float), np.array(y, dtype=float)
     cols = [0, 1, 2, 3, 4] if dense else [0, 2, 3, 4]
     floors = cost if floors is None else floors
@@ -241,7 +244,10 @@ def refit_cost_model(cost: CostModel, layout: StageLayout, samples: Sequence[Act
         return None
     a, m, b, beta, k = (float(v) for v in coef)
     new = dataclasses.replace(cost, alpha_attn=a, alpha_mask=m if dense else cost.alpha_mask, alpha_tok=b, beta=beta,
-                              embed_time_per_token=e0 * k, head_time_per_token=h0 * k, source="online")
+                              embed_time_per_token=e0 * k, head_time_per_token=h0 * k,
+                              embed_time_per_call=cost.embed_time_per_call * k,
+                              head_time_per_call=cost.head_time_per_call * k,
+                              head_time_points=tuple((t, v * k) for t, v in cost.head_time_points), source="online")
     # the compute the backward factor multiplies: forward without its all-to-alls; the backward
     # without its own all-to-alls and the recomputed layers' forwards (all-to-alls included)
     fwd_pred = sum(new.fwd_time(layout, x.stage, x.chunk) - comm(x) for x in samples)
