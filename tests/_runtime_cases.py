@@ -145,7 +145,8 @@ def gpipe(plan: Plan) -> Plan:
 
 def adaptive_plans(layout: StageLayout, seq_lens: Sequence[int]) -> list[tuple[str, Plan]]:
     """Plans of the planner (``plan_step``), once it exists: unconstrained, and with a budget of
-    half the unconstrained activation peak (forcing split chains and per-chunk recompute)."""
+    half the unconstrained activation peak, or the least of 55%, 60%, ... that plans (forcing
+    split chains and per-chunk recompute)."""
     try:
         from concertina_hf.planning import plan_step
     except ImportError:
@@ -153,15 +154,23 @@ def adaptive_plans(layout: StageLayout, seq_lens: Sequence[int]) -> list[tuple[s
             from concertina_hf.planning.strategies import plan_step
         except ImportError:
             return []
-    from concertina_hf.planning import CostModel
+    from concertina_hf.planning import CostModel, PlanError
     from concertina_hf.planning.simulate import simulate
 
     cost = CostModel.from_hf_config(tiny_config("llama", layout.num_layers), dtype_bytes=4)
     free = plan_step(list(seq_lens), cost, layout, 0, "adaptive", max_tokens_per_chunk=24)
     peaks = simulate(free, cost).peak_memory_bytes
     static = [cost.static_memory(layout, s) for s in range(layout.num_stages)]
-    budget = [int(st + 0.5 * (pk - st)) for st, pk in zip(static, peaks)]
-    tight = plan_step(list(seq_lens), cost, layout, budget, "adaptive", max_tokens_per_chunk=24)
+    # half the way from nothing to the unconstrained peak, raised in steps of 5% where that is
+    # below what a stage needs whatever the plan (e.g. a late slice's backward at pp=4)
+    for fraction in (0.5, 0.55, 0.6, 0.65, 0.7):
+        budget = [int(st + fraction * (pk - st)) for st, pk in zip(static, peaks)]
+        try:
+            tight = plan_step(list(seq_lens), cost, layout, budget, "adaptive", max_tokens_per_chunk=24)
+            break
+        except PlanError:
+            if fraction == 0.7:
+                raise
     return [("adaptive", free), ("adaptive-tight", tight)]
 
 
