@@ -188,7 +188,9 @@ class ConcertinaTrainingArguments(TrainingArguments):
         None,
         "Upper bound on the tokens of one pipeline chunk; longer sequences are split into "
         "slices. None: no fixed cap, the planner sizes chunks from the memory budget and the "
-        "step's balanced time target. A cap that would cut a step into more than 2048 chunks "
+        "step's balanced time target, within the largest chunk a profiled cost model measured (its "
+        "max_chunk_tokens: the profile's chunk sizes reach this cap, or 512 tokens on CPU and 8192 on "
+        "CUDA when unset). A cap that would cut a step into more than 2048 chunks "
         "(8192 / pipeline size, if fewer) or a sequence into more than 256 slices is refused when "
         "the step is planned, with the smallest cap that works.",
     )
