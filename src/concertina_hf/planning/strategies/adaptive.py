@@ -4,9 +4,10 @@
 recompute assignment (:func:`~..recompute.assign_recompute`) and a simulation, within a
 budget of simulated chunk-stages (600, or 1200 with the ILP; 2400 on small steps). When the
 winner recomputes anything and ``solver="ilp"``, the ILP re-solves its recompute (kept if it
-simulates faster). When no balanced chunking fits, the baselines' chunkings are tried (a split
-sequence keeps every slice in flight, plus its K/V, so packing whole sequences can fit where
-no balanced chunking does). Cost for 512 sequences on 4 stages with roomy memory: about ten
+simulates faster). When no balanced chunking fits, or one the proxy deemed to fit does not (its
+memory view misjudged the step), the baselines' chunkings are tried too (a split sequence keeps
+every slice in flight, plus its K/V, so packing whole sequences can fit where no balanced
+chunking does). Cost for 512 sequences on 4 stages with roomy memory: about ten
 chunkings (0.5 ms each), their proxies (0.1 ms each) and one or two simulations (4 ms per 150
 chunks): 15-30 ms; when memory binds, the recompute assignment adds tens of ms, the ILP up to
 ``time_limit_s``.
@@ -75,27 +76,34 @@ def plan_adaptive(req: PlanRequest) -> Plan:
     if "num_finalists" in knobs:
         phases = [(max(1, int(knobs["num_finalists"])), 600.0 * max(1, int(knobs["num_finalists"])))]
     errors: list[InfeasiblePlanError] = []
+    misjudged = False  # a candidate the proxy deemed feasible did not fit
 
     def evaluate(c: Candidate) -> Plan | None:
+        nonlocal misjudged
         likely_fits = proxy is None or (not c.cuts and not math.isinf(c.est)
                                         and not c.chunking.needs_recompute(cost, layout, proxy))
         try:
             return _with_recompute(plan_of("adaptive", c.chunking, layout, c.cuts), cost, budgets, likely_fits)
         except InfeasiblePlanError as e:
             errors.append(e)  # candidates the proxy rejects come smallest chunks first
+            misjudged = misjudged or not math.isinf(c.est)
             return None
 
     found = run_search(search, evaluate, phases)
-    if found is None and "num_slices_longest" not in knobs:
+    if (found is None or misjudged) and "num_slices_longest" not in knobs:
         # Splitting keeps every slice of a sequence in flight (plus its K/V), so when memory is
         # tight a baseline's chunking can fit where no balanced one does: the fastest that fits
         # (within the search's effort: the cheapest first, so a few large ones do not spend it all).
+        # Also when the search found a plan but the proxy misjudged memory on the way (what it
+        # found is then whatever fitted first, not the proxy's pick).
         ranked = list(enumerate(search.baseline_candidates()))
         ranked.sort(key=lambda ic: search.charge(ic[1]))
         fitting = [(plan.predicted.step_time_s, i, c, plan) for i, c in ranked
                    if (plan := search.evaluate_once(c, evaluate)) is not None]
         if fitting:
-            found = min(fitting, key=lambda v: v[:2])[2:]
+            best_fit = min(fitting, key=lambda v: v[:2])
+            if found is None or best_fit[0] < found[1].predicted.step_time_s:
+                found = best_fit[2:]
     if found is None:
         if not errors:  # nothing was evaluated: every candidate had too many chunks
             raise search.nothing_evaluated_error() or PlanError("adaptive: no candidate chunking was evaluated")

@@ -4,12 +4,13 @@ Candidates are workload-balanced chunkings (:mod:`..chunking`) for ``K`` slices 
 sequence (:data:`K_CANDIDATES`: 0.25, 0.5, 1, 2, 3, 4, 6, 8, ..., 64; below 1: chunks of up to
 ``1/K`` times its work; none with slices whose work is below the per-call constant ``beta``, the
 chunk-size floor), searched coarse to fine with the analytic proxy
-:meth:`~..chunking.Chunking.estimate`; when memory binds, token-capped variants (at the longest
-slice, and at the largest chunk needing no recompute); on small steps, the baselines' chunkings
-too. The grouping DP refines the best. Then the simulator decides (:func:`run_search`): the
-proxy's pick of each family gets evaluated (for adaptive: a greedy recompute assignment and a
-simulation), then the next picks, then a hill climb along each family's ladder from its fastest
-member, within a budget of simulated chunk-stages.
+:meth:`~..chunking.Chunking.estimate`; token-capped variants of the leaders (at the largest
+chunk needing no recompute whenever a budget is set; at the longest slice when memory binds);
+on small steps, the baselines' chunkings too. The grouping DP refines the best. Then the
+simulator decides (:func:`run_search`): the proxy's pick of each family gets evaluated (for
+adaptive: a greedy recompute assignment and a simulation), then the next picks, then a hill
+climb along each family's ladder from its fastest member, within a budget of simulated
+chunk-stages.
 """
 
 from __future__ import annotations
@@ -195,15 +196,20 @@ class ChunkingSearch:
 
         ``K`` is searched coarse to fine: every other candidate first (0.25, 1, 3, 6, 12, ...),
         then the skipped neighbours of the best (the proxy is close to unimodal in ``K``).
-        Without a user token cap, chunks are bounded by time only; when memory binds, the
-        leaders and every ``K`` the proxy rejects (its memory view is rough) also get variants
-        capped at their longest slice and at the largest chunk that needs no recompute (packed
-        chunks of cheap short sequences otherwise hold more tokens, hence activations, than
-        any slice). Small steps (few chunks), where discrete fill and drain effects escape the
-        proxy and simulating is cheap, also get the baselines' chunkings: token-equal slices
-        (Seq1F1B-like) and whole sequences under a token budget (a taper of ever smaller chunks
-        at the end can beat equal chunks when there are only a few). The grouping DP runs for
-        the best candidate and the climb's, and only when a single group needs recompute.
+        Without a user token cap, chunks are bounded by time only; the leaders and every ``K``
+        the proxy rejects (its memory view is rough) also get variants capped at the largest
+        chunk that needs no recompute (packed chunks of cheap short sequences otherwise hold
+        more tokens, hence activations, than any slice) and, when memory binds (for adaptive:
+        when the proxy sees recompute in a leader), at their longest slice. The first whenever a
+        budget is set: a capped chunking can be faster even where memory does not bind
+        (``[1187, 862+1+1]`` beats ``K=2``'s ``[1064, 985, 1+1]`` for lengths ``[1, 1, 2049]``
+        on 3 stages: no tiny last chunk to fill and drain), and the fixed-recompute ablations,
+        which always add it, must not find a faster chunking adaptive never sees. Small steps (few
+        chunks), where discrete fill and drain effects escape the proxy and simulating is cheap,
+        also get the baselines' chunkings: token-equal slices (Seq1F1B-like) and whole sequences
+        under a token budget (a taper of ever smaller chunks at the end can beat equal chunks
+        when there are only a few). The grouping DP runs for the best candidate and the climb's,
+        and only when a single group needs recompute.
         """
         ks, uncapped = self.ks, self.uncapped
         for k in ks[::2]:
@@ -217,17 +223,17 @@ class ChunkingSearch:
         else:
             for k in ks[1::2]:
                 self.get(k, uncapped)
-        if not self.user_capped and (self.strategy != "adaptive" or self.proxy is not None):
+        if not self.user_capped:
             ranked = sorted(self.cands.values(), key=Candidate.order)
             lead = ranked[:3] if not math.isinf(ranked[0].est) else ranked
-            if self.strategy != "adaptive" or any(c.chunking.needs_recompute(self.cost, self.layout, self.proxy)
-                                                  for c in lead):
-                no_rc = _no_recompute_cap(self.cost, self.layout, self.budgets)
-                for c in [c for c in ranked if c in lead or math.isinf(c.est)]:
-                    first = c.chunking.chains[0][0].tokens if c.chunking.chains else self.batch.longest
-                    for cap in sorted({first, no_rc}):
-                        if max(1, self.min_cap) <= cap < c.key[1]:
-                            self.get(c.k, cap)
+            no_rc = _no_recompute_cap(self.cost, self.layout, self.budgets)
+            binds = self.strategy != "adaptive" or any(
+                c.chunking.needs_recompute(self.cost, self.layout, self.proxy) for c in lead)
+            for c in [c for c in ranked if c in lead or math.isinf(c.est)]:
+                first = c.chunking.chains[0][0].tokens if c.chunking.chains else self.batch.longest
+                for cap in sorted({first, no_rc} if binds else {no_rc}):
+                    if max(1, self.min_cap) <= cap < c.key[1]:
+                        self.get(c.k, cap)
         fixed = "num_slices_longest" in self.knobs or self.knobs.get("time_target") is not None
         if self.strategy == "adaptive" and not fixed:
             leader = min(self.cands.values(), key=Candidate.order).chunking
