@@ -65,11 +65,10 @@ def worker(rank: int, world: int, port: int, outdir: str, profile: dict) -> None
                             timeout=timedelta(seconds=300))
     rows: list = []
     try:
-        from _runtime_cases import make_plan
+        from _runtime_cases import allocated_activation_peak, make_plan
         from concertina_hf.planning import CostModel, StageLayout
         from concertina_hf.planning.simulate import simulate
         from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
-        from concertina_hf.runtime.memory import AllocationTracker
 
         layout = StageLayout(8, LAYERS)
         cost = CostModel.from_dict(profile)
@@ -78,11 +77,7 @@ def worker(rank: int, world: int, port: int, outdir: str, profile: dict) -> None
         ids = [torch.randint(0, VOCAB, (TOKENS,), generator=torch.Generator().manual_seed(1))]
         for name, slices in slicings().items():
             plan = make_plan([TOKENS], [[(0, a, n)] for a, n in slices], layout, "none")
-            w.zero_grad(set_to_none=True)  # the first step: backward writes .grad (static memory)
-            with AllocationTracker() as t:
-                ex.run_step(plan, ids)
-            peak = t.peak_bytes(exclude=[*w.parameters(), *w.buffers(), *(q.grad for q in w.parameters())])
-            del t
+            peak = allocated_activation_peak(ex, plan, ids)  # the first step: backward writes .grad
             predicted = simulate(plan, cost).peak_memory_bytes[rank] - cost.static_memory(layout, rank)
             rows.append([name, rank, peak, predicted])
     except Exception:

@@ -33,7 +33,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from _runtime_cases import (  # noqa: E402
-    CHUNKINGS, GROUPED, SEQ_LENS, batch, compare_grads, grad_error, make_plan, reference, tiny_config,
+    CHUNKINGS, GROUPED, SEQ_LENS, allocated_activation_peak, batch, compare_grads, grad_error, make_plan, reference,
+    tiny_config,
 )
 
 LOSS_TOL = 1e-5
@@ -174,21 +175,14 @@ def _run(rank: int, world: int, pp: int, sp: int, dp: int, report: dict) -> None
             # issue 12: the allocated peak (every op output, as the benchmarks count it: all-to-all
             # buffers and transients included; .grad absent at the start) of the same plans at sp
             # and alone, against the profiled model's prediction (profiled alone, per GPU at sp)
-            from concertina_hf.runtime.memory import AllocationTracker
             from concertina_hf.runtime.profiler import profile_cost_model
 
             prof1 = profile_cost_model(model, repeats=1, warmup=0, num_layers=NUM_LAYERS, max_tokens=64)
             prof = prof1.with_parallel(sp=sp, state_shards=1)
 
-            def allocated(executor, plan):
-                wr = executor.wrapper
-                wr.zero_grad(set_to_none=True)
-                with AllocationTracker() as t:
-                    executor.run_step(plan, ids, labels)
-                return t.peak_bytes(exclude=[*wr.parameters(), *wr.buffers(), *(q.grad for q in wr.parameters())])
-
             for name, plan in plans.items():
-                report["allocated"].append((name, allocated(ex, plan), allocated(alone, plan),
+                report["allocated"].append((name, allocated_activation_peak(ex, plan, ids, labels),
+                                            allocated_activation_peak(alone, plan, ids, labels),
                                             simulate(plan, prof).peak_memory_bytes[0] - prof.static_memory(layout, 0),
                                             simulate(plan, prof1).peak_memory_bytes[0] - prof1.static_memory(layout, 0)))
         if kind == "llama K=4":  # bf16 autocast (float32 weights; bf16 all-to-alls): HF under autocast
@@ -355,11 +349,9 @@ def memory_worker(rank: int, world: int, port: int, outdir: str, profiles: dict)
                             timeout=timedelta(seconds=300))
     rows: list = []
     try:
-        from _runtime_cases import make_plan
         from concertina_hf.planning import CostModel, StageLayout
         from concertina_hf.planning.simulate import simulate
         from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
-        from concertina_hf.runtime.memory import AllocationTracker
 
         groups = {4: dist.new_group(list(range(world))), 2: None}
         for pair in ([0, 1], [2, 3]):
@@ -382,11 +374,7 @@ def memory_worker(rank: int, world: int, port: int, outdir: str, profiles: dict)
                 ex = PipelineExecutor(w, sp_group=groups.get(sp))
                 cost = cost1.with_parallel(sp=sp, state_shards=1)
                 for name, plan in plans.items():
-                    w.zero_grad(set_to_none=True)
-                    with AllocationTracker() as t:
-                        ex.run_step(plan, ids)
-                    peak = t.peak_bytes(exclude=[*w.parameters(), *w.buffers(), *(q.grad for q in w.parameters())])
-                    del t
+                    peak = allocated_activation_peak(ex, plan, ids)
                     predicted = simulate(plan, cost).peak_memory_bytes[0] - cost.static_memory(layout, 0)
                     rows.append([kv, sp, name, peak, predicted])
     except Exception:

@@ -236,3 +236,16 @@ def compare_grads(wrapper, ref_grads: dict[str, torch.Tensor], tol: float = 1e-4
         if not err < tol:
             bad.append(f"{k}: rel err {err:.2e}")
     return bad
+
+
+def allocated_activation_peak(executor, plan: Plan, ids, labels=None) -> int:
+    """The allocated peak of one step of ``plan`` (``AllocationTracker``: every op output, as the
+    benchmarks count it), its stage's parameters, buffers and gradients excluded; ``.grad`` is
+    None at the start, so the backward writes the gradients (static memory) in place."""
+    from concertina_hf.runtime.memory import AllocationTracker
+
+    wr = executor.wrapper
+    wr.zero_grad(set_to_none=True)
+    with AllocationTracker() as t:
+        executor.run_step(plan, ids, labels)
+    return t.peak_bytes(exclude=[*wr.parameters(), *wr.buffers(), *(q.grad for q in wr.parameters())])
