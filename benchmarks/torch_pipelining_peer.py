@@ -1,6 +1,6 @@
 """The PyTorch-native peer, side by side: ``torch.distributed.pipelining`` against ``adaptive``.
 
-    python benchmarks/torch_pipelining_peer.py            # 2K and 4K contexts, ~10-20 min on 2 busy cores
+    python benchmarks/torch_pipelining_peer.py            # 2K, 4K and 8K contexts, ~10-15 min on 2 quiet cores
     python benchmarks/torch_pipelining_peer.py --quick    # 2K only, one timed step, a smaller grid (< 5 min)
     python benchmarks/torch_pipelining_peer.py --tiny     # the smoke test's setting (tiny model, 256 tokens)
 
@@ -59,7 +59,7 @@ MIB = 2**20
 TARGET_VS_PEER = 1.25
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "full": dict(model="full", contexts=(2048, 4096), tokens_per_step=8192, steps=2, splits=(4, 5),
+    "full": dict(model="full", contexts=(2048, 4096, 8192), tokens_per_step=8192, steps=2, splits=(4, 5),
                  microbatches=(2, 4)),
     "quick": dict(model="full", contexts=(2048,), tokens_per_step=8192, steps=1, splits=(4, 5),
                   microbatches=(2,)),
@@ -190,7 +190,9 @@ def run_context(max_len: int, corpus, config: dict, cost, args, log) -> dict[str
     import measured
     from _pipeline_worker import trainer_optimizer_spec
 
-    batches, memory_batch, timed = measured.make_batches(corpus, max_len, args.tokens_per_step, args.steps, args.seed)
+    # at least two rows of the context per step: with one, Schedule1F1B has nothing to pipeline
+    tokens_per_step = max(args.tokens_per_step, 2 * max_len)
+    batches, memory_batch, timed = measured.make_batches(corpus, max_len, tokens_per_step, args.steps, args.seed)
     jobs, info = project_jobs(batches, cost, max_len, args, log)
     n = int(config["num_hidden_layers"])
     splits = [s for s in args.splits if 0 < s < n]
@@ -207,7 +209,7 @@ def run_context(max_len: int, corpus, config: dict, cost, args, log) -> dict[str
     runs = {nm: summarize(out["records"], nm) for nm in names}
     for nm, p in out["peer_jobs"].items():
         runs[nm].update(p)
-    return {"max_len": max_len, "tokens_per_step": args.tokens_per_step,
+    return {"max_len": max_len, "tokens_per_step": tokens_per_step,
             "batches": [{"num_seqs": len(b), "tokens": sum(map(len, b)), "longest": max(map(len, b))} for b in batches],
             "memory_batch": memory_batch, "timed_batches": timed, **info, "runs": runs, "tuning": out["tuning"],
             "peer_best": out["best"], "loss_check": out["loss_check"], "parallel_capacity": out["capacity"],
@@ -226,7 +228,9 @@ def ratios_and_targets(c: dict) -> list[dict[str, Any]]:
         for peer in same_kernel + [n for n in ("peer sdpa", "peer sdpa+ckpt") if n in runs]:
             ratio = med(ad) / med(peer)
             mem_ok = peak(ad) <= peak(peer)
-            is_target = ad == "adaptive" and peer == best_peer
+            # the issue's target: adaptive at equal or lower peak memory than the best same-kernel
+            # peer; both adaptive runs are checked (the binding budget's is the stricter reading)
+            is_target = peer == best_peer
             rows.append({"context": c["max_len"], "run": ad, "peer": peer, "ratio": ratio,
                          "paired": statistics.median(a / b for a, b in zip(runs[ad]["tokens_per_s_by_step"],
                                                                            runs[peer]["tokens_per_s_by_step"])),
@@ -250,15 +254,17 @@ def to_markdown(res: dict[str, Any]) -> str:
          "chosen setting without checkpointing is used for both attention paths without checkpointing, the one "
          "with checkpointing (when tuned) for both with it.", "",
          "## Targets", "",
-         f"adaptive (binding budget) >= {TARGET_VS_PEER}x the tokens/s of the best-tuned peer with the same attention "
-         "kernel, at equal or lower peak memory per rank.", "",
-         "| context | cores | adaptive / best same-kernel peer | paired | adaptive peak MiB (max rank) | peer peak MiB | met |",
-         "|---|---|---|---|---|---|---|"]
+         f"adaptive >= {TARGET_VS_PEER}x the tokens/s of the best-tuned peer with the same attention kernel, at equal "
+         "or lower peak memory per rank. Two rows per context: `adaptive` (the measured benchmark's binding "
+         "activation budget, well below the peer's peak: the stricter reading) and `adaptive unbounded` (no "
+         "budget; it counts only where its measured peak is at or below the peer's).", "",
+         "| context | cores | run | / best same-kernel peer | paired | adaptive peak MiB (max rank) | peer peak MiB | met |",
+         "|---|---|---|---|---|---|---|---|"]
     for c in res["contexts"]:
         cores = "/".join(f"{x:.2f}" for x in c["parallel_capacity"])
         for t in c["ratios"]:
             if t["target"]:
-                L.append(f"| {c['max_len']} | {cores} | {t['ratio']:.2f}x vs {t['peer']} | {t['paired']:.2f}x | "
+                L.append(f"| {c['max_len']} | {cores} | {t['run']} | {t['ratio']:.2f}x vs {t['peer']} | {t['paired']:.2f}x | "
                          f"{t['peak_mib']:.0f} | {t['peer_peak_mib']:.0f} | {'yes' if t['met'] else '**no**'} |")
     for c in res["contexts"]:
         runs = c["runs"]
