@@ -107,3 +107,22 @@ def test_chunk_cap_quick(tmp_path):
     assert all(r["largest_chunk"] <= cap for (_, p), r in rows.items() if p == "capped")
     assert any(r["largest_chunk"] > cap for (_, p), r in rows.items() if p == "uncapped")
     assert "| capped |" in out.with_suffix(".md").read_text()
+
+
+def test_predicted_gap_quick(tmp_path):
+    """benchmarks/predicted_gap.py --quick (pure planning on measured_quick.json's batches, a few
+    seconds): every context planned, the measured ratios carried over, the bound never below the
+    plan's own ratio (a plan's step is at least its slowest stage's busy time less recompute)."""
+    import predicted_gap
+
+    rec = predicted_gap.main(["--quick", "--out", str(tmp_path / "pg")])
+    src = json.loads((ROOT / "benchmarks" / "results" / "measured_quick.json").read_text())
+    assert [c["max_len"] for c in rec["contexts"]] == [c["max_len"] for c in src["contexts"]]
+    for c, s in zip(rec["contexts"], src["contexts"]):
+        assert c["split"]["measured_ratio"] == s["ratios"]["adaptive_over_split"]
+        for strategy in ("split", "packed"):
+            assert 0 < c[strategy]["predicted_ratio"] <= c[strategy]["bound_ratio"] * (1 + 1e-9)
+        for lo, step in zip(c["adaptive_losses"], c["adaptive_s"]):
+            assert lo["bound_s"] + lo["bubble_s"] + lo["recompute_s"] == pytest.approx(step, rel=1e-9)
+    assert (tmp_path / "pg.md").read_text().startswith("<!-- made by: python benchmarks/predicted_gap.py --quick")
+    assert "load_average" in json.loads((tmp_path / "pg.json").read_text())

@@ -248,6 +248,65 @@ def test_extra_warmup_runs_one_forward_more_ahead_and_adaptive_keeps_it_when_fas
     assert single.knob("extra_warmup") == 0
 
 
+# the profile of benchmarks/measured.py's CPU model (rounded): chunks are long against beta, and on
+# two stages of 5 + 3 layers the first stage (embedding, more layers) is the slowest
+CPU_COST = CostModel(num_layers=8, alpha_attn=4.3e-9, alpha_tok=1.8e-5, beta=1.1e-3, bwd_factor=2.1,
+                     embed_time_per_call=6.5e-4, head_time_per_token=4.1e-5, head_time_per_call=2.3e-4)
+CPU_LAYOUT = StageLayout(8, ((0, 5), (5, 8)))
+
+
+def test_tapered_cuts_the_first_backward_of_each_group_and_keeps_every_token():
+    lens = [5959, 4000, 300, 20]
+    batch = SequenceBatch(lens, CPU_COST, CPU_LAYOUT)
+    ch = batch.balanced(num_slices_longest=6, token_cap=4096)
+    assert len(ch.chains) == 2
+    for cuts in ((), (1,)):
+        t = batch.tapered(ch, 0.5, cuts)
+        assert t.num_chunks == ch.num_chunks + 1 + len(cuts) and t.packed == ch.packed
+        for i, (old, new) in enumerate(zip(ch.chains, t.chains)):
+            if i not in (0, *cuts):
+                assert new == old
+                continue
+            assert new[:-2] == old[:-1]
+            piece, final = new[-2:]
+            (q, lo, n), rest = old[-1].parts[0], old[-1].parts[1:]
+            assert piece.kind is ChunkKind.SPLIT and piece.parts == ((q, lo, piece.tokens),)
+            assert final.kind is ChunkKind.HYBRID and final.parts == ((q, lo + piece.tokens, n - piece.tokens),) + rest
+            # the tail keeps half its work: the piece's is the other half, beta counted once each
+            assert math.isclose(piece.work + final.work - CPU_COST.beta, old[-1].work, rel_tol=1e-9)
+            def work(k):  # of the tail's first k tokens, as balancing counts it
+                return CPU_COST.alpha_attn * ((lo + k) ** 2 - lo**2) + batch.b * k
+
+            assert abs(work(piece.tokens) / work(n) - 0.5) <= 1.0 / n  # to the token
+        plan = Plan(strategy="adaptive", seq_lens=tuple(lens), layout=CPU_LAYOUT, chunks=t.assemble(cuts)[0],
+                    groups=t.assemble(cuts)[1],
+                    schedule=build_schedule(*t.assemble(cuts), 2, prefetch=True),
+                    recompute=((0,) * t.num_chunks,) * 2)
+        plan.validate()  # every token once, in order; kinds right
+    assert batch.tapered(batch.by_tokens(8192, split=False), 0.5) is None  # no chain: nothing to cut
+    with pytest.raises(PlanError, match="taper fraction"):
+        batch.tapered(ch, 1.0)
+
+
+def test_adaptive_tapers_the_first_backward_when_an_early_stage_is_slowest():
+    # stage 0 waits, before its first backward, for the chain's last slice to go forward and
+    # backward through stage 1; half of that slice shortens the wait for one chunk constant more
+    # (on measured.py's 8K batch of one 5959-token sequence: 4.486 s -> 4.397 s planned)
+    for lens, gain in (([8192], 0.015), ([5959], 0.015)):
+        auto = plan_step(lens, CPU_COST, CPU_LAYOUT, 0, "adaptive").validate()
+        plain = plan_step(lens, CPU_COST, CPU_LAYOUT, 0, "adaptive", taper=0).validate()
+        assert auto.knob("taper") == 0.5 and plain.knob("taper") == 0
+        assert auto.num_chunks == plain.num_chunks + 1
+        assert auto.predicted.step_time_s < plain.predicted.step_time_s * (1 - gain)
+        assert simulate(auto, CPU_COST).stats() == auto.predicted
+        forced = plan_step(lens, CPU_COST, CPU_LAYOUT, 0, "adaptive", taper=0.25).validate()
+        assert forced.knob("taper") == 0.25
+    # where chunks are short against beta (the analytic GPU model) the cut costs more than it saves
+    # and is not kept; one stage has no wait to shorten
+    assert plan_step([16384], COST, StageLayout.even(NUM_LAYERS, 2), 0, "adaptive").knob("taper") == 0
+    assert plan_step([8192], CPU_COST, StageLayout.even(8, 1), 0, "adaptive").knob("taper") == 0
+
+
 def test_fixed_knobs_are_used_and_reported():
     lens = [5000, 300, 200, 900, 40, 4000, 1200]
     layout = StageLayout.even(NUM_LAYERS, 4)

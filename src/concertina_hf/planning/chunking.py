@@ -442,6 +442,48 @@ class SequenceBatch:
         chains, packed = self._pack(cuts, self.order[len(cuts):], math.inf, token_budget, by_work=False)
         return Chunking(tuple(lens), math.inf, int(token_budget), chains, packed)
 
+    def tapered(self, ch: Chunking, fraction: float, group_cuts: Sequence[int] = ()) -> Chunking | None:
+        """``ch`` with the first backward of each pipeline group made lighter: the last chunk of
+        the group's first chain (its sequence's tail slice, plus the short sequences packed with
+        it) keeps ``fraction`` of its tail slice's work, a split chunk before it takes the rest
+        (``group_cuts``: as for :meth:`Chunking.assemble`).
+
+        Before its first backward a stage waits for that chunk's forward and backward through
+        every later stage, less the forwards it runs meanwhile: what an early stage that is the
+        slowest one (the embedding, more layers) loses once per group. The cut shortens that wait
+        for one per-chunk constant more, so it pays where chunks are long against ``beta`` (few
+        chunks per step, e.g. on CPU). ``None`` when there is nothing to cut (no chain, or a tail
+        slice of one token)."""
+        if not 0.0 < fraction < 1.0:
+            raise PlanError(f"taper fraction must be within (0, 1) (got {fraction})")
+        a, b, beta, x = self.a, self.b, self.beta, self.extra
+
+        def info(kind: ChunkKind, q: int, lo: int, n: int, rest: tuple = (), rest_work: float = 0.0) -> _ChunkInfo:
+            hi = lo + n
+            ci = _ChunkInfo(kind, ((q, lo, n),) + rest, n + sum(r[2] for r in rest),
+                            a * (hi * hi - lo * lo) + (b - x) * n + rest_work + beta, n)
+            if self.cost.alpha_mask:  # exact chunk times, as _pack gives them
+                ci = dataclasses.replace(ci, work=self.cost.layer_fwd_time([Slice(*pt) for pt in ci.parts]))
+            return ci
+
+        chains = list(ch.chains)
+        changed = False
+        for i in sorted({0, *group_cuts}):
+            if i >= len(chains):
+                continue
+            *head, last = chains[i]
+            (q, lo, n), rest = last.parts[0], last.parts[1:]
+            if n < 2:
+                continue
+            base = _prefix_work(lo, a, b)
+            tail = a * ((lo + n) ** 2 - lo * lo) + (b - x) * n  # the tail slice's work in the chunk's
+            m = max(1, min(n - 1, round(_inverse_work(base + (1.0 - fraction) * (tail + x * n), a, b)) - lo))
+            # the short sequences' work as the chunk had it (per layer; beta left out)
+            rest_work = last.work - beta - tail
+            chains[i] = (*head, info(ChunkKind.SPLIT, q, lo, m), info(ChunkKind.HYBRID, q, lo + m, n - m, rest, rest_work))
+            changed = True
+        return dataclasses.replace(ch, chains=tuple(chains)) if changed else None
+
     def _pack(self, cuts: list[tuple[int, list[int]]], short: list[int], target_work: float, token_cap: int,
               *, by_work: bool) -> tuple[tuple[tuple[_ChunkInfo, ...], ...], tuple[_ChunkInfo, ...]]:
         """Chains of the cut sequences (in the given order) and packed chunks: ``short``

@@ -113,7 +113,9 @@ def plan_step(
     ``"greedy"`` recompute assignment (adaptive). ``knobs`` fix a strategy's searched settings:
     adaptive ``num_slices_longest``, ``k_candidates``, ``max_groups``, ``split_threshold``,
     ``time_target``, ``num_finalists``, ``extra_warmup`` (forwards ahead beyond 1F1B; default: one more at a
-    time, up to 3, while it simulates faster); packed ``token_budget``, ``recompute_layers``; split
+    time, up to 3, while it simulates faster), ``taper`` (the work fraction the first backward's tail
+    slice keeps, cut off in a chunk of its own; default: 0.5 on small steps when it simulates faster,
+    0 = none); packed ``token_budget``, ``recompute_layers``; split
     ``num_slices``, ``recompute_layers`` (see :data:`REGISTRY`). The chosen settings are in
     ``plan.knobs``.
 

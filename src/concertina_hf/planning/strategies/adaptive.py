@@ -2,8 +2,10 @@
 
 ``adaptive``: the chunking search of :mod:`.search`, each candidate evaluated with a greedy
 recompute assignment (:func:`~..recompute.assign_recompute`) and a simulation, within a
-budget of simulated chunk-stages (600, or 1200 with the ILP; 2400 on small steps). When the
-winner recomputes anything and ``solver="ilp"``, the ILP re-solves its recompute (kept if it
+budget of simulated chunk-stages (600, or 1200 with the ILP; 2400 on small steps). The winner
+then runs forwards further ahead (``extra_warmup``) and, on small steps, gets its first backward
+made lighter (:meth:`~..chunking.SequenceBatch.tapered`), each kept when it simulates faster. When
+the plan recomputes anything and ``solver="ilp"``, the ILP re-solves its recompute (kept if it
 simulates faster). When no balanced chunking fits, or one the proxy deemed to fit does not (its
 memory view misjudged the step), the baselines' chunkings are tried too (a split sequence keeps
 every slice in flight, plus its K/V, so packing whole sequences can fit where no balanced
@@ -36,12 +38,16 @@ __all__ = ["ADAPTIVE_KNOBS", "CHUNKING_KNOBS", "plan_adaptive", "plan_full_recom
 #: settings of the chunking search (searched unless given)
 CHUNKING_KNOBS = ("num_slices_longest", "k_candidates", "max_groups", "split_threshold", "time_target")
 #: adaptive's settings: the chunking search's, and how many finalists it simulates
-ADAPTIVE_KNOBS = CHUNKING_KNOBS + ("num_finalists", "extra_warmup")
+ADAPTIVE_KNOBS = CHUNKING_KNOBS + ("num_finalists", "extra_warmup", "taper")
 #: the most forwards ``adaptive`` runs ahead of 1F1B on a stage (it stops at the first that is not faster)
 MAX_EXTRA_WARMUP = 3
 #: plans of more chunk-stages keep the greedy recompute assignment with ``solver="ilp"`` (at 1600
 #: chunk-stages building and solving the ILP takes about 0.2 s on a free core, and grows faster)
 ILP_MAX_CHUNK_STAGES = 2048
+#: work fractions of the tapered chunk's lighter piece (SequenceBatch.tapered)
+TAPER_FRACTIONS = (0.5,)
+#: plans of more chunk-stages are not tapered (one chunk's wait is then a small part of the step)
+TAPER_MAX_CHUNK_STAGES = 320
 
 
 def _with_recompute(plan: Plan, cost: CostModel, budgets: tuple[int, ...], likely_fits: bool) -> Plan:
@@ -113,22 +119,28 @@ def plan_adaptive(req: PlanRequest) -> Plan:
             f"K = {tried} slices of the longest, {describe_longest(req.lens)}); the closest attempt: {errors[0]}"
         ) from errors[0]
     cand, best = found
-    # forwards further ahead on every stage but the last (schedule.build_schedule): fill the wait for
-    # the first backward and keep the stage below fed, for more chunks in flight; one more at a time
-    # while it simulates faster within the budgets (knob extra_warmup: exactly that many, 0 = 1F1B)
-    warmup = 0
-    tries = [int(knobs["extra_warmup"])] if "extra_warmup" in knobs else list(range(1, MAX_EXTRA_WARMUP + 1))
-    for k in tries if layout.num_stages > 1 else ():
-        if k <= 0:
-            break
-        try:
-            deeper = _with_recompute(plan_of("adaptive", cand.chunking, layout, cand.cuts, k), cost, budgets,
-                                     not any(any(row) for row in best.recompute))
-        except InfeasiblePlanError:
-            break
-        if "extra_warmup" not in knobs and deeper.predicted.step_time_s >= best.predicted.step_time_s:
-            break
-        best, warmup = deeper, k
+    best, warmup = _deeper_warmup(cand.chunking, cand.cuts, best, 0, req)
+    # the first backward of each group lighter (SequenceBatch.tapered): the wait of the stages
+    # before the slowest one for it shrinks; on small steps (one chunk is a sizeable part of the
+    # step), with its own warm-up climb from 1F1B (a shorter wait needs fewer forwards ahead to
+    # fill it); kept when it simulates faster (knob taper: that fraction, 0 = none)
+    taper = 0.0
+    fixed = "taper" in knobs
+    if layout.num_stages > 1 and cand.chunking.chains and (
+            fixed or best.num_chunks * layout.num_stages <= TAPER_MAX_CHUNK_STAGES):
+        w0 = max(0, int(knobs.get("extra_warmup", 0)))
+        for f in [float(knobs["taper"])] if fixed else TAPER_FRACTIONS:
+            ch = search.batch.tapered(cand.chunking, f, cand.cuts) if f > 0 else None
+            if ch is None:
+                continue
+            try:
+                plan = _with_recompute(plan_of("adaptive", ch, layout, cand.cuts, w0), cost, budgets,
+                                       not any(any(row) for row in best.recompute))
+            except InfeasiblePlanError:
+                continue
+            plan, k = _deeper_warmup(ch, cand.cuts, plan, w0, req)
+            if fixed or plan.predicted.step_time_s < best.predicted.step_time_s:
+                best, warmup, taper = plan, k, f
     used = "greedy" if any(any(row) for row in best.recompute) else "none"
     # the ILP's model grows with chunk-stages and PuLP builds it in Python beyond CBC's time
     # limit: large plans keep the greedy assignment
@@ -141,7 +153,29 @@ def plan_adaptive(req: PlanRequest) -> Plan:
         except InfeasiblePlanError:  # pragma: no cover - greedy found a plan, so one exists
             pass
     return finish(best, best.predicted, budgets, candidate_knobs(cand, {"recompute_solver": used,
-                                                                         "extra_warmup": warmup}))
+                                                                         "extra_warmup": warmup, "taper": taper}))
+
+
+def _deeper_warmup(chunking, cuts: tuple[int, ...], best: Plan, warmup: int, req: PlanRequest) -> tuple[Plan, int]:
+    """Forwards further ahead on every stage but the last (schedule.build_schedule): fill the wait
+    for the first backward and keep the stage below fed, for more chunks in flight; one more at a
+    time while it simulates faster within the budgets (knob extra_warmup: exactly that many, 0 =
+    1F1B). ``best``: the plan of ``chunking`` at ``warmup``; returns the plan kept and its warm-up."""
+    knobs, layout = req.knobs, req.layout
+    tries = [int(knobs["extra_warmup"])] if "extra_warmup" in knobs else \
+        list(range(warmup + 1, MAX_EXTRA_WARMUP + 1))
+    for k in tries if layout.num_stages > 1 else ():
+        if k <= 0 or k == warmup:
+            break
+        try:
+            deeper = _with_recompute(plan_of("adaptive", chunking, layout, cuts, k), req.cost, req.budgets,
+                                     not any(any(row) for row in best.recompute))
+        except InfeasiblePlanError:
+            break
+        if "extra_warmup" not in knobs and deeper.predicted.step_time_s >= best.predicted.step_time_s:
+            break
+        best, warmup = deeper, k
+    return best, warmup
 
 
 def _plan_fixed_recompute(strategy: str, req: PlanRequest) -> Plan:
