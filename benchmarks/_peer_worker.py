@@ -149,8 +149,8 @@ class PeerStage(nn.Module):
             from transformers.masking_utils import create_causal_mask
 
             pos, ctx = position_ids, None
-            mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None, cache=None,
-                                      position_ids=pos)
+            # config, inputs_embeds, attention_mask, cache (named past_key_values before transformers 5.2x)
+            mask = create_causal_mask(self.config, h, None, None, position_ids=pos)
         cos_sin = self.rotary_emb(h, pos)
         for layer in self.layers:
             call = functools.partial(_layer_call, layer, ctx, attention_mask=mask, position_ids=pos,

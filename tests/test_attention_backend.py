@@ -398,7 +398,8 @@ def _fake_torch_varlen(params):
     return varlen_attn, calls
 
 
-TORCH_VARLEN_SIGNATURES = {
+TORCH_VARLEN_SIGNATURES = {  # keyword-only parameters of varlen_attn, read in each release's source
+    "2.11": frozenset({"return_aux", "scale", "window_size"}),  # no enable_gqa: K/V heads repeated
     "2.13": frozenset({"return_aux", "scale", "window_size", "enable_gqa", "seqused_k", "block_table", "num_splits"}),
     "is_causal+scale": frozenset({"is_causal", "return_aux", "scale"}),
     "is_causal only": frozenset({"is_causal", "return_aux"}),
@@ -423,6 +424,50 @@ def test_torch_varlen_path_plumbing(sig, monkeypatch):
         got = _run_backend(module, data, CHUNKS["hybrid"], scaling=0.3, sliding_window=window)
         _compare(got, _run_reference(module, data, _hf_sdpa, window=window, scaling=0.3))
     assert calls and all(("scale" in c) == ("scale" in params) for c in calls)
+    assert all(c.get("enable_gqa", False) == ("enable_gqa" in params) for c in calls)  # the GQA cases
+
+
+@pytest.mark.skipif(not A.torch_varlen_available(), reason="this torch has no torch.nn.attention.varlen")
+def test_installed_varlen_attn_gets_causal_window_scale_and_layout():
+    """The installed torch's own ``varlen_attn`` (not a stand-in), called by the backend on meta
+    tensors: what reaches its kernel op (``torch_attn::_varlen_attn``, recorded by a dispatch mode)
+    is causal without a window (torch derives ``is_causal`` from ``window_size == (-1, 0)``, so a
+    list instead of a tuple, or ``(-1, -1)``, would arrive non-causal), a window ``W`` as
+    ``(W - 1, 0)``, the backend's scale, the context's int32 ``cu_seqlens`` and maxima, and key
+    heads the kernel accepts (repeated to the query heads unless the release has ``enable_gqa``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "_varlen_attn" in str(func):
+                names = [a.name for a in func._schema.arguments]
+                self.calls.append({**dict(zip(names, args)), **(kwargs or {})})
+            return func(*args, **(kwargs or {}))
+
+    # a slice with 6 tokens of context (keys [prefix, own]) packed with a whole sequence
+    ctx = ChunkAttentionContext([SliceSpec(0, 6, 4, 0, True), SliceSpec(1, 0, 5, 4, True)], KVStore(), "meta", False)
+    H, K, D = 4, 2, 16
+    q = torch.empty(9, H, D, device="meta", dtype=torch.bfloat16)
+    k, v = (torch.empty(15, K, D, device="meta", dtype=torch.bfloat16) for _ in range(2))
+    params = A._torch_varlen()[1]
+    for window, (want_causal, want_window) in ((None, (True, [-1, 0])), (3, (False, [2, 0]))):
+        with Record() as rec:
+            out = A._torch_varlen_call(q, k, v, ctx, 0.3, window)
+        assert out.shape == (9, H, D) and out.dtype == torch.bfloat16
+        (call,) = rec.calls
+        assert call["is_causal"] is want_causal and list(call["window_size"]) == want_window, call
+        assert call["scale"] == 0.3
+        assert call["cu_seq_q"] is ctx.cu_seqlens_q and call["cu_seq_k"] is ctx.cu_seqlens_k
+        assert ctx.cu_seqlens_q.dtype == ctx.cu_seqlens_k.dtype == torch.int32
+        assert (call["max_q"], call["max_k"]) == (5, 10)
+        if "enable_gqa" in params:
+            assert call["enable_gqa"] is True and call["key"].shape[1] == K
+        else:
+            assert call["key"].shape[1] == call["value"].shape[1] == H
 
 
 def test_flash_attn_path_plumbing(monkeypatch):
@@ -472,9 +517,21 @@ def test_choice_of_kernel(monkeypatch):
     monkeypatch.setattr(A, "_torch_varlen", lambda: (None, TORCH_VARLEN_SIGNATURES["is_causal only"]))
     assert A._choose(cuda, torch.bfloat16, window=128) == "sdpa-per-segment"  # no window_size there
     assert A._choose(cuda, torch.bfloat16) == "torch-varlen"
+    # FlashAttention-2's limits (ATen's copy): head dim <= 256 and a multiple of 8, Ampere or newer
+    monkeypatch.setattr(A, "_torch_varlen", lambda: (None, TORCH_VARLEN_SIGNATURES["2.11"]))
+    monkeypatch.setattr(A, "_cuda_capability", lambda index: (9, 0))
+    assert A._choose(cuda, torch.bfloat16, window=128, head_dim=256) == "torch-varlen"
+    assert A._choose(cuda, torch.bfloat16, head_dim=100) == "sdpa-per-segment"
+    assert A._choose(cuda, torch.bfloat16, head_dim=264) == "sdpa-per-segment"
+    monkeypatch.setattr(A, "_cuda_capability", lambda index: (7, 5))
+    assert A._choose(cuda, torch.bfloat16, head_dim=64) == "sdpa-per-segment"
+    assert A.attention_kernel("cuda") == "sdpa-per-segment"
+    monkeypatch.setattr(A, "_cuda_capability", lambda index: (8, 0))
     monkeypatch.setattr(A, "_flash_attn_fn", lambda: object())
     monkeypatch.setattr(A, "_flash_attn_params", lambda: frozenset({"softcap"}))
     assert A._choose(cuda, torch.bfloat16, softcap=30.0, dropout=0.1, window=64) == "flash-attn"
+    assert A._choose(cuda, torch.bfloat16, head_dim=100) == "flash-attn"  # flash-attn pads to a multiple of 8
+    assert A._choose(cuda, torch.bfloat16, head_dim=264) == "sdpa-per-segment"
 
 
 # ---------------------------------------------------------------------------- on a GPU

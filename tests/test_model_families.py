@@ -37,8 +37,12 @@ LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
 
 
 def _build(model_type: str, **overrides):
+    import transformers
     from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    if model_type not in CONFIG_MAPPING:  # newer than the installed transformers (beam, dory: not in 5.17)
+        pytest.skip(f"transformers {transformers.__version__} has no model type {model_type!r}")
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(model_support.tiny_config(model_type, **overrides))
 
@@ -125,9 +129,12 @@ def test_cost_model_of_configs_named_otherwise():
     solar = model_support.tiny_config("solar_open")  # moe 48 x 2 routed per token + 1 shared expert of 48
     assert CostModel.from_hf_config(solar, dtype_bytes=4).layer_params == \
         CostModel.from_hf_config(dict(solar.to_dict(), intermediate_size=3 * 48), dtype_bytes=4).layer_params
-    with pytest.raises(UnsupportedModelError, match="model type 'longcat_flash': config.num_hidden_layers is 4 but "
-                                                    "model.model.layers holds 2 decoder layers"):
-        check_model_family(_build("longcat_flash"))
+    longcat = _build("longcat_flash")  # its tiny config: 4 and 2 (transformers 5.24); 56 and 28 (5.17)
+    counted, held = longcat.config.num_hidden_layers, len(longcat.model.layers)
+    assert counted == 2 * held
+    with pytest.raises(UnsupportedModelError, match=f"model type 'longcat_flash': config.num_hidden_layers is {counted} "
+                                                    f"but model.model.layers holds {held} decoder layers"):
+        check_model_family(longcat)
 
 
 # ---------------------------------------------------------------------------------- outside the layers

@@ -66,10 +66,16 @@ def test_checkpointing_by_habit_is_left_to_the_planner_saying_so(tmp_path, field
     """Either spelling is accepted (the planner decides recompute per chunk and stage); HF's
     checkpointing of every layer is switched off, and the log names the field the user set and
     the kwargs that have nothing to act on."""
+    import transformers
+
+    if field not in {f.name for f in dataclasses.fields(transformers.TrainingArguments)}:
+        pytest.skip(f"transformers {transformers.__version__} has no {field} (only its older spelling)")
     with caplog.at_level("WARNING", logger="concertina_hf.args"):
         args = _args(tmp_path, **{field: True, f"{field}_kwargs": {"use_reentrant": True}})
-    assert args.activation_checkpointing is False and args.gradient_checkpointing is False
-    assert not args.activation_checkpointing_kwargs
+    assert args.gradient_checkpointing is False and not args.gradient_checkpointing_kwargs
+    # transformers < 5.2x (5.17 checked) has no activation_checkpointing* fields
+    assert getattr(args, "activation_checkpointing", False) is False
+    assert not getattr(args, "activation_checkpointing_kwargs", None)
     msgs = [r.getMessage() for r in caplog.records if r.name == "concertina_hf.args"]
     assert len(msgs) == 1 and msgs[0].startswith(f"{field}=True") and "use_reentrant" in msgs[0], msgs
 

@@ -264,8 +264,9 @@ class ConcertinaTrainingArguments(TrainingArguments):
             # torchrun-launched CPU ranks: without this TrainingArguments silently runs each rank alone.
             logger.info("WORLD_SIZE > 1 and no GPU visible: setting use_cpu=True so the ranks form one job")
             self.use_cpu = True
-        # the alias the user wrote (transformers 5 resolves gradient_checkpointing* into activation_checkpointing*)
-        asked = "activation_checkpointing" if self.activation_checkpointing else (
+        # the alias the user wrote (transformers >= 5.2x resolves gradient_checkpointing* into
+        # activation_checkpointing*; older 5.x releases have only gradient_checkpointing*)
+        asked = "activation_checkpointing" if getattr(self, "activation_checkpointing", None) else (
             "gradient_checkpointing" if self.gradient_checkpointing else None)
         compile_asked = [f for f in ("torch_compile", "torch_compile_backend", "torch_compile_mode") if getattr(self, f)]
         if compile_asked:  # off before TrainingArguments exports it to accelerate's environment
@@ -286,7 +287,7 @@ class ConcertinaTrainingArguments(TrainingArguments):
         recipes) is accepted: the planner already recomputes layers per chunk and per stage, as many as
         the memory budget needs, so HF's checkpointing of every layer (slower, same result) is switched
         off. Its kwargs have nothing to act on: say so."""
-        kwargs = self.activation_checkpointing_kwargs or {}
+        kwargs = getattr(self, "activation_checkpointing_kwargs", None) or self.gradient_checkpointing_kwargs or {}
         unused = f"; {asked}_kwargs {dict(kwargs)} are not used (the runtime recomputes with " \
                  "torch.utils.checkpoint(use_reentrant=False) per chunk)" if kwargs else ""
         logger.warning(
@@ -294,8 +295,9 @@ class ConcertinaTrainingArguments(TrainingArguments):
             "their activations (to fit concertina_memory_budget), so HF's checkpointing of every layer is not applied "
             f"(concertina_strategy='full-recompute' recomputes every layer){unused}"
         )
-        self.activation_checkpointing = self.gradient_checkpointing = False
-        self.activation_checkpointing_kwargs = self.gradient_checkpointing_kwargs = None
+        self.gradient_checkpointing, self.gradient_checkpointing_kwargs = False, None
+        if hasattr(self, "activation_checkpointing"):  # transformers releases with the new name
+            self.activation_checkpointing, self.activation_checkpointing_kwargs = False, None
 
     def _check_concertina_fields(self) -> None:
         for name in ("concertina_pipeline_size", "concertina_data_parallel_size", "concertina_max_tokens_per_chunk",

@@ -313,7 +313,10 @@ class ConcertinaTrainer(Trainer):
         last: a gloo group left alive can abort the interpreter's shutdown)."""
         self.planner.close()
         self.topology.barrier()
-        super().end()
+        if hasattr(Trainer, "end"):  # not in transformers 5.17 (checked): there, what Trainer.end does
+            super().end()
+        else:
+            self.accelerator.end_training()
 
     # ------------------------------------------------------------------ saving and loading
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None):

@@ -41,7 +41,9 @@ for each layer:
      ``window_size``, ``enable_gqa``, ``scale``, ``is_causal`` differ across torch releases), one
      call over the chunk with ``cu_seqlens`` from the context (queries shorter than keys, causal
      bottom-right, the kernels' convention);
-   - CUDA otherwise (float32, or a feature the varlen kernel lacks: dropout for ``varlen_attn``):
+   - CUDA otherwise (float32, a feature the varlen kernel lacks: dropout for ``varlen_attn``, or
+     what FlashAttention-2 does not take: a GPU older than compute capability 8.0, a head
+     dimension over 256, for ``varlen_attn`` one that is not a multiple of 8):
      one SDPA call per segment (:func:`_segments_sdpa`), ``is_causal`` or an ``s_i x (C_i + s_i)``
      mask; never a ``T x S`` mask;
    - the eager formula per segment (:func:`_segments_math`), on any device, for what the kernels
@@ -702,9 +704,19 @@ def _flash_attn_call(q, k, v, ctx: ChunkAttentionContext, scale, window, dropout
 
 
 def _torch_varlen_call(q, k, v, ctx: ChunkAttentionContext, scale, window):
-    """torch's ``varlen_attn`` (FlashAttention-2 inside torch: bottom-right causal), its keywords
-    chosen by signature: ``window_size`` ``(W - 1, 0)`` (``(-1, 0)`` is causal in torch >= 2.12),
-    ``is_causal`` where it exists, ``enable_gqa`` or repeated K/V, ``scale`` or pre-scaled queries."""
+    """torch's ``varlen_attn`` (ATen's FlashAttention-2: causal and window masks aligned
+    bottom-right, queries shorter than keys), its keywords chosen by signature.
+
+    Read in the sources of torch 2.11 and 2.13 (both: ``(query, key, value, cu_seq_q, cu_seq_k,
+    max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1))``, 2.13 adding
+    ``enable_gqa``, ``seqused_k``, ``block_table``, ``num_splits``; int32 ``cu_seq_*`` on the
+    device; returns the output ``[T, H, D]`` alone): neither has ``is_causal``; both derive it as
+    ``window_size == (-1, 0)``, a *tuple* comparison (a list would silently give non-causal
+    attention), so causal is ``(-1, 0)`` and a window ``W`` is ``(W - 1, 0)`` (keys ``p - W < p' <=
+    p``: the kernel's local mask, also bottom-right). Without ``enable_gqa`` (2.11) K/V heads are
+    repeated to the query heads (its documented shapes; the kernel saves the repeated K/V for
+    backward: ``H / K`` times the K/V bytes of the varlen call). ``is_causal`` is passed where a
+    release has it, ``scale`` where it exists, else the queries are pre-scaled."""
     fn, params = _torch_varlen()
     kw: dict[str, Any] = {}
     if "scale" in params:
@@ -717,7 +729,7 @@ def _torch_varlen_call(q, k, v, ctx: ChunkAttentionContext, scale, window):
         else:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    if "window_size" in params:
+    if "window_size" in params:  # a tuple: varlen_attn compares it with (-1, 0) to decide causal
         kw["window_size"] = (window - 1, 0) if window is not None else (-1, 0)
     if "is_causal" in params:
         kw["is_causal"] = True
@@ -752,15 +764,44 @@ KERNELS: dict[str, str] = {
 _USED: dict[tuple[str, str], None] = {}
 
 
+#: FlashAttention-2's limits, for flash-attn and for torch's varlen_attn (ATen's copy of it): head
+#: dimension at most 256 (both), a multiple of 8 (ATen's ``mha_varlen_fwd`` checks it and leaves the
+#: padding to SDPA, which varlen_attn does not go through; flash-attn pads itself), and a GPU of
+#: compute capability 8.0 (Ampere) or newer
+FLASH_MAX_HEAD_DIM = 256
+FLASH_MIN_CAPABILITY = (8, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int | None) -> tuple[int, int] | None:
+    """Compute capability of CUDA device ``index`` (``None``: the current one); ``None`` without
+    CUDA (a hypothetical device, e.g. :func:`attention_kernel` asked on a CPU machine)."""
+    if not torch.cuda.is_available():
+        return None
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def _flash_fits(kernel: str, device: torch.device, head_dim: int | None) -> bool:
+    """Whether a FlashAttention-2 varlen kernel takes this device and (padded) head dimension
+    (``None``: not known, e.g. for plan statistics)."""
+    cap = _cuda_capability(device.index)
+    if cap is not None and cap < FLASH_MIN_CAPABILITY:
+        return False
+    if head_dim is None:
+        return True
+    return head_dim <= FLASH_MAX_HEAD_DIM and (kernel == "flash-attn" or head_dim % 8 == 0)
+
+
 def _choose(device: torch.device, dtype: torch.dtype, dropout: float = 0.0, softcap: float | None = None,
-            sink: bool = False, window: int | None = None) -> str:
+            sink: bool = False, window: int | None = None, head_dim: int | None = None) -> str:
     if sink:
         return "eager-per-segment"
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
-        if flash_attn_available() and (softcap is None or "softcap" in _flash_attn_params()):
+        if flash_attn_available() and (softcap is None or "softcap" in _flash_attn_params()) and _flash_fits(
+                "flash-attn", device, head_dim):
             return "flash-attn"
         if softcap is None and dropout == 0.0 and torch_varlen_available() and (
-                window is None or "window_size" in _torch_varlen()[1]):
+                window is None or "window_size" in _torch_varlen()[1]) and _flash_fits("torch-varlen", device, head_dim):
             return "torch-varlen"
     if softcap is not None:
         return "eager-per-segment"
@@ -851,7 +892,8 @@ def concertina_attention_forward(
         query, key, value = (_autocast_cast(t, amp) for t in (query, key, value))
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     window = int(sliding_window) if sliding_window is not None and sliding_window > 0 else None
-    kernel = _choose(query.device, query.dtype, dropout, softcap, sink is not None, window)
+    kernel = _choose(query.device, query.dtype, dropout, softcap, sink is not None, window,
+                     max(query.shape[-1], value.shape[-1]))  # the head dim after _pad_head_dims
     _note_kernel(kernel, query.device)
     ctx.store_own(layer, key, value)
     if kernel in ("flash-attn", "torch-varlen"):
