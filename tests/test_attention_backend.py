@@ -16,6 +16,7 @@ import types
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from _runtime_cases import VOCAB, batch, make_plan, reference, compare_grads
 from concertina_hf.planning import StageLayout
@@ -427,6 +428,20 @@ def test_torch_varlen_path_plumbing(sig, monkeypatch):
     assert all(c.get("enable_gqa", False) == ("enable_gqa" in params) for c in calls)  # the GQA cases
 
 
+class _RecordVarlen(TorchDispatchMode):
+    """Records the calls of torch's varlen kernel op (``torch_attn::_varlen_attn``) by argument name."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "_varlen_attn" in str(func):
+            names = [a.name for a in func._schema.arguments]
+            self.calls.append({**dict(zip(names, args)), **(kwargs or {})})
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.skipif(not A.torch_varlen_available(), reason="this torch has no torch.nn.attention.varlen")
 def test_installed_varlen_attn_gets_causal_window_scale_and_layout():
     """The installed torch's own ``varlen_attn`` (not a stand-in), called by the backend on meta
@@ -435,19 +450,6 @@ def test_installed_varlen_attn_gets_causal_window_scale_and_layout():
     list instead of a tuple, or ``(-1, -1)``, would arrive non-causal), a window ``W`` as
     ``(W - 1, 0)``, the backend's scale, the context's int32 ``cu_seqlens`` and maxima, and key
     heads the kernel accepts (repeated to the query heads unless the release has ``enable_gqa``)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Record(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.calls = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if "_varlen_attn" in str(func):
-                names = [a.name for a in func._schema.arguments]
-                self.calls.append({**dict(zip(names, args)), **(kwargs or {})})
-            return func(*args, **(kwargs or {}))
-
     # a slice with 6 tokens of context (keys [prefix, own]) packed with a whole sequence
     ctx = ChunkAttentionContext([SliceSpec(0, 6, 4, 0, True), SliceSpec(1, 0, 5, 4, True)], KVStore(), "meta", False)
     H, K, D = 4, 2, 16
@@ -455,7 +457,7 @@ def test_installed_varlen_attn_gets_causal_window_scale_and_layout():
     k, v = (torch.empty(15, K, D, device="meta", dtype=torch.bfloat16) for _ in range(2))
     params = A._torch_varlen()[1]
     for window, (want_causal, want_window) in ((None, (True, [-1, 0])), (3, (False, [2, 0]))):
-        with Record() as rec:
+        with _RecordVarlen() as rec:
             out = A._torch_varlen_call(q, k, v, ctx, 0.3, window)
         assert out.shape == (9, H, D) and out.dtype == torch.bfloat16
         (call,) = rec.calls
@@ -468,6 +470,37 @@ def test_installed_varlen_attn_gets_causal_window_scale_and_layout():
             assert call["enable_gqa"] is True and call["key"].shape[1] == K
         else:
             assert call["key"].shape[1] == call["value"].shape[1] == H
+
+
+@pytest.mark.skipif(not A.torch_varlen_available(), reason="this torch has no torch.nn.attention.varlen")
+def test_installed_varlen_attn_through_the_backend_on_meta(monkeypatch):
+    """The whole varlen path of :func:`concertina_attention_forward` with the installed torch's
+    ``varlen_attn`` on meta tensors laid out as HF's layers pass them (``[1, T, H, D]`` transposed):
+    a sequence split over two chunks (K/V carried), GQA, value heads narrower than query heads
+    (MLA). What reaches the kernel op is what ATen's FlashAttention-2 checks on the GPU: a
+    contiguous last dimension, one head size (a multiple of 8), as many keys as ``cu_seqlens_k``
+    counts; the output comes back ``[1, T, H, Dv]``."""
+    monkeypatch.setattr(A, "_choose", lambda *a, **k: "torch-varlen")
+    monkeypatch.setattr(A, "autocast_dtype", lambda device_type: None)  # autocast knows no meta device
+    module, store = _module(4, 2), KVStore()
+    H, K, D, Dv = 4, 2, 16, 8
+
+    def hf_layout(t, heads, d):  # HF: projection output [1, T, heads * d] viewed, then transposed
+        return torch.empty(1, t, heads, d, device="meta", dtype=torch.bfloat16).transpose(1, 2)
+
+    for slices in ([SliceSpec(0, 0, 6, 0, False)], [SliceSpec(0, 6, 5, 0, True), SliceSpec(1, 0, 3, 5, True)]):
+        ctx = ChunkAttentionContext(slices, store, "meta", False)
+        t = sum(s.length for s in slices)
+        with _RecordVarlen() as rec:
+            out, _ = A.concertina_attention_forward(module, hf_layout(t, H, D), hf_layout(t, K, D), hf_layout(t, K, Dv),
+                                                    None, concertina_ctx=ctx, scaling=0.25)
+        assert out.shape == (1, t, H, Dv)
+        (call,) = rec.calls
+        q, k, v = call["query"], call["key"], call["value"]
+        assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+        assert q.shape[-1] == k.shape[-1] == v.shape[-1] == D and D % 8 == 0
+        assert q.shape[0] == t and k.shape[0] == v.shape[0] == sum(s.start + s.length for s in slices)
+        assert call["cu_seq_k"] is ctx.cu_seqlens_k and call["is_causal"] is True and call["scale"] == 0.25
 
 
 def test_flash_attn_path_plumbing(monkeypatch):
