@@ -202,6 +202,97 @@ def plan_losses(records: list[dict], cost) -> dict[str, dict[str, float]]:
             for name, v in rows.items()}
 
 
+def planned_parts(plan, cost) -> list[dict[str, float]]:
+    """Per stage of ``plan``: its planned compute split into the embedding, the decoder layers,
+    the head and loss (forward + backward each) and recompute, by the cost model's own terms."""
+    layout, per = plan.layout, 1.0 + cost.bwd_factor
+    out = []
+    for s in range(plan.num_stages):
+        row = dict.fromkeys(("embed", "layers", "head", "recompute"), 0.0)
+        for c, chunk in enumerate(plan.chunks):
+            r = plan.recompute[s][c]
+            emb = per * (cost.embed_time_per_token * chunk.num_tokens + cost.embed_time_per_call) \
+                if layout.has_embedding(s) else 0.0
+            head = per * cost.head_time(chunk.num_tokens) if layout.has_head(s) else 0.0
+            rec = cost.recompute_time(chunk, r)
+            total = cost.fwd_time(layout, s, chunk) + cost.bwd_time(layout, s, chunk, r)
+            row["embed"] += emb
+            row["head"] += head
+            row["recompute"] += rec
+            row["layers"] += total - emb - head - rec
+        out.append(row)
+    return out
+
+
+def gap_decomposition(records: list[dict], cost) -> dict[str, dict[str, Any]]:
+    """Why each pp=2 job's measured speedup over pp=1 departs from the planned one, summed over
+    the timed steps (the same batches for every job):
+
+    ``measured / planned speedup = pp1_step_factor / (stage0_compute_factor * stage0_rest_factor)``
+
+    where a factor is measured over planned: ``pp1_step_factor`` pp=1's step; ``stage0_compute``
+    the first stage's compute (sum of its actions' durations against the simulator's busy time);
+    ``stage0_rest`` its step over its compute, measured against planned (bubble, P2P waits, Python,
+    optimizer: what the busy stage does besides computing). ``stage0_vs_pp1``: stage 0's compute
+    factor over pp=1's (the same layers' work, run slower or faster than in pp=1 against the same
+    cost model). The ``cpu`` factors take the stage thread's CPU seconds in ``run_step`` instead of
+    its actions' wall time: what the compute cost on a core, whatever other jobs took of the
+    machine (on shared cores the wall-time factors measure them too). Per stage the planned compute is split into embedding, layers, head and
+    recompute (:func:`planned_parts`); ``head_factor_implied`` is what the last stage's head must
+    have cost against its plan if its layers ran at stage 0's factor (their share is the bulk)."""
+    from concertina_hf.planning import Plan, simulate
+
+    timed = [r for r in records if not r["memory_round"]]
+    sums: dict[str, dict[str, Any]] = {}
+    for r in timed:
+        plan = Plan.from_json(r["plan"])
+        sim = simulate(plan, cost)
+        j = sums.setdefault(r["job"], {"pp": r["pp"], "m_step": 0.0, "p_step": 0.0,
+                                        "m_stage_step": [0.0] * r["pp"], "m_compute": [0.0] * r["pp"],
+                                        "p_compute": [0.0] * r["pp"], "m_cpu": [0.0] * r["pp"],
+                                        "parts": [dict.fromkeys(("embed", "layers", "head", "recompute"), 0.0)
+                                                  for _ in range(r["pp"])]})
+        j["m_step"] += r["step_s"]
+        j["p_step"] += sim.step_time_s
+        for s in range(r["pp"]):
+            acts = r["actions"].get(s, r["actions"].get(str(s), []))
+            j["m_compute"][s] += sum(t1 - t0 for _, t0, t1 in acts)
+            j["m_stage_step"][s] += r["stage_step_s"][s]
+            # CPU seconds of the stage's thread in run_step (waits sleep; the optimizer's are taken out):
+            # its compute on a core, whatever other jobs took of the machine's wall time
+            j["m_cpu"][s] += r["stage_cpu_s"][s] - r["stage_breakdown"][s]["optimizer"]
+            j["p_compute"][s] += sim.stage_busy_s[s]
+            for k, v in planned_parts(plan, cost)[s].items():
+                j["parts"][s][k] += v
+    one = sums.get("pp=1")
+    out: dict[str, dict[str, Any]] = {}
+    for name, j in sums.items():
+        f_comp = [m / p for m, p in zip(j["m_compute"], j["p_compute"])]
+        f_cpu = [m / p for m, p in zip(j["m_cpu"], j["p_compute"])]
+        row = {"pp": j["pp"], "step_factor": j["m_step"] / j["p_step"], "compute_factor": f_comp,
+               "cpu_factor": f_cpu, "measured_cpu_s": j["m_cpu"],
+               "measured_compute_s": j["m_compute"], "planned_compute_s": j["p_compute"],
+               "planned_parts_s": j["parts"], "measured_step_s": j["m_step"], "planned_step_s": j["p_step"]}
+        if j["pp"] > 1 and one is not None:
+            pp1_step = one["m_step"] / one["p_step"]
+            pp1_comp = one["m_compute"][0] / one["p_compute"][0]
+            pp1_cpu = one["m_cpu"][0] / one["p_compute"][0]
+            rest0 = (j["m_stage_step"][0] / j["m_compute"][0]) / (j["p_step"] / j["p_compute"][0])
+            last = j["parts"][-1]
+            lay_last = last["layers"] + last["recompute"]
+            row.update(pp1_step_factor=pp1_step, pp1_compute_factor=pp1_comp, stage0_compute_factor=f_comp[0],
+                       stage0_rest_factor=rest0, stage0_vs_pp1=f_comp[0] / pp1_comp, pp1_cpu_factor=pp1_cpu,
+                       stage0_cpu_vs_pp1=f_cpu[0] / pp1_cpu,
+                       head_cpu_factor_implied=(j["m_cpu"][-1] - f_cpu[0] * lay_last) / last["head"]
+                       if last["head"] > 0 else None,
+                       speedup_measured_over_planned=pp1_step / (j["m_step"] / j["p_step"]),
+                       head_factor_implied=(j["m_compute"][-1] - f_comp[0] * lay_last) / last["head"]
+                       if last["head"] > 0 else None,
+                       head_share_planned=last["head"] / j["p_compute"][-1])
+        out[name] = row
+    return out
+
+
 def run_context(max_len: int, corpus, config: dict, cost, args, log) -> dict[str, Any]:
     import measured
     from _pipeline_worker import trainer_optimizer_spec
@@ -232,6 +323,7 @@ def run_context(max_len: int, corpus, config: dict, cost, args, log) -> dict[str
             "batches": [{"num_seqs": len(b), "tokens": sum(map(len, b)), "longest": max(map(len, b))} for b in batches],
             "memory_batch": memory_batch, "timed_batches": timed, "activation_budget_bytes": act_budget,
             "layer_ranges": [list(r) for r in layout.layer_ranges], "jobs": summarize(out["records"], cost),
+            "gap": gap_decomposition(out["records"], cost),
             "parallel_capacity": out["capacity"], "capacity_wait_s": out["waited_s"],
             "loadavg": {"before": load0, "after": out["loadavg_end"]}, "wall_s": out["wall_s"]}
 
@@ -288,6 +380,28 @@ def to_markdown(res: dict[str, Any]) -> str:
                          + " | ".join(f"{b[k]:.3f} ({b[k] / b['step']:.0%})" for k in (*PARTS, "planner_cpu"))
                          + f" | {b['cpu_share']:.2f} | {j['total_duration_excess_s'][s]:+.2f} | "
                          f"{j['total_gap_excess_s'][s]:+.2f} |")
+        if c.get("gap"):
+            L += ["", "Gap decomposition (sums over the timed steps; factor: measured over planned; "
+                  "`gap_decomposition`): measured / planned speedup = pp=1 step factor / (stage 0 compute factor x "
+                  "stage 0 rest factor). Planned compute per stage split into embedding / layers / head / recompute "
+                  "(seconds); implied head factor: the last stage's head against its plan if its layers ran at stage "
+                  "0's factor:", "",
+                  "| job | measured / planned speedup | pp=1 step (compute) factor | stage 0 compute factor | "
+                  "stage 0 vs pp=1 | stage 0 rest factor | stage 1 compute factor | implied head factor | "
+                  "CPU factors: pp=1 / stage 0 / stage 1, stage 0 vs pp=1, implied head | "
+                  "planned s per stage: embed / layers / head / recompute |", "|---|---|---|---|---|---|---|---|---|---|"]
+            for name, g in c["gap"].items():
+                if g["pp"] == 1:
+                    continue
+                parts = " ; ".join(" / ".join(f"{v:.2f}" for v in p.values()) for p in g["planned_parts_s"])
+                L.append(f"| {name} | {g['speedup_measured_over_planned']:.3f} | {g['pp1_step_factor']:.3f} "
+                         f"({g['pp1_compute_factor']:.3f}) | {g['stage0_compute_factor']:.3f} | "
+                         f"{g['stage0_vs_pp1']:.3f} | {g['stage0_rest_factor']:.3f} | {g['compute_factor'][-1]:.3f} | "
+                         + (f"{g['head_factor_implied']:.3f}" if g["head_factor_implied"] is not None else "")
+                         + f" | {g['pp1_cpu_factor']:.3f} / {g['cpu_factor'][0]:.3f} / {g['cpu_factor'][-1]:.3f}, "
+                         f"{g['stage0_cpu_vs_pp1']:.3f}, "
+                         + (f"{g['head_cpu_factor_implied']:.3f}" if g["head_cpu_factor_implied"] is not None else "")
+                         + f" | {parts} |")
         L += ["", "Biggest departures from the plan (pp=2 jobs; per action: measured vs planned duration, idle gap "
               "before it on its stage measured vs planned; scale: the stage's measured over planned compute in that "
               "step, applied to the planned figures before comparing):", "",
