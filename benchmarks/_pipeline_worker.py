@@ -127,11 +127,8 @@ def run_profile(rank: int, world: int, port: int, spec_path: str, out_path: str)
 
         model = build_model(spec["config"], spec["seed"])
         t0 = time.perf_counter()
-        # the two profiles run at once, so their coefficients already include the other stage's
-        # contention: no concurrent-stage factor on top (each would measure it against the other
-        # profile's work besides)
         cost = profile_cost_model(model, shapes=spec["shapes"], repeats=spec["repeats"], warmup=1,
-                                  num_layers=spec["num_layers"], max_tokens=spec["max_tokens"], concurrency=False)
+                                  num_layers=spec["num_layers"], max_tokens=spec["max_tokens"])
         took = time.perf_counter() - t0
         p2p = _p2p_probe(rank, int(spec["config"]["hidden_size"]), spec["p2p_tokens"])
         with open(f"{out_path}.rank{rank}.json", "w") as fh:

@@ -73,10 +73,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "'warmup': the planner's knob extra_warmup=0 (plain 1F1B); 'planner': planning in rank 0's "
                          "background thread itself (StepPlanner(isolate=False)) instead of a planning process")
     ap.add_argument("--profile", action="store_true", help="profile a fresh cost model instead of measured.json's")
-    ap.add_argument("--concurrent-factor", default=None,
-                    help="the cost model's concurrent_compute_factor for this run: a number, or 'probe' to measure "
-                         "it here (Probe.concurrent_factor on stage 0's layers, the largest profiled chunk); default: "
-                         "the cost model's own (measured.json's two-process profile: 1.0)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=pathlib.Path, default=None)
     args = ap.parse_args(argv)
@@ -209,7 +205,7 @@ def plan_losses(records: list[dict], cost) -> dict[str, dict[str, float]]:
 def planned_parts(plan, cost) -> list[dict[str, float]]:
     """Per stage of ``plan``: its planned compute split into the embedding, the decoder layers,
     the head and loss (forward + backward each) and recompute, by the cost model's own terms
-    (as the simulator prices the plan: ``cost.for_plan``, its concurrent-stage factor included)."""
+    (as the simulator prices the plan: ``cost.for_plan``)."""
     cost = cost.for_plan(plan)
     layout, per = plan.layout, 1.0 + cost.bwd_factor
     out = []
@@ -434,22 +430,6 @@ def to_markdown(res: dict[str, Any]) -> str:
     return "\n".join(L)
 
 
-def concurrent_factor(config: dict, args, cost) -> float:
-    """``--concurrent-factor``: the number given, or measured in this process (``probe``: stage
-    0's layers on a whole sequence of the largest profiled chunk, alone and with a second thread
-    computing the same, :meth:`~concertina_hf.runtime.probe.Probe.concurrent_factor`)."""
-    if args.concurrent_factor != "probe":
-        return float(args.concurrent_factor)
-    from _pipeline_worker import build_model
-    from concertina_hf.planning import partition_layers
-    from concertina_hf.runtime.probe import build_probe
-
-    layers = partition_layers(cost, 2).num_stage_layers(0)
-    pr = build_probe(build_model(config, args.seed), layers)
-    with pr.measuring():
-        return pr.concurrent_factor(((0, min(1024, cost.max_chunk_tokens or 1024)),), 5, 1)
-
-
 def main(argv=None) -> dict[str, Any]:
     import datetime
     import platform
@@ -471,12 +451,6 @@ def main(argv=None) -> dict[str, Any]:
     corpus = measured.load_corpus(pre["max_files"])
     # measured.json's, or the one this benchmark profiled last (only for this model and the current backend)
     cost, cost_source = cost_model(config, args, log, ("measured.json", "pipeline_efficiency.json"))
-    if args.concurrent_factor is not None:
-        import dataclasses
-
-        cost = dataclasses.replace(cost, concurrent_compute_factor=concurrent_factor(config, args, cost))
-        cost_source += f", concurrent stages x{cost.concurrent_compute_factor:.3f} ({args.concurrent_factor})"
-        log(f"concurrent_compute_factor {cost.concurrent_compute_factor:.3f} ({args.concurrent_factor})")
     contexts = []
     for L in args.contexts:
         contexts.append(run_context(L, corpus, config, cost, args, log))

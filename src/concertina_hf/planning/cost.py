@@ -295,12 +295,6 @@ class CostModel:
     # on CPU, 8K-13K-token chunks of a 10M Llama ran 1.2-1.6x their linear prediction (the head's
     # log-softmax over the fp32 logits up to 7x its per-element time in 4K-token chunks; issue 13)
     max_chunk_tokens: int = 0
-    # compute time of a stage while the other stages compute at the same time on the same host,
-    # over the time measured alone (the profiler's setting): on CPU the ranks share caches and
-    # memory bandwidth (a 10M Llama on 2 cores: 1.00-1.04, benchmarks/stage_contention.py).
-    # Applied to every compute time of a plan with more than one stage (for_plan); 1.0: none
-    # (GPU stages on their own devices, models saved before the field)
-    concurrent_compute_factor: float = 1.0
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -466,35 +460,18 @@ class CostModel:
         per_head = self.a2a_bytes_per_token / (2 * (self.num_heads + kv))  # one head of one token
         return per_head * (self.num_heads + 2 * (max(kv, sp) - kv)) / sp
 
-    # compute time coefficients (forward seconds; backward and recompute are multiples of them)
-    _COMPUTE_TIME = ("alpha_attn", "alpha_tok", "alpha_mask", "beta", "embed_time_per_token", "head_time_per_token",
-                     "embed_time_per_call", "head_time_per_call")
-
-    def with_concurrent_stages(self) -> "CostModel":
-        """This model for stages that compute at the same time on one host: every compute time
-        multiplied by ``concurrent_compute_factor``, which the result has at 1.0 (so applying
-        this twice changes nothing). Communication times are not scaled."""
-        f = self.concurrent_compute_factor
-        if f == 1.0:
-            return self
-        changes: dict[str, Any] = {name: getattr(self, name) * f for name in self._COMPUTE_TIME}
-        changes["head_time_points"] = tuple((t, x * f) for t, x in self.head_time_points)
-        return dataclasses.replace(self, concurrent_compute_factor=1.0, **changes)
-
     def for_plan(self, plan: Any) -> "CostModel":
-        """The model a plan runs under: this one with its stages computing concurrently when the
-        plan has more than one (:meth:`with_concurrent_stages`), and with the plan's own stage
-        size and sharding when it records them (knobs ``sp``, ``state_shards``, ``zero3``: the
-        ``sp-only`` baseline's plans, which run the replica's GPUs as one stage)."""
-        cost = self.with_concurrent_stages() if plan.num_stages > 1 else self
+        """The model a plan runs under: this one, unless the plan records its own stage size
+        and sharding (knobs ``sp``, ``state_shards``, ``zero3``: the ``sp-only`` baseline's plans,
+        which run the replica's GPUs as one stage)."""
         sp = plan.knob("sp")
         if sp is None:
-            return cost
+            return self
         shards = int(plan.knob("state_shards", sp))
         zero3 = bool(plan.knob("zero3", False))
-        if (int(sp), shards, zero3) == (cost.sp, cost.state_shards, cost.zero3):
-            return cost
-        return cost.with_parallel(sp=int(sp), state_shards=shards, zero3=zero3)
+        if (int(sp), shards, zero3) == (self.sp, self.state_shards, self.zero3):
+            return self
+        return self.with_parallel(sp=int(sp), state_shards=shards, zero3=zero3)
 
     def fit(self, samples: Sequence[ProfileSample], *, dense_mask: bool = False) -> "CostModel":
         """This model with its decoder-layer time coefficients (and activation bytes per token)

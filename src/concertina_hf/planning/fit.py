@@ -205,11 +205,6 @@ def refit_cost_model(cost: CostModel, layout: StageLayout, samples: Sequence[Act
 
     if len({(x.stage, x.chunk.slices) for x in samples}) < 4 or cost.zero3:
         return None
-    # stages that computed at the same time ran at the model's concurrent factor: fit the
-    # coefficients of a stage alone (the model's), as the profiler measures them
-    f = cost.concurrent_compute_factor if layout.num_stages > 1 else 1.0
-    if f != 1.0:
-        samples = [dataclasses.replace(x, fwd_s=x.fwd_s / f, bwd_s=x.bwd_s / f) for x in samples]
 
     def comm(x: ActionSample) -> float:  # one direction's all-to-alls of the sample's layers (0 at sp = 1)
         return layout.num_stage_layers(x.stage) * cost.a2a_time(x.chunk.num_tokens)
@@ -271,7 +266,6 @@ def prediction_error(cost: CostModel, layout: StageLayout, samples: Sequence[Act
     """Mean ``|log(predicted / measured)|`` of the samples' forward plus backward times (0 when
     none; ``inf`` when a time is not positive): how far ``cost`` is off, either way alike."""
     errs = []
-    cost = cost.with_concurrent_stages() if layout.num_stages > 1 else cost  # as simulate prices a plan
     for x in samples:
         pred = cost.fwd_time(layout, x.stage, x.chunk) + cost.bwd_time(layout, x.stage, x.chunk, x.recompute)
         meas = x.fwd_s + x.bwd_s

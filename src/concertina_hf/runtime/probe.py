@@ -221,50 +221,6 @@ class Probe:
             del y, x, grad, ctx, store
         return summary(fwd), summary(bwd)
 
-    def concurrent_factor(self, shape: ChunkShape, repeats: int, warmup: int) -> float:
-        """CPU: forward + backward seconds of the probe's layers on ``shape`` while a second
-        thread runs the same work at the same time, over the same alone (this thread's CPU
-        time, the median of ``repeats`` after ``warmup``: a pipeline's stages contend all step
-        long, so not the least contended run): what another stage computing on the host's other
-        cores costs a stage (shared caches and memory bandwidth; with one intra-op thread the two
-        threads' kernels run in parallel, outside the GIL). At least 1.0; 1.0 off CPU (stages on
-        their own devices). A 10M Llama on 2 cores: 1.00-1.04 on decoder layers."""
-        import threading
-
-        if self.device.type != "cpu":
-            return 1.0
-        specs = _specs(shape, False)
-        tokens = sum(s for _, s in shape)
-
-        def once() -> float:
-            store = self._store(specs)
-            x = torch.randn(1, tokens, self.hidden_size, dtype=self.dtype, device=self.device).requires_grad_()
-            t0 = time.thread_time()
-            with self._fwd():
-                y = self.stage.run_layers(x, ChunkAttentionContext(specs, store, self.device, requires_grad=True), 0)
-            torch.autograd.backward(y, torch.randn_like(y))
-            return time.thread_time() - t0
-
-        def timed() -> float:
-            return statistics.median([once() for _ in range(warmup + repeats)][warmup:])
-
-        alone = timed()
-        stop, started = threading.Event(), threading.Event()
-
-        def peer() -> None:
-            started.set()
-            while not stop.is_set():
-                once()
-        th = threading.Thread(target=peer, daemon=True)
-        th.start()
-        started.wait()
-        try:
-            together = timed()
-        finally:
-            stop.set()
-            th.join()
-        return max(1.0, together / alone) if alone > 0 else 1.0
-
     def chunk_bytes(self, shape: ChunkShape, split: bool, recompute: int) -> int:
         """Bytes one chunk keeps alive on the probe's layers from its forward to its backward:
         every tensor created by its forward and still alive when the executor would have

@@ -21,11 +21,7 @@ autocast state) and measures:
   into ``.grad``) from 8 and 16 tokens, the embedding's backward likewise, and a layer's backward
   with every layer recomputed;
 - **head** (final norm, LM head, float32 summed cross-entropy) and **embedding**: time and bytes
-  on a few token counts;
-- **concurrent stages** (CPU, one thread; ``concurrency``): the largest whole sequence's layers
-  alone and while a second thread computes the same (:meth:`~.probe.Probe.concurrent_factor`):
-  ``concurrent_compute_factor``, what the other stages of a pipeline on the same host cost a
-  stage's compute (the simulator applies it to plans of more than one stage).
+  on a few token counts.
 
 :func:`measure_chunk` measures one shape alone (a :class:`ProfileSample`).
 
@@ -173,7 +169,6 @@ def profile_cost_model(
     max_tokens: int | None = None,
     samples_out: list[ProfileSample] | None = None,
     autocast_dtype: torch.dtype | str | None = "caller",
-    concurrency: bool | None = None,
 ) -> CostModel:
     """Profile ``model`` (an HF causal LM or a :class:`PipelineWrapper`) on ``device`` and return
     the fitted :class:`CostModel` (``source="profiled"``); see the module docstring.
@@ -188,11 +183,6 @@ def profile_cost_model(
     e.g. ``bf16=True``: float32 weights, bf16 matmuls and stored K/V), as the executor runs
     them; ``"caller"`` (default) takes the caller's autocast state on the device, ``None``
     profiles without autocast. Backwards run outside autocast, as in the executor.
-    ``concurrency``: measure ``concurrent_compute_factor`` (:meth:`Probe.concurrent_factor`, on
-    the largest whole sequence); default on CPU with one thread (pipeline stages share the host),
-    off elsewhere (1.0). Profile on an otherwise idle machine: the factor is the contention
-    between the pipeline's own ranks, and two profiles running at once would each measure it
-    against the other's.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0 (got {repeats}, {warmup})")
@@ -284,12 +274,6 @@ def profile_cost_model(
         if pr.has_embed:
             for tok in sorted({max(16, biggest >> k) for k in (0, 2, 4, 6)}):
                 embeds.append((tok, pr.time_embed(tok, repeats, warmup)))
-        # the largest whole sequence alone and with a second thread computing the same (the other
-        # stage of a pipeline on the host's other core)
-        concurrent = 1.0
-        if concurrency if concurrency is not None else pr.device.type == "cpu" and torch.get_num_threads() == 1:
-            whole = [x for x in shape_list if len(x) == 1 and x[0][0] == 0] or shape_list
-            concurrent = pr.concurrent_factor(max(whole, key=lambda x: sum(s for _, s in x)), repeats, warmup)
     say(f"measured in {time.perf_counter() - t_start:.1f} s")
 
     if samples_out is not None:
@@ -326,7 +310,6 @@ def profile_cost_model(
         layer_params=pr.layer_params,
         # the planner builds no larger chunk: beyond the profiled sizes the per-token time can grow
         max_chunk_tokens=max(sum(s for _, s in shp) for shp in shape_list),
-        concurrent_compute_factor=concurrent,
         source="profiled",
     )
     if cast_bytes:
