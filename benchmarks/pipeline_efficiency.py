@@ -256,6 +256,7 @@ def gap_decomposition(records: list[dict], cost) -> dict[str, dict[str, Any]]:
                                                   for _ in range(r["pp"])]})
         j["m_step"] += r["step_s"]
         j["p_step"] += sim.step_time_s
+        parts = planned_parts(plan, cost)
         for s in range(r["pp"]):
             acts = r["actions"].get(s, r["actions"].get(str(s), []))
             j["m_compute"][s] += sum(t1 - t0 for _, t0, t1 in acts)
@@ -264,7 +265,7 @@ def gap_decomposition(records: list[dict], cost) -> dict[str, dict[str, Any]]:
             # its compute on a core, whatever other jobs took of the machine's wall time
             j["m_cpu"][s] += r["stage_cpu_s"][s] - r["stage_breakdown"][s]["optimizer"]
             j["p_compute"][s] += sim.stage_busy_s[s]
-            for k, v in planned_parts(plan, cost)[s].items():
+            for k, v in parts[s].items():
                 j["parts"][s][k] += v
     one = sums.get("pp=1")
     out: dict[str, dict[str, Any]] = {}

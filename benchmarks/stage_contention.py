@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import pathlib
-import socket
 import statistics
 import sys
 import tempfile
@@ -164,12 +163,6 @@ def _worker(rank: int, port: int, spec: dict, out_dir: str, flag) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def summarize(rows: list[dict], peer_rows: list[dict]) -> dict[str, Any]:
     """Per work and peer mode: median over rounds of the median pass (wall, CPU), and its ratio
     to the same work with the peer sleeping; the peer's CPU share while it waited in ``recv``."""
@@ -218,6 +211,8 @@ def main(argv=None) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
     from _pipeline_worker import build_model
+    from _results import write_results
+    from measured import _free_port
 
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
@@ -244,17 +239,15 @@ def main(argv=None) -> dict[str, Any]:
     summ["head_per_layer"] = {"sleep": summ["head"]["sleep"]["wall_s"] / (summ["layers"]["sleep"]["wall_s"] / n),
                               "layers_peer": summ["head"]["layers"]["wall_s"] / (summ["layers"]["layers"]["wall_s"] / n)}
     summ["embed_per_layer"] = summ["embed"]["layers"]["wall_s"] / (summ["layers"]["layers"]["wall_s"] / n)
-    res = {"command": " ".join(["python", "benchmarks/stage_contention.py", *argv]),
+    command = " ".join(["python", "benchmarks/stage_contention.py", *argv])
+    res = {"command": command,
            "date": datetime.date.today().isoformat(),
            "machine": f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs",
            "config": config, "num_params": sum(p.numel() for p in build_model(config, 0).parameters()),
            "tokens": args.tokens, "context": args.context, "layers": n, "seconds": args.seconds,
            "loadavg": [load0, os.getloadavg()[0]], "cores": cores, "rows": rows, "peer_rows": peer_rows,
            "summary": summ}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    args.out.with_suffix(".md").write_text(to_markdown(res))
-    print(to_markdown(res))
+    write_results(args.out, to_markdown(res), res, command, res["loadavg"][1])
     return res
 
 

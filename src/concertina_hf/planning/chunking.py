@@ -460,11 +460,8 @@ class SequenceBatch:
 
         def info(kind: ChunkKind, q: int, lo: int, n: int, rest: tuple = (), rest_work: float = 0.0) -> _ChunkInfo:
             hi = lo + n
-            ci = _ChunkInfo(kind, ((q, lo, n),) + rest, n + sum(r[2] for r in rest),
-                            a * (hi * hi - lo * lo) + (b - x) * n + rest_work + beta, n)
-            if self.cost.alpha_mask:  # exact chunk times, as _pack gives them
-                ci = dataclasses.replace(ci, work=self.cost.layer_fwd_time([Slice(*pt) for pt in ci.parts]))
-            return ci
+            return self._priced(_ChunkInfo(kind, ((q, lo, n),) + rest, n + sum(r[2] for r in rest),
+                                           a * (hi * hi - lo * lo) + (b - x) * n + rest_work + beta, n))
 
         chains = list(ch.chains)
         changed = False
@@ -554,15 +551,16 @@ class SequenceBatch:
                 # buckets open in decreasing length of their first sequence: largest first
                 packed.append(_ChunkInfo(ChunkKind.PACKED, rest, btok[k], bwork[k] - x * btok[k] + beta, 0))
         if self.cost.alpha_mask:
-            # a backend attending densely over masked chunks (SDPA on CPU): chunk times are not
-            # additive over slices, so the proxy gets each chunk's true layer time
-            def exact(ci: _ChunkInfo) -> _ChunkInfo:
-                t = self.cost.layer_fwd_time([Slice(q, s0, n) for q, s0, n in ci.parts])
-                return dataclasses.replace(ci, work=t)
-
-            full_chains = [tuple(exact(ci) for ci in chain) for chain in full_chains]
-            packed = [exact(ci) for ci in packed]
+            full_chains = [tuple(self._priced(ci) for ci in chain) for chain in full_chains]
+            packed = [self._priced(ci) for ci in packed]
         return tuple(full_chains), tuple(packed)
+
+    def _priced(self, ci: _ChunkInfo) -> _ChunkInfo:
+        """``ci`` with its true layer time as work where the cost model prices a dense attention
+        over masked chunks (``alpha_mask``: chunk times are not additive over slices); else ``ci``."""
+        if not self.cost.alpha_mask:
+            return ci
+        return dataclasses.replace(ci, work=self.cost.layer_fwd_time([Slice(q, s0, n) for q, s0, n in ci.parts]))
 
 
 def make_chunking(seq_lens: Sequence[int], cost: CostModel, *, num_slices_longest: int, token_cap: int,
