@@ -374,7 +374,7 @@ def memory_worker(rank: int, world: int, port: int, outdir: str, profiles: dict)
                 ex = PipelineExecutor(w, sp_group=groups.get(sp))
                 cost = cost1.with_parallel(sp=sp, state_shards=1)
                 for name, plan in plans.items():
-                    peak = allocated_activation_peak(ex, plan, ids)
+                    peak = allocated_activation_peak(ex, plan, ids, runs=2)  # all-to-alls: see its runs
                     predicted = simulate(plan, cost).peak_memory_bytes[0] - cost.static_memory(layout, 0)
                     rows.append([kv, sp, name, peak, predicted])
     except Exception:
