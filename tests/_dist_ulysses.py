@@ -315,6 +315,7 @@ MEM_TOKENS = 512  # one sequence (whole, or two slices): 128 tokens a rank at sp
 MEM_LAYERS = 3
 MEM_KV_HEADS = (2, 4)  # of 4 query heads: replicated to 4 at sp = 4, or split
 MEM_RECOMPUTE = ("none", "full")
+MEM_RELEASE_CALLS = 200  # without the wait, about one all-to-all in five returned before gloo let go
 
 
 def memory_model(kv_heads: int):
@@ -377,6 +378,14 @@ def memory_worker(rank: int, world: int, port: int, outdir: str, profiles: dict)
                     peak = allocated_activation_peak(ex, plan, ids, runs=2)  # all-to-alls: see its runs
                     predicted = simulate(plan, cost).peak_memory_bytes[0] - cost.static_memory(layout, 0)
                     rows.append([kv, sp, name, peak, predicted])
+        # the send buffer of every all-to-all is let go by gloo before the call returns
+        from concertina_hf.runtime.ulysses import _all_to_all_single
+
+        x, held = torch.randn(4 * 128, 64), []
+        for _ in range(MEM_RELEASE_CALLS):
+            _all_to_all_single(x, groups[4])
+            held.append(x._use_count())
+        rows.append(["release", max(held)])
     except Exception:
         rows.append(["crash", traceback.format_exc()])
     with open(os.path.join(outdir, f"mem{rank}.json"), "w") as f:

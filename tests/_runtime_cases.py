@@ -244,10 +244,11 @@ def allocated_activation_peak(executor, plan: Plan, ids, labels=None, runs: int 
     None at the start, so the backward writes the gradients (static memory) in place.
 
     ``runs``: the smallest peak of that many runs of the step. A gloo collective's worker thread
-    drops its reference to the collective's tensors only after waking the caller, so a buffer can
-    outlive its last use by a moment and, now and then, be counted in the next layer's peak (seen
-    once in five sp=4 runs of this suite: +256 KiB, about the gathered K/V of one layer); the step's own peak is
-    the one it reaches every time."""
+    drops its reference to the collective's tensors only after waking the caller. The runtime's
+    all-to-all waits for that (``ulysses._all_to_all_single``), but about one send buffer in a
+    hundred still dies a few hundred microseconds late in that thread (no reference count shows
+    what holds it), so it can be counted in the next op's peak; the step's own peak is the one
+    it reaches every time."""
     from concertina_hf.runtime.memory import AllocationTracker
 
     wr = executor.wrapper

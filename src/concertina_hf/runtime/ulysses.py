@@ -142,23 +142,37 @@ def check_heads(num_heads: int, num_kv_heads: int, sp: int) -> int:
 
 
 # ---------------------------------------------------------------------- the collective
+def _all_to_all_single(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """``all_to_all_single`` of a contiguous ``x`` into a new tensor. On CPU it returns only once
+    the backend has let go of ``x``: gloo's worker thread drops its reference to a collective's
+    tensors after waking the caller, so without the wait about one all-to-all in five (four
+    ranks on two cores) keeps its send buffer alive into the next ops, one buffer more than the
+    memory model counts at a peak. The wait is the time that thread needs (tens of microseconds),
+    at most :data:`_RELEASE_WAIT_S`."""
+    out = torch.empty_like(x)
+    held = x._use_count()
+    dist.all_to_all_single(out, x, group=group)
+    if x.device.type == "cpu":
+        deadline = time.perf_counter() + _RELEASE_WAIT_S
+        while x._use_count() > held and time.perf_counter() < deadline:
+            time.sleep(0)
+    return out
+
+
+_RELEASE_WAIT_S = 0.05
+
+
 class _AllToAll(torch.autograd.Function):
     """Equal-split ``all_to_all_single`` along dim 0; its adjoint is the same all-to-all."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        dist.all_to_all_single(out, x, group=group)
-        return out
+        return _all_to_all_single(x.contiguous(), group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        out = torch.empty_like(grad)
-        dist.all_to_all_single(out, grad, group=ctx.group)
-        return out, None
+        return _all_to_all_single(grad.contiguous(), ctx.group), None
 
 
 def all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:
