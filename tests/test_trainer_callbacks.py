@@ -97,9 +97,12 @@ def test_step_planner_falls_back_when_a_refit_shreds_the_step(caplog):
     planner.set_cost_model(slower, guarded=True)
     planner.plan(planner.submit(c))
     assert planner.cost_model is slower and len(planner.fallbacks) == 1
-    # unguarded: the caller vouches for the model
+    # unguarded: the caller vouches for the model (how finely beta = 0 shreds `a` is a float tie:
+    # 140+ chunks on Python 3.11, 54 on 3.12's compensated sum; both far past the guard's 2x)
     planner.set_cost_model(shredding)
-    assert planner.plan(planner.submit(a)).num_chunks > 10 * first.num_chunks and len(planner.fallbacks) == 1
+    plan = planner.plan(planner.submit(a))
+    assert plan == planner.make_plan(a, shredding) and plan.num_chunks > 2 * first.num_chunks
+    assert planner.cost_model is shredding and len(planner.fallbacks) == 1
 
 
 def test_background_planning_runs_in_a_process_and_falls_back_to_the_thread(caplog):
