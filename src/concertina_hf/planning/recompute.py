@@ -411,10 +411,26 @@ def _greedy(model: _Model, start: list[list[int]] | None = None) -> list[list[in
 
 
 # ---------------------------------------------------------------------------- ILP
-def _le(terms, rhs: float, name: str):
-    """``sum(coef * var) <= rhs`` built directly (PuLP's operators make several temporaries)."""
+def _pulp4(pulp) -> bool:
+    """PuLP >= 4 (a Rust core; Python >= 3.12): expressions from ``lpSum_vars_coefs``, CBC from
+    the ``pulp[cbc]`` extra through ``COIN_CMD``, and ``solve`` returns its statistics."""
+    return int(pulp.__version__.split(".")[0]) >= 4
+
+
+def _sum(terms):
+    """``sum(coef * var)`` of ``(var, coef)`` pairs, built directly (PuLP's operators make several
+    temporaries)."""
     import pulp
 
+    return pulp.lpSum_vars_coefs(terms) if _pulp4(pulp) else pulp.LpAffineExpression(terms)
+
+
+def _le(terms, rhs: float, name: str):
+    """``sum(coef * var) <= rhs`` named ``name``, for ``problem += ...``."""
+    import pulp
+
+    if _pulp4(pulp):
+        return _sum(terms) <= rhs, name
     return pulp.LpConstraint(pulp.LpAffineExpression(terms), pulp.LpConstraintLE, name, rhs)
 
 
@@ -470,8 +486,7 @@ def _ilp(model: _Model, time_limit_s: float, start: list[list[int]] | None = Non
             z[d] = new_var(f"z_{d}", 0)
         # z_d >= t r - slack, in ms
         prob += _le([(var, 1e3 * model.t[c]), (z[d], -1.0)], 1e3 * model.slack[s][c], f"diag_{s}_{c}")
-    prob += pulp.LpAffineExpression([(zd, 1.0) for zd in z.values()]
-                                    + [(var, 1e3 * _EPS_TOTAL * model.t[c]) for (s, c), var in r.items()])
+    prob += _sum([(zd, 1.0) for zd in z.values()] + [(var, 1e3 * _EPS_TOTAL * model.t[c]) for (s, c), var in r.items()])
     if start is not None:
         zs: dict[int, float] = {}
         for (s, c), var in r.items():
@@ -482,21 +497,24 @@ def _ilp(model: _Model, time_limit_s: float, start: list[list[int]] | None = Non
             var.setInitialValue(1 if start[s][b] >= model.layers[s] else 0)
         for d, var in z.items():
             var.setInitialValue(zs.get(d, 0.0))
+    pulp4 = _pulp4(pulp)
     try:
         with warnings.catch_warnings():
-            # PuLP 3.3 announces PULP_CBC_CMD's removal in 4.0; it is the CBC that ships with PuLP
+            # PuLP 3.3 announces PULP_CBC_CMD's removal in 4.0; it is the CBC that ships with
+            # PuLP < 4 (PuLP 4's COIN_CMD runs the one of the `pulp[cbc]` extra)
             warnings.simplefilter("ignore", DeprecationWarning)
             # the time limit covers building the model too
             left = max(0.05, time_limit_s - (time.perf_counter() - t_start))
-            solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=left, gapRel=_ILP_GAP,
-                                       warmStart=start is not None, options=list(_CBC_OPTIONS))
-            prob.solve(solver)
+            solver = (pulp.COIN_CMD if pulp4 else pulp.PULP_CBC_CMD)(
+                msg=False, timeLimit=left, gapRel=_ILP_GAP, warmStart=start is not None, options=list(_CBC_OPTIONS))
+            stats = prob.solve(solver)
     except Exception as e:  # noqa: BLE001 - a solver crash must not stop training; greedy takes over
-        logger.warning("CBC failed (%s); using the greedy recompute planner", e)
+        hint = " (PuLP >= 4 runs CBC from its extra: pip install 'pulp[cbc]')" if pulp4 else ""
+        logger.warning("CBC failed (%s)%s; using the greedy recompute planner", e, hint)
         return None
-    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+    if not (stats.has_solution if pulp4 else prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)):
         logger.info("CBC found no solution within %.2fs (%s); using the greedy recompute planner",
-                    time_limit_s, pulp.LpStatus.get(prob.status))
+                    time_limit_s, stats.status_str if pulp4 else pulp.LpStatus.get(prob.status))
         return None
     rows = [[0] * n for _ in range(p)]
     for (s, c), var in r.items():
