@@ -60,6 +60,7 @@ A budget of 0 for a stage means unconstrained (the :class:`Plan` convention).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -434,6 +435,11 @@ def _le(terms, rhs: float, name: str):
     return pulp.LpConstraint(pulp.LpAffineExpression(terms), pulp.LpConstraintLE, name, rhs)
 
 
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    logger.warning(message)
+
+
 def _ilp(model: _Model, time_limit_s: float, start: list[list[int]] | None = None) -> list[list[int]] | None:
     """Solve the ILP of the module docstring (``start``: a feasible solution CBC starts from);
     ``None`` when CBC gives no solution."""
@@ -510,7 +516,7 @@ def _ilp(model: _Model, time_limit_s: float, start: list[list[int]] | None = Non
             stats = prob.solve(solver)
     except Exception as e:  # noqa: BLE001 - a solver crash must not stop training; greedy takes over
         hint = " (PuLP >= 4 runs CBC from its extra: pip install 'pulp[cbc]')" if pulp4 else ""
-        logger.warning("CBC failed (%s)%s; using the greedy recompute planner", e, hint)
+        _warn_once(f"CBC failed ({e}){hint}; using the greedy recompute planner")
         return None
     if not (stats.has_solution if pulp4 else prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)):
         logger.info("CBC found no solution within %.2fs (%s); using the greedy recompute planner",
