@@ -173,6 +173,30 @@ def test_ilp_is_never_slower_than_greedy_on_a_512_sequence_batch():
     assert out["ilp"].predicted.step_time_s <= out["greedy"].predicted.step_time_s
 
 
+def test_a_solver_that_fails_leaves_the_greedy_plan_and_one_warning(monkeypatch, caplog):
+    """CBC missing or crashing (PuLP 4 without its `cbc` extra) must not stop a step: the greedy
+    recompute plans it, and the warning, which names the extra on PuLP 4, comes once a process."""
+    import pulp
+
+    from concertina_hf.planning import recompute
+
+    def broken(*args, **kwargs):
+        raise pulp.PulpSolverError("cannot execute cbc")
+
+    monkeypatch.setattr(pulp, "COIN_CMD" if recompute._pulp4(pulp) else "PULP_CBC_CMD", broken)
+    recompute._warn_once.cache_clear()
+    cost = llama_cost()
+    plan = make_plan(skewed_lengths(random.Random(3), 40), 2, 4096)
+    budgets = _budgets_between(plan, cost, 0.4)
+    greedy = assign_recompute(plan, cost, budgets, method="greedy")
+    with caplog.at_level("WARNING", logger="concertina_hf.planning.recompute"):
+        outs = [assign_recompute(plan, cost, budgets, method="ilp") for _ in range(2)]
+    assert all(o.recompute == greedy.recompute for o in outs) and fits(outs[0], cost, budgets)
+    assert any(any(row) for row in greedy.recompute)  # the budget binds: the solver was asked
+    warned = [r.getMessage() for r in caplog.records if "CBC failed" in r.getMessage()]
+    assert len(warned) == 1 and "cannot execute cbc" in warned[0] and "greedy" in warned[0], warned
+    recompute._warn_once.cache_clear()
+
 # ---------------------------------------------------------------------------- partition
 def _brute_force_partition(cost, p, L, tokens):
     best = None
