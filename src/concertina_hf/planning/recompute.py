@@ -412,6 +412,7 @@ def _greedy(model: _Model, start: list[list[int]] | None = None) -> list[list[in
 
 
 # ---------------------------------------------------------------------------- ILP
+@functools.lru_cache(maxsize=1)
 def _pulp4(pulp) -> bool:
     """PuLP >= 4 (a Rust core; Python >= 3.12): expressions from ``lpSum_vars_coefs``, CBC from
     the ``pulp[cbc]`` extra through ``COIN_CMD``, and ``solve`` returns its statistics."""

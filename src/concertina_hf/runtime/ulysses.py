@@ -142,10 +142,13 @@ def check_heads(num_heads: int, num_kv_heads: int, sp: int) -> int:
 
 
 # ---------------------------------------------------------------------- the collective
+_RELEASE_WAIT_S = 0.05
+
+
 def _all_to_all_single(x: torch.Tensor, group: Any) -> torch.Tensor:
     """``all_to_all_single`` of a contiguous ``x`` into a new tensor. On CPU it returns only once
     the backend has let go of ``x``: gloo's worker thread drops its reference to a collective's
-    tensors after waking the caller, so without the wait about one all-to-all in five (four
+    tensors after waking the caller, so without the wait about one all-to-all in four (four
     ranks on two cores) keeps its send buffer alive into the next ops, one buffer more than the
     memory model counts at a peak. The wait is the time that thread needs (tens of microseconds),
     at most :data:`_RELEASE_WAIT_S`."""
@@ -157,9 +160,6 @@ def _all_to_all_single(x: torch.Tensor, group: Any) -> torch.Tensor:
         while x._use_count() > held and time.perf_counter() < deadline:
             time.sleep(0)
     return out
-
-
-_RELEASE_WAIT_S = 0.05
 
 
 class _AllToAll(torch.autograd.Function):
