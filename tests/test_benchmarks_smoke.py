@@ -21,6 +21,18 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
+def run_quick(script: str, out: pathlib.Path) -> tuple[dict, str]:
+    """``python benchmarks/<script> --quick --out <out>`` in a subprocess (the package from ``src``):
+    its JSON record, whose command it checks, and its markdown."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, f"benchmarks/{script}", "--quick", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert res["command"].startswith(f"python benchmarks/{script} --quick"), res["command"]
+    return res, out.with_suffix(".md").read_text()
+
+
 @pytest.mark.slow
 def test_measured_benchmark_tiny(tmp_path):
     out = tmp_path / "measured_tiny"
@@ -94,19 +106,14 @@ def test_runtime_overhead_quick(tmp_path):
 def test_chunk_cap_quick(tmp_path):
     """benchmarks/chunk_cap.py --quick (tiny model, ~10 s): both plans of each batch run, the capped
     one within the profiled range, the uncapped one beyond it (one chunk per step at pp=1)."""
-    out = tmp_path / "cc"
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "benchmarks/chunk_cap.py", "--quick", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads(out.with_suffix(".json").read_text())
-    assert res["command"].startswith("python benchmarks/chunk_cap.py --quick") and "load_average" in res
+    res, md = run_quick("chunk_cap.py", tmp_path / "cc")
+    assert "load_average" in res
     cap = res["max_chunk_tokens"]
     rows = {(r["batch"], r["plan"]): r for r in res["rows"]}
     assert {p for _, p in rows} == {"capped", "uncapped"}
     assert all(r["largest_chunk"] <= cap for (_, p), r in rows.items() if p == "capped")
     assert any(r["largest_chunk"] > cap for (_, p), r in rows.items() if p == "uncapped")
-    assert "| capped |" in out.with_suffix(".md").read_text()
+    assert "| capped |" in md
 
 
 def test_predicted_gap_quick(tmp_path):

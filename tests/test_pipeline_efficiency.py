@@ -10,24 +10,11 @@ layers, head, recompute) sum to the simulator's busy time of each stage.
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from test_benchmarks_smoke import run_quick
 
 
 def test_pipeline_efficiency_quick(tmp_path):
-    out = tmp_path / "pe"
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "benchmarks/pipeline_efficiency.py", "--quick", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads(out.with_suffix(".json").read_text())
-    md = out.with_suffix(".md").read_text()
-    assert res["command"].startswith("python benchmarks/pipeline_efficiency.py --quick")
+    res, md = run_quick("pipeline_efficiency.py", tmp_path / "pe")
     assert "load_average" in res and "| 256 | pp=2 budget |" in md
     (c,) = res["contexts"]
     assert len(c["parallel_capacity"]) == 2

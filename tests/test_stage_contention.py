@@ -8,24 +8,11 @@ wait's wall seconds), so a waiting stage never takes a core from the computing o
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from test_benchmarks_smoke import run_quick
 
 
 def test_stage_contention_quick(tmp_path):
-    out = tmp_path / "sc"
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "benchmarks/stage_contention.py", "--quick", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads(out.with_suffix(".json").read_text())
-    md = out.with_suffix(".md").read_text()
-    assert res["command"].startswith("python benchmarks/stage_contention.py --quick")
+    res, md = run_quick("stage_contention.py", tmp_path / "sc")
     assert len(res["cores"]) == 2 and len(res["loadavg"]) == 2 and "| layers |" in md
     s = res["summary"]
     for what in ("layers", "head", "embed"):
