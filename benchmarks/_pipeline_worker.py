@@ -14,7 +14,7 @@ change of machine load hits every strategy alike. All jobs train the same weight
 strategy computes the same gradients for a batch (the runtime's equivalence with the HF model),
 so the interleaved run is one valid training run.
 
-Planning is overlapped as in ``ReplanCallback``: pipeline rank 0 plans a job's next step in a
+Planning is overlapped as in ``StepStatsCallback``: pipeline rank 0 plans a job's next step in a
 background thread (which hands it to a planning process, as ``StepPlanner`` does; spec
 ``planner: "thread"``: in the thread itself) while the job's current step runs (so the planning of one strategy never
 competes with another strategy's step), and broadcasts the plan (JSON) at the start of the

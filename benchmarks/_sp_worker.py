@@ -1,12 +1,12 @@
 """Worker of ``measured_sp.py``: four processes running three ``pp x sp`` layouts of one model.
 
-Every rank builds the package's own mesh (:meth:`concertina_hf.distributed.Topology.build`) once
+Every rank builds the package's own mesh (:meth:`concertina_hf.runtime.distributed.Topology.build`) once
 per layout (``pp=2 x sp=2``, ``pp=1 x sp=4``, ``pp=4 x sp=1``: three meshes over the same four
 processes), a copy of the HF model from the same seed per layout (so every layout starts from
 the weights of the single-process model), keeps its stage
 (:class:`~concertina_hf.runtime.PipelineWrapper`) and runs the adaptive planner's steps through
 :class:`~concertina_hf.runtime.PipelineExecutor` with Ulysses inside each stage (``sp_group``),
-then sums the gradients over the stage's sp ranks (:func:`~concertina_hf.distributed.reduce_gradients`)
+then sums the gradients over the stage's sp ranks (:func:`~concertina_hf.runtime.distributed.reduce_gradients`)
 and takes an optimizer step (Trainer's default AdamW). Each layout trains its own copy on the same
 batches in the same order.
 
@@ -103,7 +103,7 @@ def reference_loss(config: dict, seed: int, ids: list[torch.Tensor]) -> float:
 
 
 def _run(rank: int, world: int, spec: dict) -> dict:
-    from concertina_hf.distributed import Topology, reduce_gradients
+    from concertina_hf.runtime.distributed import Topology, reduce_gradients
     from concertina_hf.planning import CostModel, Plan, StageLayout, partition_layers, plan_step, simulate
     from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
     from concertina_hf.runtime.memory import AllocationTracker

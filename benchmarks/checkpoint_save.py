@@ -40,8 +40,9 @@ import torch  # noqa: E402
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Trainer  # noqa: E402
 
 from _results import write_results  # noqa: E402
-from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments, checkpoint  # noqa: E402
-from concertina_hf.data import bundled_tokenizer_path  # noqa: E402
+from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
+from concertina_hf.training import checkpoint  # noqa: E402
+from concertina_hf.tools.data import bundled_tokenizer_path  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 RECIPE_MODEL = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,

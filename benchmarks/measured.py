@@ -35,7 +35,7 @@ What runs (everything on CPU, one thread per process, fp32):
    measured one that fits the budget (allocated peak within 10%) is "best tuned". The adaptive
    planner gets no information the baselines do not (same cost model, same budget; the
    baselines additionally get measured tuning). Steps of all runs are interleaved round by round,
-   planning is overlapped with the previous step (as ``ReplanCallback`` does).
+   planning is overlapped with the previous step (as ``StepStatsCallback`` does).
 5. **Trainer** (:mod:`_trainer_baseline`): plain ``transformers.Trainer``, one process, one
    thread, ``DataCollatorWithFlattening``, with and without gradient checkpointing, same batches.
 6. **Paper scale** (simulated): the planner benchmark's paper setting (LLaMA-13B, 4 stages of
@@ -121,7 +121,7 @@ def load_corpus(max_files: int | None) -> list[list[int]]:
     import datasets
     from transformers import AutoTokenizer
 
-    from concertina_hf import data
+    from concertina_hf.tools import data
 
     datasets.disable_progress_bars()
     tok = AutoTokenizer.from_pretrained(data.bundled_tokenizer_path())
@@ -353,7 +353,7 @@ def _stats(xs: Sequence[float]) -> dict[str, float]:
 
 def online_refit_predictions(records: list[dict], cost, layout) -> None:
     """Add ``predicted_online_s`` to every timed record: the step's plan simulated under the cost
-    model refitted from measured actions (``planning.fit.refit_cost_model``, what ``ReplanCallback``
+    model refitted from measured actions (``planning.fit.refit_cost_model``, what ``StepStatsCallback``
     does online) of the *other* timed rounds, all runs pooled (leave one round out, so no step
     predicts itself; the warm-up round is left out, its steps run under the allocation tracker)."""
     from concertina_hf.planning.fit import action_samples, refit_cost_model
@@ -645,8 +645,8 @@ def transferred_cost(analytic_big, profiled, analytic_small):
 def paper_scale(cost, config: dict, num_settings: int, seed: int, log) -> list[dict[str, Any]]:
     import plan_benchmark as pb
 
-    from concertina_hf import data
-    from concertina_hf.cli import MODEL_PRESETS
+    from concertina_hf.tools import data
+    from concertina_hf.tools.cli import MODEL_PRESETS
     from concertina_hf.planning import CostModel, DeviceSpec
 
     small = CostModel.from_hf_config(config, DeviceSpec.cpu(), dtype_bytes=4)
@@ -754,7 +754,7 @@ def to_markdown(res: dict[str, Any]) -> str:
           "steps on the same batch, close in time), less exposed to load changes.",
           "- predicted: the simulator's step time for the plan under the profiled cost model, against the measured "
           "pipeline time (`run_step`, slowest rank; the optimizer step is not in the plan). *Refitted online*: the "
-          "same plans simulated under the cost model `ReplanCallback` would refit from measured actions "
+          "same plans simulated under the cost model `StepStatsCallback` would refit from measured actions "
           "(`planning.fit.refit_cost_model`), fitted on the other timed rounds of all runs (leave one round out).",
           "- peak activation, saved tensors: the runtime's `SavedTensorMeter` (what autograd saves plus what the "
           "runtime holds: stage inputs/outputs, K/V of earlier slices); the Trainer is measured by the same meter "
@@ -914,7 +914,7 @@ def plot(res: dict[str, Any], path: pathlib.Path) -> None:
 
 def plot_gantt_measured(res: dict[str, Any], cost, path: pathlib.Path) -> None:
     from concertina_hf.planning import Plan, simulate
-    from concertina_hf.viz import plot_gantt
+    from concertina_hf.planning.viz import plot_gantt
 
     c = res["contexts"][-1]
     g = c["gantt"]

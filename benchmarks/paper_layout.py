@@ -46,8 +46,8 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from _results import write_results  # noqa: E402
-from concertina_hf import data  # noqa: E402
-from concertina_hf.cli import MODEL_PRESETS  # noqa: E402
+from concertina_hf.tools import data  # noqa: E402
+from concertina_hf.tools.cli import MODEL_PRESETS  # noqa: E402
 from concertina_hf.planning import (  # noqa: E402
     STRATEGIES, CostModel, DeviceSpec, PlanError, ideal_step_time, partition_layers, plan_step, simulate,
 )

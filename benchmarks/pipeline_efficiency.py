@@ -11,7 +11,7 @@ this benchmark profiled last, unless ``--profile``; a model profiled on the form
 backend is never reused: it prices every sliced chunk as a dense ``T x S`` attention). Three
 jobs, their steps interleaved round by round (``_pipeline_worker``: round 0 warm-up, then
 ``--steps`` timed rounds, jobs rotated every round), each planned in the background thread of
-rank 0 while the job's previous step runs (as ``ReplanCallback``):
+rank 0 while the job's previous step runs (as ``StepStatsCallback``):
 
 - ``pp=1``: the project's runtime on one process (rank 0, a whole model of its own; rank 1
   idles), ``adaptive`` unbounded: twice its tokens/s is the ideal of pp=2;

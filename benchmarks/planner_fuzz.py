@@ -30,7 +30,7 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from _results import write_results  # noqa: E402
-from concertina_hf.cli import MODEL_PRESETS  # noqa: E402
+from concertina_hf.tools.cli import MODEL_PRESETS  # noqa: E402
 from concertina_hf.planning import STRATEGIES, CostModel, DeviceSpec, PlanError, fits, partition_layers  # noqa: E402
 from concertina_hf.planning import plan_step  # noqa: E402
 

@@ -34,7 +34,7 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from _results import write_results  # noqa: E402
-from concertina_hf.cli import MODEL_PRESETS  # noqa: E402
+from concertina_hf.tools.cli import MODEL_PRESETS  # noqa: E402
 from concertina_hf.planning import (  # noqa: E402
     CostModel, DeviceSpec, StageLayout, assign_recompute, plan_step, simulate, uniform_recompute,
 )

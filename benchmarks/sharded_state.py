@@ -115,7 +115,7 @@ def _forward_loss(model, x: torch.Tensor) -> torch.Tensor:
 
 def _state_bytes(model, optimizer) -> dict[str, int]:
     """Bytes this rank holds between steps: parameters, gradients, optimizer state (local shards)."""
-    from concertina_hf.distributed import optimizer_share
+    from concertina_hf.runtime.distributed import optimizer_share
 
     params = sum(_local(p).numel() * p.element_size() for p in model.parameters())
     grads = sum(_local(p.grad).numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
@@ -125,7 +125,7 @@ def _state_bytes(model, optimizer) -> dict[str, int]:
 
 
 def _worker(rank: int, variant: str, cfg: dict, port: int, out: str) -> None:
-    from concertina_hf.distributed import Topology, global_grad_norm, reduce_gradients, shard_optimizer
+    from concertina_hf.runtime.distributed import Topology, global_grad_norm, reduce_gradients, shard_optimizer
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.set_num_threads(1)

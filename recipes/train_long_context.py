@@ -40,7 +40,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, LlamaConfig, set_seed
 
 from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments, LengthAwareCollator
-from concertina_hf.data import bundled_tokenizer_path, load_text_dataset, tokenize_dataset
+from concertina_hf.tools.data import bundled_tokenizer_path, load_text_dataset, tokenize_dataset
 
 logger = logging.getLogger("train_long_context")
 

@@ -220,7 +220,7 @@ def check_type(model_type: str, **overrides) -> dict:
 
     from concertina_hf.planning import CostModel, StageLayout
     from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
-    from concertina_hf.run_setup import check_model_family
+    from concertina_hf.training.run_setup import check_model_family
     from concertina_hf.runtime.families import UnsupportedModelError, check_config
 
     row = {"type": model_type, "class": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]}
@@ -273,7 +273,7 @@ def check_type(model_type: str, **overrides) -> dict:
     ok = all(l < LOSS_TOL and g < GRAD_TOL for l, g in (row["pp1"], row["pp2"]))
     if not ok:
         return dict(row, verdict="MISMATCH", note="")
-    from concertina_hf.self_check import SelfCheckError, check_model
+    from concertina_hf.training.self_check import SelfCheckError, check_model
 
     try:  # what ConcertinaTrainer runs at construction must agree (concertina_self_check=True)
         check_model(model)

@@ -1,8 +1,8 @@
 """Train the bundled byte-level BPE tokenizer on the standard library's Python sources.
 
-    python scripts/train_tokenizer.py [--vocab-size 8192] [--out src/concertina_hf/assets/tokenizer]
+    python scripts/train_tokenizer.py [--vocab-size 8192] [--out src/concertina_hf/tools/assets/tokenizer]
 
-The corpus is :func:`concertina_hf.data.stdlib_source_files` (sorted, so the input order is
+The corpus is :func:`concertina_hf.tools.data.stdlib_source_files` (sorted, so the input order is
 fixed) and the ``tokenizers`` BPE trainer breaks ties between equally frequent pairs
 deterministically, so rerunning on the same Python gives the same files (the stdlib differs a
 little between Python versions; the shipped files were made on the one named in
@@ -17,10 +17,10 @@ import json
 import pathlib
 import sys
 
-from concertina_hf.data import stdlib_source_files
+from concertina_hf.tools.data import stdlib_source_files
 
 SPECIAL = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
-DEFAULT_OUT = pathlib.Path(__file__).resolve().parents[1] / "src" / "concertina_hf" / "assets" / "tokenizer"
+DEFAULT_OUT = pathlib.Path(__file__).resolve().parents[1] / "src" / "concertina_hf" / "tools" / "assets" / "tokenizer"
 
 
 def _texts():

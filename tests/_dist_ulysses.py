@@ -108,7 +108,7 @@ def _gpt_oss(seed: int = 5, kv_heads: int | None = None):
 
 
 def _run(rank: int, world: int, pp: int, sp: int, dp: int, report: dict) -> None:
-    from concertina_hf.distributed import Topology, reduce_gradients
+    from concertina_hf.runtime.distributed import Topology, reduce_gradients
     from concertina_hf.planning import StageLayout
     from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
 
@@ -244,7 +244,7 @@ def _replicas(topo, report: dict) -> None:
     gradients reduced over the stage's dp x sp ranks (one all-reduce), the loss summed over the
     replicas: the single-process reference over the whole batch. With two pipeline stages
     (dp=2 x pp=2 x sp=2, 8 processes) one model and one step only (recompute full)."""
-    from concertina_hf.distributed import reduce_gradients
+    from concertina_hf.runtime.distributed import reduce_gradients
     from concertina_hf.planning import StageLayout
     from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
 
@@ -292,8 +292,8 @@ def a2a_worker(rank: int, world: int, port: int, outdir: str) -> None:
         (_, measured), = measure_all_to_all(cost, group, [16384], repeats=5)
         predicted = fitted.with_parallel(sp=world).a2a_time(16384)
         # the trainer's path: run_setup fits on the mesh's sp group and rewrites cost_model.json
-        from concertina_hf.distributed import Topology
-        from concertina_hf.run_setup import _profile_all_to_all
+        from concertina_hf.runtime.distributed import Topology
+        from concertina_hf.training.run_setup import _profile_all_to_all
 
         topo = Topology.build(SimpleNamespace(world_size=world, concertina_pipeline_size=1,
                                               concertina_data_parallel_size=1,

@@ -12,16 +12,22 @@ import os
 for _name, _value in (("HF_HUB_OFFLINE", "1"), ("WANDB_MODE", "disabled"), ("TOKENIZERS_PARALLELISM", "false")):
     os.environ.setdefault(_name, _value)
 
-# modules that test the pure planner (and its command line) only
-PLANNER_MODULES = frozenset({"test_types", "test_planner", "test_recompute", "test_simulate", "test_fit", "test_cli"})
+import pathlib
+
+import pytest
+
+#: a test's tier is its folder's (a test file at the top of tests/ is tier 0); tier 2 is ``slow``
+TIERS = {"planning": 0, "runtime": 1, "training": 1, "launch": 2, "benchmarks": 2}
 
 
 def tier(item) -> int:
-    """0: pure planner; 1: one process; 2: multi-process launches (marked ``slow``)."""
-    if item.get_closest_marker("slow") is not None:
-        return 2
-    return 0 if item.module.__name__ in PLANNER_MODULES else 1
+    """0: pure planner; 1: one process; 2: multi-process launches and benchmark runs (``slow``)."""
+    folder = pathlib.Path(str(item.fspath)).parent.name
+    return TIERS.get(folder, 0)
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if tier(item) == 2:
+            item.add_marker(pytest.mark.slow)
     items.sort(key=tier)  # stable: the order inside a tier is the collection order

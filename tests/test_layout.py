@@ -33,4 +33,4 @@ def test_only_distributed_py_creates_process_groups():
                 called = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", None)
                 if called in makers:
                     found.append(f"{name}:{node.lineno} {called}")
-    assert found and all(f.startswith("distributed.py:") for f in found), found
+    assert found and all(f.startswith("runtime/distributed.py:") for f in found), found

@@ -5,7 +5,7 @@
 We cannot download the corpora the paper measured, so these are CONSTRUCTED, not measured:
 bin probabilities chosen by hand to match the few published statements about them and a
 typical log-normal-like shape elsewhere. See benchmarks/README.md. Output:
-src/concertina_hf/assets/distributions/{github,commoncrawl}.json (inside the package, so
+src/concertina_hf/tools/assets/distributions/{github,commoncrawl}.json (inside the package, so
 ``concertina plan --distribution github`` works from any install).
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import pathlib
 
-OUT = pathlib.Path(__file__).resolve().parents[2] / "src" / "concertina_hf" / "assets" / "distributions"
+OUT = pathlib.Path(__file__).resolve().parents[2] / "src" / "concertina_hf" / "tools" / "assets" / "distributions"
 EDGES = [16, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144]
 PAPER = ("InfiniPipe / Concertina: Data-Centric Elastic Pipeline Parallelism for Efficient "
          "Long-Context LLM Training, arXiv:2509.21275")

@@ -11,17 +11,11 @@ from typing import Any
 __version__ = "0.1.0.dev0"
 
 _EXPORTS = {
-    "ConcertinaTrainingArguments": "concertina_hf.args",
-    "LengthAwareCollator": "concertina_hf.collator",
-    "ConcertinaTrainer": "concertina_hf.trainer",
+    "ConcertinaTrainingArguments": "concertina_hf.training.args",
+    "LengthAwareCollator": "concertina_hf.training.collator",
+    "ConcertinaTrainer": "concertina_hf.training.trainer",
     "ConcertinaSFTTrainer": "concertina_hf.integrations.trl",  # needs trl (extra [trl])
     "ConcertinaSFTConfig": "concertina_hf.integrations.trl",
-    "ReplanCallback": "concertina_hf.callbacks",
-    "StepPlanner": "concertina_hf.step_planner",
-    "Topology": "concertina_hf.distributed",
-    "resolve_run": "concertina_hf.run_setup",
-    "PipelineWrapper": "concertina_hf.runtime",
-    "PipelineExecutor": "concertina_hf.runtime",
     "Plan": "concertina_hf.planning",
     "CostModel": "concertina_hf.planning",
     "DeviceSpec": "concertina_hf.planning",

@@ -4,7 +4,7 @@
 constructor prepares the datasets as it always does (formatting, chat templates, tokenizing,
 completion-only / assistant-only labels, truncation, packing with ``bfd`` / ``wrapped``) and
 builds its collator (``padding_free`` flattens each batch with document boundaries in
-``cu_seq_lens_q``); :class:`~concertina_hf.trainer.ConcertinaTrainer` runs every optimizer step as
+``cu_seq_lens_q``); :class:`~concertina_hf.training.trainer.ConcertinaTrainer` runs every optimizer step as
 one planned pipeline step. Every document of a padding-free batch is a sequence of its own for the
 planner (packed documents never attend to each other, as in ``SFTTrainer`` with padding-free
 attention), and the loss is TRL's ``nll``: the summed token cross-entropy over the labels that are
@@ -32,8 +32,8 @@ from typing import Any, Callable
 from transformers import set_seed
 from trl import SFTConfig, SFTTrainer
 
-from ..args import ConcertinaTrainingArguments
-from ..trainer import ConcertinaTrainer
+from ..training.args import ConcertinaTrainingArguments
+from ..training.trainer import ConcertinaTrainer
 
 __all__ = ["ConcertinaSFTConfig", "ConcertinaSFTTrainer"]
 
@@ -42,7 +42,7 @@ __all__ = ["ConcertinaSFTConfig", "ConcertinaSFTTrainer"]
 class ConcertinaSFTConfig(ConcertinaTrainingArguments, SFTConfig):
     """``SFTConfig`` (``packing``, ``packing_strategy``, ``padding_free``, ``max_length``,
     ``completion_only_loss``, ``dataset_text_field``, ...) plus the ``concertina_*`` fields of
-    :class:`~concertina_hf.args.ConcertinaTrainingArguments`. ``SFTConfig``'s defaults apply
+    :class:`~concertina_hf.training.args.ConcertinaTrainingArguments`. ``SFTConfig``'s defaults apply
     (``bf16=True`` unless ``fp16``, ``learning_rate=2e-5``, ``logging_steps=10``,
     ``gradient_checkpointing=True``, which the planner's recompute replaces)."""
 

@@ -16,7 +16,7 @@
   better than the current model (:func:`prediction_error`).
 
 The measurements come from :mod:`concertina_hf.runtime.profiler` (chunks run on the device) and
-from the executor's timed actions (:class:`~concertina_hf.callbacks.ReplanCallback`). Each fit is
+from the executor's timed actions (:class:`~concertina_hf.training.callbacks.StepStatsCallback`). Each fit is
 one ``lstsq`` per active set on a ``samples x features`` matrix (at most 5 features): negligible
 next to measuring the samples.
 

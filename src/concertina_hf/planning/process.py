@@ -1,7 +1,7 @@
 """Planning in a process of its own: :class:`PlanningProcess` (``python -m concertina_hf.planning.process``).
 
 Planning is pure Python. Run in a thread of a training process (the background planning of
-:class:`~concertina_hf.step_planner.StepPlanner`) it holds the GIL most of the time, and the
+:class:`~concertina_hf.training.step_planner.StepPlanner`) it holds the GIL most of the time, and the
 training thread, which releases the GIL inside every torch call, must win it back on each
 return: up to the interpreter's switch interval (5 ms) every time. On this project's 10M Llama on
 CPU a step ran 2.7-4.5x slower while a planning thread ran beside it, so every millisecond of

@@ -36,7 +36,7 @@ Sequence parallelism (``sp_group``, :mod:`.ulysses`): each rank of the stage run
 every chunk's tokens (padded to a multiple of the group size) and the attention exchanges heads
 for tokens with the group; received messages are ``[1, ceil(tokens / sp), hidden]``, the loss is
 summed over the group, and each rank's gradients cover its tokens only until
-:func:`~concertina_hf.distributed.reduce_gradients` sums them over the stage's ranks.
+:func:`~concertina_hf.runtime.distributed.reduce_gradients` sums them over the stage's ranks.
 
 Tied input/output embeddings over several stages: each copy gets its own share of the gradient
 here; :meth:`PipelineExecutor.sync_tied_gradients` sums them once per optimizer step.
@@ -45,7 +45,7 @@ Forwards draw dropout from the stage's own random stream (:class:`~concertina_hf
 swapped in around each forward action). Each action's result (a forward's output or chunk loss, a
 backward's input gradient) is summed into a float32 scalar; the step reads them once at the end
 and lists the actions whose sum was not finite in :attr:`StepResult.nonfinite` (the trainer's
-:mod:`~concertina_hf.step_guard` decides what a non-finite step does).
+:mod:`~concertina_hf.training.step_guard` decides what a non-finite step does).
 
 Per step costs beyond compute: one P2P message per chunk and direction between neighbouring
 stages (``[1, tokens, hidden]`` in :meth:`PipelineExecutor.wire_dtype`), and one 2-float
@@ -58,7 +58,7 @@ autograd saves (:class:`~concertina_hf.runtime.memory.SavedTensorMeter`'s hooks:
 a step run with ``measure_memory=False`` installs no hook, counts nothing and reports
 ``peak_activation_bytes=None``, its computation unchanged (the hooks return every saved tensor
 as is). ``ConcertinaTrainer`` measures only the steps whose figure is used
-(:meth:`~concertina_hf.callbacks.ReplanCallback.wants_memory`).
+(:meth:`~concertina_hf.training.callbacks.StepStatsCallback.wants_memory`).
 Failures inside an action are logged with the program grid, the failing action marked, and
 raised naming the stage, its rank and the action; a receive that times out (the process group's
 timeout, ``ddp_timeout``) names the stage and rank it waited for.

@@ -47,7 +47,7 @@ Reproduced outside the layers (:class:`ModelFamily`), each read from a config at
 
 ``scripts/model_support.py`` checks every causal-LM model type of the installed transformers
 against HF numerically (``docs/supported_models.md``); the trainer's self-check
-(:mod:`concertina_hf.self_check`) does it for the model at hand. Cost: a walk over the model's
+(:mod:`concertina_hf.training.self_check`) does it for the model at hand. Cost: a walk over the model's
 modules once; per chunk, one rotary evaluation per layer type of the stage.
 """
 

@@ -39,7 +39,7 @@ Correctness across ranks: every rank of the group runs the same program on tenso
 shapes, so the collectives inside autograd (the all-to-all's backward, the replay of a
 checkpointed layer) are issued in the same order everywhere. Parameters' gradients on one rank
 cover its own tokens only: the stage's gradient is their sum over the group (with the replicas':
-:func:`concertina_hf.distributed.reduce_gradients`), and the step's loss is summed over the group
+:func:`concertina_hf.runtime.distributed.reduce_gradients`), and the step's loss is summed over the group
 (:meth:`SequenceParallel.all_reduce_sum`).
 
 Costs per decoder layer and chunk: forward 4 all-to-alls (q, k, v, out), each moving

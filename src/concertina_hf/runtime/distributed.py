@@ -1,0 +1,562 @@
+"""Where a rank sits, and every collective the trainer runs: the one module that owns process groups.
+
+Ranks form a :class:`~torch.distributed.device_mesh.DeviceMesh` with named dimensions, outermost
+first: ``("dp", "pp", "sp")``, ``rank = (replica * pipeline_size + stage) * sp_size + sp_rank``:
+the ``sp`` ranks of one stage (Ulysses sequence parallelism, :mod:`.runtime.ulysses`: the GPUs of
+one node) are consecutive, then the stages of one pipeline, then the replicas. A ``pp`` group
+links the same ``sp`` rank of every stage of a replica (its point-to-point traffic); the
+gradients of a stage are reduced over its ``dp x sp`` ranks (:attr:`Topology.grad_group`, one
+extra group per stage when both sizes exceed 1). Callers ask for a group by name
+(:meth:`Topology.group`). Nothing else in the package creates a process group.
+
+Collectives (all no-ops with one process, each a few lines over ``torch.distributed``):
+
+- :func:`reduce_gradients`: each stage's gradients summed over its ``sp`` ranks and summed (or
+  averaged) over the replicas, in flat buckets of at most :data:`BUCKET_ELEMENTS` per dtype
+  (bounded extra memory, few calls);
+- :func:`global_grad_norm`: the 2-norm over every stage's gradients (squared norms summed over
+  the pipeline), the quantity ``clip_grad_norm_`` would compute on the whole model;
+- :func:`shard_optimizer` (``concertina_shard_optimizer``): the stage's optimizer as torch's
+  ``ZeroRedundancyOptimizer`` over its ``dp x sp`` ranks (each keeps the state of its share of
+  the parameters and broadcasts them after its step); :func:`save_optimizer_shards` writes each
+  rank's share with ``torch.distributed.checkpoint`` (nothing gathered to one rank),
+  :func:`load_optimizer_shards` reads it back at any ``dp x sp``;
+- :meth:`Topology.all_reduce_replicas`, :meth:`Topology.all_gather_replicas`: counts, losses and
+  evaluation values over the replicas;
+- :meth:`Topology.broadcast_in_pipeline`, :meth:`Topology.gather_in_pipeline`,
+  :meth:`Topology.broadcast_from_rank0`: small Python objects (plans, statistics, cost models);
+- :meth:`Topology.sync_weights_from_rank0`: at construction, rank 0's weights wherever a
+  process's differ (what ``DistributedDataParallel`` does for ``Trainer``; a checksum compare
+  when they are the same);
+- :meth:`Topology.numbers_of_every_rank`, :meth:`Topology.objects_of_every_rank`: a number (one
+  all-reduce of ``world_size`` floats) or an object of every rank of the job, on every rank (the
+  step's verdict on non-finite values, which all ranks must reach together).
+
+Collectives run on :attr:`Topology.comm_device`: the device itself with NCCL, the CPU otherwise.
+
+Timeouts: every group of the mesh is created with the run's ``ddp_timeout``
+(:attr:`Topology.timeout`), and the default group (which ``TrainingArguments`` leaves at torch's
+30 minutes on CPU) is set to it too, so a stalled or dead peer makes each waiting rank raise
+within ``ddp_timeout`` seconds instead of hanging the job.
+
+Failing together: an exception that leaves :meth:`Topology.failing_together` (the trainer wraps
+``train``, ``evaluate`` and ``save_model`` in it) sets an abort flag in the job's rendezvous store
+with its message; a daemon thread on every rank polls the flag every :data:`ABORT_POLL_S`
+seconds and ends its process with status 1 after printing that message, so no rank waits for a
+peer that gave up, even when the user catches the exception on the failing rank (that rank ends
+too, :data:`ABORT_GRACE_S` seconds later, if it has not exited by itself). The cost: one store
+lookup per rank every :data:`ABORT_POLL_S` seconds.
+"""
+
+from __future__ import annotations
+
+import atexit
+import inspect
+import logging
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..training.args import ConcertinaTrainingArguments, resolve_parallel_sizes
+
+__all__ = ["ABORT_GRACE_S", "ABORT_POLL_S", "BUCKET_ELEMENTS", "MESH_DIMS", "Topology", "global_grad_norm",
+           "is_sharded", "load_optimizer_shards", "optimizer_share", "reduce_gradients", "save_optimizer_shards",
+           "shard_optimizer"]
+
+logger = logging.getLogger(__name__)
+
+# outermost first; a new dimension goes innermost (after "pp") and is built in Topology.build
+MESH_DIMS = ("dp", "pp", "sp")
+# gradient all-reduce bucket: 32M elements (128 MB of float32) of extra memory at most
+BUCKET_ELEMENTS = 32 * 2**20
+# how often each rank looks for another rank's abort flag, and how long a rank whose own failure
+# was caught (by the user) may go on before it ends too
+ABORT_POLL_S = 0.5
+ABORT_GRACE_S = 5.0
+_ABORT_KEY = "concertina/abort"
+
+
+@dataclass
+class Topology:
+    """This rank's place in the ``dp x pp x sp`` mesh
+    (``rank = (replica * pipeline_size + stage) * sequence_parallel_size + sp_rank``).
+
+    ``mesh``: the :class:`DeviceMesh` (``None`` with a single process); ``pp_group`` / ``pp_ranks``:
+    the ranks of this rank's pipeline in stage order (same ``sp_rank``); ``dp_group`` /
+    ``dp_ranks``: the ranks holding the same stage and ``sp_rank`` in every replica; ``sp_group``
+    / ``sp_ranks``: the ranks sharing this stage's chunks (Ulysses); ``grad_group``: the ``dp x
+    sp`` ranks of this stage, over which its gradients are reduced; ``timeout``: how long any
+    receive or collective waits for a peer (``ddp_timeout``).
+    """
+
+    world_size: int
+    rank: int
+    pipeline_size: int
+    data_parallel_size: int
+    stage: int
+    replica: int
+    mesh: Any = None
+    pp_group: Any = None
+    dp_group: Any = None
+    pp_ranks: tuple[int, ...] = (0,)
+    dp_ranks: tuple[int, ...] = (0,)
+    timeout: timedelta = timedelta(minutes=30)
+    sequence_parallel_size: int = 1
+    sp_rank: int = 0
+    sp_group: Any = None
+    sp_ranks: tuple[int, ...] = (0,)
+    grad_group: Any = None
+
+    @classmethod
+    def build(cls, args: ConcertinaTrainingArguments) -> "Topology":
+        """The mesh of the launched job (collective: every rank calls it, once)."""
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        initialized = dist.is_available() and dist.is_initialized()
+        world = dist.get_world_size() if initialized else 1
+        if launched != world or args.world_size != world:
+            raise RuntimeError(
+                f"the launcher started {launched} processes but they do not form one job (process group of "
+                f"{world}, TrainingArguments.world_size={args.world_size}); each rank would train alone. On CPU "
+                "pass use_cpu=True (ConcertinaTrainingArguments does this when no GPU is visible) or launch with "
+                "configs/accelerate/cpu_2proc.yaml"
+            )
+        sp = args.concertina_sequence_parallel_size
+        pp, dp = resolve_parallel_sizes(world, args.concertina_pipeline_size, args.concertina_data_parallel_size, sp)
+        rank = dist.get_rank() if initialized else 0
+        (replica, stage), sp_rank = divmod(rank // sp, pp), rank % sp
+        topo = cls(world, rank, pp, dp, stage, replica, timeout=timedelta(seconds=args.ddp_timeout),
+                   sequence_parallel_size=sp, sp_rank=sp_rank)
+        if initialized:
+            topo.mesh = _mesh_with_timeout((dp, pp, sp), topo.timeout)
+            _AbortWatch.start(rank)
+            topo.pp_group, topo.dp_group, topo.sp_group = topo.group("pp"), topo.group("dp"), topo.group("sp")
+            topo.pp_ranks = tuple(int(r) for r in topo.mesh["pp"].mesh.tolist())
+            topo.dp_ranks = tuple(int(r) for r in topo.mesh["dp"].mesh.tolist())
+            topo.sp_ranks = tuple(int(r) for r in topo.mesh["sp"].mesh.tolist())
+            topo.grad_group = _stage_groups(dp, pp, sp, topo) if dp > 1 and sp > 1 else (
+                topo.sp_group if sp > 1 else topo.dp_group)
+        return topo
+
+    @property
+    def grad_ranks(self) -> tuple[int, ...]:
+        """The ``dp x sp`` ranks holding this stage (its gradients are reduced over them)."""
+        sp, pp = self.sequence_parallel_size, self.pipeline_size
+        return tuple((d * pp + self.stage) * sp + s for d in range(self.data_parallel_size) for s in range(sp))
+
+    def group(self, dim: str) -> Any:
+        """The process group of this rank along a named mesh dimension (``None`` without a mesh)."""
+        return None if self.mesh is None else self.mesh.get_group(dim)
+
+    @property
+    def is_planner(self) -> bool:
+        """Pipeline rank 0 of each replica (its sequence-parallel rank 0) plans its replica's
+        steps and gathers statistics."""
+        return self.stage == 0 and self.sp_rank == 0
+
+    @property
+    def writes_stage(self) -> bool:
+        """This rank writes its stage's files (weights gathered, optimizer shard): replica 0,
+        sequence-parallel rank 0 (the other ranks of the stage hold the same state)."""
+        return self.replica == 0 and self.sp_rank == 0
+
+    @property
+    def comm_device(self) -> torch.device:
+        """Where collectives' tensors live: the current CUDA device with NCCL, the CPU otherwise."""
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    # ------------------------------------------------------------------ over the replicas
+    def all_reduce_replicas(self, value: float | int, dtype: torch.dtype = torch.long) -> float | int:
+        """The sum of a number over the replicas (the number itself with one replica)."""
+        if self.data_parallel_size == 1:
+            return value
+        t = torch.tensor([value], dtype=dtype, device=self.comm_device)
+        with self._waiting(f"a sum over the replicas (ranks {list(self.dp_ranks)})"):
+            dist.all_reduce(t, group=self.dp_group)
+        return t.item()
+
+    def all_gather_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The replicas' tensors concatenated along dim 0, in replica order."""
+        if self.data_parallel_size == 1:
+            return tensor
+        src = tensor.detach().to(self.comm_device).contiguous()
+        parts = [torch.empty_like(src) for _ in range(self.data_parallel_size)]
+        with self._waiting(f"a gather over the replicas (ranks {list(self.dp_ranks)})"):
+            dist.all_gather(parts, src, group=self.dp_group)
+        return torch.cat(parts).to(tensor.device)
+
+    # ------------------------------------------------------------------ objects in the pipeline
+    def broadcast_in_pipeline(self, obj: Any, src_stage: int = 0, same_on_sp_ranks: bool = False) -> Any:
+        """``obj`` of pipeline stage ``src_stage`` on every rank of the pipeline; with sequence
+        parallelism that stage's ``sp`` rank 0's, on every rank of the replica (first over the
+        stage's ``sp`` group, then over each ``pp`` group; ``same_on_sp_ranks``: every sp rank of
+        that stage holds it already, so each sends its own down its ``pp`` group)."""
+        if self.sequence_parallel_size > 1 and self.stage == src_stage and not same_on_sp_ranks:
+            box = [obj]
+            with self._waiting(f"an object from sequence-parallel rank 0 of stage {src_stage} "
+                               f"(rank {self.sp_ranks[0]})"):
+                dist.broadcast_object_list(box, src=self.sp_ranks[0], group=self.sp_group)
+            obj = box[0]
+        if self.pipeline_size == 1:
+            return obj
+        box = [obj]
+        src = self.pp_ranks[src_stage]
+        with self._waiting(f"an object from pipeline stage {src_stage} (rank {src})"):
+            dist.broadcast_object_list(box, src=src, group=self.pp_group)
+        return box[0]
+
+    def gather_in_pipeline(self, obj: Any) -> list[Any] | None:
+        """Every stage's ``obj`` in stage order on pipeline rank 0; ``None`` elsewhere."""
+        if self.pipeline_size == 1:
+            return [obj]
+        out = [None] * self.pipeline_size if self.stage == 0 else None
+        with self._waiting(f"a gather of every stage's object (pipeline ranks {list(self.pp_ranks)})"):
+            dist.gather_object(obj, out, dst=self.pp_ranks[0], group=self.pp_group)
+        return out
+
+    def broadcast_from_rank0(self, obj: Any) -> Any:
+        """``obj`` of global rank 0 on every rank of the job."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        with self._waiting("an object from rank 0"):
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def numbers_of_every_rank(self, value: float) -> list[float]:
+        """Every rank's ``value``, in rank order, on every rank of the job (one all-reduce)."""
+        if self.world_size == 1:
+            return [float(value)]
+        t = torch.zeros(self.world_size, dtype=torch.float64, device=self.comm_device)
+        t[self.rank] = float(value)
+        with self._waiting("a number from every rank"):
+            dist.all_reduce(t)
+        return t.tolist()
+
+    def objects_of_every_rank(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank of the job."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        with self._waiting("an object from every rank"):
+            dist.all_gather_object(out, obj)
+        return out
+
+    def sync_weights_from_rank0(self, model: nn.Module) -> list[str]:
+        """Every process's ``model`` (before it is split) with global rank 0's weights and
+        buffers, as ``DistributedDataParallel`` makes them at construction for ``Trainer``: the
+        ``sp`` ranks of a stage and the replicas must hold the same weights (their gradients are
+        summed), and the stages together rank 0's model. A checksum of each state tensor (float64
+        sum and sum of squares of at most 4096 evenly strided elements) is compared over the job
+        (one MIN and one MAX all-reduce); only when one differs (a model built from an unseeded
+        random initialization, a different checkpoint) are those tensors broadcast from rank 0,
+        with one warning naming them. Returns their names (the same list on every rank);
+        collective."""
+        if self.world_size == 1:
+            return []
+        named = [(n, t) for n, t in model.state_dict().items()
+                 if isinstance(t, torch.Tensor) and t.device.type != "meta"]  # not a module's extra state
+        sums = []
+        for _, t in named:
+            x = t.detach().reshape(-1)
+            x = x[::max(1, x.numel() // 4096)].double()
+            sums.append(torch.stack([x.sum(), (x * x).sum()]) if x.numel() else torch.zeros(2, dtype=torch.float64))
+        lo = torch.nan_to_num(torch.stack(sums)).to(self.comm_device) if sums else torch.zeros(0, 2, dtype=torch.float64)
+        hi = lo.clone()
+        with self._waiting("the weights' checksums of every rank"):
+            dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        differ = [i for i in range(len(named)) if not torch.equal(lo[i], hi[i])]
+        with torch.no_grad(), self._waiting("rank 0's weights"):
+            for i in differ:
+                t = named[i][1]
+                buf = t.detach().to(self.comm_device).contiguous()
+                dist.broadcast(buf, src=0)
+                t.copy_(buf.to(t.device))
+        names = [named[i][0] for i in differ]
+        if names and self.rank == 0:
+            logger.warning(
+                "concertina: the model's weights differ between processes (%d tensors, e.g. %s): every process "
+                "now holds rank 0's, as DistributedDataParallel makes them for Trainer (build the model "
+                "identically on every process, e.g. from_pretrained or set_seed before from_config, to skip this)",
+                len(names), ", ".join(names[:3]))
+        return names
+
+    def barrier(self) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            with self._waiting("every rank at a barrier"):
+                dist.barrier()
+
+    @contextmanager
+    def failing_together(self, what: str):
+        """Run a collective phase (``what``: "train", "save_model", ...); an exception leaving it
+        ends every rank of the job with its message (see the module docstring), then propagates."""
+        try:
+            yield
+        except Exception as exc:
+            watch = _AbortWatch.current
+            if watch is not None and self.world_size > 1:
+                watch.raise_flag(f"rank {self.rank} (pipeline stage {self.stage}, replica {self.replica}) failed in "
+                                 f"{what}: {type(exc).__name__}: {exc}")
+            raise
+
+    @contextmanager
+    def _waiting(self, what: str):
+        """Re-raise a failed collective (a peer's timeout, a closed connection) naming this rank
+        and what it waited for."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        except Exception as exc:
+            raise RuntimeError(f"rank {self.rank} (pipeline stage {self.stage}, replica {self.replica}) failed after "
+                               f"{time.perf_counter() - t0:.1f} s waiting for {what}: {exc}") from exc
+
+
+class _AbortWatch:
+    """This process's watch of the job's abort flag (one per process, like the default group)."""
+
+    current: "_AbortWatch | None" = None
+
+    def __init__(self, store: Any, rank: int) -> None:
+        self.store, self.rank = store, rank
+        self.raised_at: float | None = None
+        self.message = ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="concertina-abort-watch", daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)  # before the interpreter freezes daemon threads
+
+    @classmethod
+    def start(cls, rank: int) -> None:
+        get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+        store = get_store() if get_store is not None else None
+        if store is None or (cls.current is not None and cls.current.store is store):
+            return
+        if cls.current is not None:
+            cls.current.stop()
+        cls.current = cls(store, rank)
+
+    def raise_flag(self, message: str) -> None:
+        if self.raised_at is not None:
+            return
+        self.message, self.raised_at = message, time.monotonic()
+        try:
+            if not self.store.check([_ABORT_KEY]):  # the first failure is the one to report
+                self.store.set(_ABORT_KEY, message)
+        except Exception:  # the store is gone: the peers find out through their timeouts
+            pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * ABORT_POLL_S)
+
+    def _run(self) -> None:
+        store_alive = True
+        while not self._stop.wait(ABORT_POLL_S):
+            if self.raised_at is not None:
+                # this rank failed: its exception ends it the ordinary way, unless someone caught it
+                if time.monotonic() - self.raised_at >= ABORT_GRACE_S:
+                    self._end(self.message)
+                continue
+            if not store_alive:
+                continue
+            try:
+                if not self.store.check([_ABORT_KEY]):
+                    continue
+                message = self.store.get(_ABORT_KEY).decode(errors="replace")
+            except Exception:  # the store closed: the job ended (or its host died: timeouts apply)
+                store_alive = False
+                continue
+            self._end(message)
+
+    def _end(self, message: str) -> None:
+        if self._stop.is_set():
+            return
+        sys.stderr.write(f"[rank {self.rank}] concertina: ending this rank, the job failed: {message}\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _mesh_with_timeout(shape: tuple[int, ...], timeout: timedelta) -> Any:
+    """The ``MESH_DIMS`` mesh, every group of it (and the default group) waiting at most ``timeout``.
+
+    Each dimension gets backend options carrying the timeout, which also stops DeviceMesh from
+    reusing the default group for a dimension spanning the world (a gloo default group's
+    point-to-point receives ignore a timeout set after its creation). Torch without
+    ``backend_override`` (< 2.7): the groups' timeouts are set after creation.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    nccl = dist.get_backend() == "nccl"
+    _set_group_timeout(None, timeout)
+    if "backend_override" in inspect.signature(init_device_mesh).parameters:
+        override = {}
+        for name in MESH_DIMS:
+            opts = dist.ProcessGroupNCCL.Options() if nccl else dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            override[name] = opts
+        return init_device_mesh("cuda" if nccl else "cpu", shape, mesh_dim_names=MESH_DIMS, backend_override=override)
+    mesh = init_device_mesh("cuda" if nccl else "cpu", shape, mesh_dim_names=MESH_DIMS)
+    for name in MESH_DIMS:
+        _set_group_timeout(mesh.get_group(name), timeout)
+    return mesh
+
+
+def _stage_groups(dp: int, pp: int, sp: int, topo: Topology) -> Any:
+    """One group per stage over its ``dp x sp`` ranks (every rank creates every group, in stage
+    order, as ``new_group`` requires); returns this rank's."""
+    mine = None
+    for stage in range(pp):
+        ranks = [(d * pp + stage) * sp + s for d in range(dp) for s in range(sp)]
+        group = dist.new_group(ranks, timeout=topo.timeout)
+        if stage == topo.stage:
+            mine = group
+    return mine
+
+
+def _set_group_timeout(group: Any, timeout: timedelta) -> None:
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # torch >= 2.3
+    if set_timeout is not None:
+        set_timeout(timeout, group)
+
+
+def reduce_gradients(params: Sequence[nn.Parameter], topology: Topology, average: bool) -> None:
+    """Sum each stage's gradients over its sequence-parallel ranks (each holds its tokens' share)
+    and sum (``average=False``: token-averaged loss) or average them over the replicas, in one
+    all-reduce over the stage's ``dp x sp`` ranks per flat bucket of at most
+    :data:`BUCKET_ELEMENTS` elements per dtype. A missing gradient counts as zeros (another rank
+    may have one)."""
+    if topology.data_parallel_size * topology.sequence_parallel_size == 1:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for g in grads + [None]:
+            if g is not None and (size + g.numel() <= BUCKET_ELEMENTS or not bucket):
+                bucket.append(g)
+                size += g.numel()
+                continue
+            _all_reduce_bucket(bucket, topology, average)
+            bucket, size = ([g], g.numel()) if g is not None else ([], 0)
+
+
+def _all_reduce_bucket(grads: list[torch.Tensor], topology: Topology, average: bool) -> None:
+    flat = torch.cat([g.reshape(-1) for g in grads]).to(topology.comm_device)
+    with topology._waiting(f"the gradients of the stage's ranks {list(topology.grad_ranks)}"):
+        dist.all_reduce(flat, group=topology.grad_group)
+    if average:
+        flat /= topology.data_parallel_size
+    offset = 0
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset:offset + n].view_as(g))
+        offset += n
+
+
+def global_grad_norm(grads: Sequence[torch.Tensor], topology: Topology, device: torch.device) -> torch.Tensor:
+    """2-norm over the gradients of all stages: this stage's squared norm summed over the
+    pipeline (the caller leaves out a copy it must not count twice, e.g. a tied weight's)."""
+    local = torch.nn.utils.get_total_norm(list(grads), 2.0) if grads else torch.zeros(())
+    sq = local.float().reshape(1) ** 2
+    if topology.pipeline_size > 1:
+        sq = sq.to(topology.comm_device)
+        with topology._waiting(f"the gradient norms of every stage (pipeline ranks {list(topology.pp_ranks)})"):
+            dist.all_reduce(sq, group=topology.pp_group)
+    return sq.reshape(()).sqrt().to(device)
+
+
+# ---------------------------------------------------------------------------------- sharded optimizer state
+def shard_optimizer(optimizer: torch.optim.Optimizer, topology: Topology) -> torch.optim.Optimizer:
+    """``optimizer`` (built by ``Trainer.create_optimizer`` over this stage's parameters, no state
+    yet) as a :class:`~torch.distributed.optim.ZeroRedundancyOptimizer` over the stage's ``dp x
+    sp`` ranks (:attr:`Topology.grad_group`), same class, parameter groups and hyperparameters:
+    each rank keeps the state of its share of the parameters (ZeRO-1), steps it with the whole
+    (all-reduced, clipped) gradients and broadcasts the new values to the other ranks. With one
+    rank per stage there is nothing to shard: ``optimizer`` itself."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if topology.data_parallel_size * topology.sequence_parallel_size == 1 or isinstance(
+            optimizer, ZeroRedundancyOptimizer):
+        return optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer) or optimizer.state:
+        raise ValueError(f"concertina_shard_optimizer=True cannot shard {type(optimizer).__name__}: it needs a "
+                         "torch.optim optimizer class built from parameter groups, before its first step")
+    groups = [dict(g, params=list(g["params"])) for g in optimizer.param_groups]
+    # the constructor's own keywords (torch's AdamW records ``decoupled_weight_decay`` in its
+    # defaults but does not take it); each group carries every value anyway
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    keep = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+    defaults = {k: v for k, v in optimizer.defaults.items() if keep or k in accepted}
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=topology.grad_group,
+                                   **defaults)
+
+
+def is_sharded(optimizer: Any) -> bool:
+    """Whether ``optimizer`` holds only this rank's share of its stage's state (:func:`shard_optimizer`)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def optimizer_share(optimizer: Any) -> torch.optim.Optimizer:
+    """The optimizer holding this rank's state: a sharded one's local optimizer, else ``optimizer``."""
+    return optimizer.optim if is_sharded(optimizer) else optimizer
+
+
+def save_optimizer_shards(optimizer: Any, model: nn.Module, directory: str, topology: Topology) -> list[str]:
+    """Write the stage's sharded optimizer state with ``torch.distributed.checkpoint`` (collective
+    over the stage's ``dp x sp`` ranks, :attr:`Topology.grad_group`): each rank writes only its
+    share, keyed by parameter name (``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)``:
+    ``state.<name>.exp_avg``, ``param_groups.<name>.lr``, ...), so any number of shards of the
+    same stage (or a plain optimizer) reads it back (:func:`load_optimizer_shards`). Nothing is
+    gathered to one rank. Returns the files (relative to ``directory``) this rank wrote."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    share = optimizer_share(optimizer)
+    if share is not optimizer:  # the hyperparameters the scheduler set since the last step
+        _copy_hyperparameters(optimizer.param_groups, share.param_groups)
+    state = get_optimizer_state_dict(model, share, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    with topology._waiting(f"the optimizer shards of the stage's ranks {list(topology.grad_ranks)}"):
+        dcp.save(state, checkpoint_id=directory, process_group=topology.grad_group)
+    me = dist.get_rank(topology.grad_group) if topology.grad_group is not None else 0
+    return sorted(n for n in os.listdir(directory) if n.startswith(f"__{me}_") or (me == 0 and n == ".metadata"))
+
+
+def load_optimizer_shards(optimizer: Any, model: nn.Module, directory: str) -> None:
+    """This rank's share of a stage's optimizer state written by :func:`save_optimizer_shards`,
+    at whatever ``dp x sp`` it was written: each rank reads the keys of the parameters it holds
+    (all of them for a plain optimizer) and nothing else, without collectives."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    share = optimizer_share(optimizer)
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    state = get_optimizer_state_dict(model, share, options=options)  # the keys (and shapes) this rank holds
+    dcp.load(state, checkpoint_id=directory, no_dist=True)
+    set_optimizer_state_dict(model, share, state, options=options)
+    if share is not optimizer:  # the saved hyperparameters (the learning rate of the next step)
+        _copy_hyperparameters(share.param_groups, optimizer.param_groups)
+
+
+def _copy_hyperparameters(src: list[dict[str, Any]], dst: list[dict[str, Any]]) -> None:
+    for a, b in zip(src, dst):
+        b.update({k: v for k, v in a.items() if k != "params"})

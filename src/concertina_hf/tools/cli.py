@@ -1,0 +1,457 @@
+"""The ``concertina`` command line.
+
+``concertina plan``: plan one step for a batch of sequence lengths under every requested
+strategy and compare the predictions. The lengths come from a file (``--lengths``), from a
+dataset tokenized on the fly (``--dataset``, through :func:`concertina_hf.tools.data.load_text_dataset`)
+or from a shipped long-tailed distribution (``--distribution``). The model is an HF config (a
+Hub name or local path for ``AutoConfig``, a JSON file of config fields, or a preset such as
+``llama-13b``), turned into an analytic :class:`~concertina_hf.planning.CostModel` at the
+given device's rates (or a fitted cost model from ``--cost-model``). Each strategy's plan is
+simulated with the same cost model, so the table compares like for like:
+
+    concertina plan --distribution github --num-seqs 512 --max-len 131072 \\
+        --model-config llama-13b --pp 4 --sp 8 --memory-gb 80 --device a800 --strategy all
+
+(``--sp 8``: each stage is 8 GPUs running Ulysses sequence parallelism, with its weights,
+gradients and optimizer state sharded as :mod:`concertina_hf.planning.cost` describes;
+``--memory-gb`` is per GPU.)
+
+Cost: planning time is the planner's (ILP with a time limit per call, or greedy); the
+simulation of a plan takes milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import random
+import sys
+import time
+from typing import Any, Sequence
+
+__all__ = ["MODEL_PRESETS", "build_parser", "in_cli_words", "load_model_config", "main", "run_plan"]
+
+_GIB = 2**30
+
+# Shapes of well-known decoder models (Llama family sizes from the LLaMA paper; tiny ones for
+# tests and CPU runs, using the bundled 8192-token tokenizer's vocabulary).
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "llama-7b": dict(model_type="llama", hidden_size=4096, num_attention_heads=32, num_key_value_heads=32,
+                     num_hidden_layers=32, intermediate_size=11008, vocab_size=32000),
+    "llama-13b": dict(model_type="llama", hidden_size=5120, num_attention_heads=40, num_key_value_heads=40,
+                      num_hidden_layers=40, intermediate_size=13824, vocab_size=32000),
+    "llama-30b": dict(model_type="llama", hidden_size=6656, num_attention_heads=52, num_key_value_heads=52,
+                      num_hidden_layers=60, intermediate_size=17920, vocab_size=32000),
+    "tiny-llama": dict(model_type="llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                       num_hidden_layers=8, intermediate_size=352, vocab_size=8192),
+    "small-llama": dict(model_type="llama", hidden_size=512, num_attention_heads=8, num_key_value_heads=4,
+                        num_hidden_layers=16, intermediate_size=1408, vocab_size=8192),
+}
+_REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size", "num_hidden_layers")
+
+
+# ---------------------------------------------------------------------------------- inputs
+def load_model_config(spec: str) -> dict[str, Any]:
+    """Config fields of a preset name, a JSON file, or an HF config (``AutoConfig`` name/path)."""
+    if spec in MODEL_PRESETS:
+        return dict(MODEL_PRESETS[spec])
+    p = pathlib.Path(spec)
+    if p.is_file():
+        try:
+            cfg = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"--model-config {spec}: not a JSON file ({e})") from None
+    else:
+        try:
+            from transformers import AutoConfig
+
+            cfg = AutoConfig.from_pretrained(spec).to_dict()
+        except Exception as e:  # noqa: BLE001 - any loading failure gets the same explanation
+            raise SystemExit(
+                f"--model-config {spec!r}: not a preset ({', '.join(MODEL_PRESETS)}), not a JSON file, "
+                f"and AutoConfig could not load it: {type(e).__name__}: {e}"
+            ) from None
+    # multimodal configs keep the decoder's fields under text_config
+    if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), dict):
+        cfg = cfg["text_config"]
+    missing = [k for k in _REQUIRED_FIELDS if k not in cfg]
+    if missing:
+        raise SystemExit(f"--model-config {spec}: missing decoder fields {missing}")
+    return cfg
+
+
+def _device(args):
+    """The rates of one GPU (``--device``, ``--tflops``, ``--p2p-gbps``, ``--a2a-gbps``)."""
+    from ..planning import DeviceSpec
+
+    dev = DeviceSpec.a800() if args.device == "a800" else DeviceSpec.cpu()
+    changes = {}
+    if args.tflops is not None:
+        changes["flops"] = args.tflops * 1e12
+    if args.p2p_gbps is not None:
+        changes["p2p_bandwidth"] = args.p2p_gbps * 1e9
+    if args.a2a_gbps is not None:
+        changes["intra_node_bandwidth"] = args.a2a_gbps * 1e9
+    if args.inter_node_gbps is not None:
+        changes["inter_node_bandwidth"] = args.inter_node_gbps * 1e9
+    if args.gpus_per_node is not None:
+        changes["gpus_per_node"] = args.gpus_per_node
+    if changes:
+        import dataclasses
+
+        dev = dataclasses.replace(dev, **changes)
+    return dev
+
+
+def _sp(args) -> int:
+    """``--sp``, or the deprecated ``--gpus-per-stage`` (the same number: GPUs of one stage)."""
+    if args.gpus_per_stage is not None:
+        print("concertina plan: --gpus-per-stage is deprecated; it now means --sp (GPUs of one stage running "
+              "Ulysses sequence parallelism, --memory-gb per GPU)", file=sys.stderr)
+        if args.sp not in (None, args.gpus_per_stage):
+            raise SystemExit(f"--gpus-per-stage {args.gpus_per_stage} and --sp {args.sp} disagree; give --sp only")
+        return args.gpus_per_stage
+    return 1 if args.sp is None else args.sp
+
+
+def _lengths(args) -> tuple[list[int], str]:
+    """The batch's sequence lengths and a one-line description of where they came from."""
+    from . import data
+
+    if args.lengths:
+        lens = data.read_lengths(args.lengths)
+        src = f"lengths file {args.lengths}"
+    elif args.dataset:
+        from transformers import AutoTokenizer
+
+        tok_path = args.tokenizer or data.bundled_tokenizer_path()
+        tokenizer = AutoTokenizer.from_pretrained(tok_path)
+        ds = data.load_text_dataset(args.dataset, config=args.dataset_config, split=args.split,
+                                    text_column=args.text_column, data_files=args.data_files, flags="cli")
+        ds = data.tokenize_dataset(ds, tokenizer, text_column=args.text_column, max_length=args.max_len, flags="cli")
+        lens = [int(x) for x in ds["length"] if int(x) > 0]
+        src = f"dataset {args.dataset} ({args.split}, column {args.text_column}, tokenizer {tok_path})"
+    else:
+        max_len = args.max_len or 65536
+        lens = data.sample_lengths(args.distribution, args.num_seqs or 512, max_len, args.seed)
+        return lens, f"distribution {args.distribution} (seed {args.seed}, max {max_len} tokens)"
+    if args.max_len:
+        lens = [min(x, args.max_len) for x in lens]
+    if args.num_seqs and args.num_seqs < len(lens):
+        # a seeded random batch, like a sampler drawing one global batch from the corpus
+        lens = random.Random(args.seed).sample(lens, args.num_seqs)
+        src += f", {args.num_seqs} sampled with seed {args.seed}"
+    if not lens:
+        raise SystemExit(f"no non-empty sequences in {src}")
+    return lens, src
+
+
+def _strategies(values: Sequence[str] | None) -> list[str]:
+    from ..planning import STRATEGIES
+
+    out: list[str] = []
+    for v in values or ["all"]:
+        for name in (x.strip() for x in v.split(",")):
+            if not name:
+                continue
+            names = list(STRATEGIES) if name == "all" else [name]
+            for n in names:
+                if n not in STRATEGIES:
+                    raise SystemExit(f"--strategy {n!r}: choose from {', '.join(STRATEGIES)} or all")
+                if n not in out:
+                    out.append(n)
+    return out
+
+
+# ---------------------------------------------------------------------------------- planning
+def _infeasible_errors() -> tuple[type[BaseException], ...]:
+    from ..planning.types import PlanError
+
+    errs: list[type[BaseException]] = [PlanError]
+    try:
+        from ..planning.recompute import InfeasiblePlanError
+
+        errs.append(InfeasiblePlanError)
+    except ImportError:
+        pass
+    return tuple(errs)
+
+
+def run_plan(args) -> list[dict[str, Any]]:
+    """Plan and simulate every strategy; return one JSON-ready record per strategy.
+
+    Each record: ``strategy``, ``fits`` and, when it fits, ``step_time_s``, ``ratio_to_best``,
+    ``bubble_fraction``, ``recompute_fraction``, ``recompute_time_s``, ``peak_memory_bytes``
+    (per stage), ``memory_budget_bytes``, ``num_chunks`` (by kind and ``total``),
+    ``plan_time_s``, ``ideal_step_time_s``, ``plan`` (``Plan.to_dict()``); otherwise ``reason``.
+    Also attaches the ``Plan`` and the simulation under the private keys ``_plan`` / ``_sim``.
+    """
+    from ..planning import CostModel, ideal_step_time, plan_step
+    from ..planning.simulate import simulate
+
+    from ..planning import PlanError
+
+    cfg = load_model_config(args.model_config)
+    dev = _device(args)
+    sp = _sp(args)
+    if sp < 1 or args.dp < 1:
+        raise SystemExit(f"--sp and --dp must be at least 1, got --sp {sp} --dp {args.dp}")
+    if args.cost_model:
+        cost = CostModel.from_dict(json.loads(pathlib.Path(args.cost_model).read_text()))
+    else:
+        cost = CostModel.from_hf_config(cfg, dev)
+    if sp > 1 or args.dp > 1:
+        try:
+            cost = cost.with_parallel(sp=sp, state_shards=args.dp * sp)
+        except PlanError as e:
+            raise SystemExit(f"--sp {sp}: {e}") from None
+    args._sp = sp
+    num_layers = int(cfg["num_hidden_layers"])
+    if not 1 <= args.pp <= num_layers:
+        raise SystemExit(f"--pp {args.pp}: the model has {num_layers} decoder layers; choose --pp between 1 and {num_layers}")
+    try:
+        from ..planning.partition import partition_layers
+
+        layout = partition_layers(cost, args.pp)
+    except ImportError:
+        from ..planning import StageLayout
+
+        layout = StageLayout.even(num_layers, args.pp)
+    budget = int(args.memory_gb * _GIB) if args.memory_gb is not None else int(dev.memory_bytes)
+    try:
+        lens, src = _lengths(args)
+    except (ValueError, FileNotFoundError) as e:
+        # bad input data: a message naming the setting, not a traceback
+        raise SystemExit(f"concertina plan: {e}") from None
+    args._source = src
+    args._lens = lens
+    args._layout = layout
+    args._budget = budget
+    args._cost = cost
+    ideal = ideal_step_time(lens, cost, layout)
+    errors = _infeasible_errors()
+    records: list[dict[str, Any]] = []
+    for strategy in _strategies(args.strategy):
+        t0 = time.perf_counter()
+        try:
+            plan = plan_step(lens, cost, layout, budget, strategy,
+                             max_tokens_per_chunk=args.max_tokens_per_chunk,
+                             solver=args.solver, time_limit_s=args.time_limit)
+        except errors as e:
+            records.append({"strategy": strategy, "fits": False, "reason": in_cli_words(str(e)),
+                            "plan_time_s": time.perf_counter() - t0})
+            continue
+        plan_s = time.perf_counter() - t0
+        sim = simulate(plan, cost)
+        over = [s for s, (m, b) in enumerate(zip(sim.peak_memory_bytes, [budget] * plan.num_stages)) if m > b]
+        if over:
+            # A planner returning an over-budget plan is a bug; report it instead of hiding it.
+            records.append({"strategy": strategy, "fits": False, "plan_time_s": plan_s,
+                            "reason": f"plan exceeds the memory budget on stages {over} "
+                                      f"(peak {[round(sim.peak_memory_bytes[s] / _GIB, 2) for s in over]} GiB)"})
+            continue
+        counts = plan.chunk_counts()
+        counts["total"] = plan.num_chunks
+        records.append({
+            "strategy": strategy,
+            "fits": True,
+            "step_time_s": sim.step_time_s,
+            "bubble_fraction": sim.bubble_fraction,
+            "recompute_fraction": sim.recompute_fraction,
+            "recompute_time_s": sim.recompute_time_s,
+            "peak_memory_bytes": list(sim.peak_memory_bytes),
+            "memory_budget_bytes": [budget] * plan.num_stages,
+            "num_chunks": counts,
+            "plan_time_s": plan_s,
+            "ideal_step_time_s": ideal,
+            "plan": plan.with_predicted(sim.stats()).to_dict(),
+            "_plan": plan,
+            "_sim": sim,
+        })
+    best = min((r["step_time_s"] for r in records if r["fits"]), default=None)
+    for r in records:
+        if r["fits"]:
+            r["ratio_to_best"] = r["step_time_s"] / best if best else math.nan
+    return records
+
+
+def _gib(b: float) -> str:
+    """GiB with 3 significant digits: readable for 640 GiB stages and 0.15 GiB test models."""
+    return f"{b / _GIB:.3g}"
+
+
+def _table(records: list[dict[str, Any]]) -> str:
+    head = ["strategy", "step (s)", "vs best", "bubble", "recompute", "peak GiB per stage", "chunks p/s/h", "plan ms"]
+    rows = []
+    for r in records:
+        if not r["fits"]:
+            rows.append([r["strategy"], f"does not fit: {r['reason']}"])
+            continue
+        c = r["num_chunks"]
+        rows.append([
+            r["strategy"], f"{r['step_time_s']:.4g}", f"{r['ratio_to_best']:.3f}x", f"{r['bubble_fraction']:.1%}",
+            f"{r['recompute_fraction']:.1%}", "/".join(_gib(b) for b in r["peak_memory_bytes"]),
+            f"{c['packed']}/{c['split']}/{c['hybrid']}", f"{r['plan_time_s'] * 1e3:.0f}",
+        ])
+    widths = [max([len(head[i])] + [len(row[i]) for row in rows if len(row) == len(head)]) for i in range(len(head))]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
+    for row in rows:
+        if len(row) == len(head):
+            lines.append("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+        else:
+            lines.append(row[0].ljust(widths[0]) + "  " + row[1])
+    return "\n".join(lines)
+
+
+def _cmd_plan(args) -> int:
+    records = run_plan(args)
+    lens = args._lens
+    print(f"batch: {len(lens)} sequences, {sum(lens)} tokens, longest {max(lens)}, median "
+          f"{sorted(lens)[len(lens) // 2]} ({args._source})")
+    gpus = f"{args._sp} GPUs each (Ulysses), " if args._sp > 1 else ""
+    print(f"model: {args.model_config}, {args.pp} stages {list(args._layout.layer_ranges)}, {gpus}budget "
+          f"{args._budget / _GIB:.1f} GiB per GPU, state sharded over {args._cost.state_shards} ranks, "
+          f"cost model {args._cost.source}, solver {args.solver}")
+    fits = [r for r in records if r["fits"]]
+    if fits:
+        print(f"ideal step time (all stages busy, no recompute): {fits[0]['ideal_step_time_s']:.4g} s")
+    print(_table(records))
+    if args.show_grid:
+        for r in fits:
+            print()
+            print(r["_plan"].grid())
+    if args.json:
+        out = [{k: v for k, v in r.items() if not k.startswith("_")} for r in records]
+        pathlib.Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    if args.gantt and fits:
+        from ..planning.viz import describe_parallelism, plot_gantt
+
+        targets = fits if args.gantt_all else [min(fits, key=lambda r: r["step_time_s"])]
+        gpath = pathlib.Path(args.gantt)
+        for r in targets:
+            path = gpath.with_name(f"{gpath.stem}-{r['strategy']}{gpath.suffix}") if args.gantt_all else gpath
+            source = (f"--memory-gb {args.memory_gb:g}" if args.memory_gb is not None
+                      else f"the memory of --device {args.device} x {args.gpus_per_stage}")
+            plot_gantt(r["_plan"], r["_sim"], path, cost=args._cost, budget_source=source,
+                       title=f"{r['strategy']}: {len(lens)} sequences, {args.model_config}, "
+                             f"{describe_parallelism(r['_plan'], args.pp, args._sp)}")
+            print(f"wrote {path}")
+    return 0 if fits else 1
+
+
+# ---------------------------------------------------------------------------------- parser
+class _OneDefaultFormatter(argparse.HelpFormatter):
+    """Each option's default once: appended when it means something (not None / False) and the
+    help does not already say it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if "default" in text or unset or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+#: the trainer's setting names in the planner's messages, and the flags of ``concertina plan`` doing the same
+_FLAG_OF_SETTING = (
+    ("memory_budget_bytes (concertina_memory_budget)", "--memory-gb"),
+    ("the budget (concertina_memory_budget)", "--memory-gb"),
+    ("concertina_memory_budget", "--memory-gb"),
+    ("concertina_pipeline_size; --pp of `concertina plan`", "--pp"),
+    ("concertina_pipeline_size", "--pp"),
+    ("concertina_max_tokens_per_chunk", "--max-tokens-per-chunk"),
+    ("lower max_tokens_per_chunk", "lower --max-tokens-per-chunk"),
+    ("concertina_solver", "--solver"),
+    ("concertina_strategy", "--strategy"),
+)
+
+
+def in_cli_words(message: str) -> str:
+    """A planner message with the trainer's setting names replaced by this command's flags."""
+    for setting, flag in _FLAG_OF_SETTING:
+        message = message.replace(setting, flag)
+    if "more pipeline stages" in message and "--pp" not in message:
+        message = message.replace("more pipeline stages", "more pipeline stages (--pp)")
+    return message
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..planning import SOLVERS, STRATEGIES
+
+    ap = argparse.ArgumentParser(
+        prog="concertina",
+        description="Data-centric adaptive pipeline parallelism for Hugging Face models.",
+    )
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    p = sub.add_parser(
+        "plan", help="plan one step for a batch of sequence lengths and compare strategies",
+        description="Plan one training step under each strategy and compare predicted step time, "
+                    "bubbles, recompute and memory.",
+        formatter_class=_OneDefaultFormatter,
+    )
+    src = p.add_argument_group("sequence lengths (one source)")
+    one = src.add_mutually_exclusive_group(required=True)
+    one.add_argument("--lengths", metavar="FILE", help="text (integers) or JSON (list or {'lengths': [...]}) file")
+    one.add_argument("--dataset", metavar="NAME", help="datasets.load_dataset name or path, or 'stdlib'")
+    one.add_argument("--distribution", metavar="NAME", help="shipped distribution (github, commoncrawl) or JSON file")
+    src.add_argument("--dataset-config", default=None, help="dataset configuration name")
+    src.add_argument("--data-files", nargs="+", default=None,
+                     help="data files for a builder dataset (--dataset json|text|parquet|csv)")
+    src.add_argument("--split", default="train", help="dataset split (slicing like train[:1000] works)")
+    src.add_argument("--text-column", default="text", help="dataset column holding the text")
+    src.add_argument("--tokenizer", default=None, help="tokenizer name or path (default: the bundled one, 8192 tokens)")
+    src.add_argument("--num-seqs", type=int, default=None,
+                     help="sequences in the batch (distribution: default 512; file/dataset: a seeded sample)")
+    src.add_argument("--max-len", "--max-length", dest="max_len", type=int, default=None,
+                     help="truncate sequences to this many tokens (distribution default 65536)")
+    src.add_argument("--seed", type=int, default=0,
+                     help="seed of the sampled lengths (--distribution, or --num-seqs of a file or dataset)")
+
+    m = p.add_argument_group("model and hardware")
+    m.add_argument("--model-config", default="llama-13b",
+                   help=f"preset ({', '.join(MODEL_PRESETS)}), JSON file of config fields, or AutoConfig name/path")
+    m.add_argument("--cost-model", metavar="JSON", default=None,
+                   help="a CostModel.to_dict() file (e.g. fitted from measurements) instead of the analytic one")
+    m.add_argument("--pp", type=int, default=4, help="pipeline stages")
+    m.add_argument("--sp", type=int, default=None,
+                   help="GPUs of one stage (Ulysses sequence parallelism; must divide the attention heads); default 1")
+    m.add_argument("--dp", type=int, default=1,
+                   help="pipeline replicas (optimizer state is sharded over dp x sp ranks)")
+    m.add_argument("--memory-gb", type=float, default=None, help="memory budget per GPU in GiB (default: the device's)")
+    m.add_argument("--device", choices=("a800", "cpu"), default="a800", help="rates of one GPU")
+    m.add_argument("--gpus-per-stage", type=int, default=None, help="deprecated: the same as --sp")
+    m.add_argument("--tflops", type=float, default=None, help="sustained TFLOP/s of one device (overrides --device)")
+    m.add_argument("--p2p-gbps", type=float, default=None, help="stage-to-stage bandwidth in GB/s (overrides --device)")
+    m.add_argument("--a2a-gbps", type=float, default=None,
+                   help="intra-node bandwidth each GPU sends at in collectives, GB/s (overrides --device)")
+    m.add_argument("--inter-node-gbps", type=float, default=None,
+                   help="inter-node bandwidth per GPU, GB/s (overrides --device)")
+    m.add_argument("--gpus-per-node", type=int, default=None, help="GPUs of one node (overrides --device)")
+
+    s = p.add_argument_group("planner")
+    s.add_argument("--strategy", action="append", default=None, metavar="NAME",
+                   help=f"one of {', '.join(STRATEGIES)}, or all; repeatable or comma separated (default: all)")
+    s.add_argument("--solver", choices=SOLVERS, default="ilp", help="recompute solver")
+    s.add_argument("--time-limit", type=float, default=1.0, help="ILP time limit per call, seconds")
+    s.add_argument("--max-tokens-per-chunk", type=int, default=None,
+                   help="token cap of one chunk (default: none, the planner chooses)")
+
+    o = p.add_argument_group("output")
+    o.add_argument("--json", metavar="OUT", default=None, help="write the results as a JSON list")
+    o.add_argument("--gantt", metavar="PNG", default=None, help="draw the best plan's schedule and memory")
+    o.add_argument("--gantt-all", action="store_true", help="draw every strategy's plan to PNG stem-<strategy>")
+    o.add_argument("--show-grid", action="store_true", help="print every plan's action grid")
+    p.set_defaults(func=_cmd_plan)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

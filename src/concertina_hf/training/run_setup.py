@@ -1,0 +1,275 @@
+"""What a run plans with, resolved once at construction: :func:`resolve_run` -> :class:`RunSetup`.
+
+From the arguments, the model and the mesh: the cost model (analytic from the config, a JSON
+file, a profile of the real layers made once by rank 0 and broadcast, or the one a resumed
+checkpoint's layout was made from), the stage layout (decoder layers balanced over the stages by
+that cost model, the same on every rank), each stage's memory budget in bytes, and the solver
+settings. Later issues add the replica assignment and sequence-parallel degrees here.
+
+Costs: a profile (``concertina_cost_model="profiled"`` without a file) takes a few seconds on rank
+0 and one broadcast; with sequence parallelism (``sp > 1``) every rank then times one layer's
+all-to-alls on its stage's real sp group for four chunk sizes (a fraction of a second on gloo)
+and the fitted latency and bandwidth replace the intra-node fields; everything else is
+arithmetic on the config.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from .args import ConcertinaTrainingArguments
+from .checkpoint import layout_cost_model
+from ..runtime.distributed import Topology
+from ..planning import CostModel, DeviceSpec, StageLayout, partition_layers, stage_budgets
+from ..runtime.ulysses import check_heads
+
+__all__ = ["RunSetup", "budget_source", "check_static_memory", "check_trainer_arguments", "count_frozen_parameters",
+           "resolve_run"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    """Everything a step's plan depends on besides its sequence lengths."""
+
+    #: the cost model the stage layout was made from (and the planner starts from)
+    cost_model: CostModel
+    layout: StageLayout
+    #: per stage, bytes the plan must fit (0: unconstrained)
+    budgets: tuple[int, ...]
+    device_memory_bytes: int
+    strategy: str
+    solver: str
+    solver_time_limit_s: float
+    max_tokens_per_chunk: int | None
+    #: where the budgets came from, in words (shown with them in the Gantt chart's memory panel)
+    budget_source: str = ""
+
+
+def resolve_run(args: ConcertinaTrainingArguments, model: nn.Module, topology: Topology) -> RunSetup:
+    """The run's :class:`RunSetup` (collective when rank 0 profiles: call it on every rank)."""
+    check_model_family(model)  # before the cost model reads a config it may not understand
+    device_memory = device_memory_bytes(args.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    cost = layout_cost_model(args.resume_from_checkpoint)
+    if cost is None:  # not resuming: a resumed run keeps its checkpoint's stage layout
+        dtype_bytes = next(model.parameters()).element_size()
+        cost = initial_cost_model(args, model.config, args.device, dtype_bytes, device_memory)
+        if args.concertina_cost_model == "profiled" and not args.concertina_cost_model_path:
+            cost = _profile_on_rank0(model, args, cost, topology)
+            if topology.sequence_parallel_size > 1:
+                cost = _profile_all_to_all(args, cost, topology)
+        cost = count_frozen_parameters(cost, model)
+    if topology.pipeline_size > 1 and ties_embeddings(model):
+        cost = count_head_copy(cost)
+    sp = topology.sequence_parallel_size
+    # optimizer state over the stage's dp x sp ranks (concertina_shard_optimizer), else whole on each
+    shards = sp * topology.data_parallel_size if args.concertina_shard_optimizer else 1
+    if sp > 1:  # per GPU: compute and activations over sp
+        heads = int(model.config.num_attention_heads)
+        check_heads(heads, int(getattr(model.config, "num_key_value_heads", None) or heads), sp)
+    if sp > 1 or shards > 1:
+        cost = cost.with_parallel(sp=sp, state_shards=shards)
+    layout = partition_layers(cost, topology.pipeline_size)
+    budgets = memory_budgets(args, device_memory, layout.num_stages)
+    check_static_memory(cost, layout, budgets)
+    return RunSetup(
+        cost_model=cost, layout=layout, budgets=budgets,
+        device_memory_bytes=device_memory, strategy=args.concertina_strategy, solver=args.concertina_solver,
+        solver_time_limit_s=args.concertina_solver_time_limit,
+        max_tokens_per_chunk=args.concertina_max_tokens_per_chunk,
+        budget_source=budget_source(args, device_memory, args.device),
+    )
+
+
+def check_trainer_arguments(model: nn.Module | None, args, optimizers: tuple, **unsupported) -> None:
+    """Refuse what ``ConcertinaTrainer`` cannot honour, naming the argument (before any group exists)."""
+    if not isinstance(args, ConcertinaTrainingArguments):
+        raise TypeError(
+            f"ConcertinaTrainer needs ConcertinaTrainingArguments, got {type(args).__name__}; build the "
+            "arguments with concertina_hf.ConcertinaTrainingArguments(...) (same fields plus concertina_*)"
+        )
+    for name, value in unsupported.items():
+        if value is not None:
+            raise NotImplementedError(
+                f"ConcertinaTrainer does not support {name}: the pipeline computes the causal-LM loss on the "
+                "last stage and logits never leave it; remove the argument"
+            )
+    if optimizers[0] is not None:
+        raise ValueError(
+            "a ready-made optimizer cannot be used: each pipeline rank owns only its stage's parameters. Pass "
+            "optimizer_cls_and_kwargs=(cls, kwargs) instead (or set args.optim)"
+        )
+    if model is None:
+        raise ValueError("ConcertinaTrainer needs a model (an HF causal LM)")
+    check_model_family(model)
+    if args.train_sampling_strategy == "batch_rebalance":
+        raise ValueError(
+            "train_sampling_strategy='batch_rebalance' balances tokens across all processes, but pipeline ranks "
+            "must read the same batches; use 'random' (the planner balances the pipeline's chunks)"
+        )
+
+
+def check_model_family(model: nn.Module) -> None:
+    """Refuse a model the runtime cannot train as HF does (an other layout, mixers that are not
+    attention, the router auxiliary loss, ...), naming its model type and the feature:
+    :func:`~concertina_hf.runtime.families.inspect_model`, on the HF model inside a ``PeftModel``."""
+    from ..integrations.peft import base_model_of
+    from ..runtime.families import UnsupportedModelError, inspect_model
+
+    hf = base_model_of(model)
+    inspect_model(hf)
+    declared, held = getattr(hf.config, "num_hidden_layers", None), len(hf.model.layers)
+    if declared is not None and int(declared) != held:  # the stage layout and the cost model count the config's layers
+        raise UnsupportedModelError(
+            f"model type {hf.config.model_type!r}: config.num_hidden_layers is {declared} but model.model.layers "
+            f"holds {held} decoder layers; the stage layout and the cost model count config.num_hidden_layers")
+
+
+def memory_budgets(args: ConcertinaTrainingArguments, device_memory: int, num_stages: int) -> tuple[int, ...]:
+    """``concertina_memory_budget`` in bytes per stage: ``auto`` is the device's memory times
+    ``concertina_memory_fraction``; ``none`` is 0 (unconstrained)."""
+    budget = args.memory_budget
+    if budget == "auto":
+        budget = int(device_memory * args.concertina_memory_fraction)
+    elif budget is None:
+        budget = 0
+    return stage_budgets(budget, num_stages, setting="concertina_memory_budget")
+
+
+def budget_source(args: ConcertinaTrainingArguments, device_memory: int, device) -> str:
+    """Where :func:`memory_budgets` took the budget from, e.g. ``"auto: 0.9 x 80 GiB of GPU memory"``."""
+    if args.memory_budget == "auto":
+        where = "GPU memory" if getattr(device, "type", str(device)) == "cuda" else "CPU memory per local process"
+        return (f"concertina_memory_budget='auto': {args.concertina_memory_fraction:g} x "
+                f"{device_memory / 2**30:.3g} GiB of {where}")
+    return f"concertina_memory_budget={args.concertina_memory_budget!r}"
+
+
+def check_static_memory(cost: CostModel, layout: StageLayout, budgets: tuple[int, ...]) -> None:
+    """Refuse, before the first step, a budget that a stage's parameters, gradients and optimizer
+    state alone exceed (no plan could fit it)."""
+    for stage, budget in enumerate(budgets):
+        static = cost.static_memory(layout, stage)
+        if budget and static >= budget:
+            raise ValueError(
+                f"concertina_memory_budget gives pipeline stage {stage} {budget / 2**30:.3g} GiB, but its layers "
+                f"{layout.layer_ranges[stage][0]}-{layout.layer_ranges[stage][1] - 1} alone take "
+                f"{static / 2**30:.3g} GiB (weights, gradients, optimizer state) before any activation; raise "
+                "concertina_memory_budget (or concertina_memory_fraction with 'auto'), or use more pipeline stages "
+                "(concertina_pipeline_size)"
+            )
+
+
+def initial_cost_model(args, config, device, dtype_bytes: int, device_memory: int) -> CostModel:
+    """The cost model a run starts from: analytic from the config at the device's rates, or
+    the JSON file ``concertina_cost_model_path`` (``profiled``, and ``online`` when given)."""
+    if args.concertina_cost_model_path:
+        with open(args.concertina_cost_model_path) as fh:
+            cost = CostModel.from_dict(json.load(fh))
+        if cost.num_layers != int(config.num_hidden_layers):
+            raise ValueError(
+                f"concertina_cost_model_path describes {cost.num_layers} layers but the model has "
+                f"{config.num_hidden_layers}; profile this model or drop concertina_cost_model_path"
+            )
+        return cost
+    base = DeviceSpec() if getattr(device, "type", str(device)) == "cuda" else DeviceSpec.cpu()
+    spec = replace(base, memory_bytes=int(device_memory))
+    return CostModel.from_hf_config(config, spec, dtype_bytes=dtype_bytes)
+
+
+def _profile_on_rank0(model: nn.Module, args: ConcertinaTrainingArguments, base: CostModel,
+                      topology: Topology) -> CostModel:
+    """Rank 0 profiles the model before it is split; every rank gets the same cost model (the
+    layout and the plans derive from it). The main process keeps it in ``cost_model.json``."""
+    from ..runtime.profiler import profile_cost_model
+
+    payload = None
+    if topology.rank == 0:
+        t0 = time.perf_counter()
+        layers = -(-int(model.config.num_hidden_layers) // topology.pipeline_size)  # as many as a stage holds
+        cap = args.concertina_max_tokens_per_chunk
+        # chunk shapes up to the cap (at least 32 tokens, to make distinct shapes; None: the
+        # profiler's device default), in the precision the run trains in (bf16 autocast halves
+        # activations and K/V)
+        cost = profile_cost_model(model, base=base, device=args.device, num_layers=layers,
+                                  max_tokens=None if cap is None else max(32, cap),
+                                  autocast_dtype=torch.bfloat16 if args.bf16 else None)
+        logger.info("profiled the cost model in %.1fs", time.perf_counter() - t0)
+        payload = json.dumps(cost.to_dict())
+        os.makedirs(args.output_dir, exist_ok=True)
+        with open(os.path.join(args.output_dir, "cost_model.json"), "w") as fh:
+            fh.write(payload)
+    return CostModel.from_dict(json.loads(topology.broadcast_from_rank0(payload)))
+
+
+def _profile_all_to_all(args: ConcertinaTrainingArguments, cost: CostModel, topology: Topology) -> CostModel:
+    """The all-to-alls of one decoder layer timed on every stage's real sequence-parallel group
+    and fitted into the cost model's intra-node latency and bandwidth (the slowest group's times:
+    the same model on every rank); rank 0 rewrites ``cost_model.json``. Collective."""
+    from ..runtime.ulysses import default_a2a_token_counts, profile_all_to_all
+
+    t0 = time.perf_counter()
+    tokens = default_a2a_token_counts(args.concertina_max_tokens_per_chunk, topology.sequence_parallel_size)
+    cost = profile_all_to_all(cost, topology.sp_group, tokens, device=topology.comm_device)
+    if topology.rank == 0:
+        logger.info("profiled the all-to-all in %.1fs: latency %.1f us, bandwidth %.2f GB/s",
+                    time.perf_counter() - t0, cost.intra_node_latency_s * 1e6, cost.intra_node_bandwidth / 1e9)
+        with open(os.path.join(args.output_dir, "cost_model.json"), "w") as fh:
+            fh.write(json.dumps(cost.to_dict()))
+    return cost
+
+
+def device_memory_bytes(device: torch.device, local_world_size: int) -> int:
+    """A device's memory; on the CPU the machine's memory shared by the local processes."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        total = 16 * 2**30
+    return int(total // max(1, local_world_size))
+
+
+def ties_embeddings(model: nn.Module) -> bool:
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    embed = getattr(getattr(getattr(model, "model", None), "embed_tokens", None), "weight", None)
+    return head is not None and head is embed
+
+
+def count_frozen_parameters(cost: CostModel, model: nn.Module) -> CostModel:
+    """The cost model with frozen parameters (a PEFT base model, a frozen embedding) holding only
+    their weights: ``static_bytes_per_param`` assumes every parameter has a gradient and optimizer
+    state (16 bytes with Adam); a frozen one keeps its ``element_size()`` bytes, plus what the
+    model adds above 16 per parameter (autocast copies of the weights, see the profiler). The
+    saving is spread over all parameters (one figure per model, not per stage)."""
+    total = trainable = 0
+    frozen_bytes = 0.0
+    for p in model.parameters():
+        total += p.numel()
+        if p.requires_grad:
+            trainable += p.numel()
+        else:
+            frozen_bytes += p.numel() * p.element_size()
+    if total == 0 or trainable == total:
+        return cost
+    extra = max(0.0, cost.static_bytes_per_param - 16.0)
+    per_param = (frozen_bytes + (total - trainable) * extra + trainable * cost.static_bytes_per_param) / total
+    return replace(cost, static_bytes_per_param=min(cost.static_bytes_per_param, per_param))
+
+
+def count_head_copy(cost: CostModel) -> CostModel:
+    """The cost model with the last stage's copy of tied embeddings in its static memory: the
+    analytic and profiled models count the shared weight once, on the embedding's stage, which
+    is right for one stage; with several, the last stage holds its own copy (weight, gradient,
+    optimizer state)."""
+    if cost.head_params >= cost.embed_params:  # already counted (e.g. a checkpoint's layout model)
+        return cost
+    return replace(cost, head_params=cost.head_params + cost.embed_params)

@@ -1,0 +1,449 @@
+"""ConcertinaTrainer across processes (gloo, CPU) against the plain HF Trainer on one process.
+
+Two launches, each checking many things:
+
+- **pp = 2** (2 ranks), for Llama and Qwen2 (grouped-query attention, q/k/v biases): per-step
+  logged loss within 1e-5 and every parameter within 1e-4 (relative) of ``Trainer`` after 4
+  steps of 6 sequences (2 micro-batches of 3), with sequences split into 16-token chunks and a
+  memory budget that forces recomputation; the global gradient norm (clipping at 0.5) matches;
+  evaluation through the pipeline gives Trainer's eval loss; ``run_clm.py``'s token accuracy
+  (``compute_metrics`` with ``preprocess_logits_for_metrics`` = argmax) and ``predict()`` (argmax
+  ids, raw logits, label ids) equal Trainer's on both ranks (Llama); ``train_tokens_per_second``
+  is the tokens trained / ``train_runtime``; the saved directory loads with
+  ``AutoModelForCausalLM.from_pretrained``; resuming from the step-2 checkpoint (one optimizer
+  shard per stage) ends on the same parameters. Qwen2 also runs with HF's own
+  ``DataCollatorWithFlattening`` instead of ``LengthAwareCollator``, plans with a cost model
+  profiled at startup, and recomputes every layer (``full-recompute``).
+- **pp = 2, tied embeddings** (same launch): a Llama whose input and output embeddings are one
+  matrix; stage 0 trains the embedding, stage 1 its own copy in the head, their gradients summed
+  every step: Trainer's losses, gradient norms (the shared weight counted once) and final model,
+  the two copies bit-identical after 4 steps, saved once as an HF tied checkpoint.
+- **pp = 2, bf16=True** (same launch): autocast mixed precision with float32 master weights,
+  against ``Trainer(bf16=True)`` within bf16 tolerances.
+- **pp = 2 x dp = 2** (4 ranks): two replicas, each running the share of every step the
+  balancer gives it (``concertina_balance_replicas``, the default); equals one ``Trainer``
+  process with twice the per-device batch size; metrics and ``predict()`` gathered over the
+  replicas in the dataset's order equal that process's.
+- **pp = 1 x dp = 2** (2 ranks), balanced replicas on skewed batches: every replica reads the
+  whole global batch, the replicas run different numbers of sequences (the one with the longest
+  sequence fewer), and after 3 steps the losses (1e-5) and each parameter's update (1e-3
+  relative) equal one ``Trainer`` process's.
+
+The reference trainings run in the pytest process; the workers are this file run by torchrun
+(without ``use_cpu``: ConcertinaTrainingArguments must turn it on by itself).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ARCHS = ("llama", "qwen2")
+COMMON = dict(per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=4, learning_rate=2e-3,
+              logging_steps=1, report_to=[], disable_tqdm=True, seed=3, max_grad_norm=0.5,
+              per_device_eval_batch_size=4)
+BUDGET = "500KB"  # Llama: below the no-recompute peak (~0.53-0.67 MB per stage) of these steps, above full recompute
+
+
+def _config(arch: str):
+    from transformers import LlamaConfig, Qwen2Config
+
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, tie_word_embeddings=arch == "llama-tied")
+    return Qwen2Config(**kw) if arch == "qwen2" else LlamaConfig(**kw)
+
+
+def _model(arch: str):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    return AutoModelForCausalLM.from_config(_config(arch))
+
+
+def _dataset(n=24, seed=0):
+    import datasets
+
+    rng = random.Random(seed)
+    return datasets.Dataset.from_list(
+        [{"input_ids": [rng.randrange(64) for _ in range(rng.choice([5, 9, 17, 40, 70]))]} for _ in range(n)])
+
+
+def _summary(trainer) -> dict:
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return {"losses": [h["loss"] for h in logs], "grad_norms": [h["grad_norm"] for h in logs],
+            "recompute": [h.get("concertina/recompute_layers", 0.0) for h in logs],
+            "split_chunks": [h.get("concertina/chunks_split", 0.0) for h in logs]}
+
+
+def _token_accuracy(eval_preds):
+    """run_clm.py's compute_metrics (with preprocess_logits_for_metrics = argmax), see test_metrics.py."""
+    preds, labels = eval_preds
+    return {"accuracy": float((preds[:, :-1].reshape(-1) == labels[:, 1:].reshape(-1)).mean())}
+
+
+def _metrics_and_predictions(trainer, logits_path: str) -> dict:
+    """run_clm.py's token accuracy through evaluate() and predict(), and predict()'s raw logits."""
+    trainer.compute_metrics = _token_accuracy
+    trainer.preprocess_logits_for_metrics = lambda logits, labels: logits.argmax(dim=-1)
+    ev = trainer.evaluate()
+    pred = trainer.predict(_dataset(8, seed=1))
+    trainer.compute_metrics = trainer.preprocess_logits_for_metrics = None
+    raw = trainer.predict(_dataset(8, seed=1))
+    os.makedirs(os.path.dirname(logits_path), exist_ok=True)
+    torch.save({"logits": torch.as_tensor(raw.predictions), "labels": torch.as_tensor(raw.label_ids)}, logits_path)
+    return {"eval_accuracy": ev["eval_accuracy"], "eval_loss_with_metrics": ev["eval_loss"],
+            "predicted_ids": pred.predictions.tolist(), "predicted_labels": pred.label_ids.tolist(),
+            "test_accuracy": pred.metrics["test_accuracy"], "test_loss": pred.metrics["test_loss"]}
+
+
+# ---------------------------------------------------------------------------------- workers
+def _worker_pp2(out: str) -> None:
+    from transformers import DataCollatorWithFlattening
+
+    from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
+
+    for arch in ARCHS:
+        d = os.path.join(out, arch)
+        # Llama: the adaptive recompute under a tight budget (analytic cost model). Qwen2: a cost
+        # model profiled at startup (rank 0 measures, every rank gets it), every layer recomputed.
+        planning = (dict(concertina_memory_budget=BUDGET) if arch == "llama" else
+                    dict(concertina_cost_model="profiled", concertina_strategy="full-recompute"))
+        args = ConcertinaTrainingArguments(
+            output_dir=d, save_strategy="steps", save_steps=2, concertina_max_tokens_per_chunk=16, **planning,
+            **COMMON)
+        assert args.use_cpu and args.world_size == 2, (args.use_cpu, args.world_size)
+        collator = DataCollatorWithFlattening() if arch == "qwen2" else None
+        trainer = ConcertinaTrainer(model=_model(arch), args=args, train_dataset=_dataset(),
+                                    eval_dataset=_dataset(8, seed=1), data_collator=collator)
+        metrics = trainer.train().metrics
+        info = _summary(trainer)
+        for k in ("train_samples_per_second", "train_tokens_per_second", "train_runtime"):
+            info[k] = metrics[k]
+        info["eval_loss"] = trainer.evaluate()["eval_loss"]
+        if arch == "llama":
+            info.update(_metrics_and_predictions(trainer, os.path.join(d, f"logits-rank{trainer.topology.rank}.pt")))
+        info["layer_ranges"] = [list(r) for r in trainer.layout.layer_ranges]
+        info["stage_params"] = sorted(n for n, _ in trainer.model.named_parameters())
+        info["cost_model"] = trainer.replan.cost_model.to_dict()
+        trainer.save_model(os.path.join(d, "final"))
+
+        # a new profile would split the layers differently: the checkpoint given in the arguments
+        # restores its layout at construction (Llama: the analytic layout is reproducible anyway)
+        ckpt = os.path.join(d, "checkpoint-2")
+        resumed = ConcertinaTrainer(
+            model=_model(arch), train_dataset=_dataset(), data_collator=collator,
+            args=ConcertinaTrainingArguments(output_dir=d + "-resumed", save_strategy="no",
+                                             concertina_max_tokens_per_chunk=16, **planning, **COMMON,
+                                             resume_from_checkpoint=ckpt if arch == "qwen2" else None))
+        assert resumed.layout == trainer.layout
+        resumed.train(resume_from_checkpoint=ckpt)
+        resumed.save_model(os.path.join(d, "resumed"))
+        info["resumed_losses"] = _summary(resumed)["losses"]
+        with open(os.path.join(d, f"info-rank{trainer.topology.rank}.json"), "w") as fh:
+            json.dump(info, fh)
+
+    # tied input/output embeddings (float32) and bf16 autocast: 4 steps each, no checkpoints
+    for name, arch, extra in (("tied", "llama-tied", {}), ("bf16", "llama", dict(bf16=True))):
+        d = os.path.join(out, name)
+        args = ConcertinaTrainingArguments(output_dir=d, save_strategy="no", concertina_max_tokens_per_chunk=16,
+                                           **COMMON, **extra)
+        trainer = ConcertinaTrainer(model=_model(arch), args=args, train_dataset=_dataset())
+        trainer.train()
+        info = _summary(trainer)
+        info["stage_params"] = sorted(n for n, _ in trainer.model.named_parameters())
+        if name == "tied":
+            tied = trainer.pipeline.tied_weight
+            torch.save(tied.detach().clone(), os.path.join(d, f"tied-rank{trainer.topology.rank}.pt"))
+            trainer.save_model(os.path.join(d, "final"))
+            # resuming loads each stage's copy from the one saved tensor
+            saved = tied.detach().clone()
+            with torch.no_grad():
+                tied.add_(1.0)
+            trainer.checkpointer.load_stage_weights(trainer.model, os.path.join(d, "final"))
+            info["reloaded_tied_copy"] = torch.equal(tied.detach(), saved)
+        with open(os.path.join(d, f"info-rank{trainer.topology.rank}.json"), "w") as fh:
+            json.dump(info, fh)
+    trainer.end()  # destroys the process group: a live gloo group can abort the interpreter's exit
+
+
+def _worker_dp2(out: str) -> None:
+    from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
+
+    args = ConcertinaTrainingArguments(output_dir=out, save_strategy="no", concertina_pipeline_size=2,
+                                       concertina_max_tokens_per_chunk=16, **COMMON)
+    trainer = ConcertinaTrainer(model=_model("llama"), args=args, train_dataset=_dataset(),
+                                eval_dataset=_dataset(8, seed=1))
+    t = trainer.topology
+    assert (t.pipeline_size, t.data_parallel_size) == (2, 2)
+    assert t.pp_ranks == (2 * t.replica, 2 * t.replica + 1) and t.dp_ranks == (t.stage, t.stage + 2)
+    metrics = trainer.train().metrics
+    trainer.save_model(os.path.join(out, "final"))
+    info = _summary(trainer)
+    info.update({k: metrics[k] for k in ("train_samples_per_second", "train_tokens_per_second", "train_runtime")})
+    info["topology"] = [t.rank, t.stage, t.replica]
+    # each replica evaluates its share; the loop gathers them in the dataset's order
+    info.update(_metrics_and_predictions(trainer, os.path.join(out, f"logits-rank{t.rank}.pt")))
+    with open(os.path.join(out, f"info-rank{t.rank}.json"), "w") as fh:
+        json.dump(info, fh)
+    trainer.end()
+
+
+def _skewed_dataset(n=18, seed=5):
+    """Rows of 4-12 tokens and, in each step of 6 rows, one of 150-200: count splits are unbalanced."""
+    import datasets
+
+    rng = random.Random(seed)
+    rows = [{"input_ids": [rng.randrange(64) for _ in range(rng.randrange(150, 201) if i % 6 == 2
+                                                               else rng.randrange(4, 13))]} for i in range(n)]
+    return datasets.Dataset.from_list(rows)
+
+
+BALANCED = dict(COMMON, per_device_train_batch_size=3, gradient_accumulation_steps=1, max_steps=3,
+                train_sampling_strategy="sequential")  # each step of 6 rows holds one long row
+
+
+def _worker_dp2_pp1(out: str) -> None:
+    from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
+
+    args = ConcertinaTrainingArguments(output_dir=out, save_strategy="no", concertina_pipeline_size=1,
+                                       concertina_max_tokens_per_chunk=64, **BALANCED)
+    trainer = ConcertinaTrainer(model=_model("llama"), args=args, train_dataset=_skewed_dataset())
+    t = trainer.topology
+    assert (t.pipeline_size, t.data_parallel_size) == (1, 2) and trainer.steps.balancer is not None
+    ran = []  # the lengths of the sequences this replica ran, per step
+    submit = trainer.planner.submit
+    trainer.planner.submit = lambda lens, *a, **k: (ran.append(list(lens)), submit(lens, *a, **k))[1]
+    trainer.train()
+    trainer.save_model(os.path.join(out, "final"))
+    info = _summary(trainer)
+    info["ran"] = ran
+    info["tokens_seen"] = trainer.state.num_input_tokens_seen
+    with open(os.path.join(out, f"info-rank{t.rank}.json"), "w") as fh:
+        json.dump(info, fh)
+    trainer.end()
+
+
+def test_the_balancer_gives_the_replica_with_the_long_sequence_fewer_sequences():
+    """One step of a long and many short sequences over 2 replicas: the replica holding the long
+    one runs fewer sequences; every sequence runs exactly once; the predicted step time beats the
+    count split's (the split is the planner's own, made on rank 0 of a real run)."""
+    from concertina_hf.runtime.distributed import Topology
+    from concertina_hf.planning import CostModel, DeviceSpec, StageLayout, balance_replicas
+    from concertina_hf.training.run_setup import RunSetup
+    from concertina_hf.training.step_planner import StepPlanner
+    from concertina_hf.training.step_reader import ReplicaBalancer
+
+    cost = CostModel.from_hf_config(_config("llama").to_dict(), DeviceSpec.cpu(), dtype_bytes=4)
+    setup = RunSetup(cost_model=cost, layout=StageLayout(4, ((0, 4),)), budgets=(0,), device_memory_bytes=0,
+                     strategy="adaptive", solver="greedy", solver_time_limit_s=1.0, max_tokens_per_chunk=256)
+    balancer = ReplicaBalancer(StepPlanner(setup, Topology(2, 0, 1, 2, 0, 0), overlap=False), Topology(2, 0, 1, 2, 0, 0))
+    lens = [30, 25, 2000, 40, 35, 28, 33, 27]
+    split = balancer.split(lens)
+    assert sorted(i for part in split for i in part) == list(range(len(lens)))
+    heavy = next(r for r, part in enumerate(split) if 2 in part)
+    assert len(split[heavy]) < len(split[1 - heavy]), split
+    count = balance_replicas(lens, 2, cost, setup.layout, 0, method="count", solver="greedy",
+                             max_tokens_per_chunk=256)
+    assert balancer.last_split.step_time_s < count.step_time_s
+
+
+@pytest.mark.slow
+def test_dp2_balanced_replicas_match_trainer(tmp_path):
+    _launch(2, "dp2pp1", tmp_path)
+    from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
+
+    ref = Trainer(model=_model("llama"), train_dataset=_skewed_dataset(), data_collator=DataCollatorWithFlattening(),
+                  args=TrainingArguments(output_dir=str(tmp_path / "ref"), save_strategy="no",
+                                         **dict(BALANCED, per_device_train_batch_size=6)))
+    ref.train()
+    ranks = [json.loads((tmp_path / f"info-rank{r}.json").read_text()) for r in range(2)]
+    want = _summary(ref)
+    assert all(r["losses"] == ranks[0]["losses"] for r in ranks)
+    diffs = [abs(a - b) for a, b in zip(ranks[0]["losses"], want["losses"])]
+    assert len(diffs) == 3 and max(diffs) < 1e-5, (ranks[0]["losses"], want["losses"])
+    # each step's 6 rows over the replicas: every sequence once, in subsets of different sizes,
+    # the replica with the long sequence running fewer
+    for a, b in zip(ranks[0]["ran"], ranks[1]["ran"]):
+        assert len(a) + len(b) == 6 and len(a) != len(b), (a, b)
+        assert len(a if max(a) > max(b) else b) < 3, (a, b)
+    init = _model("llama").state_dict()
+    got = _load(tmp_path / "final")
+    ref_state = ref.model.state_dict()
+    worst = max((((got[k] - init[k]) - (ref_state[k] - init[k])).norm()
+                 / (ref_state[k] - init[k]).norm().clamp_min(1e-12)).item() for k in ref_state)
+    assert worst < 1e-3, worst
+
+
+# ---------------------------------------------------------------------------------- launching
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(nproc: int, mode: str, out, script: str = __file__) -> None:
+    """``torchrun`` of ``script``'s workers (``script mode out``) on ``nproc`` CPU ranks."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled",
+               TOKENIZERS_PARALLELISM="false")
+    env.pop("ACCELERATE_USE_CPU", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), script, mode, str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
+    if proc.returncode != 0:
+        raise AssertionError(f"{mode} workers failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+
+
+def _reference(arch: str, out, metrics: bool | None = None, **overrides) -> tuple[dict, dict]:
+    """Trainer on one process; ``metrics``: also run_clm's metrics and predict() (default: Llama
+    at the common settings)."""
+    from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
+
+    kw = dict(COMMON, save_strategy="no", **overrides)
+    ref = Trainer(model=_model(arch), args=TrainingArguments(output_dir=str(out), **kw),
+                  train_dataset=_dataset(), eval_dataset=_dataset(8, seed=1),
+                  data_collator=DataCollatorWithFlattening())
+    ref.train()
+    info = _summary(ref)
+    info["eval_loss"] = ref.evaluate()["eval_loss"]
+    if metrics or (metrics is None and arch == "llama" and set(overrides) <= {"per_device_train_batch_size"}):
+        info.update(_metrics_and_predictions(ref, str(out / "logits.pt")))
+    return info, {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
+
+
+def _load(path) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path))
+    assert model.config._attn_implementation != "concertina"
+    return model.state_dict()
+
+
+def _worst_rel(ref: dict, got: dict) -> tuple[float, str]:
+    """Largest relative difference over the parameters, leaving out key biases: adding a constant
+    to every key leaves softmax unchanged, so their true gradient is exactly 0 and Adam turns the
+    float rounding noise (different summation orders) into full-size steps. Those get 1e-2."""
+    assert set(ref) == set(got), set(ref) ^ set(got)
+    rel = {k: ((ref[k] - got[k]).norm() / ref[k].norm().clamp_min(1e-12)).item() for k in ref}
+    noisy = [k for k in rel if k.endswith("k_proj.bias")]
+    assert all(rel[k] < 1e-2 for k in noisy), {k: rel[k] for k in noisy}
+    return max((v, k) for k, v in rel.items() if k not in noisy)
+
+
+@pytest.mark.slow
+def test_pp2_matches_trainer_for_llama_and_qwen2(tmp_path):
+    _launch(2, "pp2", tmp_path)
+    for arch in ARCHS:
+        ref_info, ref_state = _reference(arch, tmp_path / f"ref-{arch}")
+        ranks = [json.loads((tmp_path / arch / f"info-rank{r}.json").read_text()) for r in (0, 1)]
+        info = ranks[0]
+        # both stages report the same global values
+        assert ranks[0]["losses"] == ranks[1]["losses"] and ranks[0]["grad_norms"] == ranks[1]["grad_norms"]
+        # each rank holds only its stage: disjoint parameter names covering the model
+        assert not set(ranks[0]["stage_params"]) & set(ranks[1]["stage_params"])
+        assert set(ranks[0]["stage_params"]) | set(ranks[1]["stage_params"]) == set(ref_state)
+        assert info["layer_ranges"][0][0] == 0 and info["layer_ranges"][-1][1] == 4
+        assert ranks[0]["cost_model"] == ranks[1]["cost_model"]  # every stage plans with the same model
+        assert info["cost_model"]["source"] == ("profiled" if arch == "qwen2" else "analytic")
+        # the plans split sequences and recomputed under the budget
+        assert all(n > 0 for n in info["split_chunks"]), info["split_chunks"]
+        assert sum(info["recompute"]) > 0, f"no recompute ({arch}): {info['recompute']}"
+        # same training as Trainer on one process
+        assert len(info["losses"]) == len(ref_info["losses"]) == 4
+        diffs = [abs(a - b) for a, b in zip(info["losses"], ref_info["losses"])]
+        assert max(diffs) < 1e-5, (arch, diffs)
+        assert max(abs(a - b) / b for a, b in zip(info["grad_norms"], ref_info["grad_norms"])) < 1e-4
+        worst, name = _worst_rel(ref_state, _load(tmp_path / arch / "final"))
+        assert worst < 1e-4, (arch, name, worst)
+        assert abs(info["eval_loss"] - ref_info["eval_loss"]) < 1e-5
+        # throughput counts the sequences the one replica trained on (not once per pipeline rank)
+        samples = COMMON["max_steps"] * COMMON["per_device_train_batch_size"] * COMMON["gradient_accumulation_steps"]
+        assert info["train_samples_per_second"] * info["train_runtime"] == pytest.approx(samples, rel=2e-2)
+        # tokens per second: the replica's trained tokens (one epoch of the 24 rows) / train_runtime
+        tokens = sum(len(r["input_ids"]) for r in _dataset())
+        assert info["train_tokens_per_second"] == pytest.approx(tokens / info["train_runtime"], rel=1e-3)
+        if arch == "llama":  # run_clm.py's metrics and predict() at pp=2, on both ranks, as Trainer's
+            for r in ranks:
+                assert r["eval_accuracy"] == ref_info["eval_accuracy"] and 0 < r["eval_accuracy"]
+                assert abs(r["eval_loss_with_metrics"] - ref_info["eval_loss"]) < 1e-5
+                assert r["predicted_ids"] == ref_info["predicted_ids"]
+                assert r["predicted_labels"] == ref_info["predicted_labels"]
+                assert r["test_accuracy"] == ref_info["test_accuracy"]
+                assert abs(r["test_loss"] - ref_info["test_loss"]) < 1e-5
+                got = torch.load(tmp_path / arch / f"logits-rank{ranks.index(r)}.pt")
+                want = torch.load(tmp_path / f"ref-{arch}" / "logits.pt")
+                assert got["logits"].shape == want["logits"].shape
+                # the trained weights already differ by up to 1e-4 (relative, see above): logits by ~5e-5
+                torch.testing.assert_close(got["logits"], want["logits"], atol=1e-4, rtol=1e-4)
+                assert torch.equal(got["labels"], want["labels"])
+        # checkpoints: standard model files plus one optimizer shard per stage; resume = same end
+        names = set(os.listdir(tmp_path / arch / "checkpoint-2"))
+        assert {"model.safetensors", "config.json", "optimizer.stage0-of-2.pt", "optimizer.stage1-of-2.pt",
+                "scheduler.pt", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth", "concertina.json",
+                "layout_cost_model.json"} <= names
+        assert info["resumed_losses"] == pytest.approx(info["losses"], abs=1e-6)
+        worst, name = _worst_rel(_load(tmp_path / arch / "final"), _load(tmp_path / arch / "resumed"))
+        assert worst < 1e-6, (arch, "resume", name, worst)
+
+
+    # tied embeddings: Trainer's training, the two copies equal, one tensor in the checkpoint
+    from safetensors import safe_open
+
+    ref_info, ref_state = _reference("llama-tied", tmp_path / "ref-tied")
+    ranks = [json.loads((tmp_path / "tied" / f"info-rank{r}.json").read_text()) for r in (0, 1)]
+    assert "model.embed_tokens.weight" in ranks[0]["stage_params"] and "lm_head.weight" in ranks[1]["stage_params"]
+    assert ranks[0]["reloaded_tied_copy"] and ranks[1]["reloaded_tied_copy"]
+    assert max(abs(a - b) for a, b in zip(ranks[0]["losses"], ref_info["losses"])) < 1e-5
+    assert max(abs(a - b) / b for a, b in zip(ranks[0]["grad_norms"], ref_info["grad_norms"])) < 1e-4
+    first, last = (torch.load(tmp_path / "tied" / f"tied-rank{r}.pt") for r in (0, 1))
+    assert torch.equal(first, last)  # same gradients, same optimizer steps: the same bits
+    with safe_open(str(tmp_path / "tied" / "final" / "model.safetensors"), framework="pt") as fh:
+        assert "lm_head.weight" not in set(fh.keys())
+    loaded = _load(tmp_path / "tied" / "final")  # tie_word_embeddings: lm_head.weight is the embedding
+    assert torch.equal(loaded["lm_head.weight"], first) and torch.equal(loaded["model.embed_tokens.weight"], first)
+    worst, name = _worst_rel(ref_state, loaded)
+    assert worst < 1e-4, ("tied", name, worst)
+
+    # bf16 autocast: within bf16 tolerances of Trainer(bf16=True) (see test_trainer.py)
+    ref_info, _ = _reference("llama", tmp_path / "ref-bf16", bf16=True, use_cpu=True)
+    info = json.loads((tmp_path / "bf16" / "info-rank0.json").read_text())
+    assert max(abs(a - b) / b for a, b in zip(info["losses"], ref_info["losses"])) < 2e-4
+    assert max(abs(a - b) / b for a, b in zip(info["grad_norms"], ref_info["grad_norms"])) < 5e-3
+
+
+@pytest.mark.slow
+def test_pp2_dp2_matches_trainer_with_the_whole_global_batch(tmp_path):
+    _launch(4, "dp2", tmp_path)
+    # one process with both replicas' sequences per step: per_device_train_batch_size x 2 (24 rows: whole
+    # batches on both sides, so epochs end at the same step and no replica pads its last batch)
+    ref_info, ref_state = _reference("llama", tmp_path / "ref", per_device_train_batch_size=6)
+    ranks = [json.loads((tmp_path / f"info-rank{r}.json").read_text()) for r in range(4)]
+    assert sorted(tuple(r["topology"]) for r in ranks) == [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
+    assert all(r["losses"] == ranks[0]["losses"] for r in ranks)  # the global loss on every rank
+    diffs = [abs(a - b) for a, b in zip(ranks[0]["losses"], ref_info["losses"])]
+    assert len(diffs) == 4 and max(diffs) < 1e-5, diffs
+    worst, name = _worst_rel(ref_state, _load(tmp_path / "final"))
+    assert worst < 1e-4, (name, worst)
+    # throughput over both replicas: 4 steps x 12 sequences = two epochs of the 24 rows
+    for r in ranks:
+        assert r["train_samples_per_second"] * r["train_runtime"] == pytest.approx(48, rel=2e-2)
+        tokens = 2 * sum(len(x["input_ids"]) for x in _dataset())
+        assert r["train_tokens_per_second"] == pytest.approx(tokens / r["train_runtime"], rel=1e-3)
+    # metrics and predict() over two replicas: every rank holds Trainer's, rows in the dataset's order
+    want = torch.load(tmp_path / "ref" / "logits.pt")
+    for r in ranks:
+        assert r["eval_accuracy"] == ref_info["eval_accuracy"] and r["predicted_ids"] == ref_info["predicted_ids"]
+        assert r["predicted_labels"] == ref_info["predicted_labels"]
+        assert abs(r["test_loss"] - ref_info["test_loss"]) < 1e-5
+        got = torch.load(tmp_path / f"logits-rank{r['topology'][0]}.pt")
+        torch.testing.assert_close(got["logits"], want["logits"], atol=1e-4, rtol=1e-4)
+
+
+if __name__ == "__main__":
+    {"pp2": _worker_pp2, "dp2": _worker_dp2, "dp2pp1": _worker_dp2_pp1}[sys.argv[1]](sys.argv[2])
