@@ -12,7 +12,8 @@ from concertina_hf.planning import (
     CostModel, DeviceSpec, InfeasiblePlanError, Plan, PlanError, StageLayout, balance_replicas, ideal_step_time,
     partition_layers, plan_step, simulate,
 )
-from concertina_hf.planning.replicas import lpt_assign, sequence_cost, split_by_count
+from concertina_hf.planning.lpt import lpt_assign, sequence_cost
+from concertina_hf.planning.replicas import split_by_count
 from concertina_hf.planning.strategies.sp_only import ulysses_degrees
 from concertina_hf.planning.types import Chunk, ChunkKind, Slice
 
@@ -298,10 +299,10 @@ def test_old_cost_model_files_still_load():
 def test_doctests_pass():
     import doctest
 
-    from concertina_hf.planning import replicas
+    from concertina_hf.planning import lpt, replicas
     from concertina_hf.planning.strategies import sp_only
 
-    for module in (replicas, sp_only):
+    for module in (lpt, replicas, sp_only):
         result = doctest.testmod(module)
         assert result.attempted >= 1 and result.failed == 0, module.__name__
 

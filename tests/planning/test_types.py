@@ -164,7 +164,9 @@ def test_fit_recovers_coefficients():
     for sh in shapes:
         f = true.layer_fwd_time([Slice(0, c, s) for c, s in sh])
         samples.append(ProfileSample(sh, f, 2.5 * f, act_bytes=100.0 * sum(s for _, s in sh)))
-    fitted = CostModel.from_hf_config(TINY).fit(samples)
+    from concertina_hf.planning.fit import fit_profile
+
+    fitted = fit_profile(CostModel.from_hf_config(TINY), samples)
     assert fitted.alpha_attn == pytest.approx(3e-9, rel=1e-6)
     assert fitted.alpha_tok == pytest.approx(2e-6, rel=1e-6)
     assert fitted.beta == pytest.approx(1e-4, rel=1e-6)

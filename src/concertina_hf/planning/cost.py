@@ -100,9 +100,9 @@ with compute, so a layer takes ``max(compute + a2a, gather)`` forward and ``max(
 gather + reduce-scatter)`` backward; the gathered weights of two layers and of the embedding or
 head are resident (``static_memory``). Gathers of the embedding and head weights are not timed.
 
-Two constructors: :meth:`CostModel.from_hf_config` (FLOPs and bytes of the architecture at a
-device's rates) and :meth:`CostModel.fit` (least squares over measured samples, e.g. from
-:mod:`concertina_hf.runtime.profiler`; the fitting code is :mod:`concertina_hf.planning.fit`).
+Two ways to a model: :meth:`CostModel.from_hf_config` (FLOPs and bytes of the architecture at a
+device's rates) and :func:`concertina_hf.planning.fit.fit_profile` (least squares over measured
+samples, e.g. from :mod:`concertina_hf.runtime.profiler`).
 Pure Python; no torch.
 """
 
@@ -472,13 +472,6 @@ class CostModel:
         if (int(sp), shards, zero3) == (self.sp, self.state_shards, self.zero3):
             return self
         return self.with_parallel(sp=int(sp), state_shards=shards, zero3=zero3)
-
-    def fit(self, samples: Sequence[ProfileSample], *, dense_mask: bool = False) -> "CostModel":
-        """This model with its decoder-layer time coefficients (and activation bytes per token)
-        fitted to ``samples``: :func:`concertina_hf.planning.fit.fit_profile`."""
-        from .fit import fit_profile  # fit.py builds on this module
-
-        return fit_profile(self, samples, dense_mask=dense_mask)
 
     # ------------------------------------------------------------------ time
     def layer_compute_time(self, slices: Sequence[Slice]) -> float:

@@ -4,8 +4,7 @@
   negative coefficients and solve again); :func:`through_origin`: the one-coefficient fit
   ``y = k * x``. Every fit below uses one of them.
 - :func:`fit_profile`: decoder-layer time coefficients (and activation bytes per token) from
-  profiled :class:`~concertina_hf.planning.cost.ProfileSample` s; what
-  :meth:`CostModel.fit <concertina_hf.planning.cost.CostModel.fit>` does.
+  profiled :class:`~concertina_hf.planning.cost.ProfileSample` s.
 - :func:`fit_activation_bytes`: the per-token, per-context-token and per-mask-element bytes of
   chunks measured without recompute (the profiler's byte fit).
 - :class:`ActionSample` / :func:`action_samples`: a chunk's measured forward and backward on a

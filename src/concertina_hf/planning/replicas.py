@@ -7,8 +7,8 @@ splitting by tokens still under-weights it: attention makes a sequence's cost su
 length. Here, jointly with each replica's chunking and recompute (the strategy's own plan):
 
 1. **Estimate**: a sequence of ``n`` tokens costs ``(1 + bwd_factor) * (layers * (alpha_attn *
-   n^2 + alpha_tok * n) + (embed + head) * n)`` (:func:`sequence_cost`, the ideal bound's term).
-2. **LPT**: sequences in decreasing estimate, each to the replica with the least estimated load
+   n^2 + alpha_tok * n) + (embed + head) * n)`` (:func:`~.lpt.sequence_cost`, the ideal bound's term).
+2. **LPT** (:func:`~.lpt.lpt_assign`): sequences in decreasing estimate, each to the replica with the least estimated load
    (longest processing time first; ties to the lower index, so the split is deterministic).
 3. **Refine by simulated step time**: plan every replica with the strategy and simulate it;
    then, a few rounds: scale each replica's estimate by its measured ratio (simulated time over
@@ -33,40 +33,14 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .cost import CostModel
+from .lpt import lpt_assign, sequence_cost
+from .strategies import plan_step
 from .types import Plan, PlanError, StageLayout
 
-__all__ = [
-    "REPLICA_METHODS", "ReplicaSplit", "balance_replicas", "lpt_assign", "sequence_cost", "split_by_count",
-]
+__all__ = ["REPLICA_METHODS", "ReplicaSplit", "balance_replicas", "split_by_count"]
 
 #: how :func:`balance_replicas` splits a step's sequences
 REPLICA_METHODS = ("balanced", "tokens", "count")
-
-
-def sequence_cost(n: int, cost: CostModel) -> float:
-    """Forward and backward compute of one ``n``-token sequence through the whole model (the
-    ideal bound's term: no recompute, overhead or bubble); superlinear in ``n``."""
-    layer = cost.alpha_attn * n * n + cost.alpha_tok * n
-    ends = (cost.embed_time_per_token + cost.head_time_per_token) * n
-    return (1.0 + cost.bwd_factor) * (cost.num_layers * layer + ends)
-
-
-def lpt_assign(weights: Sequence[float], num_bins: int) -> list[list[int]]:
-    """Longest processing time first: indices in decreasing weight, each to the bin with the least
-    load (the lower index on ties); each bin's indices ascending.
-
-    >>> lpt_assign([5, 1, 4, 3, 3], 2)
-    [[0, 4], [1, 2, 3]]
-    """
-    if num_bins < 1:
-        raise PlanError(f"need at least one replica, got {num_bins}")
-    loads = [0.0] * num_bins
-    bins: list[list[int]] = [[] for _ in range(num_bins)]
-    for i in sorted(range(len(weights)), key=lambda q: (-weights[q], q)):
-        b = min(range(num_bins), key=lambda r: (loads[r], r))
-        bins[b].append(i)
-        loads[b] += weights[i]
-    return [sorted(b) for b in bins]
 
 
 def split_by_count(num_seqs: int, num_bins: int) -> list[list[int]]:
@@ -135,8 +109,6 @@ def balance_replicas(
     docstring). ``plan_kwargs`` go to :func:`~.strategies.plan_step` (``solver``,
     ``time_limit_s``, ``max_tokens_per_chunk``, knobs). Raises
     :class:`~.recompute.InfeasiblePlanError` when a replica's sequences fit no plan."""
-    from .strategies import plan_step  # the strategies import this module's helpers
-
     if method not in REPLICA_METHODS:
         raise PlanError(f"unknown replica split {method!r}; use one of {REPLICA_METHODS}")
     lens = [int(n) for n in lens]

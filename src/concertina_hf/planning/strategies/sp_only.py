@@ -14,7 +14,7 @@ GPUs). They run as one stage holding every layer:
   per micro-batch forward and backward and its gradients reduce-scattered, overlapped with
   compute (:class:`~..cost.CostModel` ``zero3``).
 - **Micro-batches**: the step's sequences are spread over the ``d`` groups by LPT on their
-  estimated cost (:func:`~..replicas.lpt_assign`: the best case for the baseline; accelerate
+  estimated cost (:func:`~..lpt.lpt_assign`: the best case for the baseline; accelerate
   splits by count), packed whole (never split: Ulysses shards a sequence over the group's GPUs
   instead) best-fit decreasing under a token budget, a longer sequence alone; the groups run
   their micro-batches in rounds, longest first (ZeRO-3's per-layer collectives keep them in
@@ -34,7 +34,7 @@ from __future__ import annotations
 from ..budgets import within_budgets
 from ..cost import CostModel
 from ..recompute import InfeasiblePlanError
-from ..replicas import lpt_assign, sequence_cost
+from ..lpt import lpt_assign, sequence_cost
 from ..schedule import build_schedule
 from ..types import Chunk, ChunkKind, Plan, PlanError, Slice, StageLayout
 from .baselines import uniform_search
