@@ -646,7 +646,7 @@ def paper_scale(cost, config: dict, num_settings: int, seed: int, log) -> list[d
     import plan_benchmark as pb
 
     from concertina_hf.tools import data
-    from concertina_hf.tools.cli import MODEL_PRESETS
+    from concertina_hf.planning.presets import MODEL_PRESETS
     from concertina_hf.planning import CostModel, DeviceSpec
 
     small = CostModel.from_hf_config(config, DeviceSpec.cpu(), dtype_bytes=4)

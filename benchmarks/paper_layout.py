@@ -34,20 +34,18 @@ within 1.15x of the ideal bound. Writes benchmarks/results/paper_layout.{md,json
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
-import platform
 import statistics
 import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from _results import write_results  # noqa: E402
+from _results import Run, header_of, write_results  # noqa: E402
 from concertina_hf.tools import data  # noqa: E402
-from concertina_hf.tools.cli import MODEL_PRESETS  # noqa: E402
+from concertina_hf.planning.presets import MODEL_PRESETS  # noqa: E402
 from concertina_hf.planning import (  # noqa: E402
     STRATEGIES, CostModel, DeviceSpec, PlanError, ideal_step_time, partition_layers, plan_step, simulate,
 )
@@ -238,16 +236,14 @@ def _target_reasons(res: dict) -> list[str]:
     return out
 
 
-def _md(res: dict, cmd: str, load: float) -> str:
+def _md(res: dict) -> str:
     lines = [
-        f"<!-- made by: {cmd} -->",
         "# The paper's layout, simulated (32 A800-80GB GPUs)",
         "",
         f"512 sequences per batch from the CONSTRUCTED `github` distribution, {res['batches']} batch(es) per cap; "
         f"{res['memory_gb_per_gpu']:g} GiB per GPU; analytic cost model at `DeviceSpec.a800()` rates (assumed, not "
         f"measured); recompute solver {res['solver']} ({res['time_limit_s']:g} s limit). Predicted step times in "
-        f"seconds (ratio to the ideal bound). {datetime.date.today()}, {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores, load average {load:.2f}.",
+        f"seconds (ratio to the ideal bound).",
         "",
     ]
     for r in res["refusals"]:
@@ -324,6 +320,7 @@ def _md(res: dict, cmd: str, load: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    run_ = Run(__file__, argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, default=2, help="batches (seeds) per model and cap")
     ap.add_argument("--solver", choices=("ilp", "greedy"), default="ilp")
@@ -335,13 +332,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.from_json:
         res = json.loads(pathlib.Path(args.from_json).read_text())
-        cmd, load = res.pop("command"), res.pop("load_average")
-        write_results(args.out, _md(res, cmd, load), res, cmd, load)
+        header = header_of(res)
+        for k in ("header", "command", "load_average"):
+            res.pop(k, None)
+        write_results(args.out, _md(res), res, header)
         return 0
     res = run(args.batches, args.solver, args.time_limit, args.memory_gb)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    cmd = "python benchmarks/paper_layout.py" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
-    write_results(args.out, _md(res, cmd, load), res, cmd, load)
+    write_results(args.out, _md(res), res, run_)
     return 0
 
 

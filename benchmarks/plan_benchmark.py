@@ -40,7 +40,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from concertina_hf.tools import data  # noqa: E402
-from concertina_hf.tools.cli import MODEL_PRESETS  # noqa: E402
+from concertina_hf.planning.presets import MODEL_PRESETS  # noqa: E402
 from concertina_hf.planning import (  # noqa: E402
     PIPELINE_STRATEGIES, CostModel, DeviceSpec, InfeasiblePlanError, PlanError, ideal_step_time, partition_layers,
     plan_step,

@@ -22,7 +22,7 @@ GIB = 2**30
 @pytest.mark.parametrize("model,pp,sp", [("llama-13b", 4, 8), ("llama-30b", 8, 4)])
 def test_time_breakdown_adds_up_to_the_simulated_step(model, pp, sp):
     from paper_layout import PARTS, time_breakdown
-    from concertina_hf.tools.cli import MODEL_PRESETS
+    from concertina_hf.planning.presets import MODEL_PRESETS
     from concertina_hf.planning import CostModel, DeviceSpec, ideal_step_time, partition_layers, plan_step, simulate
 
     cost = CostModel.from_hf_config(MODEL_PRESETS[model], DeviceSpec.a800()).with_parallel(sp=sp)

@@ -412,7 +412,7 @@ def test_adaptive_fits_whenever_a_baseline_fits():
     import json
     import pathlib
 
-    from concertina_hf.tools.cli import MODEL_PRESETS
+    from concertina_hf.planning.presets import MODEL_PRESETS
     from concertina_hf.planning import partition_layers
 
     lens = json.loads((pathlib.Path(__file__).parent / "data" / "stdlib_256_lengths.json").read_text())["lengths"]

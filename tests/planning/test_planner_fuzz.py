@@ -28,7 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from concertina_hf.tools.cli import MODEL_PRESETS
+from concertina_hf.planning.presets import MODEL_PRESETS
 from concertina_hf.planning import (
     SOLVERS, STRATEGIES, Chunk, ChunkKind, CostModel, DeviceSpec, InfeasiblePlanError, PlanError, Slice, fits,
     make_chunking, partition_layers, plan_step, simulate, uniform_recompute,

@@ -31,24 +31,12 @@ import sys
 import time
 from typing import Any, Sequence
 
-__all__ = ["MODEL_PRESETS", "build_parser", "in_cli_words", "load_model_config", "main", "run_plan"]
+from ..planning.presets import MODEL_PRESETS
+
+__all__ = ["build_parser", "in_cli_words", "load_model_config", "main", "run_plan"]
 
 _GIB = 2**30
 
-# Shapes of well-known decoder models (Llama family sizes from the LLaMA paper; tiny ones for
-# tests and CPU runs, using the bundled 8192-token tokenizer's vocabulary).
-MODEL_PRESETS: dict[str, dict[str, Any]] = {
-    "llama-7b": dict(model_type="llama", hidden_size=4096, num_attention_heads=32, num_key_value_heads=32,
-                     num_hidden_layers=32, intermediate_size=11008, vocab_size=32000),
-    "llama-13b": dict(model_type="llama", hidden_size=5120, num_attention_heads=40, num_key_value_heads=40,
-                      num_hidden_layers=40, intermediate_size=13824, vocab_size=32000),
-    "llama-30b": dict(model_type="llama", hidden_size=6656, num_attention_heads=52, num_key_value_heads=52,
-                      num_hidden_layers=60, intermediate_size=17920, vocab_size=32000),
-    "tiny-llama": dict(model_type="llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-                       num_hidden_layers=8, intermediate_size=352, vocab_size=8192),
-    "small-llama": dict(model_type="llama", hidden_size=512, num_attention_heads=8, num_key_value_heads=4,
-                        num_hidden_layers=16, intermediate_size=1408, vocab_size=8192),
-}
 _REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size", "num_hidden_layers")
 
 

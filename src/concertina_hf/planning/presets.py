@@ -1,0 +1,26 @@
+"""Config fields of well-known decoder models, for planning without a checkpoint.
+
+Each preset is the subset of an HF ``LlamaConfig`` that :meth:`~.cost.CostModel.from_hf_config`
+reads: the Llama family sizes of the LLaMA paper, and two tiny models for tests and CPU runs
+using the bundled 8192-token tokenizer's vocabulary. ``concertina plan --model-config NAME``
+accepts the names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["MODEL_PRESETS"]
+
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "llama-7b": dict(model_type="llama", hidden_size=4096, num_attention_heads=32, num_key_value_heads=32,
+                     num_hidden_layers=32, intermediate_size=11008, vocab_size=32000),
+    "llama-13b": dict(model_type="llama", hidden_size=5120, num_attention_heads=40, num_key_value_heads=40,
+                      num_hidden_layers=40, intermediate_size=13824, vocab_size=32000),
+    "llama-30b": dict(model_type="llama", hidden_size=6656, num_attention_heads=52, num_key_value_heads=52,
+                      num_hidden_layers=60, intermediate_size=17920, vocab_size=32000),
+    "tiny-llama": dict(model_type="llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                       num_hidden_layers=8, intermediate_size=352, vocab_size=8192),
+    "small-llama": dict(model_type="llama", hidden_size=512, num_attention_heads=8, num_key_value_heads=4,
+                        num_hidden_layers=16, intermediate_size=1408, vocab_size=8192),
+}
