@@ -22,6 +22,8 @@ from _runtime_cases import VOCAB, batch, make_plan, reference, compare_grads
 from concertina_hf.planning import StageLayout
 from concertina_hf.runtime import ChunkAttentionContext, KVStore, PipelineExecutor, PipelineWrapper, SliceSpec
 from concertina_hf.runtime import attention as A
+from concertina_hf.runtime.attention import cpu as A_cpu, forward as A_forward, kernels as A_kernels
+from concertina_hf.runtime.attention import segments as A_segments, varlen as A_varlen
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -207,14 +209,14 @@ def test_no_mask_bigger_than_a_segment(monkeypatch):
     merged by logsumexp); under a window, masks per segment (queries x keys within the window),
     never T x S."""
     shapes = []
-    real = A._segment_mask
+    real = A_cpu.segment_mask
 
     def spy(start, length, lo, window, device):
         m = real(start, length, lo, window, device)
         shapes.append(None if m is None else tuple(m.shape))
         return m
 
-    monkeypatch.setattr(A, "_segment_mask", spy)
+    monkeypatch.setattr(A_cpu, "segment_mask", spy)
     module = _module(4, 2)
     data = _tensors(4, 2, 8, 8)
     _run_backend(module, data, CHUNKS["hybrid"], scaling=0.35)
@@ -375,8 +377,8 @@ def _fa2_reference(q, k, v, cu_q, cu_k, scale, left, causal, softcap=None):
         allowed = (t <= diag) if causal else torch.ones(sq, sk, dtype=torch.bool)
         if left >= 0:
             allowed &= t >= diag - left
-        o = A._eager(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None], scale, softcap,
-                     None, 0.0, allowed=allowed)
+        o = A_segments.eager_attention(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
+                                       scale, softcap, None, 0.0, allowed=allowed)
         outs.append(o[0].transpose(0, 1))
     return torch.cat(outs, dim=0)
 
@@ -415,8 +417,8 @@ def test_torch_varlen_path_plumbing(sig, monkeypatch):
     HF per sequence, forward and backward. (The real kernel: the GPU test below.)"""
     params = TORCH_VARLEN_SIGNATURES[sig]
     fn, calls = _fake_torch_varlen(params)
-    monkeypatch.setattr(A, "_torch_varlen", lambda: (fn, params))
-    monkeypatch.setattr(A, "_choose", lambda *a, **k: "torch-varlen")
+    monkeypatch.setattr(A_varlen, "torch_varlen", lambda: (fn, params))
+    monkeypatch.setattr(A_kernels, "choose_kernel", lambda *a, **k: "torch-varlen")
     for window, (d, dv) in ((None, (8, 8)), (4, (12, 8))):
         if window is not None and "window_size" not in params:
             continue  # the backend takes per-slice SDPA there (test_choice_of_kernel)
@@ -455,10 +457,10 @@ def test_installed_varlen_attn_gets_causal_window_scale_and_layout():
     H, K, D = 4, 2, 16
     q = torch.empty(9, H, D, device="meta", dtype=torch.bfloat16)
     k, v = (torch.empty(15, K, D, device="meta", dtype=torch.bfloat16) for _ in range(2))
-    params = A._torch_varlen()[1]
+    params = A_varlen.torch_varlen()[1]
     for window, (want_causal, want_window) in ((None, (True, [-1, 0])), (3, (False, [2, 0]))):
         with _RecordVarlen() as rec:
-            out = A._torch_varlen_call(q, k, v, ctx, 0.3, window)
+            out = A_varlen._torch_varlen_call(q, k, v, ctx, 0.3, window)
         assert out.shape == (9, H, D) and out.dtype == torch.bfloat16
         (call,) = rec.calls
         assert call["is_causal"] is want_causal and list(call["window_size"]) == want_window, call
@@ -480,8 +482,8 @@ def test_installed_varlen_attn_through_the_backend_on_meta(monkeypatch):
     (MLA). What reaches the kernel op is what ATen's FlashAttention-2 checks on the GPU: a
     contiguous last dimension, one head size (a multiple of 8), as many keys as ``cu_seqlens_k``
     counts; the output comes back ``[1, T, H, Dv]``."""
-    monkeypatch.setattr(A, "_choose", lambda *a, **k: "torch-varlen")
-    monkeypatch.setattr(A, "autocast_dtype", lambda device_type: None)  # autocast knows no meta device
+    monkeypatch.setattr(A_kernels, "choose_kernel", lambda *a, **k: "torch-varlen")
+    monkeypatch.setattr(A_forward, "autocast_dtype", lambda device_type: None)  # autocast knows no meta device
     module, store = _module(4, 2), KVStore()
     H, K, D, Dv = 4, 2, 16, 8
 
@@ -514,9 +516,9 @@ def test_flash_attn_path_plumbing(monkeypatch):
         return _fa2_reference(q, k, v, cu_q.tolist(), cu_k.tolist(), softmax_scale, window_size[0], True,
                               softcap or None)
 
-    monkeypatch.setattr(A, "_flash_attn_fn", lambda: flash_attn_varlen_func)
-    monkeypatch.setattr(A, "_flash_attn_params", lambda: frozenset({"softcap", "window_size", "dropout_p"}))
-    monkeypatch.setattr(A, "_choose", lambda *a, **k: "flash-attn")
+    monkeypatch.setattr(A_varlen, "_flash_attn_fn", lambda: flash_attn_varlen_func)
+    monkeypatch.setattr(A_varlen, "flash_attn_params", lambda: frozenset({"softcap", "window_size", "dropout_p"}))
+    monkeypatch.setattr(A_kernels, "choose_kernel", lambda *a, **k: "flash-attn")
     from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
     module = _module(4, 2, "gemma2")
@@ -530,7 +532,7 @@ def test_per_segment_sdpa_path(monkeypatch):
     """The CUDA fallback without a varlen kernel (and CPU with dropout): SDPA once per slice."""
     module = _module(4, 2)
     data = _tensors(4, 2, 12, 8, seed=8)
-    monkeypatch.setattr(A, "_choose", lambda *a, **k: "sdpa-per-segment")
+    monkeypatch.setattr(A_kernels, "choose_kernel", lambda *a, **k: "sdpa-per-segment")
     got = _run_backend(module, data, CHUNKS["hybrid"], scaling=0.3, sliding_window=5)
     _compare(got, _run_reference(module, data, _hf_sdpa, window=5, scaling=0.3))
 
@@ -538,33 +540,33 @@ def test_per_segment_sdpa_path(monkeypatch):
 def test_choice_of_kernel(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert A.attention_kernel("cpu") == "sdpa-cpu-flash"
-    assert A._choose(cpu, torch.float32, dropout=0.1) == "sdpa-per-segment"
-    assert A._choose(cpu, torch.float32, softcap=30.0) == "eager-per-segment"
-    assert A._choose(cuda, torch.bfloat16, sink=True) == "eager-per-segment"
-    monkeypatch.setattr(A, "_flash_attn_fn", lambda: None)
-    monkeypatch.setattr(A, "_torch_varlen", lambda: (None, TORCH_VARLEN_SIGNATURES["2.13"]))
+    assert A_kernels.choose_kernel(cpu, torch.float32, dropout=0.1) == "sdpa-per-segment"
+    assert A_kernels.choose_kernel(cpu, torch.float32, softcap=30.0) == "eager-per-segment"
+    assert A_kernels.choose_kernel(cuda, torch.bfloat16, sink=True) == "eager-per-segment"
+    monkeypatch.setattr(A_varlen, "_flash_attn_fn", lambda: None)
+    monkeypatch.setattr(A_varlen, "torch_varlen", lambda: (None, TORCH_VARLEN_SIGNATURES["2.13"]))
     assert A.attention_kernel("cuda") == "torch-varlen"
     assert A.attention_kernel("cuda", torch.float32) == "sdpa-per-segment"
-    assert A._choose(cuda, torch.bfloat16, dropout=0.1) == "sdpa-per-segment"  # varlen_attn has no dropout
-    assert A._choose(cuda, torch.bfloat16, softcap=30.0) == "eager-per-segment"
-    monkeypatch.setattr(A, "_torch_varlen", lambda: (None, TORCH_VARLEN_SIGNATURES["is_causal only"]))
-    assert A._choose(cuda, torch.bfloat16, window=128) == "sdpa-per-segment"  # no window_size there
-    assert A._choose(cuda, torch.bfloat16) == "torch-varlen"
+    assert A_kernels.choose_kernel(cuda, torch.bfloat16, dropout=0.1) == "sdpa-per-segment"  # varlen_attn has no dropout
+    assert A_kernels.choose_kernel(cuda, torch.bfloat16, softcap=30.0) == "eager-per-segment"
+    monkeypatch.setattr(A_varlen, "torch_varlen", lambda: (None, TORCH_VARLEN_SIGNATURES["is_causal only"]))
+    assert A_kernels.choose_kernel(cuda, torch.bfloat16, window=128) == "sdpa-per-segment"  # no window_size there
+    assert A_kernels.choose_kernel(cuda, torch.bfloat16) == "torch-varlen"
     # FlashAttention-2's limits (ATen's copy): head dim <= 256 and a multiple of 8, Ampere or newer
-    monkeypatch.setattr(A, "_torch_varlen", lambda: (None, TORCH_VARLEN_SIGNATURES["2.11"]))
-    monkeypatch.setattr(A, "_cuda_capability", lambda index: (9, 0))
-    assert A._choose(cuda, torch.bfloat16, window=128, head_dim=256) == "torch-varlen"
-    assert A._choose(cuda, torch.bfloat16, head_dim=100) == "sdpa-per-segment"
-    assert A._choose(cuda, torch.bfloat16, head_dim=264) == "sdpa-per-segment"
-    monkeypatch.setattr(A, "_cuda_capability", lambda index: (7, 5))
-    assert A._choose(cuda, torch.bfloat16, head_dim=64) == "sdpa-per-segment"
+    monkeypatch.setattr(A_varlen, "torch_varlen", lambda: (None, TORCH_VARLEN_SIGNATURES["2.11"]))
+    monkeypatch.setattr(A_kernels, "_cuda_capability", lambda index: (9, 0))
+    assert A_kernels.choose_kernel(cuda, torch.bfloat16, window=128, head_dim=256) == "torch-varlen"
+    assert A_kernels.choose_kernel(cuda, torch.bfloat16, head_dim=100) == "sdpa-per-segment"
+    assert A_kernels.choose_kernel(cuda, torch.bfloat16, head_dim=264) == "sdpa-per-segment"
+    monkeypatch.setattr(A_kernels, "_cuda_capability", lambda index: (7, 5))
+    assert A_kernels.choose_kernel(cuda, torch.bfloat16, head_dim=64) == "sdpa-per-segment"
     assert A.attention_kernel("cuda") == "sdpa-per-segment"
-    monkeypatch.setattr(A, "_cuda_capability", lambda index: (8, 0))
-    monkeypatch.setattr(A, "_flash_attn_fn", lambda: object())
-    monkeypatch.setattr(A, "_flash_attn_params", lambda: frozenset({"softcap"}))
-    assert A._choose(cuda, torch.bfloat16, softcap=30.0, dropout=0.1, window=64) == "flash-attn"
-    assert A._choose(cuda, torch.bfloat16, head_dim=100) == "flash-attn"  # flash-attn pads to a multiple of 8
-    assert A._choose(cuda, torch.bfloat16, head_dim=264) == "sdpa-per-segment"
+    monkeypatch.setattr(A_kernels, "_cuda_capability", lambda index: (8, 0))
+    monkeypatch.setattr(A_varlen, "_flash_attn_fn", lambda: object())
+    monkeypatch.setattr(A_varlen, "flash_attn_params", lambda: frozenset({"softcap"}))
+    assert A_kernels.choose_kernel(cuda, torch.bfloat16, softcap=30.0, dropout=0.1, window=64) == "flash-attn"
+    assert A_kernels.choose_kernel(cuda, torch.bfloat16, head_dim=100) == "flash-attn"  # flash-attn pads to a multiple of 8
+    assert A_kernels.choose_kernel(cuda, torch.bfloat16, head_dim=264) == "sdpa-per-segment"
 
 
 # ---------------------------------------------------------------------------- on a GPU
