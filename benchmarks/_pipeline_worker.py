@@ -103,7 +103,7 @@ def serve(rank: int, world: int, port: int, spec_path: str, out_path: str, run) 
 def finish() -> None:
     """End a worker rank whose results are written: a barrier, then exit without tearing the gloo
     group down. On this machine a rank intermittently aborted in that teardown ("terminate called
-    without an active exception", SIGABRT: about one run in three of ``sharded_state.py --quick``
+    without an active exception", SIGABRT: about one run in three of ``studies/sharded_state.py --quick``
     and one CI run of ``measured.py --tiny``), after every result was already on disk; the group
     dies with the process either way."""
     dist.barrier()
@@ -367,7 +367,7 @@ def _step(rank: int, rep: _Replica, plan, ids, memory_round: bool, t0: float, t_
     try:
         # the activation peak is measured on the memory round only, as the trainer measures only
         # the steps it logs: the saved-tensor hooks cost 1-7% of a CPU step (chunks of 1024 to 64 tokens)
-        # (issue 13, runtime_overhead.py); the Trainer baseline meters its first step only too
+        # (issue 13, studies/runtime_overhead.py); the Trainer baseline meters its first step only too
         res = rep.executor.run_step(plan, ids, measure_memory=memory_round)
     finally:
         if tracker is not None:

@@ -2,6 +2,7 @@
 
     python benchmarks/cost_model_accuracy.py                  # default: about 1-3 min, one CPU thread
     python benchmarks/cost_model_accuracy.py --max-tokens 2048 --repeats 7   # longer, larger chunks
+    python benchmarks/cost_model_accuracy.py --repeats 1 --no-steps --out benchmarks/results/cost_model_accuracy_quick
 
 Model: a tiny-but-not-trivial Llama (hidden 256, 8 heads, 4 KV heads, intermediate 688, vocab
 8192, 4 layers, float32) built from its config, run on one CPU thread through the concertina
@@ -36,7 +37,6 @@ import datetime
 import json
 import os
 import pathlib
-import platform
 import statistics
 import sys
 import time
@@ -155,18 +155,21 @@ def head_and_embedding(model, cost: CostModel, m: int, repeats: int, warmup: int
 
 
 def main(argv: list[str] | None = None) -> int:
+    from _results import Run, write_results
+
+    run_ = Run(__file__, argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--max-tokens", type=int, default=1024, help="largest chunk of the fit (and scale of held-out)")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (minimum)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--no-steps", action="store_true", help="skip the whole-step part")
-    ap.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    ap.add_argument("--out", type=pathlib.Path, default=RESULTS / "cost_model_accuracy",
+                    help="output path without extension")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     t_start = time.perf_counter()
-    load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), attn_implementation="sdpa")
     m = args.max_tokens
@@ -247,15 +250,11 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
 
     elapsed = time.perf_counter() - t_start
-    load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     errs = [abs(r["error"]) for r in rows]
     aerrs = [abs(r["analytic_error"]) for r in rows]
     summary = {"mean_abs_error": statistics.mean(errs), "max_abs_error": max(errs),
                "analytic_mean_abs_error": statistics.mean(aerrs), "analytic_max_abs_error": max(aerrs),
                "max_abs_bytes_error": max(abs(r["bytes_error"]) for r in rows)}
-    cmd = "python benchmarks/cost_model_accuracy.py" + ("" if argv is None else " " + " ".join(argv))
-    if argv is None and len(sys.argv) > 1:
-        cmd = "python benchmarks/cost_model_accuracy.py " + " ".join(sys.argv[1:])
     fitted = {k: v for k, v in cost.to_dict().items()
               if k in ("alpha_attn", "alpha_mask", "alpha_tok", "beta", "bwd_factor", "embed_time_per_token",
                        "head_time_per_token", "embed_time_per_call", "head_time_per_call", "max_chunk_tokens",
@@ -269,10 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "# Cost-model accuracy",
         "",
-        f"Made by `{cmd}` on {datetime.date.today().isoformat()} ({platform.python_implementation()} "
-        f"{platform.python_version()}, torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, "
-        f"1 thread; load average {load0:.1f} at start, {load1:.1f} at end), {elapsed:.0f} s "
-        f"(profile {fit_s:.1f} s).",
+        f"One thread; {elapsed:.0f} s (profile {fit_s:.1f} s).",
         "",
         f"Model: Llama, hidden {CONFIG['hidden_size']}, {CONFIG['num_attention_heads']} heads, "
         f"{CONFIG['num_key_value_heads']} KV heads, intermediate {CONFIG['intermediate_size']}, vocab "
@@ -355,15 +351,12 @@ def main(argv: list[str] | None = None) -> int:
         lines.append("")
     lines += ["## Fitted coefficients", "", "```json", json.dumps(fitted, indent=1), "```", ""]
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cost_model_accuracy.md").write_text("\n".join(lines))
-    (args.out / "cost_model_accuracy.json").write_text(json.dumps({
-        "command": cmd, "date": datetime.date.today().isoformat(), "elapsed_s": elapsed, "profile_s": fit_s,
-        "load_average": [load0, load1], "config": CONFIG, "max_tokens": m, "repeats": args.repeats,
+    write_results(args.out, "\n".join(lines), {
+        "date": datetime.date.today().isoformat(), "elapsed_s": elapsed, "profile_s": fit_s,
+        "config": CONFIG, "max_tokens": m, "repeats": args.repeats,
         "fitted": fitted, "fit": fit_rows, "held_out": rows, "head_and_embedding": ends, "steps": steps,
         "summary": summary,
-    }, indent=1) + "\n")
-    print("\n".join(lines))
+    }, run_)
     return 0
 
 

@@ -86,8 +86,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))  # the working tree's package, installed or not
+sys.path.insert(1, str(ROOT / "benchmarks"))  # _results: the shared header
 
 import torch  # noqa: E402
+
+from _results import Run, header_markdown  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "gpu"
 
@@ -1075,8 +1078,8 @@ def render(report: dict) -> str:
     lines = [
         "# GPU check" + (" (CPU smoke run: tiny shapes, float32; GPU targets informational)" if cpu else ""),
         "",
-        f"Command: `{report['command']}`  ",
-        f"Date: {report['date']}; total wall time {report['wall_s']:.0f} s (budget {report['budget_s']:.0f} s)  ",
+        header_markdown(report["header"]) + "  ",
+        f"Total wall time {report['wall_s']:.0f} s (budget {report['budget_s']:.0f} s)  ",
         f"Device: {env.get('device')}; torch {env['torch']} (CUDA {env.get('cuda')}), transformers "
         f"{env['transformers']}, accelerate {env.get('accelerate')}, triton {env.get('triton')}, flash-attn "
         f"{env.get('flash_attn') or 'not installed'}; commit {env.get('git_commit') or '-'}  ",
@@ -1177,6 +1180,7 @@ def render(report: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    run_ = Run(__file__, argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="a,b,c,d,e", help="comma-separated sections to run (default: all of a,b,c,d,e)")
     ap.add_argument("--budget-s", type=float, default=450.0,
@@ -1211,7 +1215,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if chk.device.type == "cuda":
         torch.cuda.set_device(chk.device)
     env = environment(chk)
-    argv_list = list(argv) if argv is not None else sys.argv[1:]
     sections: dict[str, dict] = {}
     out.mkdir(parents=True, exist_ok=True)
 
@@ -1221,7 +1224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         a_results = sections.get("a", {}).get("results", {})
         return dict(
             mode="cpu-smoke" if chk.cpu else "cuda",
-            command="python benchmarks/gpu_check.py" + ("" if not argv_list else " " + " ".join(argv_list)),
+            command=run_.command, header=run_.header(),
             date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             environment=env, dtype=str(chk.dtype).replace("torch.", ""), budget_s=chk.budget_s,
             peak_flops=chk.peak_flops,

@@ -63,7 +63,6 @@ import json
 import os
 import pathlib
 import pickle
-import platform
 import random
 import socket
 import statistics
@@ -676,7 +675,6 @@ def to_markdown(res: dict[str, Any]) -> str:
     L = [
         "# Measured benchmark: adaptive vs tuned baselines vs Trainer (CPU, pp=2)",
         "",
-        f"Made by `{res['command']}` on {res['date']} ({res['machine']}), {res['elapsed_s'] / 60:.1f} min. "
         f"Load average (1 min) during the runs: {res['load_range'][0]:.1f} to {res['load_range'][1]:.1f} on "
         f"{os.cpu_count()} cores (other jobs may share the machine: steps of all pp=2 runs are interleaved so that "
         "load changes hit every strategy alike, and each context section gives the cores the two ranks really "
@@ -974,8 +972,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def run(args: argparse.Namespace, argv_text: str, log=print) -> dict[str, Any]:
-    """The whole benchmark; returns the JSON-able results (also written to ``args.out``)."""
+def run(args: argparse.Namespace, header, log=print) -> dict[str, Any]:
+    """The whole benchmark; returns the JSON-able results (also written to ``args.out``).
+    ``header``: its :class:`_results.Run`, started before anything else."""
+    from _results import header_markdown
     import torch
 
     from concertina_hf.planning import partition_layers
@@ -1002,10 +1002,8 @@ def run(args: argparse.Namespace, argv_text: str, log=print) -> dict[str, Any]:
 
     num_params = sum(p.numel() for p in build_model(config, args.seed).parameters())
     res = {
-        "command": argv_text,
+        "command": header.command,
         "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.python_implementation()} {platform.python_version()}, torch {torch.__version__}, "
-                   f"{platform.machine()}, {os.cpu_count()} CPUs",
         "settings": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
         "config": config,
         "num_params": num_params,
@@ -1020,10 +1018,14 @@ def run(args: argparse.Namespace, argv_text: str, log=print) -> dict[str, Any]:
     res["elapsed_s"] = time.perf_counter() - t_start
     loads.append(os.getloadavg()[0])
     res["load_range"] = [min(loads), max(loads)]
+    res["header"] = header.header()
     out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(res, indent=1, default=str) + "\n")
-    out.with_suffix(".md").write_text(to_markdown(res) + "\n")
+    md = to_markdown(res)
+    title, rest = md.split("\n", 1)
+    out.with_suffix(".md").write_text(f"{title}\n\n{header_markdown(res['header'])}\n{rest}\n")
+    print(header_markdown(res["header"]), flush=True)
     try:
         plot(res, out.with_suffix(".png"))
         gantt = out.parent / f"gantt_{out.name}.png"
@@ -1036,10 +1038,12 @@ def run(args: argparse.Namespace, argv_text: str, log=print) -> dict[str, Any]:
 
 
 def main(argv=None) -> dict[str, Any]:
+    from _results import Run
+
     argv = sys.argv[1:] if argv is None else list(argv)
+    header = Run(__file__, argv)
     args = parse_args(argv)
-    text = " ".join(["python", "benchmarks/measured.py", *argv])
-    res = run(args, text, log=lambda m: print(f"[measured] {m}", flush=True))
+    res = run(args, header, log=lambda m: print(f"[measured] {m}", flush=True))
     for t in res["targets"]:
         print(f"  {t['target']} @ {t['context']}: {t['text']} (goal {t['goal']}) {'met' if t['met'] else 'MISSED'}")
     return res

@@ -49,7 +49,6 @@ import datetime
 import json
 import os
 import pathlib
-import platform
 import statistics
 import sys
 import time
@@ -177,10 +176,11 @@ def _mib(x) -> str:
 
 
 def to_markdown(res: dict[str, Any]) -> str:
+    from _results import header_markdown, header_of
+
     cfg = res["config"]
     L = ["# Measured: pp=2 x sp=2 vs pp=1 x sp=4 vs pp=4 x sp=1 (4 processes, CPU)", "",
-         f"Made by `{res['command']}` on {res['date']} ({res['machine']}), {res['elapsed_s'] / 60:.1f} min. "
-         f"Load average (1 min) before / after: {res['load_range'][0]:.2f} / {res['load_range'][1]:.2f}.", "",
+         header_markdown(header_of(res)), "",
          f"**The 4 processes share {os.cpu_count()} cores**: absolute tokens/s are CPU figures of 4 ranks on "
          f"{os.cpu_count()} cores, not GPU figures; only the ratios between layouts (same processes, same cores, steps "
          "interleaved round by round) mean something, and on 2 cores no layout gains from keeping 4 ranks busy at "
@@ -284,7 +284,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def run(args: argparse.Namespace, argv_text: str, log=print) -> dict[str, Any]:
+def run(args: argparse.Namespace, header, log=print) -> dict[str, Any]:
+    """The benchmark; ``header``: its :class:`_results.Run`, started before anything else."""
     import torch
 
     from _pipeline_worker import build_model
@@ -302,10 +303,8 @@ def run(args: argparse.Namespace, argv_text: str, log=print) -> dict[str, Any]:
         contexts.append(run_context(L, corpus, config, cost, pre, args, log))
         loads.append(os.getloadavg()[0])
     res = {
-        "command": argv_text,
+        "command": header.command,
         "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.python_implementation()} {platform.python_version()}, torch {torch.__version__}, "
-                   f"{platform.machine()}, {os.cpu_count()} CPUs",
         "settings": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
         "config": config,
         "num_params": sum(p.numel() for p in build_model(config, args.seed).parameters()),
@@ -316,6 +315,7 @@ def run(args: argparse.Namespace, argv_text: str, log=print) -> dict[str, Any]:
     loads.append(os.getloadavg()[0])
     res["load_range"] = [min(loads), max(loads)]
     res["elapsed_s"] = time.perf_counter() - t_start
+    res["header"] = header.header()
     out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(res, indent=1, default=str) + "\n")
@@ -325,15 +325,17 @@ def run(args: argparse.Namespace, argv_text: str, log=print) -> dict[str, Any]:
 
 
 def main(argv=None) -> dict[str, Any]:
+    from _results import Run
+
     argv = sys.argv[1:] if argv is None else list(argv)
+    header = Run(__file__, argv)
     args = parse_args(argv)
     if args.from_json:
         res = json.loads(args.from_json.read_text())
         args.from_json.with_suffix(".md").write_text(to_markdown(res) + "\n")
         print(f"rewrote {args.from_json.with_suffix('.md')}")
         return res
-    text = " ".join(["python", "benchmarks/measured_sp.py", *argv])
-    res = run(args, text, log=lambda m: print(f"[measured_sp] {m}", flush=True))
+    res = run(args, header, log=lambda m: print(f"[measured_sp] {m}", flush=True))
     for c in res["contexts"]:
         print(f"context {c['max_len']} (cores probe {' / '.join(f'{x:.2f}' for x in c['cores_probe'])}; "
               "4 processes on shared cores: compare ratios)")

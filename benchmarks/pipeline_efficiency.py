@@ -334,8 +334,7 @@ def run_context(max_len: int, corpus, config: dict, cost, args, log) -> dict[str
 # ---------------------------------------------------------------------------------- output
 def to_markdown(res: dict[str, Any]) -> str:
     L = ["# Pipeline efficiency: pp=2 against twice the project's pp=1 (CPU, gloo)", "",
-         f"Made by `{res['command']}` on {res['date']} ({res['machine']}), {res['elapsed_s'] / 60:.1f} min; "
-         f"cost model: {res['cost_source']}. Model: {res['num_params'] / 1e6:.1f}M-parameter Llama "
+         f"Cost model: {res['cost_source']}. Model: {res['num_params'] / 1e6:.1f}M-parameter Llama "
          f"(hidden {res['config']['hidden_size']}, {res['config']['num_hidden_layers']} layers), fp32, one thread per "
          "process. Steps of the three jobs interleaved round by round; each planned in rank 0's background thread "
          "while the job's previous step runs.", "",
@@ -433,16 +432,16 @@ def to_markdown(res: dict[str, Any]) -> str:
 
 def main(argv=None) -> dict[str, Any]:
     import datetime
-    import platform
 
     import torch
 
     import measured
     from _pipeline_worker import build_model
-    from _results import write_results
+    from _results import Run, write_results
     from torch_pipelining_peer import cost_model
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    run = Run(__file__, argv)
     args = parse_args(argv)
     log = lambda m: print(f"[pipeline_efficiency] {m}", flush=True)  # noqa: E731
     torch.set_num_threads(1)
@@ -455,9 +454,7 @@ def main(argv=None) -> dict[str, Any]:
     contexts = []
     for L in args.contexts:
         contexts.append(run_context(L, corpus, config, cost, args, log))
-    res = {"command": " ".join(["python", "benchmarks/pipeline_efficiency.py", *argv]),
-           "date": datetime.date.today().isoformat(),
-           "machine": f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs",
+    res = {"date": datetime.date.today().isoformat(),
            "settings": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
            "config": config, "num_params": sum(p.numel() for p in build_model(config, args.seed).parameters()),
            "cost_source": cost_source, "cost_model": cost.to_dict(), "contexts": contexts,
@@ -466,7 +463,7 @@ def main(argv=None) -> dict[str, Any]:
                        "speedup_over_pp1": c["jobs"][name]["speedup_over_pp1"],
                        "met": c["jobs"][name]["speedup_over_pp1"] >= goal, "cores": c["parallel_capacity"]}
                       for c in contexts for name, goal in TARGETS.items()]
-    write_results(args.out, to_markdown(res), res, res["command"], os.getloadavg()[0])
+    write_results(args.out, to_markdown(res), res, run)
     return res
 
 

@@ -28,17 +28,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import pathlib
-import platform
 import statistics
-import sys
 import time
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from _results import Run, write_results  # noqa: E402
 from concertina_hf.tools import data  # noqa: E402
 from concertina_hf.planning.presets import MODEL_PRESETS  # noqa: E402
 from concertina_hf.planning import (  # noqa: E402
@@ -137,9 +135,7 @@ def to_markdown(results: list[dict[str, Any]], args, elapsed: float) -> str:
     lines = [
         "# Planner benchmark",
         "",
-        f"Made by `{' '.join(['python', 'benchmarks/plan_benchmark.py', *sys.argv[1:]])}` on "
-        f"{datetime.date.today().isoformat()} ({platform.python_implementation()} {platform.python_version()}, "
-        f"{platform.machine()}, {os.cpu_count()} CPUs), {elapsed:.0f} s. Step times are the simulator's "
+        "Step times are the simulator's "
         "predictions from the analytic cost model, not measurements. The `github` lengths come from a "
         "distribution constructed from published statements (see benchmarks/README.md).",
         "",
@@ -196,6 +192,7 @@ def to_markdown(results: list[dict[str, Any]], args, elapsed: float) -> str:
 
 
 def main(argv=None) -> None:
+    run_ = Run(__file__, argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, default=3, help="global batches (seeds) per paper setting")
     ap.add_argument("--repeats", type=int, default=3, help="planning-time repeats of adaptive (median)")
@@ -236,13 +233,9 @@ def main(argv=None) -> None:
 
     elapsed = time.perf_counter() - t_start
     md = to_markdown(results, args, elapsed)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text(md + "\n")
-    args.out.with_suffix(".json").write_text(json.dumps(
-        {"command": " ".join(["python", "benchmarks/plan_benchmark.py", *sys.argv[1:]]),
-         "date": datetime.date.today().isoformat(), "elapsed_s": elapsed, "results": results}, indent=1) + "\n")
     print()
-    print(md)
+    write_results(args.out, md + "\n", {"date": datetime.date.today().isoformat(), "elapsed_s": elapsed,
+                                        "results": results}, run_)
     print(f"\nwrote {args.out.with_suffix('.md')} and {args.out.with_suffix('.json')}")
 
 

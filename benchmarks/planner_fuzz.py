@@ -29,8 +29,8 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from _results import write_results  # noqa: E402
-from concertina_hf.tools.cli import MODEL_PRESETS  # noqa: E402
+from _results import Run, write_results  # noqa: E402
+from concertina_hf.planning.presets import MODEL_PRESETS  # noqa: E402
 from concertina_hf.planning import STRATEGIES, CostModel, DeviceSpec, PlanError, fits, partition_layers  # noqa: E402
 from concertina_hf.planning import plan_step  # noqa: E402
 
@@ -120,6 +120,7 @@ def _cpu_s() -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    run_ = Run(__file__, argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seconds", type=float, default=120)
     ap.add_argument("--seed", type=int, default=0)
@@ -127,15 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "planner_fuzz"), help="output path without extension")
     args = ap.parse_args(argv)
     res = run(args.seconds, args.seed, args.call_limit)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    cmd = "python benchmarks/planner_fuzz.py" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
     stopped = sum(1 for s in res["slow"] if s.get("stopped"))
     lines = [
-        f"<!-- made by: {cmd} -->",
         "# Planner fuzz",
         "",
         f"{res['calls']} random calls in {res['seconds']:.0f} s (seed {res['seed']}; {res['plans']} plans, "
-        f"{res['calls'] - res['plans']} refusals), on {os.cpu_count()} cores, load average {load:.2f} at the end. "
+        f"{res['calls'] - res['plans']} refusals). "
         f"Contract: a valid plan within budget or PlanError, within {BOUND_S:.0f} s.",
         "",
         f"- contract violations (other exceptions, plans over budget): **{len(res['violations'])}**",
@@ -154,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{s['cap']} | {s['budget_x_static']} | {s['sequences']} | {s['longest']} | {s['tokens']} |")
     for v in res["violations"][:15]:
         lines.append(f"- violation: {v}")
-    write_results(args.out, "\n".join(lines) + "\n", res, cmd, load)
+    write_results(args.out, "\n".join(lines) + "\n", res, run_)
     return 0
 
 

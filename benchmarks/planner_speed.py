@@ -22,10 +22,8 @@ Writes benchmarks/results/planner_speed.{md,json}.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import pathlib
-import platform
 import random
 import statistics
 import sys
@@ -33,8 +31,8 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from _results import write_results  # noqa: E402
-from concertina_hf.tools.cli import MODEL_PRESETS  # noqa: E402
+from _results import Run, write_results  # noqa: E402
+from concertina_hf.planning.presets import MODEL_PRESETS  # noqa: E402
 from concertina_hf.planning import (  # noqa: E402
     CostModel, DeviceSpec, StageLayout, assign_recompute, plan_step, simulate, uniform_recompute,
 )
@@ -77,21 +75,18 @@ def run(repeats: int, seed: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    run_ = Run(__file__, argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seed", type=int, default=8)
     ap.add_argument("--out", default=str(RESULTS / "planner_speed"), help="output path without extension")
     args = ap.parse_args(argv)
     res = run(args.repeats, args.seed)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    cmd = "python benchmarks/planner_speed.py" + ("".join(f" {a}" for a in (argv or sys.argv[1:])))
     lines = [
-        f"<!-- made by: {cmd} -->",
         "# Planner speed",
         "",
         f"{res['num_seqs']} sequences (Pareto lengths, longest {res['longest']}, {res['tokens']} tokens), "
-        f"LLaMA-7B shapes on 4 stages, {res['num_chunks']} chunks. {datetime.date.today()}, "
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load average {load:.2f} at the end.",
+        f"LLaMA-7B shapes on 4 stages, {res['num_chunks']} chunks.",
         "",
         "| what | median (ms) | min (ms) | max (ms) | target (ms) | met | predicted step time (s) |",
         "|---|---:|---:|---:|---:|:---:|---:|",
@@ -99,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in res["rows"]:
         lines.append(f"| {r['what']} | {1e3 * r['median_s']:.1f} | {1e3 * r['min_s']:.1f} | {1e3 * r['max_s']:.1f} "
                      f"| < {1e3 * r['target_s']:.0f} | {'yes' if r['met'] else 'NO'} | {r['predicted_step_time_s']:.3f} |")
-    write_results(args.out, "\n".join(lines) + "\n", res, cmd, load)
+    write_results(args.out, "\n".join(lines) + "\n", res, run_)
     return 0
 
 

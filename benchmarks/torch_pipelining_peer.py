@@ -241,7 +241,6 @@ def ratios_and_targets(c: dict) -> list[dict[str, Any]]:
 
 def to_markdown(res: dict[str, Any]) -> str:
     L = ["# torch.distributed.pipelining (Schedule1F1B) vs adaptive, pp=2 on CPU", "",
-         f"Made by `{res['command']}` on {res['date']} ({res['machine']}), {res['elapsed_s'] / 60:.1f} min. "
          f"**Loaded machine**: load average (1 min) {res['load_range'][0]:.1f} to {res['load_range'][1]:.1f} on "
          f"{os.cpu_count()} cores shared with other work (`cores` below: what the two ranks really got, 2.0 idle). "
          "Steps of all runs are interleaved round by round so load changes hit all alike; absolute figures are "
@@ -319,9 +318,9 @@ def c_layers(res) -> int:
     return int(res["config"]["num_hidden_layers"])
 
 
-def run(args, argv_text: str, log=print) -> dict[str, Any]:
+def run(args, header, log=print) -> dict[str, Any]:
+    """The benchmark; ``header``: its :class:`_results.Run`, started before anything else."""
     import datetime
-    import platform
 
     import torch
 
@@ -343,23 +342,24 @@ def run(args, argv_text: str, log=print) -> dict[str, Any]:
         contexts.append(c)
         loads += [c["loadavg"]["before"][0], c["loadavg"]["after"][0]]
     loads.append(os.getloadavg()[0])
-    res = {"command": argv_text, "date": datetime.date.today().isoformat(),
-           "machine": f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs",
+    res = {"date": datetime.date.today().isoformat(),
            "settings": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
            "config": config, "num_params": sum(p.numel() for p in build_model(config, args.seed).parameters()),
            "cost_source": cost_source, "contexts": contexts, "load_range": [min(loads), max(loads)],
            "elapsed_s": time.perf_counter() - t0}
     from _results import write_results
 
-    write_results(args.out, to_markdown(res), res, argv_text, max(loads))
+    write_results(args.out, to_markdown(res), res, header)
     return res
 
 
 def main(argv=None) -> dict[str, Any]:
+    from _results import Run
+
     argv = sys.argv[1:] if argv is None else list(argv)
+    header = Run(__file__, argv)
     args = parse_args(argv)
-    text = " ".join(["python", "benchmarks/torch_pipelining_peer.py", *argv])
-    return run(args, text, log=lambda m: print(f"[peer] {m}", flush=True))
+    return run(args, header, log=lambda m: print(f"[peer] {m}", flush=True))
 
 
 if __name__ == "__main__":

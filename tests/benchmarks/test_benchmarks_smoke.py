@@ -23,13 +23,15 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 def run_quick(script: str, out: pathlib.Path) -> tuple[dict, str]:
     """``python benchmarks/<script> --quick --out <out>`` in a subprocess (the package from ``src``):
-    its JSON record, whose command it checks, and its markdown."""
+    its JSON record, whose command and shared header it checks, and its markdown. (The one-off
+    studies under ``benchmarks/studies/`` check themselves: ``--check``, out of the test suite.)"""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, f"benchmarks/{script}", "--quick", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.with_suffix(".json").read_text())
     assert res["command"].startswith(f"python benchmarks/{script} --quick"), res["command"]
+    assert res["header"]["command"] == res["command"] and len(res["header"]["load_after"]) == 3
     return res, out.with_suffix(".md").read_text()
 
 
@@ -86,50 +88,3 @@ def test_measured_benchmark_tiny(tmp_path):
     assert all(isinstance(t["met"], bool) for t in res["targets"])
     md = (tmp_path / "measured_tiny.md").read_text()
     assert "## Targets" in md and "## Context 256 tokens" in md and "| comm wait |" in md
-
-
-def test_runtime_overhead_quick(tmp_path):
-    """benchmarks/runtime_overhead.py --quick (a few seconds): every variant timed, the files
-    written with their command, and the unmetered step saves the same tensors (counted by an
-    outer hook) as the metered one would hook."""
-    import runtime_overhead
-
-    res = runtime_overhead.main(["--quick", "--out", str(tmp_path / "ro")])
-    (s,) = res["settings"]
-    assert all(s["median_s"][k] > 0 for k in runtime_overhead.VARIANTS)
-    assert s["saved_tensors_per_step"] > 0 and s["chunks"] == 5 and s["tokens"] == 5 * 32
-    assert (tmp_path / "ro.md").read_text().startswith("# Runtime overhead")
-    rec = json.loads((tmp_path / "ro.json").read_text())
-    assert rec["command"].startswith("python benchmarks/runtime_overhead.py --quick") and "load_average" in rec
-
-
-def test_chunk_cap_quick(tmp_path):
-    """benchmarks/chunk_cap.py --quick (tiny model, ~10 s): both plans of each batch run, the capped
-    one within the profiled range, the uncapped one beyond it (one chunk per step at pp=1)."""
-    res, md = run_quick("chunk_cap.py", tmp_path / "cc")
-    assert "load_average" in res
-    cap = res["max_chunk_tokens"]
-    rows = {(r["batch"], r["plan"]): r for r in res["rows"]}
-    assert {p for _, p in rows} == {"capped", "uncapped"}
-    assert all(r["largest_chunk"] <= cap for (_, p), r in rows.items() if p == "capped")
-    assert any(r["largest_chunk"] > cap for (_, p), r in rows.items() if p == "uncapped")
-    assert "| capped |" in md
-
-
-def test_predicted_gap_quick(tmp_path):
-    """benchmarks/predicted_gap.py --quick (pure planning on measured_quick.json's batches, a few
-    seconds): every context planned, the measured ratios carried over, the bound never below the
-    plan's own ratio (a plan's step is at least its slowest stage's busy time less recompute)."""
-    import predicted_gap
-
-    rec = predicted_gap.main(["--quick", "--out", str(tmp_path / "pg")])
-    src = json.loads((ROOT / "benchmarks" / "results" / "measured_quick.json").read_text())
-    assert [c["max_len"] for c in rec["contexts"]] == [c["max_len"] for c in src["contexts"]]
-    for c, s in zip(rec["contexts"], src["contexts"]):
-        assert c["split"]["measured_ratio"] == s["ratios"]["adaptive_over_split"]
-        for strategy in ("split", "packed"):
-            assert 0 < c[strategy]["predicted_ratio"] <= c[strategy]["bound_ratio"] * (1 + 1e-9)
-        for lo, step in zip(c["adaptive_losses"], c["adaptive_s"]):
-            assert lo["bound_s"] + lo["bubble_s"] + lo["recompute_s"] == pytest.approx(step, rel=1e-9)
-    assert (tmp_path / "pg.md").read_text().startswith("<!-- made by: python benchmarks/predicted_gap.py --quick")
-    assert "load_average" in json.loads((tmp_path / "pg.json").read_text())

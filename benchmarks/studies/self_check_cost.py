@@ -1,7 +1,7 @@
 """The self-check's share of start-up: ``ConcertinaTrainer`` construction with and without it.
 
-    python benchmarks/self_check_cost.py                # about 20 s on 2 cores
-    python benchmarks/self_check_cost.py --repeats 9
+    python benchmarks/studies/self_check_cost.py                # about 20 s on 2 cores
+    python benchmarks/studies/self_check_cost.py --repeats 9
 
 The model of ``recipes/train_long_context.py`` (a 4-layer Llama, hidden 128, the bundled 8K
 tokenizer, untied, float32), one process, the recipe's planning settings; each repeat builds the
@@ -11,16 +11,14 @@ Reported: medians; the self-check's share of the construction alone, and of star
 sees it (importing torch, transformers, datasets and concertina_hf in a fresh interpreter, timed
 in a subprocess, plus building the model, plus the construction; the recipe also loads its
 tokenizer and data, not counted). The target: under 5% of start-up. Writes
-benchmarks/results/self_check_cost.{md,json}.
+benchmarks/results/studies/self_check_cost.{md,json}.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import pathlib
-import platform
 import statistics
 import subprocess
 import sys
@@ -29,16 +27,18 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
+BENCH = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(BENCH))
 
 import datasets  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from _results import write_results  # noqa: E402
+from _results import Run, write_results  # noqa: E402
 from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments  # noqa: E402
 from concertina_hf.tools.data import bundled_tokenizer_path  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+RESULTS = BENCH / "results" / "studies"
 RECIPE_MODEL = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                     num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=2048)
 TARGET_SHARE = 0.05
@@ -92,14 +92,14 @@ def run(repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    run_ = Run(__file__, argv)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=str(RESULTS / "self_check_cost"))
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     r = run(a.repeats)
-    text = (f"# Self-check cost at start-up ({datetime.date.today()}, {platform.machine()}, torch {torch.__version__}, "
-            f"1 thread)\n\n"
+    text = ("# Self-check cost at start-up (1 thread)\n\n"
             f"Recipe model (4-layer Llama, hidden 128, 8K vocabulary, float32), one process, medians of {a.repeats}.\n\n"
             "| | imports (s) | model built (s) | ConcertinaTrainer(...) (s) | start-up (s) |\n|---|---|---|---|---|\n"
             f"| concertina_self_check=True | {r['imports_s']:.2f} | {r['model_build_s']:.3f} | "
@@ -110,8 +110,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{100 * r['self_check_share']:.1f}% of start-up (target < {100 * TARGET_SHARE:.0f}%), "
             f"{100 * r['self_check_share_of_construction']:.0f}% of the construction alone (which, on this tiny "
             "model with the analytic cost model, does little else).\n")
-    write_results(a.out, text, r, command="python benchmarks/self_check_cost.py " + " ".join(argv or sys.argv[1:]),
-                  load_average=os.getloadavg()[0])
+    write_results(a.out, text, r, run_)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Sharded state inside a stage: torch's ``ZeroRedundancyOptimizer`` (what ``concertina_shard_optimizer``
 uses) against FSDP2 ``fully_shard(reshard_after_forward=False)`` on the stage's layers.
 
-    python benchmarks/sharded_state.py            # ~2-3 min on 2 busy cores
-    python benchmarks/sharded_state.py --quick    # ~40 s, writes results/sharded_state_quick.*
+    python benchmarks/studies/sharded_state.py            # ~2-3 min on 2 busy cores
+    python benchmarks/studies/sharded_state.py --quick    # ~40 s, writes results/studies/sharded_state_quick.*
+    python benchmarks/studies/sharded_state.py --check    # --quick into a temporary folder, asserting its invariants
 
 Two gloo processes on this machine (the ``dp x sp`` ranks of one stage), one tiny Llama (the
 stage's layers), each optimizer step composed as the executor runs it: the chunks of a step
@@ -14,7 +15,7 @@ AdamW stepped:
 
 - ``zero``: the project's path: a whole replica of the layers on each rank,
   ``distributed.reduce_gradients`` (one all-reduce per bucket), ``distributed.global_grad_norm``,
-  ``distributed.shard_optimizer`` (``ZeroRedundancyOptimizer``: each rank steps its share of the
+  ``sharded_optimizer.shard_optimizer`` (``ZeroRedundancyOptimizer``: each rank steps its share of the
   parameters, then broadcasts them);
 - ``fsdp2``: ``fully_shard`` on the embedding, on every decoder layer, on the norm and on the
   head (each its own unit and its own FSDP root: the executor never runs the model's forward, and
@@ -34,7 +35,7 @@ the median step time over the rounds (each round's median after ``--warmup`` ste
 the resident state between steps (bytes of the parameters, gradients and optimizer state the rank
 holds, from the tensors themselves: local shards of DTensors) and the peak RSS growth of the
 process over the steps (``ru_maxrss`` at the end minus the RSS before the model was built).
-Writes benchmarks/results/sharded_state{_quick}.{md,json}.
+Writes benchmarks/results/studies/sharded_state{_quick}.{md,json}.
 """
 
 from __future__ import annotations
@@ -53,17 +54,17 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "src"))
+BENCH = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(BENCH.parent / "src"))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from _results import write_results  # noqa: E402
+from _results import Run, self_check, write_results  # noqa: E402
 
-RESULTS = HERE / "results"
+RESULTS = BENCH / "results" / "studies"
 FULL = dict(hidden=256, layers=4, vocab=4096, chunks=4, tokens=512, steps=8, warmup=2, rounds=3)
 QUICK = dict(hidden=64, layers=2, vocab=512, chunks=3, tokens=64, steps=4, warmup=1, rounds=1)
 MAX_GRAD_NORM = 1.0
@@ -115,7 +116,7 @@ def _forward_loss(model, x: torch.Tensor) -> torch.Tensor:
 
 def _state_bytes(model, optimizer) -> dict[str, int]:
     """Bytes this rank holds between steps: parameters, gradients, optimizer state (local shards)."""
-    from concertina_hf.runtime.distributed import optimizer_share
+    from concertina_hf.training.sharded_optimizer import optimizer_share
 
     params = sum(_local(p).numel() * p.element_size() for p in model.parameters())
     grads = sum(_local(p.grad).numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
@@ -125,7 +126,8 @@ def _state_bytes(model, optimizer) -> dict[str, int]:
 
 
 def _worker(rank: int, variant: str, cfg: dict, port: int, out: str) -> None:
-    from concertina_hf.runtime.distributed import Topology, global_grad_norm, reduce_gradients, shard_optimizer
+    from concertina_hf.runtime.distributed import Topology, global_grad_norm, reduce_gradients
+    from concertina_hf.training.sharded_optimizer import shard_optimizer
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.set_num_threads(1)
@@ -234,13 +236,13 @@ def run(cfg: dict) -> dict:
     return res
 
 
-def _table(res: dict, command: str, load: float) -> str:
+def _table(res: dict) -> str:
     cfg, mib = res["config"], 2**20
-    lines = [f"Command: `{command}`", "",
+    lines = ["# Sharded state inside a stage: ZeroRedundancyOptimizer vs FSDP2", "",
              f"2 gloo processes, tiny Llama (hidden {cfg['hidden']}, {cfg['layers']} layers, vocab {cfg['vocab']}), "
              f"{cfg['chunks']} chunks x {cfg['tokens']} tokens per rank and step, {cfg['steps']} timed steps after "
              f"{cfg['warmup']} warm-up, {cfg['rounds']} round(s) per variant, alternating; cores probe "
-             f"{res['cores_probe']:.2f} of 2, load average {load:.2f} at the end.", "",
+             f"{res['cores_probe']:.2f} of 2.", "",
              "| variant | step time (median) | per round | resident state per rank (params + grads + optimizer) "
              "| peak RSS growth per rank |", "|---|---|---|---|---|"]
     for name, v in res["variants"].items():
@@ -255,6 +257,9 @@ def _table(res: dict, command: str, load: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    if argv == ["--check"] or (argv is None and sys.argv[1:] == ["--check"]):
+        return self_check(main, check)
+    run_ = Run(__file__, argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, one round: a smoke run (~40 s)")
     parser.add_argument("--rounds", type=int, default=None)
@@ -266,12 +271,28 @@ def main(argv: list[str] | None = None) -> dict:
         if getattr(args, k) is not None:
             cfg[k] = getattr(args, k)
     out = args.out or str(RESULTS / ("sharded_state_quick" if args.quick else "sharded_state"))
-    command = "python benchmarks/sharded_state.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])
-                                                       if (argv if argv is not None else sys.argv[1:]) else "")
     res = run(cfg)
-    load = os.getloadavg()[0]
-    write_results(out, _table(res, command, load), res, command, load)
+    write_results(out, _table(res), res, run_)
     return res
+
+
+def check(res: dict, md: str) -> None:
+    """``--check`` (was tests/test_sharded_state_benchmark.py): the fields promised, and what must
+    hold on any machine: both variants compute the same steps (same losses), and each shards the
+    optimizer state (each rank holds about half of it)."""
+    assert res["command"].startswith("python benchmarks/studies/sharded_state.py --quick"), res["command"]
+    assert "Command:" in md
+    z, f = res["variants"]["zero"], res["variants"]["fsdp2"]
+    assert len(z["losses"]) == len(f["losses"]) == res["config"]["steps"] + res["config"]["warmup"]
+    assert res["loss_max_abs_diff"] < 1e-4, (z["losses"], f["losses"])
+    assert z["step_s_median"] > 0 and f["step_s_median"] > 0
+    # both shard the Adam moments over the two ranks: each holds about half
+    for v in (z, f):
+        states = [r["optimizer"] for r in v["resident_bytes_per_rank"]]
+        assert all(0.3 < s / sum(states) < 0.7 for s in states), states
+    # FSDP2 also shards the parameters between steps; ZeRO keeps them whole
+    assert all(rf["params"] < 0.7 * rz["params"] for rf, rz in zip(f["resident_bytes_per_rank"],
+                                                                   z["resident_bytes_per_rank"]))
 
 
 if __name__ == "__main__":

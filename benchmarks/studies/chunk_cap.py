@@ -1,7 +1,8 @@
 """Chunk cap: the project's pp=1 step against its prediction, chunks capped at the profiled range or not (issue 13).
 
-    flock /tmp/concertina_bench.lock python benchmarks/chunk_cap.py   # 2K/4K/8K, ~5 min on one core
-    python benchmarks/chunk_cap.py --quick                            # tiny model, < 1 min (smoke test)
+    flock /tmp/concertina_bench.lock python benchmarks/studies/chunk_cap.py   # 2K/4K/8K, ~5 min on one core
+    python benchmarks/studies/chunk_cap.py --quick                            # tiny model, < 1 min
+    python benchmarks/studies/chunk_cap.py --check                            # --quick, asserting its invariants
 
 Same model, batches and cost model as ``pipeline_efficiency.py`` (``measured.py``'s ``full`` preset,
 stdlib batches of up to ``--tokens-per-step`` tokens, the cost model of ``results/measured.json``
@@ -12,7 +13,7 @@ cost model's ``max_chunk_tokens``, the largest profiled chunk) and **uncapped** 
 with ``max_chunk_tokens=0``: pp=1 then puts a step in one or two chunks). Reported per step: the
 chunks, the largest, the simulator's step time, and the measured wall and CPU time (the process's;
 on a shared machine CPU time is the honest figure) with their error. Writes
-``benchmarks/results/chunk_cap.{md,json}`` (``--out``).
+``benchmarks/results/studies/chunk_cap.{md,json}`` (``--out``).
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-HERE = pathlib.Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+BENCH = pathlib.Path(__file__).resolve().parents[1]
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
 
-RESULTS = HERE / "results"
+RESULTS = BENCH / "results" / "studies"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -113,8 +114,7 @@ def run(args, log) -> dict[str, Any]:
 
 def to_markdown(res: dict[str, Any]) -> str:
     L = ["# Chunk cap: pp=1 steps against their prediction, chunks within the profiled range or not", "",
-         f"Made by `{res['command']}` on {res['date']} ({res['machine']}), {res['elapsed_s'] / 60:.1f} min; load "
-         f"average {res['load_range'][0]:.1f}-{res['load_range'][1]:.1f}; cost model: {res['cost_source']}, "
+         f"Cost model: {res['cost_source']}, "
          f"largest profiled chunk {res['max_chunk_tokens']} tokens. One process, the executor on the whole "
          "model (pp=1, `adaptive` unbounded), the two plans of each batch alternated after a warm-up step; "
          "errors are measured over predicted (CPU: the process's CPU time, unaffected by other processes).", "",
@@ -131,25 +131,33 @@ def to_markdown(res: dict[str, Any]) -> str:
 
 
 def main(argv=None) -> dict[str, Any]:
-    import datetime
-    import platform
-
-    import torch
-
-    from _results import write_results
+    from _results import Run, write_results
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv == ["--check"]:
+        from _results import self_check
+
+        return self_check(main, check)
+    run_ = Run(__file__, argv)
     args = parse_args(argv)
     log = lambda m: print(f"[chunk_cap] {m}", flush=True)  # noqa: E731
-    t0, load0 = time.perf_counter(), os.getloadavg()[0]
     res = run(args, log)
-    res.update(command=" ".join(["python", "benchmarks/chunk_cap.py", *argv]),
-               date=datetime.date.today().isoformat(),
-               machine=f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs",
-               settings={k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
-               elapsed_s=time.perf_counter() - t0, load_range=[load0, os.getloadavg()[0]])
-    write_results(args.out, to_markdown(res), res, res["command"], os.getloadavg()[0])
+    res.update(settings={k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()})
+    write_results(args.out, to_markdown(res), res, run_)
     return res
+
+
+def check(res: dict[str, Any], md: str) -> None:
+    """``--check`` (was tests/test_benchmarks_smoke.py): both plans of each batch run, the capped
+    one within the profiled range, the uncapped one beyond it (one chunk per step at pp=1)."""
+    assert res["command"].startswith("python benchmarks/studies/chunk_cap.py --quick"), res["command"]
+    assert "load_average" in res and "header" in res
+    cap = res["max_chunk_tokens"]
+    rows = {(r["batch"], r["plan"]): r for r in res["rows"]}
+    assert {p for _, p in rows} == {"capped", "uncapped"}
+    assert all(r["largest_chunk"] <= cap for (_, p), r in rows.items() if p == "capped")
+    assert any(r["largest_chunk"] > cap for (_, p), r in rows.items() if p == "uncapped")
+    assert "| capped |" in md
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Per-step overhead of the runtime at small chunks (issue 13): one process, one stage (pp=1).
 
-    python benchmarks/runtime_overhead.py            # 10M Llama (measured.py's), chunks of 64 / 256 / 1024 tokens
-    python benchmarks/runtime_overhead.py --quick    # tiny model, one setting, one round (smoke test)
+    python benchmarks/studies/runtime_overhead.py            # 10M Llama (measured.py's), chunks of 64 / 256 / 1024 tokens
+    python benchmarks/studies/runtime_overhead.py --quick    # tiny model, one setting, one round
+    python benchmarks/studies/runtime_overhead.py --check    # --quick, asserting its invariants
 
 Each setting is one step of ``5 x chunk`` tokens: a sequence of ``4 x chunk`` tokens cut into 4
 slices (each later slice attends to the K/V of the earlier ones) plus a packed chunk of four
@@ -21,7 +22,7 @@ alike; the first round is a warm-up, not counted):
 Reported: the median step time of each, ``metered / unmetered`` (the meter's cost) and
 ``unmetered / hf`` (what the runtime still adds), the saved tensors per step, the load average,
 and a cores probe (a fixed matmul loop timed at the start and at the end: a slower end means
-the machine got busier). Results: ``benchmarks/results/runtime_overhead{,_quick}.{md,json}``.
+the machine got busier). Results: ``benchmarks/results/studies/runtime_overhead{,_quick}.{md,json}``.
 """
 
 from __future__ import annotations
@@ -36,11 +37,12 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, BENCH)
 
 import torch  # noqa: E402
 
-from _results import write_results  # noqa: E402
+from _results import Run, write_results  # noqa: E402
 
 MODELS = {
     "full": dict(model_type="llama", vocab_size=8192, tie_word_embeddings=False, attention_dropout=0.0,
@@ -151,10 +153,9 @@ def run_setting(config: dict, chunk: int, rounds: int, log) -> dict[str, Any]:
 def to_markdown(res: dict[str, Any]) -> str:
     lines = [
         "# Runtime overhead per step at small chunks (issue 13)", "",
-        f"Command: `{res['command']}`. Model: Llama, hidden {res['config']['hidden_size']}, "
+        f"Model: Llama, hidden {res['config']['hidden_size']}, "
         f"{res['config']['num_hidden_layers']} layers, fp32, one thread, one process (pp=1). "
-        f"Load average {res['loadavg_start'][0]:.2f} at the start, {res['loadavg_end'][0]:.2f} at the end "
-        f"({res['cpu_count']} cores); cores probe (a fixed matmul loop) {res['probe_ms_start']:.0f} ms at the "
+        f"Cores probe (a fixed matmul loop) {res['probe_ms_start']:.0f} ms at the "
         f"start, {res['probe_ms_end']:.0f} ms at the end. Median of {res['rounds']} interleaved rounds "
         "after a warm-up round.", "",
         "Each step: a sequence of 4 x chunk tokens in 4 slices plus a packed chunk of 4 sequences of chunk / 4 "
@@ -175,22 +176,34 @@ def to_markdown(res: dict[str, Any]) -> str:
 
 
 def main(argv=None) -> dict[str, Any]:
+    if argv == ["--check"] or (argv is None and sys.argv[1:] == ["--check"]):
+        from _results import self_check
+
+        return self_check(main, check)
+    run = Run(__file__, argv)
     args = parse_args(argv)
     torch.set_num_threads(1)
     config = MODELS["quick" if args.quick else "full"]
     chunks = args.chunks or ([32] if args.quick else [64, 256, 1024])
     rounds = args.rounds or (1 if args.quick else 5)
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+    out = args.out or os.path.join(BENCH, "results", "studies",
                                    "runtime_overhead_quick" if args.quick else "runtime_overhead")
-    res: dict[str, Any] = {"config": config, "rounds": rounds, "cpu_count": os.cpu_count(),
-                           "loadavg_start": os.getloadavg(), "probe_ms_start": probe_ms()}
+    res: dict[str, Any] = {"config": config, "rounds": rounds, "probe_ms_start": probe_ms()}
     res["settings"] = [run_setting(config, c, rounds, lambda m: print(m, flush=True)) for c in chunks]
-    res["loadavg_end"], res["probe_ms_end"] = os.getloadavg(), probe_ms()
-    command = "python benchmarks/runtime_overhead.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])
-                                                         ).rstrip()
-    res["command"] = command
-    write_results(out, to_markdown(res), res, command, res["loadavg_end"][0])
+    res["probe_ms_end"] = probe_ms()
+    write_results(out, to_markdown(res), res, run)
     return res
+
+
+def check(rec: dict[str, Any], md: str) -> None:
+    """``--check`` (was tests/test_benchmarks_smoke.py): every variant timed, the files written with
+    their command, and the unmetered step saves the same tensors (counted by an outer hook) as the
+    metered one would hook."""
+    (s,) = rec["settings"]
+    assert all(s["median_s"][k] > 0 for k in VARIANTS)
+    assert s["saved_tensors_per_step"] > 0 and s["chunks"] == 5 and s["tokens"] == 5 * 32
+    assert md.startswith("# Runtime overhead")
+    assert rec["command"].startswith("python benchmarks/studies/runtime_overhead.py --quick") and "load_average" in rec
 
 
 if __name__ == "__main__":

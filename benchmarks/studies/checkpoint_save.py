@@ -1,7 +1,7 @@
 """Checkpoint saving: the cost of the verified manifest (an XXH3-128 digest of every file) on the recipe's model.
 
-    python benchmarks/checkpoint_save.py                # about 30 s on 2 cores
-    python benchmarks/checkpoint_save.py --repeats 15
+    python benchmarks/studies/checkpoint_save.py                # about 30 s on 2 cores
+    python benchmarks/studies/checkpoint_save.py --repeats 15
 
 The model of ``recipes/train_long_context.py`` (a 4-layer Llama, hidden 128, the bundled 8K
 tokenizer: about 3M parameters, untied), one process, AdamW state filled by two optimizer steps
@@ -16,16 +16,14 @@ tokenizer) saved ``--repeats`` times each way, alternating, the previous folder 
 
 Reported: medians, min / max, the ratio verified / plain (the target: at most 1.20), and
 ``verify_checkpoint`` of the saved folder (the hash of every byte, as a resume does) against the
-checkpoint's size. Writes benchmarks/results/checkpoint_save.{md,json}.
+checkpoint's size. Writes benchmarks/results/studies/checkpoint_save.{md,json}.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import pathlib
-import platform
 import shutil
 import statistics
 import sys
@@ -34,17 +32,19 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
+BENCH = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(BENCH))
 
 import datasets  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Trainer  # noqa: E402
 
-from _results import write_results  # noqa: E402
+from _results import Run, write_results  # noqa: E402
 from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
 from concertina_hf.training import checkpoint  # noqa: E402
 from concertina_hf.tools.data import bundled_tokenizer_path  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+RESULTS = BENCH / "results" / "studies"
 RECIPE_MODEL = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                     num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=2048)
 TARGET_RATIO = 1.20
@@ -99,22 +99,19 @@ def run(repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    run_ = Run(__file__, argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--out", default=str(RESULTS / "checkpoint_save"), help="output path without extension")
     args = ap.parse_args(argv)
     res = run(args.repeats)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    cmd = "python benchmarks/checkpoint_save.py" + ("".join(f" {a}" for a in (argv or sys.argv[1:])))
     mb = res["checkpoint_bytes"] / 2**20
     lines = [
-        f"<!-- made by: {cmd} -->",
         "# Checkpoint saving: cost of the verified manifest",
         "",
         f"The recipe's model ({res['num_params'] / 1e6:.2f}M parameters), one process, a {mb:.1f} MiB checkpoint "
         f"(model, AdamW shard, scheduler, RNG, trainer state, tokenizer); {res['repeats']} saves of each kind, "
-        f"alternating. {datetime.date.today()}, {platform.processor() or platform.machine()}, {os.cpu_count()} "
-        f"cores, load average {load:.2f} at the end.",
+        f"alternating.",
         "",
         "| save | median (ms) | min (ms) | max (ms) | CPU time, all threads, median (ms) |",
         "|---|---:|---:|---:|---:|",
@@ -130,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(reading and hashing it, as a resume does): {1e3 * res['verify_median_s']:.1f} ms, "
         f"{mb / max(res['verify_median_s'], 1e-9):.0f} MiB/s.",
     ]
-    write_results(args.out, "\n".join(lines) + "\n", res, cmd, load)
+    write_results(args.out, "\n".join(lines) + "\n", res, run_)
     return 0
 
 

@@ -1,7 +1,7 @@
 """What ``torch_compile=True`` would buy: the stage's decoder layers compiled, against eager, on CPU.
 
-    python benchmarks/compile_cpu.py               # a few minutes on 2 cores (inductor compiles)
-    python benchmarks/compile_cpu.py --steps 12
+    python benchmarks/studies/compile_cpu.py               # a few minutes on 2 cores (inductor compiles)
+    python benchmarks/studies/compile_cpu.py --steps 12
 
 ``ConcertinaTrainer`` ignores ``torch_compile`` (a warning says why). This measures the reason:
 the model of ``recipes/train_long_context.py`` (a 4-layer Llama, hidden 128, 8K vocabulary), one
@@ -10,15 +10,14 @@ step), trained ``--steps`` steps eagerly and then with every decoder layer's ``f
 by ``torch.compile(forward, dynamic=True)`` (inductor), the same seed and data. Reported: the
 compiled run's time over the eager run's for the whole run (compilation included) and for the
 steps after the first two, the graphs compiled, the graph breaks (dynamo's counters), and the
-largest loss difference. Writes benchmarks/results/compile_cpu.{md,json}.
+largest loss difference. Writes benchmarks/results/studies/compile_cpu.{md,json}.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
+import pathlib
 import random
 import sys
 import tempfile
@@ -26,13 +25,15 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
+BENCH = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(BENCH))
 
 import datasets  # noqa: E402
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback  # noqa: E402
 
-from _results import write_results  # noqa: E402
+from _results import Run, write_results  # noqa: E402
 from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments  # noqa: E402
 
 CFG = dict(vocab_size=8192, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
@@ -83,11 +84,12 @@ def _run(steps: int, compiled: bool, out: str) -> dict:
     return rec
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    run = Run(__file__, argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "compile_cpu"))
-    a = ap.parse_args()
+    ap.add_argument("--out", default=str(BENCH / "results" / "studies" / "compile_cpu"))
+    a = ap.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as d:
         eager = _run(a.steps, False, os.path.join(d, "eager"))
@@ -109,10 +111,7 @@ def main() -> None:
         "Graph breaks (first reasons): " + "; ".join(comp["graph_break_reasons"]),
         "",
     ])
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    write_results(a.out, text, {"eager": eager, "compiled": comp, "steps": a.steps, "torch": torch.__version__,
-                                "platform": platform.platform(), "date": datetime.date.today().isoformat()},
-                  command=" ".join(["python"] + sys.argv), load_average=load)
+    write_results(a.out, text, {"eager": eager, "compiled": comp, "steps": a.steps}, run)
 
 
 if __name__ == "__main__":

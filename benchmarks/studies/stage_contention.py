@@ -1,8 +1,9 @@
 """Stage contention: how fast one rank's layers, head and embedding run while the other rank
 sleeps, waits in a gloo receive the way the executor waits, or computes (CPU, one thread each).
 
-    flock /tmp/concertina_bench.lock python benchmarks/stage_contention.py           # 10M Llama, ~2-3 min
-    python benchmarks/stage_contention.py --quick                                     # tiny model, seconds
+    flock /tmp/concertina_bench.lock python benchmarks/studies/stage_contention.py           # 10M Llama, ~2-3 min
+    python benchmarks/studies/stage_contention.py --quick                                     # tiny model, seconds
+    python benchmarks/studies/stage_contention.py --check                                     # --quick, asserting its invariants
 
 Two processes, one thread each, a gloo group between them (as ``_pipeline_worker``). Rank 0
 times a fixed loop of forward + backward of (a) the pipeline's stage-0 decoder layers on a
@@ -19,7 +20,7 @@ rank 1:
 
 Reported: each measurement's time over its ``sleep`` time (1.00: the peer costs nothing), the
 load average and the cores probe (``_pipeline_worker._capacity_probe``). Writes
-``benchmarks/results/stage_contention.{md,json}`` (``--out``).
+``benchmarks/results/studies/stage_contention.{md,json}`` (``--out``).
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-HERE = pathlib.Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-RESULTS = HERE / "results"
+BENCH = pathlib.Path(__file__).resolve().parents[1]
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+RESULTS = BENCH / "results" / "studies"
 PEER_MODES = ("sleep", "recv", "layers", "head")
 WORKS = ("layers", "head", "embed")
 
@@ -185,10 +186,10 @@ def summarize(rows: list[dict], peer_rows: list[dict]) -> dict[str, Any]:
 def to_markdown(res: dict[str, Any]) -> str:
     s = res["summary"]
     L = ["# Stage contention: one rank's compute while the other sleeps, waits in gloo, or computes (CPU)", "",
-         f"Made by `{res['command']}` on {res['date']} ({res['machine']}). Chunk: {res['tokens']} tokens after "
+         f"Chunk: {res['tokens']} tokens after "
          f"{res['context']} of context; {res['layers']} decoder layers of the {res['num_params'] / 1e6:.1f}M Llama "
          f"(hidden {res['config']['hidden_size']}, vocab {res['config']['vocab_size']}), fp32, one thread per "
-         f"process. Load average {res['loadavg'][0]:.2f} before / {res['loadavg'][1]:.2f} after; cores probe "
+         f"process. Cores probe "
          f"{'/'.join(f'{c:.2f}' for c in res['cores'])} (2.0 idle).", "",
          "Median pass, forward + backward, ms (wall / CPU), and over the same work with the peer sleeping:", "",
          "| work | " + " | ".join(f"peer {p}" for p in PEER_MODES) + " |", "|---|" + "---|" * len(PEER_MODES)]
@@ -204,22 +205,20 @@ def to_markdown(res: dict[str, Any]) -> str:
 
 
 def main(argv=None) -> dict[str, Any]:
-    import datetime
-    import platform
-
-    import torch
     import torch.multiprocessing as mp
 
     from _pipeline_worker import build_model
-    from _results import write_results
+    from _results import Run, self_check, write_results
     from measured import _free_port
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv == ["--check"]:
+        return self_check(main, check)
+    run = Run(__file__, argv)
     args = parse_args(argv)
     config = _config(args.quick)
     spec = {"config": config, "tokens": args.tokens, "context": args.context, "layers": args.layers,
             "seconds": args.seconds, "rounds": args.rounds}
-    load0 = os.getloadavg()[0]
     ctx = mp.get_context("spawn")
     flag = ctx.Value("i", 0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -239,16 +238,30 @@ def main(argv=None) -> dict[str, Any]:
     summ["head_per_layer"] = {"sleep": summ["head"]["sleep"]["wall_s"] / (summ["layers"]["sleep"]["wall_s"] / n),
                               "layers_peer": summ["head"]["layers"]["wall_s"] / (summ["layers"]["layers"]["wall_s"] / n)}
     summ["embed_per_layer"] = summ["embed"]["layers"]["wall_s"] / (summ["layers"]["layers"]["wall_s"] / n)
-    command = " ".join(["python", "benchmarks/stage_contention.py", *argv])
-    res = {"command": command,
-           "date": datetime.date.today().isoformat(),
-           "machine": f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs",
-           "config": config, "num_params": sum(p.numel() for p in build_model(config, 0).parameters()),
+    res = {"config": config, "num_params": sum(p.numel() for p in build_model(config, 0).parameters()),
            "tokens": args.tokens, "context": args.context, "layers": n, "seconds": args.seconds,
-           "loadavg": [load0, os.getloadavg()[0]], "cores": cores, "rows": rows, "peer_rows": peer_rows,
+           "cores": cores, "rows": rows, "peer_rows": peer_rows,
            "summary": summ}
-    write_results(args.out, to_markdown(res), res, command, res["loadavg"][1])
+    write_results(args.out, to_markdown(res), res, run)
     return res
+
+
+def check(res: dict[str, Any], md: str) -> None:
+    """``--check`` (was tests/test_stage_contention.py): the fields promised, and what holds on any
+    machine: a rank waiting for its neighbour the executor's way (``StageComm.exchange``:
+    ``batch_isend_irecv`` then ``Work.wait``) sleeps in the wait, it does not poll (its CPU seconds
+    are a small share of the wait's wall seconds), so a waiting stage never takes a core from the
+    computing one."""
+    assert res["command"].startswith("python benchmarks/studies/stage_contention.py --quick"), res["command"]
+    assert len(res["cores"]) == 2 and len(res["header"]["load_before"]) == 3 and "| layers |" in md
+    s = res["summary"]
+    for what in WORKS:
+        for peer in PEER_MODES:
+            row = s[what][peer]
+            assert row["wall_s"] > 0 and row["cpu_s"] > 0 and row["passes"] >= 3, (what, peer, row)
+        assert s[what]["sleep"]["wall_over_sleep"] == 1.0
+    # a polling wait would burn about a core (share ~1); a blocking one a few thousandths
+    assert 0 <= s["recv_peer_cpu_share"] < 0.05, s["recv_peer_cpu_share"]
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Balanced replicas: a step's sequences over 8 pipeline replicas, by count, by tokens and by predicted time.
 
-    python benchmarks/replica_balance.py               # about 20 s on 2 loaded cores
-    python benchmarks/replica_balance.py --batches 1 --model llama-7b --sp 1
+    python benchmarks/studies/replica_balance.py               # about 20 s on 2 loaded cores
+    python benchmarks/studies/replica_balance.py --batches 1 --model llama-7b --sp 1
 
 Setting: ``--replicas`` (8) data-parallel replicas, each the paper's layout (LLaMA-13B shapes, 4
 pipeline stages of ``--sp`` (8) A800 GPUs, 80 GiB per GPU, optimizer state sharded over all
@@ -19,30 +19,30 @@ Reported per split: the step time (the slowest replica), the mean replica time, 
 replica time spent idle waiting for the slowest, how long the fastest replica waits, and the
 ratio to the lower bound (no split makes the slowest replica faster than the mean replica time,
 nor than a replica running the longest sequence alone). Target (issue 12): balanced within 5% of
-the lower bound. Writes benchmarks/results/replica_balance.{md,json}.
+the lower bound. Writes benchmarks/results/studies/replica_balance.{md,json}.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import pathlib
-import platform
 import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+BENCH = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(BENCH))
 
-from _results import write_results  # noqa: E402
+from _results import Run, write_results  # noqa: E402
 from concertina_hf.tools import data  # noqa: E402
-from concertina_hf.tools.cli import MODEL_PRESETS  # noqa: E402
+from concertina_hf.planning.presets import MODEL_PRESETS  # noqa: E402
 from concertina_hf.planning import (  # noqa: E402
     REPLICA_METHODS, CostModel, DeviceSpec, balance_replicas, partition_layers,
 )
 
 GIB = 2**30
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+RESULTS = BENCH / "results" / "studies"
 TARGET = 1.05
 
 
@@ -76,16 +76,14 @@ def run(args) -> dict:
                        "met": all(r["vs_lower_bound"] <= TARGET for r in bal)}}
 
 
-def _md(res: dict, cmd: str, load: float) -> str:
+def _md(res: dict) -> str:
     lines = [
-        f"<!-- made by: {cmd} -->",
         "# Balanced replicas",
         "",
         f"{res['replicas']} replicas of {res['model']} shapes on pp={res['pp']} x sp={res['sp']} A800 GPUs "
         f"({res['memory_gb_per_gpu']:g} GiB per GPU), {res['num_seqs']} sequences per step from the CONSTRUCTED "
         f"`github` distribution capped at {res['max_len'] // 1024}K; each replica planned by `adaptive` (greedy "
-        f"recompute) and simulated (analytic cost model, assumed rates). {datetime.date.today()}, "
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load average {load:.2f}.",
+        f"recompute) and simulated (analytic cost model, assumed rates).",
         "",
         "| seed | split | step (s) | mean replica (s) | idle share | fastest waits (s) | lower bound (s) | "
         "vs bound | tokens per replica (min-max) | longest per replica (min-max) | planning (s) |",
@@ -111,6 +109,7 @@ def _md(res: dict, cmd: str, load: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    run_ = Run(__file__, argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, default=3, help="global batches (seeds)")
     ap.add_argument("--replicas", type=int, default=8)
@@ -123,9 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "replica_balance"), help="output path without extension")
     args = ap.parse_args(argv)
     res = run(args)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    cmd = "python benchmarks/replica_balance.py" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
-    write_results(args.out, _md(res, cmd, load), res, cmd, load)
+    write_results(args.out, _md(res), res, run_)
     return 0
 
 

@@ -7,22 +7,25 @@ a slice with context, a tail slice packed with whole sequences; the recipe's tin
 Run it with two source trees to compare attention backends (interleave the runs: machine load
 moves every figure)::
 
-    PYTHONPATH=<old>/src python benchmarks/attention_chunks.py --label before --out /tmp/before
-    PYTHONPATH=src python benchmarks/attention_chunks.py --label after
+    PYTHONPATH=<old>/src python benchmarks/studies/attention_chunks.py --label before --out /tmp/before
+    PYTHONPATH=src python benchmarks/studies/attention_chunks.py --label after
 
-Writes ``results/attention_chunks.{md,json}`` by default. About 1 minute on an idle core.
+Writes ``benchmarks/results/studies/attention_chunks.{md,json}`` by default. About 1 minute on an idle core.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import pathlib
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _results import write_results  # noqa: E402
+BENCH = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(BENCH))
+from _results import Run, write_results  # noqa: E402
+
+RESULTS = BENCH / "results" / "studies"
 
 SHAPES = {
     "packed 8 x 512": ((0, 512),) * 8,
@@ -34,12 +37,13 @@ SHAPES = {
 }
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    run = Run(__file__, argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--label", default="current")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "attention_chunks"))
-    a = ap.parse_args()
+    ap.add_argument("--out", default=str(RESULTS / "attention_chunks"))
+    a = ap.parse_args(argv)
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -56,12 +60,11 @@ def main() -> None:
         rows[name] = dict(fwd_ms=1e3 * s.fwd_time_s, bwd_ms=1e3 * s.bwd_time_s, act_mib=s.act_bytes / 2**20)
     kernels = getattr(attention, "kernels_used", lambda: [])()
     lines = [f"# Attention chunk shapes ({a.label})", "",
-             f"Per layer, median of {a.repeats} after 1 warm-up; load average {os.getloadavg()[0]:.1f}; "
+             f"Per layer, median of {a.repeats} after 1 warm-up; "
              f"kernels: {', '.join(kernels) or 'not reported'}.", "",
              "| shape | forward ms | backward ms | activations MiB |", "|---|---:|---:|---:|"]
     lines += [f"| {n} | {r['fwd_ms']:.1f} | {r['bwd_ms']:.1f} | {r['act_mib']:.2f} |" for n, r in rows.items()]
-    write_results(a.out, "\n".join(lines) + "\n", dict(label=a.label, shapes=rows, kernels=kernels),
-                  " ".join(sys.argv), os.getloadavg()[0])
+    write_results(a.out, "\n".join(lines) + "\n", dict(label=a.label, shapes=rows, kernels=kernels), run)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Predicted adaptive vs tuned baselines on the measured benchmark's own batches (no timing).
 
-    python benchmarks/predicted_gap.py                 # benchmarks/results/measured.json, about 10 s
-    python benchmarks/predicted_gap.py --quick         # benchmarks/results/measured_quick.json
-    python benchmarks/predicted_gap.py --taper 0       # adaptive with the first-backward taper off
+    python benchmarks/studies/predicted_gap.py                 # benchmarks/results/measured.json, about 10 s
+    python benchmarks/studies/predicted_gap.py --quick         # benchmarks/results/measured_quick.json
+    python benchmarks/studies/predicted_gap.py --taper 0       # adaptive with the first-backward taper off
+    python benchmarks/studies/predicted_gap.py --check         # --quick, asserting its invariants
 
 Loads a ``benchmarks/measured.py`` result (the profiled cost model that run used, each context's
 batches, budgets and measured ratios) and plans each context's tuned batches (the timed ones and
@@ -16,7 +17,7 @@ the *bound*: that stage's busy time without recompute, i.e. the plan's chunks wi
 nothing recomputed (best split over bound is the most any plan of that many chunks could reach).
 
 Planning is order-invariant in the lengths (chunking sorts them), so the lengths the result
-stores are enough: no corpus, no model. Writes ``benchmarks/results/predicted_gap{,_quick}.{md,json}``.
+stores are enough: no corpus, no model. Writes ``benchmarks/results/studies/predicted_gap{,_quick}.{md,json}``.
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ import time
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-HERE = pathlib.Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+BENCH = pathlib.Path(__file__).resolve().parents[1]
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
 
-from _results import write_results  # noqa: E402
+from _results import Run, write_results  # noqa: E402
 
-RESULTS = HERE / "results"
+MEASURED = BENCH / "results"  # measured.py's results, read
+RESULTS = BENCH / "results" / "studies"
 
 
 def stage_losses(plan, cost) -> dict[str, float]:
@@ -101,11 +103,11 @@ def run(res: dict[str, Any], knobs: dict[str, Any], log=print) -> dict[str, Any]
     return {"source": res.get("command"), "source_date": res.get("date"), "knobs": knobs, "contexts": out}
 
 
-def to_markdown(rec: dict[str, Any], cmd: str) -> str:
+def to_markdown(rec: dict[str, Any]) -> str:
     def f(x, d=3):
         return "-" if x is None else f"{x:.{d}f}"
 
-    L = [f"<!-- made by: {cmd} -->", "# Predicted adaptive vs tuned baselines on the measured batches", "",
+    L = ["# Predicted adaptive vs tuned baselines on the measured batches", "",
          f"Source: `{rec['source']}` ({rec['source_date']}): its profiled cost model, batches and budgets, "
          f"planned again (adaptive knobs: {rec['knobs'] or 'defaults'}). Ratios: adaptive / baseline median "
          "tokens/s over the timed batches, predicted (step times of the plans) and measured (the source's). "
@@ -137,19 +139,41 @@ def to_markdown(rec: dict[str, Any], cmd: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    if argv == ["--check"] or (argv is None and sys.argv[1:] == ["--check"]):
+        from _results import self_check
+
+        return self_check(main, check)
+    run_ = Run(__file__, argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="read measured_quick.json (the quick preset's result)")
     ap.add_argument("--source", type=pathlib.Path, default=None, help="a measured.py result JSON")
     ap.add_argument("--taper", type=float, default=None, help="fix adaptive's taper knob (0: off)")
     ap.add_argument("--out", type=pathlib.Path, default=None, help="output prefix")
     args = ap.parse_args(argv)
-    src = args.source or RESULTS / ("measured_quick.json" if args.quick else "measured.json")
+    src = args.source or MEASURED / ("measured_quick.json" if args.quick else "measured.json")
     out = args.out or RESULTS / ("predicted_gap_quick" if args.quick else "predicted_gap")
     knobs = {} if args.taper is None else {"taper": args.taper}
     rec = run(json.loads(src.read_text()), knobs, log=lambda m: print(f"[predicted_gap] {m}", flush=True))
-    cmd = " ".join(["python benchmarks/predicted_gap.py", *(sys.argv[1:] if argv is None else argv)])
-    write_results(out, to_markdown(rec, cmd), rec, cmd, os.getloadavg()[0])
+    write_results(out, to_markdown(rec), rec, run_)
     return rec
+
+
+def check(rec: dict[str, Any], md: str) -> None:
+    """``--check`` (was tests/test_benchmarks_smoke.py): every context of measured_quick.json
+    planned, the measured ratios carried over, the bound never below the plan's own ratio (a
+    plan's step is at least its slowest stage's busy time less recompute)."""
+    import math
+
+    src = json.loads((MEASURED / "measured_quick.json").read_text())
+    assert rec["command"].startswith("python benchmarks/studies/predicted_gap.py --quick"), rec["command"]
+    assert [c["max_len"] for c in rec["contexts"]] == [c["max_len"] for c in src["contexts"]]
+    for c, s in zip(rec["contexts"], src["contexts"]):
+        assert c["split"]["measured_ratio"] == s["ratios"]["adaptive_over_split"]
+        for strategy in ("split", "packed"):
+            assert 0 < c[strategy]["predicted_ratio"] <= c[strategy]["bound_ratio"] * (1 + 1e-9)
+        for lo, step in zip(c["adaptive_losses"], c["adaptive_s"]):
+            assert math.isclose(lo["bound_s"] + lo["bubble_s"] + lo["recompute_s"], step, rel_tol=1e-9)
+    assert md.startswith("# Predicted adaptive vs tuned baselines") and "Command: `python benchmarks/studies/" in md
 
 
 if __name__ == "__main__":
