@@ -172,3 +172,16 @@ def test_budget_errors_name_the_commands_flags(files, capsys):
     out = capsys.readouterr().out
     assert rc == 1 and "does not fit" in out
     assert "concertina_" not in out and "--memory-gb" in out and "--pp" in out, out
+
+
+def test_token_cap_errors_name_the_flag_and_the_smallest_cap_that_plans(files):
+    """A cap cutting the 3000-token sequence into more slices than the planner makes is refused
+    in the command's words, naming the smallest cap that works; that cap plans."""
+    out = files / "cap.json"
+    assert cli.main(_base(files, "--max-tokens-per-chunk", "1", "--strategy", "adaptive", "--json", str(out))) == 1
+    reason = json.loads(out.read_text())[0]["reason"]
+    found = re.search(r"raise --max-tokens-per-chunk to at least (\d+) tokens", reason)
+    assert found and "concertina_" not in reason and "max_tokens_per_chunk" not in reason, reason
+    smallest = int(found.group(1))
+    assert cli.main(_base(files, "--max-tokens-per-chunk", str(smallest), "--strategy", "adaptive",
+                          "--solver", "greedy")) == 0

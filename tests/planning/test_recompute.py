@@ -133,18 +133,19 @@ def test_infeasible_budget_names_stage_sequence_and_settings():
         msg = str(e.value)
         assert f"{budgets[0]} bytes ({budgets[0] / GIB:.2f} GiB)" in msg
         assert "stage 0" in msg and "sequence 1 (131072 tokens in 4 slices" in msg
-        for knob in ("concertina_memory_budget", "concertina_max_tokens_per_chunk", "concertina_pipeline_size"):
+        for knob in ("raise memory_budget", "lower max_tokens_per_chunk", "raise pipeline_size"):
             assert knob in msg
+        assert [r.setting for r in e.value.remedies] == ["memory_budget", "max_tokens_per_chunk", "pipeline_size"]
     assert isinstance(e.value, PlanError)
     # full recompute exactly at the budget is feasible, and greedy finds it
     out = assign_recompute(plan, cost, full_peak, method="greedy")
     assert fits(out, cost, full_peak)
     # parameters alone over budget
-    with pytest.raises(InfeasiblePlanError, match="optimizer state alone.*concertina_pipeline_size"):
+    with pytest.raises(InfeasiblePlanError, match="optimizer state alone.*raise pipeline_size"):
         assign_recompute(plan, cost, [GIB] * 4)
     with pytest.raises(PlanError, match="one memory budget per pipeline stage"):
         assign_recompute(plan, cost, [GIB] * 3)
-    with pytest.raises(PlanError, match="concertina_solver"):
+    with pytest.raises(PlanError, match="unknown recompute method 'magic'; set solver to 'ilp' or 'greedy'"):
         assign_recompute(plan, cost, [0] * 4, method="magic")
 
 
@@ -239,7 +240,7 @@ def test_partition_errors_and_defaults():
     times = stage_times(cost, lay)
     assert lay.num_stage_layers(3) < lay.num_stage_layers(1)
     assert max(times) < max(stage_times(cost, StageLayout.even(32, 4)))
-    with pytest.raises(PlanError, match="pipeline size"):
+    with pytest.raises(PlanError, match="32 decoder layers on 33 pipeline stages.*lower pipeline_size to at most 32"):
         partition_layers(cost, 33)
     with pytest.raises(PlanError, match="pipeline size"):
         partition_layers(cost, 0)

@@ -11,10 +11,11 @@ from transformers import HfArgumentParser
 
 from concertina_hf.training.args import (
     ConcertinaTrainingArguments,
+    in_trainer_terms,
     parse_memory_budget,
     resolve_parallel_sizes,
 )
-from concertina_hf.planning import PIPELINE_STRATEGIES, STRATEGIES
+from concertina_hf.planning import PIPELINE_STRATEGIES, STRATEGIES, PlanError
 
 
 def _args(tmp_path, **kw):
@@ -59,6 +60,28 @@ def test_every_concertina_field_has_help_and_parses_from_the_command_line(tmp_pa
 def test_invalid_settings_fail_at_construction_naming_the_field(tmp_path, kw, field):
     with pytest.raises(ValueError, match=field):
         _args(tmp_path, **kw)
+
+
+def test_planner_errors_are_worded_in_the_arguments_fields():
+    """The planner names its own settings; the trainer words them as its fields, keeping the
+    error's type, its remedies and the smallest value that works."""
+    import re
+
+    from concertina_hf.planning import CostModel, DeviceSpec, InfeasiblePlanError, plan_step, partition_layers
+    from concertina_hf.planning.presets import MODEL_PRESETS
+
+    cost = CostModel.from_hf_config(MODEL_PRESETS["tiny-llama"], DeviceSpec.cpu())
+    layout = partition_layers(cost, 2)
+    with pytest.raises(PlanError) as e:
+        plan_step([4000, 3000, 1000] + [1] * 4000, cost, layout, 0, max_tokens_per_chunk=1)
+    worded = in_trainer_terms(e.value)
+    assert type(worded) is type(e.value) and (worded.setting, worded.limit) == ("max_tokens_per_chunk", 16)
+    assert "raise concertina_max_tokens_per_chunk to at least 16 tokens" in str(worded), str(worded)
+    with pytest.raises(InfeasiblePlanError) as e:
+        plan_step([4000], cost, layout, int(cost.static_memory(layout, 0)) + 1)
+    text = str(in_trainer_terms(e.value))
+    assert "raise concertina_memory_budget" in text and "raise concertina_pipeline_size" in text, text
+    assert not re.search(r"(?<!concertina_)(memory_budget|pipeline_size)", text), text
 
 
 @pytest.mark.parametrize("field", ["gradient_checkpointing", "activation_checkpointing"])

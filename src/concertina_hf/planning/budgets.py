@@ -11,15 +11,14 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from .types import PlanError
+from .types import PlanError, Remedy
 
 __all__ = ["proxy_budgets", "stage_budgets", "within_budgets"]
 
 
-def stage_budgets(budget: int | float | Sequence[int], num_stages: int,
-                  setting: str = "memory_budget_bytes") -> tuple[int, ...]:
+def stage_budgets(budget: int | float | Sequence[int], num_stages: int) -> tuple[int, ...]:
     """One budget in bytes per stage (0: unconstrained) from a single size or one size per stage
-    (a sequence of one size counts as a single size). ``setting`` names the knob in errors.
+    (a sequence of one size counts as a single size).
 
     >>> stage_budgets(10, 3), stage_budgets([5], 2), stage_budgets((1, 2), 2)
     ((10, 10, 10), (5, 5), (1, 2))
@@ -31,10 +30,11 @@ def stage_budgets(budget: int | float | Sequence[int], num_stages: int,
         if len(vals) == 1:
             vals *= num_stages
         elif len(vals) != num_stages:
-            raise PlanError(f"need one memory budget per pipeline stage ({num_stages}), got {len(vals)} in "
-                            f"{setting}; give one size per stage or a single size")
+            raise PlanError(f"need one memory budget per pipeline stage ({num_stages}), got {len(vals)}",
+                            Remedy("memory_budget", "set", value="one size per stage or a single size"))
     if any(v < 0 for v in vals):
-        raise PlanError(f"memory budgets must be >= 0 bytes (0 = unconstrained), got {list(vals)}")
+        raise PlanError(f"memory budgets must be >= 0 bytes (0 = unconstrained), got {list(vals)}",
+                        Remedy("memory_budget", "set", value="sizes of at least 0 bytes"))
     return vals
 
 

@@ -58,7 +58,7 @@ from typing import Sequence
 
 from .budgets import proxy_budgets, stage_budgets
 from .cost import CostModel
-from .types import Chunk, ChunkKind, PlanError, Slice, StageLayout
+from .types import Chunk, ChunkKind, PlanError, Remedy, Slice, StageLayout
 
 __all__ = ["Chunking", "SequenceBatch", "balanced_split", "chunk_sequences", "make_chunking", "token_chunking"]
 
@@ -389,7 +389,8 @@ class SequenceBatch:
         sequence's work, none cut (fewer, larger chunks where bubbles are cheap, e.g. one
         stage)."""
         if token_cap < 1:
-            raise PlanError(f"the token cap per chunk must be at least 1 (got {token_cap}); set max_tokens_per_chunk")
+            raise PlanError(f"the token cap per chunk must be at least 1 (got {token_cap})",
+                            Remedy("max_tokens_per_chunk", "raise", 1, "tokens"))
         if not num_slices_longest > 0:
             raise PlanError(f"num_slices_longest must be positive (got {num_slices_longest})")
         a, b, beta, lens = self.a, self.b, self.beta, self.lens

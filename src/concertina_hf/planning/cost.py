@@ -113,7 +113,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from .types import Chunk, ChunkKind, Slice, StageLayout
+from .types import Chunk, ChunkKind, PlanError, Remedy, Slice, StageLayout
 
 __all__ = ["ChunkShape", "CostModel", "DeviceSpec", "ProfileSample", "attn_pairs", "needs_mask"]
 
@@ -416,16 +416,14 @@ class CostModel:
         Raises :class:`~.types.PlanError` when ``sp`` does not divide the attention heads
         (Ulysses gives each GPU ``H / sp`` whole heads).
         """
-        from .types import PlanError
-
         sp = int(sp)
         shards = sp if state_shards is None else int(state_shards)
         if sp < 1 or shards < 1:
             raise PlanError(f"the sequence-parallel size must be >= 1 (got sp={sp}, state_shards={shards})")
         if self.num_heads and self.num_heads % sp:
             raise PlanError(f"sequence-parallel size {sp} does not divide the model's {self.num_heads} attention "
-                            "heads (Ulysses gives each GPU whole heads); choose a divisor of the heads for the "
-                            "sequence-parallel size (concertina plan --sp)")
+                            "heads (Ulysses gives each GPU whole heads)",
+                            Remedy("sequence_parallel_size", "set", value=f"a divisor of {self.num_heads}"))
         ratio = self.sp / sp
         changes: dict[str, Any] = {name: getattr(self, name) * ratio for name in self._PER_GPU}
         # K/V heads fewer than sp GPUs: each GPU holds (and receives) one replicated K/V head

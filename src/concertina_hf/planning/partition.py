@@ -18,7 +18,7 @@ where it is scarcest at no cost in time.
 from __future__ import annotations
 
 from .cost import CostModel
-from .types import Chunk, ChunkKind, PlanError, Slice, StageLayout
+from .types import Chunk, ChunkKind, PlanError, Remedy, Slice, StageLayout
 
 __all__ = ["partition_layers", "stage_times"]
 
@@ -51,11 +51,11 @@ def partition_layers(cost: CostModel, num_stages: int, num_layers: int | None = 
     L = cost.num_layers if num_layers is None else num_layers
     p = num_stages
     if p < 1:
-        raise PlanError(f"pipeline size must be at least 1, got {p}")
+        raise PlanError(f"pipeline size must be at least 1, got {p}", Remedy("pipeline_size", "raise", 1))
     if p > L:
         raise PlanError(
-            f"cannot place {L} decoder layers on {p} pipeline stages (every stage needs at least "
-            f"one layer); set the pipeline size (concertina_pipeline_size; --pp of `concertina plan`) to at most {L}"
+            f"cannot place {L} decoder layers on {p} pipeline stages (every stage needs at least one layer)",
+            Remedy("pipeline_size", "lower", L),
         )
     if tokens_hint < 1:
         raise PlanError(f"tokens_hint must be positive, got {tokens_hint}")

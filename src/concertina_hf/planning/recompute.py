@@ -71,7 +71,7 @@ from typing import Callable, Sequence
 from .budgets import stage_budgets, within_budgets
 from .cost import CostModel
 from .simulate import backward_slack, memory_moments, simulate, stage_representatives
-from .types import Action, ActionKind, Plan, PlanError
+from .types import Action, ActionKind, Plan, PlanError, Remedy
 
 __all__ = [
     "SOLVERS", "InfeasiblePlanError", "assign_recompute", "fits", "min_uniform_recompute", "uniform_recompute",
@@ -89,6 +89,7 @@ _EPS_TOTAL = 1e-3  # weight of total recompute time in the objective (tie-break 
 _ILP_GAP = 0.02
 _CBC_OPTIONS = ("passC 5", "strong 0", "maxN 200")
 _GIB = 2**30
+_MORE_STAGES = Remedy("pipeline_size", "raise", note="(fewer layers per stage)")
 
 
 class InfeasiblePlanError(PlanError):
@@ -114,7 +115,7 @@ def uniform_recompute(plan: Plan, layers_per_stage: int | Sequence[int]) -> Plan
 
 def fits(plan: Plan, cost: CostModel, budgets: Sequence[int]) -> bool:
     """Whether the simulated peak of every stage is within its budget (0 = unconstrained)."""
-    budgets = stage_budgets(budgets, plan.num_stages, setting="budgets")
+    budgets = stage_budgets(budgets, plan.num_stages)
     return within_budgets(simulate(plan, cost).peak_memory_bytes, budgets)
 
 
@@ -261,8 +262,8 @@ def _infeasible(plan: Plan, model: _Model, cost: CostModel) -> None:
         if static > budget:
             raise InfeasiblePlanError(
                 f"stage {s}'s parameters, gradients and optimizer state alone need {math.ceil(static)} bytes "
-                f"({static / _GIB:.2f} GiB), over its memory budget of {budget} bytes ({budget / _GIB:.2f} GiB); "
-                "raise concertina_memory_budget or use a larger concertina_pipeline_size (fewer layers per stage)"
+                f"({static / _GIB:.2f} GiB), over its memory budget of {budget} bytes ({budget / _GIB:.2f} GiB)",
+                Remedy("memory_budget", "raise"), _MORE_STAGES,
             )
         for m in model.moments[s]:
             if not _over(model, s, m):
@@ -288,7 +289,7 @@ def _infeasible(plan: Plan, model: _Model, cost: CostModel) -> None:
         raise InfeasiblePlanError(
             f"no recompute plan fits stage {s}'s memory budget of {budget} bytes ({budget / _GIB:.2f} GiB): it "
             f"needs {math.ceil(v)} bytes ({v / _GIB:.2f} GiB) {what} of chunk {c.index} with no other chunk in "
-            "flight. Raise concertina_memory_budget or use a larger concertina_pipeline_size")
+            "flight", Remedy("memory_budget", "raise"), _MORE_STAGES)
     q = max(sorted(per_seq), key=lambda k: per_seq[k])
     n_slices = len(plan.slices_of(q))
     tok = sum(per_seq.values())
@@ -297,9 +298,9 @@ def _infeasible(plan: Plan, model: _Model, cost: CostModel) -> None:
         f"recomputing all {model.layers[s]} layers of every chunk it needs {math.ceil(v)} bytes "
         f"({v / _GIB:.2f} GiB) {what} of chunk {c.index} ({c.kind.value}, {c.num_tokens} tokens: {desc}), "
         f"with {len(m.in_flight)} chunks ({tok} tokens) in flight, the most from sequence {q} "
-        f"({plan.seq_lens[q]} tokens in {n_slices} slice{'s' if n_slices > 1 else ''}, {per_seq[q]} in flight). Raise "
-        "concertina_memory_budget, lower concertina_max_tokens_per_chunk (smaller chunks and slices), or use a "
-        "larger concertina_pipeline_size (fewer layers per stage)"
+        f"({plan.seq_lens[q]} tokens in {n_slices} slice{'s' if n_slices > 1 else ''}, {per_seq[q]} in flight)",
+        Remedy("memory_budget", "raise"), Remedy("max_tokens_per_chunk", "lower", note="(smaller chunks and slices)"),
+        _MORE_STAGES,
     )
 
 
@@ -316,7 +317,7 @@ def min_uniform_recompute(plan: Plan, cost: CostModel, budgets: Sequence[int]) -
     (not always monotone: a split chunk's K/V can make recompute cost memory), found in
     ``O(moments)``. Float rounding aside, it agrees with :func:`simulate` (the caller checks)."""
     p = plan.num_stages
-    budgets = list(stage_budgets(budgets, p, setting="budgets"))
+    budgets = list(stage_budgets(budgets, p))
     model = _build_model(plan, cost.for_plan(plan), budgets)  # (as simulate runs it)
     allowed: list[Callable[[int], bool]] = []
     for s in range(p):
@@ -542,10 +543,10 @@ def assign_recompute(plan: Plan, cost: CostModel, budgets: Sequence[int], method
     result carries ``predicted`` (its simulation) and ``memory_budget_bytes``.
     """
     if method not in SOLVERS:
-        raise PlanError(f"unknown recompute method {method!r}; "
-                        f"set concertina_solver to {' or '.join(map(repr, SOLVERS))}")
+        raise PlanError(f"unknown recompute method {method!r}",
+                        Remedy("solver", "set", value=" or ".join(map(repr, SOLVERS))))
     p, n = plan.num_stages, plan.num_chunks
-    budgets = list(stage_budgets(budgets, p, setting="budgets"))
+    budgets = list(stage_budgets(budgets, p))
     model = _build_model(plan, cost, budgets)
     _infeasible(plan, model, cost)
     zero_rows = tuple((0,) * n for _ in range(p))

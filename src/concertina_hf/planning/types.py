@@ -35,13 +35,103 @@ __all__ = [
     "PlanError",
     "PlanStats",
     "Program",
+    "Remedy",
+    "SETTINGS",
     "Slice",
     "StageLayout",
 ]
 
 
+#: the planner's names of the settings a :class:`Remedy` changes (each front end has its own:
+#: ``concertina_memory_budget`` for the trainer, ``--memory-gb`` for ``concertina plan``)
+SETTINGS = ("memory_budget", "max_tokens_per_chunk", "pipeline_size", "sequence_parallel_size", "strategy", "solver")
+
+
+@dataclass(frozen=True, slots=True)
+class Remedy:
+    """One change of a planner setting that would help, named by the planner (:data:`SETTINGS`).
+
+    ``change``: ``"raise"`` (``limit``: the smallest value that works, when known), ``"lower"``
+    (``limit``: the largest) or ``"set"`` (``value``: what to set it to, in words); ``unit`` of
+    the limit; ``note``: words after it. :meth:`words` phrases it under a front end's name:
+
+    >>> Remedy("max_tokens_per_chunk", "raise", 16, "tokens").words("--max-tokens-per-chunk")
+    'raise --max-tokens-per-chunk to at least 16 tokens'
+    """
+
+    setting: str
+    change: str
+    limit: int | None = None
+    unit: str = ""
+    value: str = ""
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.setting not in SETTINGS or self.change not in ("raise", "lower", "set"):
+            raise ValueError(f"not a remedy: {self.change!r} of {self.setting!r}")
+
+    def words(self, name: str) -> str:
+        """This remedy in words, the setting called ``name``."""
+        if self.change == "set":
+            text = f"set {name} to {self.value}"
+        else:
+            text = f"{self.change} {name}"
+            if self.limit is not None:
+                unit = self.unit[:-1] if self.limit == 1 and self.unit.endswith("s") else self.unit
+                text += f" to at {'least' if self.change == 'raise' else 'most'} {self.limit}" + (f" {unit}" if unit else "")
+        return f"{text} {self.note}" if self.note else text
+
+
 class PlanError(ValueError):
-    """A plan is malformed, or no plan fits the given constraints."""
+    """A plan is malformed, or no plan fits the given constraints.
+
+    ``reason``: what is wrong, in the planner's terms (no front end's setting names);
+    ``remedies``: the changes of settings that would help (:class:`Remedy`, the most direct
+    first), ``others``: further ways out in words (``"train on shorter sequences"``).
+    ``str(error)`` is the reason and the remedies under the planner's names; a front end words
+    them under its own with :meth:`worded`. ``setting`` and ``limit``: the first remedy's.
+
+    >>> e = PlanError("too many chunks", Remedy("max_tokens_per_chunk", "raise", 16, "tokens"),
+    ...               others=("plan fewer tokens per step",))
+    >>> str(e)
+    'too many chunks; raise max_tokens_per_chunk to at least 16 tokens or plan fewer tokens per step'
+    >>> e.worded({"max_tokens_per_chunk": "--max-tokens-per-chunk"})
+    'too many chunks; raise --max-tokens-per-chunk to at least 16 tokens or plan fewer tokens per step'
+    >>> (e.setting, e.limit)
+    ('max_tokens_per_chunk', 16)
+    """
+
+    def __init__(self, reason: str, *remedies: Remedy, others: Sequence[str] = ()) -> None:
+        self.reason = reason
+        self.remedies = tuple(remedies)
+        self.others = tuple(others)
+        super().__init__(self.worded({}))
+
+    @property
+    def setting(self) -> str | None:
+        """The planner's name of the setting to change first (:data:`SETTINGS`); ``None``: none."""
+        return self.remedies[0].setting if self.remedies else None
+
+    @property
+    def limit(self) -> int | None:
+        """The smallest (raise) or largest (lower) value of :attr:`setting` that works, if known."""
+        return self.remedies[0].limit if self.remedies else None
+
+    def worded(self, names: dict[str, str]) -> str:
+        """The message with the settings called by ``names`` (planner name -> a front end's name;
+        missing ones keep the planner's)."""
+        ways = [r.words(names.get(r.setting, r.setting)) for r in self.remedies] + list(self.others)
+        if not ways:
+            return self.reason
+        text = ways[0] if len(ways) == 1 else ", ".join(ways[:-1]) + ("," if len(ways) > 2 else "") + f" or {ways[-1]}"
+        return f"{self.reason}; {text}"
+
+    def with_message(self, message: str) -> "PlanError":
+        """The same error (type, reason, remedies) whose ``str`` is ``message``: a front end's
+        wording of it."""
+        new = type(self)(self.reason, *self.remedies, others=self.others)
+        new.args = (message,)
+        return new
 
 
 @dataclass(frozen=True, slots=True, order=True)

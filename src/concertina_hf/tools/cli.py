@@ -33,9 +33,13 @@ from typing import Any, Sequence
 
 from ..planning.presets import MODEL_PRESETS
 
-__all__ = ["build_parser", "in_cli_words", "load_model_config", "main", "run_plan"]
+__all__ = ["FLAGS", "build_parser", "load_model_config", "main", "run_plan"]
 
 _GIB = 2**30
+
+#: the flag of this command setting each planner setting its errors name (``PlanError.remedies``)
+FLAGS = {"memory_budget": "--memory-gb", "max_tokens_per_chunk": "--max-tokens-per-chunk", "pipeline_size": "--pp",
+         "sequence_parallel_size": "--sp", "strategy": "--strategy", "solver": "--solver"}
 
 _REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size", "num_hidden_layers")
 
@@ -154,19 +158,6 @@ def _strategies(values: Sequence[str] | None) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------- planning
-def _infeasible_errors() -> tuple[type[BaseException], ...]:
-    from ..planning.types import PlanError
-
-    errs: list[type[BaseException]] = [PlanError]
-    try:
-        from ..planning.recompute import InfeasiblePlanError
-
-        errs.append(InfeasiblePlanError)
-    except ImportError:
-        pass
-    return tuple(errs)
-
-
 def run_plan(args) -> list[dict[str, Any]]:
     """Plan and simulate every strategy; return one JSON-ready record per strategy.
 
@@ -176,10 +167,8 @@ def run_plan(args) -> list[dict[str, Any]]:
     ``plan_time_s``, ``ideal_step_time_s``, ``plan`` (``Plan.to_dict()``); otherwise ``reason``.
     Also attaches the ``Plan`` and the simulation under the private keys ``_plan`` / ``_sim``.
     """
-    from ..planning import CostModel, ideal_step_time, plan_step
+    from ..planning import CostModel, PlanError, ideal_step_time, plan_step
     from ..planning.simulate import simulate
-
-    from ..planning import PlanError
 
     cfg = load_model_config(args.model_config)
     dev = _device(args)
@@ -194,7 +183,7 @@ def run_plan(args) -> list[dict[str, Any]]:
         try:
             cost = cost.with_parallel(sp=sp, state_shards=args.dp * sp)
         except PlanError as e:
-            raise SystemExit(f"--sp {sp}: {e}") from None
+            raise SystemExit(f"--sp {sp}: {e.worded(FLAGS)}") from None
     args._sp = sp
     num_layers = int(cfg["num_hidden_layers"])
     if not 1 <= args.pp <= num_layers:
@@ -219,7 +208,6 @@ def run_plan(args) -> list[dict[str, Any]]:
     args._budget = budget
     args._cost = cost
     ideal = ideal_step_time(lens, cost, layout)
-    errors = _infeasible_errors()
     records: list[dict[str, Any]] = []
     for strategy in _strategies(args.strategy):
         t0 = time.perf_counter()
@@ -227,8 +215,8 @@ def run_plan(args) -> list[dict[str, Any]]:
             plan = plan_step(lens, cost, layout, budget, strategy,
                              max_tokens_per_chunk=args.max_tokens_per_chunk,
                              solver=args.solver, time_limit_s=args.time_limit)
-        except errors as e:
-            records.append({"strategy": strategy, "fits": False, "reason": in_cli_words(str(e)),
+        except PlanError as e:  # InfeasiblePlanError too
+            records.append({"strategy": strategy, "fits": False, "reason": e.worded(FLAGS),
                             "plan_time_s": time.perf_counter() - t0})
             continue
         plan_s = time.perf_counter() - t0
@@ -341,29 +329,6 @@ class _OneDefaultFormatter(argparse.HelpFormatter):
         if "default" in text or unset or not action.option_strings:
             return text
         return f"{text} (default: %(default)s)"
-
-
-#: the trainer's setting names in the planner's messages, and the flags of ``concertina plan`` doing the same
-_FLAG_OF_SETTING = (
-    ("memory_budget_bytes (concertina_memory_budget)", "--memory-gb"),
-    ("the budget (concertina_memory_budget)", "--memory-gb"),
-    ("concertina_memory_budget", "--memory-gb"),
-    ("concertina_pipeline_size; --pp of `concertina plan`", "--pp"),
-    ("concertina_pipeline_size", "--pp"),
-    ("concertina_max_tokens_per_chunk", "--max-tokens-per-chunk"),
-    ("lower max_tokens_per_chunk", "lower --max-tokens-per-chunk"),
-    ("concertina_solver", "--solver"),
-    ("concertina_strategy", "--strategy"),
-)
-
-
-def in_cli_words(message: str) -> str:
-    """A planner message with the trainer's setting names replaced by this command's flags."""
-    for setting, flag in _FLAG_OF_SETTING:
-        message = message.replace(setting, flag)
-    if "more pipeline stages" in message and "--pp" not in message:
-        message = message.replace("more pipeline stages", "more pipeline stages (--pp)")
-    return message
 
 
 def build_parser() -> argparse.ArgumentParser:

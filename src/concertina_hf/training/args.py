@@ -28,14 +28,16 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 # the plan strategies of concertina_hf.planning.plan_step: the adaptive method and its baselines
-from ..planning import PIPELINE_STRATEGIES, SOLVERS, STRATEGIES, stage_budgets
+from ..planning import PIPELINE_STRATEGIES, SOLVERS, STRATEGIES, PlanError, stage_budgets
 
 __all__ = [
     "COST_MODEL_SOURCES",
     "ConcertinaTrainingArguments",
     "NONFINITE_MODES",
+    "PLANNER_FIELDS",
     "SOLVERS",
     "STRATEGIES",
+    "in_trainer_terms",
     "parse_memory_budget",
     "resolve_parallel_sizes",
 ]
@@ -48,6 +50,12 @@ def _option(default, help: str):
     return field(default=default, metadata={"help": help})
 
 COST_MODEL_SOURCES = ("analytic", "profiled", "online")
+#: the field of these arguments setting each planner setting a planner error names (``PlanError.remedies``)
+PLANNER_FIELDS = {
+    "memory_budget": "concertina_memory_budget", "max_tokens_per_chunk": "concertina_max_tokens_per_chunk",
+    "pipeline_size": "concertina_pipeline_size", "sequence_parallel_size": "concertina_sequence_parallel_size",
+    "strategy": "concertina_strategy", "solver": "concertina_solver",
+}
 #: concertina_nonfinite: stop every rank, or drop the step (see concertina_hf.training.step_guard)
 NONFINITE_MODES = ("raise", "skip")
 
@@ -345,12 +353,21 @@ class ConcertinaTrainingArguments(TrainingArguments):
         except ValueError as e:
             raise ValueError(f"concertina_memory_budget={self.concertina_memory_budget!r}: {e}") from None
         if isinstance(budget, tuple) and self.concertina_pipeline_size is not None:
-            stage_budgets(budget, self.concertina_pipeline_size, setting="concertina_memory_budget")
+            try:
+                stage_budgets(budget, self.concertina_pipeline_size)
+            except PlanError as e:
+                raise in_trainer_terms(e) from None
 
     @property
     def memory_budget(self) -> str | tuple[int, ...] | None:
         """The parsed ``concertina_memory_budget`` (see :func:`parse_memory_budget`)."""
         return parse_memory_budget(self.concertina_memory_budget)
+
+
+def in_trainer_terms(error: PlanError) -> PlanError:
+    """``error`` (the planner's) worded with these arguments' fields: ``raise
+    concertina_max_tokens_per_chunk to at least 16 tokens`` (:data:`PLANNER_FIELDS`)."""
+    return error.with_message(error.worded(PLANNER_FIELDS))
 
 
 _COMPILE_WARNED = False

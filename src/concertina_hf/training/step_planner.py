@@ -33,8 +33,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..runtime.distributed import Topology
-from ..planning import CostModel, Plan, simulate
+from ..planning import CostModel, Plan, PlanError, simulate
 from ..planning.process import PlanningProcess, PlanningProcessError, plan_checked
+from .args import PLANNER_FIELDS
 from .run_setup import RunSetup
 
 __all__ = ["JUMP_FACTOR", "StepPlanner", "Ticket", "plan_jump"]
@@ -138,8 +139,11 @@ class StepPlanner:
                     process.close()
             return plan_checked(*args, **kwargs)
         except Exception as e:
-            msg = (f"{e} [planning a step of {len(seq_lens)} sequences, longest {max(seq_lens, default=0)} tokens; "
+            text = e.worded(PLANNER_FIELDS) if isinstance(e, PlanError) else str(e)
+            msg = (f"{text} [planning a step of {len(seq_lens)} sequences, longest {max(seq_lens, default=0)} tokens; "
                    "see concertina_memory_budget, concertina_max_tokens_per_chunk, concertina_strategy]")
+            if isinstance(e, PlanError):
+                raise e.with_message(msg) from e
             try:
                 wrapped = type(e)(msg)
             except Exception:  # an exception type that does not take one message

@@ -31,9 +31,10 @@ import torch
 from torch.utils.data import DataLoader
 from transformers.trainer_utils import seed_worker
 
+from .args import in_trainer_terms
 from .collator import padding_targets, padding_warning, split_sequences
 from ..runtime.distributed import Topology
-from ..planning import balance_replicas
+from ..planning import PlanError, balance_replicas
 from .step_planner import StepPlanner, Ticket
 
 __all__ = ["ReplicaBalancer", "Step", "StepReader", "replica_balancer", "replica_data_loader"]
@@ -228,7 +229,7 @@ class ReplicaBalancer:
             try:
                 payload = [list(a) for a in self.split(seq_lens)]
             except Exception as e:  # every rank must learn about it, or the others wait forever
-                payload = f"{type(e).__name__}: {e}"
+                payload = f"{type(e).__name__}: {in_trainer_terms(e) if isinstance(e, PlanError) else e}"
         payload = self.topology.broadcast_from_rank0(payload)
         if isinstance(payload, str):
             raise RuntimeError(f"assigning a step's sequences to replicas failed on rank 0: {payload} "

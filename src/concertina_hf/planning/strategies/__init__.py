@@ -29,7 +29,7 @@ from ..budgets import stage_budgets
 from ..chunking import SequenceBatch
 from ..cost import CostModel
 from ..recompute import SOLVERS
-from ..types import Plan, PlanError, StageLayout
+from ..types import Plan, PlanError, Remedy, StageLayout
 from .adaptive import ADAPTIVE_KNOBS, CHUNKING_KNOBS, plan_adaptive, plan_full_recompute, plan_no_recompute
 from .baselines import PACKED_KNOBS, SPLIT_KNOBS, plan_packed, plan_split
 from .common import PlanRequest, check_step, fitted_token_cap
@@ -127,17 +127,18 @@ def plan_step(
     (:data:`~.common.SEARCH_EFFORT`): a call takes well under 2 s and plans deterministically.
     """
     if strategy not in _BY_NAME:
-        raise PlanError(f"unknown planning strategy {strategy!r}; use one of {STRATEGIES} (concertina_strategy)")
+        raise PlanError(f"unknown planning strategy {strategy!r}",
+                        Remedy("strategy", "set", value=f"one of {', '.join(map(repr, STRATEGIES))}"))
     if solver not in SOLVERS:
-        raise PlanError(f"unknown recompute solver {solver!r}; use {' or '.join(map(repr, SOLVERS))} "
-                        "(concertina_solver)")
+        raise PlanError(f"unknown recompute solver {solver!r}",
+                        Remedy("solver", "set", value=" or ".join(map(repr, SOLVERS))))
     record = _BY_NAME[strategy]
     bad = sorted(set(knobs) - set(record.knobs))
     if bad:
         raise PlanError(f"strategy {strategy!r} has no knob(s) {bad}; it accepts {list(record.knobs)}")
     if max_tokens_per_chunk is not None and max_tokens_per_chunk < 1:
-        raise PlanError(f"max_tokens_per_chunk (concertina_max_tokens_per_chunk, --max-tokens-per-chunk) must be at "
-                        f"least 1 token (got {max_tokens_per_chunk})")
+        raise PlanError(f"a token cap per chunk must be at least 1 token (got {max_tokens_per_chunk})",
+                        Remedy("max_tokens_per_chunk", "raise", 1, "tokens", note="or leave it unset"))
     lens = [int(n) for n in seq_lens]
     if not lens or max(lens) <= 0:
         raise PlanError("a step needs at least one non-empty sequence")

@@ -29,8 +29,10 @@ from ..budgets import within_budgets
 from ..cost import CostModel
 from ..recompute import InfeasiblePlanError, assign_recompute, uniform_recompute
 from ..simulate import SimResult, simulate
-from ..types import Plan, PlanError
-from .common import GIB, PlanRequest, describe_longest, finish, overshoot, plan_of, worst_stage
+from ..types import Plan, PlanError, Remedy
+from .common import (
+    GIB, MORE_MEMORY, USE_ADAPTIVE, PlanRequest, describe_longest, finish, overshoot, plan_of, worst_stage,
+)
 from .search import Candidate, ChunkingSearch, candidate_knobs, run_search
 
 __all__ = ["ADAPTIVE_KNOBS", "CHUNKING_KNOBS", "plan_adaptive", "plan_full_recompute", "plan_no_recompute"]
@@ -114,10 +116,12 @@ def plan_adaptive(req: PlanRequest) -> Plan:
         if not errors:  # nothing was evaluated: every candidate had too many chunks
             raise search.nothing_evaluated_error() or PlanError("adaptive: no candidate chunking was evaluated")
         tried = sorted({c.k for c in search.cands.values()})
+        closest = errors[0]
         raise InfeasiblePlanError(
             f"adaptive: no chunking of this step fits the memory budgets {_fmt_budgets(budgets)} (tried "
-            f"K = {tried} slices of the longest, {describe_longest(req.lens)}); the closest attempt: {errors[0]}"
-        ) from errors[0]
+            f"K = {tried} slices of the longest, {describe_longest(req.lens)}); the closest attempt: {closest.reason}",
+            *closest.remedies, others=closest.others,
+        ) from closest
     cand, best = found
     best, warmup = _deeper_warmup(cand.chunking, cand.cuts, best, 0, req)
     # the first backward of each group lighter (SequenceBatch.tapered): the wait of the stages
@@ -204,8 +208,8 @@ def _plan_fixed_recompute(strategy: str, req: PlanRequest) -> Plan:
         raise InfeasiblePlanError(
             f"{strategy}: no chunking fits stage {s}'s memory budget of {budgets[s]} bytes "
             f"({budgets[s] / GIB:.2f} GiB); the closest (K={c.k} slices of the longest, {describe_longest(req.lens)}) "
-            f"peaks at {sim.peak_memory_bytes[s]} bytes ({sim.peak_memory_bytes[s] / GIB:.2f} GiB). Raise "
-            "memory_budget_bytes (concertina_memory_budget), lower max_tokens_per_chunk, or use the 'adaptive' strategy"
+            f"peaks at {sim.peak_memory_bytes[s]} bytes ({sim.peak_memory_bytes[s] / GIB:.2f} GiB)",
+            MORE_MEMORY, Remedy("max_tokens_per_chunk", "lower"), USE_ADAPTIVE,
         )
     cand, plan = found
     return finish(plan, plan.predicted, budgets, candidate_knobs(cand, {}))

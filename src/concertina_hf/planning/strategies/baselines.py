@@ -25,8 +25,8 @@ from ..recompute import InfeasiblePlanError, min_uniform_recompute, uniform_reco
 from ..simulate import SimResult, simulate
 from ..types import Plan, PlanError
 from .common import (
-    GIB, N_CANDIDATES, SEARCH_EFFORT, PlanRequest, describe_longest, finish, max_chunks, overshoot, plan_of,
-    token_budget_candidates, too_many_chunks, worst_stage,
+    GIB, MORE_MEMORY, MORE_STAGES, N_CANDIDATES, SEARCH_EFFORT, USE_ADAPTIVE, PlanRequest, describe_longest, finish,
+    max_chunks, overshoot, plan_of, token_budget_candidates, too_many_chunks, worst_stage,
 )
 
 __all__ = ["PACKED_KNOBS", "SPLIT_KNOBS", "plan_packed", "plan_split", "uniform_search"]
@@ -140,8 +140,8 @@ def _plan_baseline(strategy: str, req: PlanRequest) -> Plan:
         raise InfeasiblePlanError(
             f"{strategy}: no setting fits stage {s}'s memory budget of {budgets[s]} bytes ({budgets[s] / GIB:.2f} GiB): "
             f"the closest ({name}={value}, {rc}) peaks at {sim.peak_memory_bytes[s]} bytes "
-            f"({sim.peak_memory_bytes[s] / GIB:.2f} GiB); the longest is {describe_longest(lens)}. Raise "
-            "memory_budget_bytes (concertina_memory_budget), use more pipeline stages, or the 'adaptive' strategy"
+            f"({sim.peak_memory_bytes[s] / GIB:.2f} GiB); the longest is {describe_longest(lens)}",
+            MORE_MEMORY, MORE_STAGES, USE_ADAPTIVE,
         )
     _, plan, sim, kn = best
     return finish(plan, sim.stats(), budgets, kn)

@@ -11,11 +11,12 @@ from ..chunking import Chunking, SequenceBatch
 from ..cost import CostModel
 from ..recompute import InfeasiblePlanError
 from ..schedule import build_schedule
-from ..types import Chunk, ChunkKind, Plan, PlanError, PlanStats, Slice, StageLayout
+from ..types import Chunk, ChunkKind, Plan, PlanError, PlanStats, Remedy, Slice, StageLayout
 
 __all__ = [
-    "ASSIGN_COST", "GIB", "fitted_token_cap", "MAX_CHUNKS", "MAX_CHUNK_STAGES", "MAX_SLICES", "N_CANDIDATES", "SEARCH_EFFORT", "PlanRequest",
-    "check_step", "describe_longest", "finish", "max_chunks", "min_chunks", "overshoot", "plan_of",
+    "ASSIGN_COST", "GIB", "fitted_token_cap", "MAX_CHUNKS", "MAX_CHUNK_STAGES", "MAX_SLICES", "MORE_MEMORY",
+    "MORE_STAGES", "N_CANDIDATES", "SEARCH_EFFORT", "USE_ADAPTIVE", "PlanRequest",
+    "check_step", "describe_longest", "finish", "larger_cap", "max_chunks", "min_chunks", "overshoot", "plan_of",
     "token_budget_candidates", "too_many_chunks", "worst_stage",
 ]
 
@@ -138,7 +139,17 @@ def max_chunks(layout: StageLayout) -> int:
     return max(1, min(MAX_CHUNKS, MAX_CHUNK_STAGES // layout.num_stages))
 
 
-_CAP_SETTING = "max_tokens_per_chunk (concertina_max_tokens_per_chunk, --max-tokens-per-chunk)"
+#: the remedies of a stage whose memory budget holds no plan
+MORE_MEMORY = Remedy("memory_budget", "raise")
+MORE_STAGES = Remedy("pipeline_size", "raise", note="(fewer layers per stage)")
+#: the method, for a baseline that finds nothing fitting
+USE_ADAPTIVE = Remedy("strategy", "set", value="'adaptive'")
+
+
+def larger_cap(smallest: int) -> Remedy:
+    """Raising the token cap per chunk to at least ``smallest`` tokens (or dropping it)."""
+    return Remedy("max_tokens_per_chunk", "raise", smallest, "tokens",
+                  note="or leave it unset (the planner sizes chunks itself)")
 
 
 def too_many_chunks(strategy: str, lens: Sequence[int], layout: StageLayout, chunks: int,
@@ -148,12 +159,13 @@ def too_many_chunks(strategy: str, lens: Sequence[int], layout: StageLayout, chu
     limit = max_chunks(layout)
     total = sum(lens)
     smallest = max(-(-total // limit), -(-max(lens) // MAX_SLICES))
-    fix = (f"raise {_CAP_SETTING} from {token_cap} to at least {smallest} tokens, or leave it unset"
-           if token_cap is not None else "plan fewer tokens per optimizer step")
-    return PlanError(
-        f"{strategy}: every chunking of this step tried has more than {limit} chunks or a sequence in more than "
-        f"{MAX_SLICES} slices (the smallest: {chunks} chunks; {total} tokens on {layout.num_stages} stage(s); the "
-        f"limits keep planning under a second); {fix}")
+    capped = f" under a token cap of {token_cap} per chunk" if token_cap is not None else ""
+    reason = (f"{strategy}: every chunking of this step tried has more than {limit} chunks or a sequence in more "
+              f"than {MAX_SLICES} slices (the smallest: {chunks} chunks; {total} tokens on {layout.num_stages} "
+              f"stage(s){capped}; the limits keep planning under a second)")
+    if token_cap is not None:
+        return PlanError(reason, larger_cap(smallest))
+    return PlanError(reason, others=("plan fewer tokens per optimizer step",))
 
 
 def min_chunks(lens: Sequence[int], token_cap: int, splits_sequences: bool = True) -> int:
@@ -192,7 +204,7 @@ def check_step(record: Any, lens: Sequence[int], cost: CostModel, layout: StageL
             raise InfeasiblePlanError(
                 f"{strategy}: stage {s}'s memory budget of {b} bytes ({b / GIB:.3g} GiB) is below its static "
                 f"memory alone ({cost.static_memory(layout, s) / GIB:.3g} GiB of weights, gradients and optimizer "
-                "state); raise the budget (concertina_memory_budget) or use more pipeline stages")
+                "state)", MORE_MEMORY, MORE_STAGES)
     q = max(range(len(lens)), key=lambda i: (lens[i], -i))
     whole = Chunk(0, ChunkKind.PACKED, (Slice(q, 0, lens[q]),))
     for s, b in enumerate(budgets if record.pipeline else ()):
@@ -207,9 +219,8 @@ def check_step(record: Any, lens: Sequence[int], cost: CostModel, layout: StageL
                 f"({b / GIB:.3g} GiB): every token of a sequence is in flight at once on each stage (its slices "
                 f"run backward in reverse order, after all their forwards), which needs at least "
                 f"{static + act:.0f} bytes ({(static + act) / GIB:.3g} GiB) there even recomputing every layer "
-                f"({static / GIB:.3g} GiB static, {act / GIB:.3g} GiB of activations); raise the budget "
-                "(concertina_memory_budget), use more pipeline stages (concertina_pipeline_size), or train on "
-                "shorter sequences")
+                f"({static / GIB:.3g} GiB static, {act / GIB:.3g} GiB of activations)", MORE_MEMORY, MORE_STAGES,
+                others=("train on shorter sequences",))
     if token_cap is not None:
         total, longest = sum(lens), max(lens)
         need = min_chunks(lens, token_cap, record.splits_sequences)
@@ -224,9 +235,8 @@ def check_step(record: Any, lens: Sequence[int], cost: CostModel, layout: StageL
                     f"{describe_longest(lens)} into {slices} slices, more than the {MAX_SLICES} the planner cuts a "
                     "sequence into")
             raise PlanError(
-                f"{strategy}: {_CAP_SETTING}={token_cap} cuts {what} (the limit keeps planning under a second; a "
-                "chunk of a few tokens costs mostly its per-call overhead anyway); raise it to at least "
-                f"{smallest} tokens, or leave it unset (the planner sizes chunks itself)")
+                f"{strategy}: a token cap of {token_cap} per chunk cuts {what} (the limit keeps planning under a "
+                "second; a chunk of a few tokens costs mostly its per-call overhead anyway)", larger_cap(smallest))
 
 
 def _smallest_cap(lens: Sequence[int], limit: int, splits_sequences: bool) -> int:

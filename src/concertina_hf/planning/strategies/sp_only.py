@@ -38,7 +38,9 @@ from ..lpt import lpt_assign, sequence_cost
 from ..schedule import build_schedule
 from ..types import Chunk, ChunkKind, Plan, PlanError, Slice, StageLayout
 from .baselines import uniform_search
-from .common import GIB, PlanRequest, describe_longest, finish, overshoot, token_budget_candidates
+from .common import (
+    GIB, MORE_MEMORY, USE_ADAPTIVE, PlanRequest, describe_longest, finish, overshoot, token_budget_candidates,
+)
 
 __all__ = ["SP_ONLY_KNOBS", "plan_sp_only", "ulysses_degrees"]
 
@@ -139,14 +141,14 @@ def plan_sp_only(req: PlanRequest) -> Plan:
         if closest is None:
             raise InfeasiblePlanError(
                 f"sp-only: stage 0's memory budget of {budget[0]} bytes ({budget[0] / GIB:.3g} GiB) per GPU is below "
-                f"its static memory alone ({static_refusal / GIB:.3g} GiB of ZeRO-3 shards and gathered weights); "
-                "raise the budget (concertina_memory_budget) or use more GPUs")
+                f"its static memory alone ({static_refusal / GIB:.3g} GiB of ZeRO-3 shards and gathered weights)",
+                MORE_MEMORY, others=("use more GPUs",))
         _, u, tb, sim = closest
         raise InfeasiblePlanError(
             f"sp-only: no setting fits the memory budget of {budget[0]} bytes ({budget[0] / GIB:.2f} GiB) per GPU: "
             f"the closest (sp={u}, token_budget={tb}, full recompute) peaks at {sim.peak_memory_bytes[0]} bytes "
-            f"({sim.peak_memory_bytes[0] / GIB:.2f} GiB); the longest is {describe_longest(lens)}. Raise "
-            "memory_budget_bytes (concertina_memory_budget), use more GPUs, or the 'adaptive' strategy")
+            f"({sim.peak_memory_bytes[0] / GIB:.2f} GiB); the longest is {describe_longest(lens)}", MORE_MEMORY,
+            USE_ADAPTIVE, others=("use more GPUs",))
     _, plan, sim, knobs = best
     assert within_budgets(sim.peak_memory_bytes, budget)
     return finish(plan, sim.stats(), budget, knobs)
