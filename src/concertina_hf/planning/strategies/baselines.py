@@ -25,8 +25,8 @@ from ..recompute import InfeasiblePlanError, min_uniform_recompute, uniform_reco
 from ..simulate import SimResult, simulate
 from ..types import Plan, PlanError
 from .common import (
-    GIB, MORE_MEMORY, MORE_STAGES, N_CANDIDATES, SEARCH_EFFORT, USE_ADAPTIVE, PlanRequest, describe_longest, finish,
-    max_chunks, overshoot, plan_of, token_budget_candidates, too_many_chunks, worst_stage,
+    GIB, MORE_MEMORY, MORE_STAGES, N_CANDIDATES, SEARCH_EFFORT, USE_ADAPTIVE, PlanRequest, SettingTally,
+    describe_longest, finish, max_chunks, plan_of, token_budget_candidates, too_many_chunks, worst_stage,
 )
 
 __all__ = ["PACKED_KNOBS", "SPLIT_KNOBS", "plan_packed", "plan_split", "uniform_search"]
@@ -111,8 +111,7 @@ def _plan_baseline(strategy: str, req: PlanRequest) -> Plan:
         if not settings:
             n = -(-longest // max_tokens)
             settings = [("num_slices", n, -(-longest // n))]
-    best = None
-    closest = None
+    tally = SettingTally(budgets)
     limit, effort, smallest = max_chunks(layout), [0], None
     for name, value, size in settings:
         ch = batch.by_tokens(size, split=(strategy == "split"))
@@ -123,18 +122,13 @@ def _plan_baseline(strategy: str, req: PlanRequest) -> Plan:
         if effort[0] and effort[0] + ch.num_chunks * layout.num_stages > SEARCH_EFFORT:
             continue
         r, plan, sim = uniform_search(plan_of(strategy, ch, layout), cost, budgets, fixed_r, effort)
-        if r is None:
-            over = overshoot(sim.peak_memory_bytes, budgets)
-            if closest is None or over < closest[0]:
-                closest = (over, name, value, sim)
-            continue
-        if best is None or sim.step_time_s < best[0]:
-            knob = {name: value, "token_budget": size} if name != "token_budget" else {name: value}
-            best = (sim.step_time_s, plan, sim, {**knob, "recompute_layers": r})
+        tally.add({name: value, "token_budget": size} if name != "token_budget" else {name: value}, r, plan, sim)
+    best, closest = tally.best, tally.closest
     if best is None and closest is None:
         raise too_many_chunks(strategy, lens, layout, smallest, max_tokens)
     if best is None:
-        over, name, value, sim = closest
+        _, setting, sim = closest
+        name, value = next(iter(setting.items()))
         s = worst_stage(sim.peak_memory_bytes, budgets)
         rc = "the given recompute_layers" if fixed_r is not None else "full recompute"
         raise InfeasiblePlanError(

@@ -15,7 +15,7 @@ from ..types import Chunk, ChunkKind, Plan, PlanError, PlanStats, Remedy, Slice,
 
 __all__ = [
     "ASSIGN_COST", "GIB", "fitted_token_cap", "MAX_CHUNKS", "MAX_CHUNK_STAGES", "MAX_SLICES", "MORE_MEMORY",
-    "MORE_STAGES", "N_CANDIDATES", "SEARCH_EFFORT", "USE_ADAPTIVE", "PlanRequest",
+    "MORE_STAGES", "N_CANDIDATES", "SEARCH_EFFORT", "USE_ADAPTIVE", "PlanRequest", "SettingTally",
     "check_step", "describe_longest", "finish", "larger_cap", "max_chunks", "min_chunks", "overshoot", "plan_of",
     "token_budget_candidates", "too_many_chunks", "worst_stage",
 ]
@@ -126,6 +126,27 @@ def describe_longest(lens: Sequence[int]) -> str:
 def overshoot(peaks: Sequence[int], budgets: Sequence[int]) -> float:
     """The largest peak-to-budget ratio over the constrained stages."""
     return max(pk / b for pk, b in zip(peaks, budgets) if b)
+
+
+class SettingTally:
+    """Over a baseline's tries of its settings: the fastest that fits (``best``: step time, plan,
+    simulation, knobs with ``recompute_layers``) and the least over its budgets (``closest``:
+    overshoot, setting, simulation), each the first of equals."""
+
+    def __init__(self, budgets: Sequence[int]) -> None:
+        self.budgets = budgets
+        self.best: tuple[float, Plan, Any, dict[str, Any]] | None = None
+        self.closest: tuple[float, dict[str, Any], Any] | None = None
+
+    def add(self, setting: dict[str, Any], recompute_layers: int | None, plan: Plan, sim: Any) -> None:
+        """One try: ``setting`` planned with ``recompute_layers`` uniform recompute (``None``:
+        no recompute fits) into ``plan``, simulated as ``sim``."""
+        if recompute_layers is None:
+            over = overshoot(sim.peak_memory_bytes, self.budgets)
+            if self.closest is None or over < self.closest[0]:
+                self.closest = (over, setting, sim)
+        elif self.best is None or sim.step_time_s < self.best[0]:
+            self.best = (sim.step_time_s, plan, sim, {**setting, "recompute_layers": recompute_layers})
 
 
 def worst_stage(peaks: Sequence[int], budgets: Sequence[int]) -> int:

@@ -39,7 +39,7 @@ from ..schedule import build_schedule
 from ..types import Chunk, ChunkKind, Plan, PlanError, Slice, StageLayout
 from .baselines import uniform_search
 from .common import (
-    GIB, MORE_MEMORY, USE_ADAPTIVE, PlanRequest, describe_longest, finish, overshoot, token_budget_candidates,
+    GIB, MORE_MEMORY, USE_ADAPTIVE, PlanRequest, SettingTally, describe_longest, finish, token_budget_candidates,
 )
 
 __all__ = ["SP_ONLY_KNOBS", "plan_sp_only", "ulysses_degrees"]
@@ -117,7 +117,7 @@ def plan_sp_only(req: PlanRequest) -> Plan:
         token_budgets = [int(req.knobs["token_budget"])]
     else:
         token_budgets = token_budget_candidates(max(lens), req.token_cap)
-    best, closest, static_refusal = None, None, None
+    tally, static_refusal = SettingTally(budget), None
     for u in degrees:
         knobs = {"sp": u, "state_shards": replicas * gpus, "zero3": True, "data_parallel": gpus // u}
         one = StageLayout(cost.num_layers, ((0, cost.num_layers),))
@@ -130,20 +130,16 @@ def plan_sp_only(req: PlanRequest) -> Plan:
         for tb in token_budgets:
             plan = _plan_rounds(lens, lanes, tb, cost.num_layers, knobs)
             r, plan, sim = uniform_search(plan, cost, budget, fixed_r)
-            if r is None:
-                over = overshoot(sim.peak_memory_bytes, budget)
-                if closest is None or over < closest[0]:
-                    closest = (over, u, tb, sim)
-                continue
-            if best is None or sim.step_time_s < best[0]:
-                best = (sim.step_time_s, plan, sim, {**knobs, "token_budget": tb, "recompute_layers": r})
+            tally.add({**knobs, "token_budget": tb}, r, plan, sim)
+    best, closest = tally.best, tally.closest
     if best is None:
         if closest is None:
             raise InfeasiblePlanError(
                 f"sp-only: stage 0's memory budget of {budget[0]} bytes ({budget[0] / GIB:.3g} GiB) per GPU is below "
                 f"its static memory alone ({static_refusal / GIB:.3g} GiB of ZeRO-3 shards and gathered weights)",
                 MORE_MEMORY, others=("use more GPUs",))
-        _, u, tb, sim = closest
+        _, setting, sim = closest
+        u, tb = setting["sp"], setting["token_budget"]
         raise InfeasiblePlanError(
             f"sp-only: no setting fits the memory budget of {budget[0]} bytes ({budget[0] / GIB:.2f} GiB) per GPU: "
             f"the closest (sp={u}, token_budget={tb}, full recompute) peaks at {sim.peak_memory_bytes[0]} bytes "
