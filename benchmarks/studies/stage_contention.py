@@ -109,12 +109,13 @@ def _worker(rank: int, port: int, spec: dict, out_dir: str, flag) -> None:
     import torch.distributed as dist
 
     from _pipeline_worker import _capacity_probe, build_model
+    from concertina_hf.runtime.distributed import p2p_channels
     from concertina_hf.runtime.p2p import StageComm
     from concertina_hf.runtime.probe import build_probe
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    comm = StageComm(None, rank, 2)
+    comm = StageComm(None, rank, 2, p2p_channels([[0, 1]]))
     cores = [_capacity_probe(rank, 2)]
     pr = build_probe(build_model(spec["config"], 0), spec["layers"])
     works = {w: _work(pr, w, spec["tokens"], spec["context"]) for w in WORKS}
