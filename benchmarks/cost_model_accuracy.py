@@ -256,11 +256,11 @@ def main(argv: list[str] | None = None) -> int:
                "analytic_mean_abs_error": statistics.mean(aerrs), "analytic_max_abs_error": max(aerrs),
                "max_abs_bytes_error": max(abs(r["bytes_error"]) for r in rows)}
     fitted = {k: v for k, v in cost.to_dict().items()
-              if k in ("alpha_attn", "alpha_mask", "alpha_tok", "beta", "bwd_factor", "embed_time_per_token",
+              if k in ("alpha_attn", "alpha_tok", "beta", "bwd_factor", "embed_time_per_token",
                        "head_time_per_token", "embed_time_per_call", "head_time_per_call", "max_chunk_tokens",
                        "act_bytes_per_token", "ckpt_bytes_per_token", "ckpt_chunk_bytes_per_token",
                        "kv_bytes_per_token",
-                       "context_bytes_per_token", "mask_bytes_per_pair", "logits_bytes_per_token",
+                       "context_bytes_per_token", "logits_bytes_per_token",
                        "bwd_transient_bytes_per_token", "head_bwd_transient_bytes_per_token",
                        "bwd_transient_bytes", "head_bwd_transient_bytes", "embed_bwd_transient_bytes",
                        "recompute_factor")}

@@ -807,9 +807,9 @@ def section_profiler(chk: Check, rec: dict) -> None:
     measure_chunk(probe, ((0, sz.profile_max_tokens // 4),), repeats=1, warmup=1)  # kernels, handles, allocator
     cost = chk.cost_model(rec["results"], repeats=sz.repeats, where="profiler section")
     fitted = {k: v for k, v in cost.to_dict().items()
-              if k in ("alpha_attn", "alpha_mask", "alpha_tok", "beta", "bwd_factor", "recompute_factor",
+              if k in ("alpha_attn", "alpha_tok", "beta", "bwd_factor", "recompute_factor",
                        "act_bytes_per_token", "ckpt_bytes_per_token", "kv_bytes_per_token", "context_bytes_per_token",
-                       "mask_bytes_per_pair", "logits_bytes_per_token", "head_time_per_token", "embed_time_per_token",
+                       "logits_bytes_per_token", "head_time_per_token", "embed_time_per_token",
                        "static_bytes_per_param")}
     rec["results"].update(profiled_layers=sz.profile_layers, cost_model=fitted, model=sz.model_note, **chk.profile_info)
 

@@ -175,8 +175,7 @@ def model_config(shape: dict[str, int], max_len: int) -> dict[str, Any]:
 
 
 # time coefficients averaged over the two concurrent profiles (memory ones are identical)
-_TIME_FIELDS = ("alpha_attn", "alpha_tok", "beta", "bwd_factor", "embed_time_per_token", "head_time_per_token",
-                "alpha_mask")
+_TIME_FIELDS = ("alpha_attn", "alpha_tok", "beta", "bwd_factor", "embed_time_per_token", "head_time_per_token")
 
 
 def profile(config: dict, seed: int, preset: dict, max_len: int, log) -> tuple[Any, float]:
@@ -231,7 +230,7 @@ def profile(config: dict, seed: int, preset: dict, max_len: int, log) -> tuple[A
     avg.update(p2p_latency_s=max(0.0, t0_ - b0 / bandwidth), p2p_bandwidth=bandwidth)
     cost = dataclasses.replace(costs[0], **avg)
     log(f"profiled the cost model in {took:.0f} s (two processes at once): alpha_tok {cost.alpha_tok:.3g}, "
-        f"alpha_attn {cost.alpha_attn:.3g}, alpha_mask {cost.alpha_mask:.3g}, beta {cost.beta:.3g}, "
+        f"alpha_attn {cost.alpha_attn:.3g}, beta {cost.beta:.3g}, "
         f"bwd {cost.bwd_factor:.2f}, act {cost.act_bytes_per_token:.0f} B/tok/layer, P2P "
         f"{cost.p2p_latency_s * 1e3:.2f} ms + {cost.p2p_bandwidth / 1e9:.2f} GB/s "
         f"(the two fits' alpha_tok: {costs[0].alpha_tok:.3g} / {costs[1].alpha_tok:.3g})")
@@ -651,7 +650,7 @@ def paper_scale(cost, config: dict, num_settings: int, seed: int, log) -> list[d
     small = CostModel.from_hf_config(config, DeviceSpec.cpu(), dtype_bytes=4)
     out = []
     for gpus, ctx in ((8, 65536), (8, 131072), (4, 131072))[:num_settings]:
-        dev = DeviceSpec.a800(gpus)
+        dev = pb.stage_of_a800s(gpus)
         analytic = CostModel.from_hf_config(MODEL_PRESETS["llama-13b"], dev)
         lens = data.sample_lengths("github", 512, ctx, seed)
         name = f"LLaMA-13B, 4x{gpus} A800, github, 512 seqs, max {ctx // 1024}K"
@@ -687,8 +686,7 @@ def to_markdown(res: dict[str, Any]) -> str:
         f"Cost model profiled on this machine in {res['profile_s']:.0f} s ("
         f"{'two processes at once, one thread each, like the pp=2 runs' if res['profile_procs'] == 2 else 'one process'}; "
         f"{cm['source']}): alpha_tok "
-        f"{cm['alpha_tok']:.3g} s/token/layer, alpha_attn {cm['alpha_attn']:.3g}, alpha_mask {cm['alpha_mask']:.3g} "
-        f"(dense masked SDPA), beta {cm['beta']:.3g} s, backward/forward {cm['bwd_factor']:.2f}, head "
+        f"{cm['alpha_tok']:.3g} s/token/layer, alpha_attn {cm['alpha_attn']:.3g}, beta {cm['beta']:.3g} s, backward/forward {cm['bwd_factor']:.2f}, head "
         f"{cm['head_time_per_token']:.3g} s/token; activations {cm['act_bytes_per_token']:.0f} B/token/layer, "
         f"logits {cm['logits_bytes_per_token']:.0f} B/token. Stages: "
         + ", ".join(f"{s}: layers {a}-{b - 1}" + (" + embedding" if s == 0 else "") +
