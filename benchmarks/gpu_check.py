@@ -351,8 +351,7 @@ class Check:
                 if failed is None:
                     self.profiled_cost, self.profiled_in = cost, where
                     self.profile_info = dict(max_tokens=m, profile_s=time.perf_counter() - t0, repeats=repeats,
-                                             fit_shapes=[[list(x) for x in smp.slices] for smp in samples],
-                                             dense_mask=bool(probe.dense_mask))
+                                             fit_shapes=[[list(x) for x in smp.slices] for smp in samples])
                     break
                 self.profile_failures.append(failed)
                 record.setdefault("profile_failures", []).append(failed)
@@ -1143,7 +1142,7 @@ def render(report: dict) -> str:
     if c.get("sweep") or c.get("held_out"):
         lines += ["", "## (c) Profiler", "",
                   f"{c.get('model')}; {c.get('profiled_layers')} layers profiled up to {c.get('max_tokens')} tokens "
-                  f"in {_fmt(c.get('profile_s'))} s; dense-mask attention term fitted: {c.get('dense_mask')}.", "",
+                  f"in {_fmt(c.get('profile_s'))} s.", "",
                   "| kind | shape (context, length) | tokens | fwd ms | bwd ms | measured ms | predicted ms | error |",
                   "|---|---|---|---|---|---|---|---|"]
         for label, rows in (("sweep", c.get("sweep", [])), ("held out", c.get("held_out", []))):

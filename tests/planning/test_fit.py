@@ -2,12 +2,11 @@
 
 - :func:`nonneg_lstsq`: exact on consistent data, a negative coefficient dropped, ``None`` when
   none stays positive;
-- :func:`fit_profile`: layer time coefficients, ``alpha_mask`` on
-  dense-mask backends, all 0 on samples no positive coefficient explains;
+- :func:`fit_profile`: layer time coefficients, all 0 on samples no positive coefficient explains;
 - :func:`fit_activation_bytes`: the profiler's byte terms from chunks' bytes;
 - :func:`refit_cost_model` / :func:`action_samples`: the online refit from a step's actions;
-  on noisy steps (sleeps on a busy machine) it keeps the planned chunk counts within 2x (floors),
-  fits ``alpha_mask``; :func:`bounded_refit` keeps it only if it predicts held-out steps better;
+  on noisy steps (sleeps on a busy machine) it keeps the planned chunk counts within 2x (floors);
+  :func:`bounded_refit` keeps it only if it predicts held-out steps better;
 - the planner's chunk-size floor (no slice whose work is below ``beta``).
 """
 
@@ -69,17 +68,15 @@ def test_nonneg_lstsq():
     assert through_origin([0, 0], [1, 2]) == 0.0
 
 
-@pytest.mark.parametrize("dense_mask", [False, True])
-def test_fit_profile_recovers_layer_coefficients(dense_mask):
-    true = CostModel(num_layers=2, alpha_attn=3e-9, alpha_tok=2e-6, beta=1e-4, bwd_factor=2.5,
-                     alpha_mask=5e-9 if dense_mask else 0.0)
+def test_fit_profile_recovers_layer_coefficients():
+    true = CostModel(num_layers=2, alpha_attn=3e-9, alpha_tok=2e-6, beta=1e-4, bwd_factor=2.5)
     samples = []
     for sh in SHAPES:
         f = true.layer_fwd_time([Slice(i, c, s) for i, (c, s) in enumerate(sh)])
         samples.append(ProfileSample(sh, f, 2.5 * f, act_bytes=100.0 * sum(s for _, s in sh)))
     start = CostModel.from_hf_config(HF_CFG)
-    fitted = fit_profile(start, samples, dense_mask=dense_mask)
-    for name in ("alpha_attn", "alpha_tok", "beta", "alpha_mask"):
+    fitted = fit_profile(start, samples)
+    for name in ("alpha_attn", "alpha_tok", "beta"):
         assert getattr(fitted, name) == pytest.approx(getattr(true, name), rel=1e-6, abs=1e-15), name
     assert fitted.bwd_factor == pytest.approx(2.5) and fitted.act_bytes_per_token == pytest.approx(100.0)
     assert fitted.source == "fitted" and fitted.num_layers == start.num_layers
@@ -92,25 +89,21 @@ def test_fit_profile_with_no_positive_coefficient_gives_zeros():
     forward total the start's backward factor is kept, and with no measured bytes its bytes."""
     start = CostModel.from_hf_config(HF_CFG)
     samples = [ProfileSample(sh, -1e-3 * sum(s for _, s in sh), 1e-3) for sh in SHAPES]
-    for dense_mask in (False, True):
-        fitted = fit_profile(start, samples, dense_mask=dense_mask)
-        assert (fitted.alpha_attn, fitted.alpha_tok, fitted.beta) == (0.0, 0.0, 0.0)
-        assert fitted.alpha_mask == 0.0
-        assert fitted.bwd_factor == start.bwd_factor and fitted.act_bytes_per_token == start.act_bytes_per_token
+    fitted = fit_profile(start, samples)
+    assert (fitted.alpha_attn, fitted.alpha_tok, fitted.beta) == (0.0, 0.0, 0.0)
+    assert fitted.bwd_factor == start.bwd_factor and fitted.act_bytes_per_token == start.act_bytes_per_token
 
 
 def test_fit_activation_bytes_recovers_the_byte_terms():
-    layers, act, ctx, mask = 3, 1000.0, 40.0, 2.0
+    layers, act, ctx = 3, 1000.0, 40.0
     chunks = [(sh, False) for sh in SHAPES] + [(((512, 512),), True), (((0, 512),), True)]
     nbytes = []
     for sh, split in chunks:
         tok = sum(s for _, s in sh)
-        keys = sum(c + s for c, s in sh)
         context = sum(c + (s if split else 0) for c, s in sh if c > 0)
-        masked = not (len(sh) == 1 and sh[0][0] == 0)
-        nbytes.append(layers * (act * tok + ctx * context) + (mask * tok * keys if masked else 0.0))
-    assert fit_activation_bytes(chunks, nbytes, layers) == pytest.approx((act, ctx, mask))
-    assert fit_activation_bytes(chunks, [-b for b in nbytes], layers) == (0.0, 0.0, 0.0)
+        nbytes.append(layers * (act * tok + ctx * context))
+    assert fit_activation_bytes(chunks, nbytes, layers) == pytest.approx((act, ctx))
+    assert fit_activation_bytes(chunks, [-b for b in nbytes], layers) == (0.0, 0.0)
 
 
 def _chunks(rng, n):
@@ -290,12 +283,12 @@ def test_refit_coefficients_stay_above_the_floor_model():
         RECIPE_TRUTH.alpha_tok + RECIPE_TRUTH.head_time_per_token / 4, rel=0.1)  # one stage: only their sum shows
 
 
-def test_refit_fits_alpha_mask_on_a_dense_mask_model():
-    """A model profiled on a dense-mask backend (``alpha_mask > 0``) gets ``alpha_mask`` refitted
-    on the chunks that need a mask, like the profiler fits it."""
+def test_refit_recovers_the_layer_terms_on_packed_and_single_chunks():
+    """Chunks of one and of several slices over two stages: the refit recovers the attention,
+    per-token and per-call terms."""
     rng = random.Random(0)
-    start = dataclasses.replace(CostModel.from_hf_config(HF_CFG, DeviceSpec.cpu(), dtype_bytes=4), alpha_mask=1e-9)
-    truth = dataclasses.replace(start, alpha_attn=2 * start.alpha_attn, alpha_mask=4e-9, beta=3e-4)
+    start = CostModel.from_hf_config(HF_CFG, DeviceSpec.cpu(), dtype_bytes=4)
+    truth = dataclasses.replace(start, alpha_attn=2 * start.alpha_attn, beta=3e-4)
     layout = StageLayout(6, ((0, 3), (3, 6)))
     samples = []
     for ch in _chunks(rng, 60):
@@ -303,10 +296,8 @@ def test_refit_fits_alpha_mask_on_a_dense_mask_model():
         samples.append(ActionSample(st, ch, 0, truth.fwd_time(layout, st, ch), truth.bwd_time(layout, st, ch)))
     assert any(len(x.chunk.slices) > 1 for x in samples) and any(len(x.chunk.slices) == 1 for x in samples)
     fitted = refit_cost_model(start, layout, samples)
-    for name in ("alpha_attn", "alpha_mask", "beta", "alpha_tok"):
+    for name in ("alpha_attn", "beta", "alpha_tok"):
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-3), name
-    # the analytic (flash-attn) model keeps alpha_mask = 0 and its pairs term
-    assert refit_cost_model(dataclasses.replace(start, alpha_mask=0.0), layout, samples).alpha_mask == 0.0
 
 
 def test_bounded_refit_is_kept_only_when_it_predicts_held_out_steps_better():

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from concertina_hf.planning import (
     PIPELINE_STRATEGIES, SOLVERS, STRATEGIES, ChunkKind, CostModel, DeviceSpec, InfeasiblePlanError, Plan, PlanError,
     StageLayout,
-    assign_recompute, balanced_split, build_schedule, chunk_sequences, fits, ideal_step_time, make_chunking, plan_step,
-    simulate, stage_budgets,
+    assign_recompute, balanced_split, build_schedule, fits, ideal_step_time, plan_step, simulate, stage_budgets,
 )
+from concertina_hf.planning.budgets import proxy_budgets
 from concertina_hf.planning.chunking import SequenceBatch
 from concertina_hf.planning.strategies import REGISTRY, PlanRequest
 
@@ -83,6 +83,17 @@ def test_balanced_split_rejects_impossible_counts():
         balanced_split(3, 4, COST)
 
 
+def _chunk(lens, layout, k, token_cap, budget=None, max_groups=1):
+    """Chunks and pipeline groups as the planner makes them: balanced on the layout's slowest
+    stage, grouped by the DP when more than one group is allowed under a budget."""
+    ch = SequenceBatch(lens, COST, layout).balanced(num_slices_longest=k, token_cap=token_cap)
+    cuts: tuple[int, ...] = ()
+    if max_groups > 1 and budget is not None:
+        budgets = proxy_budgets(stage_budgets(budget, layout.num_stages))
+        cuts, _ = ch.best_group_cuts(COST, layout, budgets, max_groups=max_groups)
+    return ch.assemble(cuts)
+
+
 @PROPERTY
 @given(lens=skewed_batches(), p=st.integers(1, 8), k=st.sampled_from([0.5, 1, 2, 3, 8, 16]),
        cap=st.one_of(st.none(), st.integers(512, 16384)), pressure=st.sampled_from([0.5, 2.0]))
@@ -90,7 +101,7 @@ def test_chunking_invariants(lens, p, k, cap, pressure):
     layout = StageLayout.even(NUM_LAYERS, p)
     token_cap = sum(lens) if cap is None else cap
     k = k if k < 1 else min(k, max(lens))
-    ch = make_chunking(lens, COST, num_slices_longest=k, token_cap=token_cap)
+    ch = SequenceBatch(lens, COST).balanced(num_slices_longest=k, token_cap=token_cap)
     # every chunk but a whole sequence alone is within the time target (up to one token of
     # rounding) and the token cap
     target = ch.time_target - COST.beta + 2 * COST.alpha_attn * max(lens) + COST.alpha_tok
@@ -99,8 +110,7 @@ def test_chunking_invariants(lens, p, k, cap, pressure):
             assert c.num_tokens <= token_cap and _work(c.slices) <= target * (1 + 1e-9), c
     budget = _budget(lens, layout, pressure)
     for max_groups in (1, 3):
-        chunks, groups = chunk_sequences(lens, COST, layout, num_slices_longest=k, token_cap=token_cap,
-                                         memory_budget_bytes=budget, max_groups=max_groups)
+        chunks, groups = _chunk(lens, layout, k, token_cap, budget, max_groups)
         plan = Plan("test", tuple(lens), layout, chunks, groups, build_schedule(chunks, groups, p, prefetch=True),
                     tuple((0,) * len(chunks) for _ in range(p))).validate()
         simulate(plan, COST)  # raises on deadlock
@@ -124,7 +134,7 @@ def test_chunking_invariants(lens, p, k, cap, pressure):
 
 def test_prefetch_schedule_only_differs_with_split_chains():
     lens = [300] * 6
-    ch = make_chunking(lens, COST, num_slices_longest=1, token_cap=300)
+    ch = SequenceBatch(lens, COST).balanced(num_slices_longest=1, token_cap=300)
     chunks, groups = ch.assemble()
     for p in (1, 2, 4):
         assert build_schedule(chunks, groups, p, prefetch=True) == build_schedule(chunks, groups, p)
@@ -224,7 +234,7 @@ def test_extra_warmup_runs_one_forward_more_ahead_and_adaptive_keeps_it_when_fas
     # backward to come back; one forward more ahead fills that wait
     lens = [2048] * 4 + [1917, 1559, 1164, 1061, 1016, 902, 297]
     layout = StageLayout((NUM_LAYERS), ((0, 10), (10, NUM_LAYERS)))
-    ch = make_chunking(lens, COST, num_slices_longest=1, token_cap=2048)
+    ch = SequenceBatch(lens, COST).balanced(num_slices_longest=1, token_cap=2048)
     chunks, groups = ch.assemble()
     plain, deeper = build_schedule(chunks, groups, 2, prefetch=True), build_schedule(chunks, groups, 2, prefetch=True,
                                                                                       extra_warmup=1)
@@ -378,14 +388,12 @@ def test_stage_budgets_is_the_one_normaliser():
     # every entry point taking budgets reports a wrong count the same way
     layout = StageLayout.even(NUM_LAYERS, 2)
     lens = [3000, 200, 100]
-    chunks, groups = chunk_sequences(lens, COST, layout, num_slices_longest=2, token_cap=4096)
+    chunks, groups = _chunk(lens, layout, 2, 4096)
     plan = Plan("test", tuple(lens), layout, chunks, groups, build_schedule(chunks, groups, 2, prefetch=True),
                 tuple((0,) * len(chunks) for _ in range(2)))
     calls = [
         lambda: stage_budgets([1, 2, 3], 2),
         lambda: plan_step(lens, COST, layout, [1, 2, 3]),
-        lambda: chunk_sequences(lens, COST, layout, num_slices_longest=2, token_cap=4096,
-                                memory_budget_bytes=[1, 2, 3], max_groups=2),
         lambda: assign_recompute(plan, COST, [1, 2, 3]),
         lambda: fits(plan, COST, [1, 2, 3]),
     ]

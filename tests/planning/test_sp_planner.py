@@ -280,10 +280,9 @@ def test_cli_plan_with_sp(tmp_path, capsys):
     assert len(recs["sp-only"]["peak_memory_bytes"]) == 1
     # one GPU per stage: nothing fits (the motivating case)
     assert cli.main([*base, "--strategy", "adaptive", "--memory-gb", "80", "--json", str(out)]) == 1
-    # --gpus-per-stage: a deprecated alias of --sp
-    assert cli.main([*base, "--gpus-per-stage", "8", "--memory-gb", "80", "--strategy", "adaptive"]) == 0
-    captured = capsys.readouterr()
-    assert "deprecated" in captured.err and "8 GPUs each" in captured.out
+    # --gpus-per-stage (a former alias of --sp) is gone
+    with pytest.raises(SystemExit):
+        cli.main([*base, "--gpus-per-stage", "8", "--memory-gb", "80", "--strategy", "adaptive"])
     with pytest.raises(SystemExit, match="--sp 16: .*40 attention heads.*set --sp to a divisor of 40"):
         cli.main([*base, "--sp", "16", "--strategy", "adaptive"])
 
@@ -294,6 +293,10 @@ def test_old_cost_model_files_still_load():
         d.pop(name, None)
     m = CostModel.from_dict(d)
     assert m.sp == 1 and m.state_shards == 1 and not m.zero3 and math.isfinite(m.alpha_attn)
+    # the dense-mask terms of a former CPU backend: loaded when 0, refused otherwise
+    assert CostModel.from_dict({**d, "alpha_mask": 0.0, "mask_bytes_per_pair": 0.0}) == m
+    with pytest.raises(ValueError, match="dense-mask attention backend.*profile the model again"):
+        CostModel.from_dict({**d, "alpha_mask": 5e-9})
 
 
 def test_doctests_pass():

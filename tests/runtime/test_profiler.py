@@ -126,12 +126,10 @@ def test_profile_fits_exact_bytes_and_leaves_the_model_alone(profiled):
     assert model.config._attn_implementation == "sdpa"
     assert all(p.grad is None for p in model.parameters())
     # times (one noisy repeat of millisecond kernels: only their shape is checked): longer
-    # chunks cost more, backward more than half the forward; the attention runs per slice (no
-    # backend attends densely over T x S), so the fitted model has no per-pair mask term
+    # chunks cost more, backward more than half the forward
     short, long = (Slice(0, 0, 64),), (Slice(0, 0, 512),)
     assert 0 < cost.layer_fwd_time(short) < cost.layer_fwd_time(long)
     assert cost.bwd_factor > 0.5 and cost.head_time_per_token > 0
-    assert cost.alpha_mask == 0
     # bytes of float32 tensors, exactly: a recomputed layer keeps its input; the stage's layers
     # share the chunk's rotary tables (cos, sin), once per stage whatever its layer count; the
     # checkpoint closures keep, once per chunk with any recompute, the context's int64
@@ -141,7 +139,6 @@ def test_profile_fits_exact_bytes_and_leaves_the_model_alone(profiled):
     assert cost.stage_bytes_per_token == pytest.approx(2 * 4 * 16)
     assert cost.ckpt_chunk_bytes_per_token == pytest.approx(8)
     assert cost.kv_bytes_per_token == pytest.approx(4 * 2 * kv_dim)
-    assert cost.mask_bytes_per_pair == 0
     assert 4 * VOCAB <= cost.logits_bytes_per_token <= 4 * VOCAB + 16 * h
     assert cost.hidden_bytes_per_token == cost.output_bytes_per_token == 4 * h
     n_layer = sum(p.numel() for p in model.model.layers[0].parameters())
@@ -195,7 +192,6 @@ def test_profile_under_bf16_autocast(profiled):
     assert explicit.act_bytes_per_token == cost.act_bytes_per_token
     assert cost.act_bytes_per_token < 0.8 * cost32.act_bytes_per_token
     assert cost.kv_bytes_per_token == pytest.approx(cost32.kv_bytes_per_token / 2)
-    assert cost.mask_bytes_per_pair == 0
     assert cost.static_bytes_per_param > cost32.static_bytes_per_param
     assert all(p.grad is None for p in model.parameters())
     lay = StageLayout(NUM_LAYERS, ((0, NUM_LAYERS),))
@@ -226,7 +222,6 @@ def test_wrapper_profile_matches_model_profile(profiled):
     w = PipelineWrapper(copy.deepcopy(model), StageLayout.even(NUM_LAYERS, 1), 0)
     wcost = profile_cost_model(w, repeats=1, warmup=0)
     names = ("act_bytes_per_token", "ckpt_bytes_per_token", "ckpt_chunk_bytes_per_token", "kv_bytes_per_token",
-             "mask_bytes_per_pair",
              "logits_bytes_per_token", "bwd_transient_bytes_per_token", "head_bwd_transient_bytes_per_token",
              "bwd_transient_bytes", "head_bwd_transient_bytes", "embed_bwd_transient_bytes", "embed_bwd_bytes_per_token",
              "stage_bytes_per_token", "layer_params", "head_params", "embed_params")

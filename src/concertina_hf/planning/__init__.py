@@ -1,7 +1,7 @@
 """The pure step planner: sequence lengths in, :class:`Plan` out. No ``torch`` imports here."""
 
 from .budgets import stage_budgets
-from .chunking import Chunking, balanced_split, chunk_sequences, make_chunking, token_chunking
+from .chunking import Chunking, SequenceBatch, balanced_split
 from .cost import CostModel, DeviceSpec, ProfileSample
 from .lower import lower
 from .partition import partition_layers
@@ -15,10 +15,10 @@ from .types import Action, ActionKind, Chunk, ChunkKind, Plan, PlanError, PlanSt
 __all__ = [
     "Action", "ActionKind", "Chunk", "ChunkKind", "Chunking", "CostModel", "DeviceSpec", "InfeasiblePlanError",
     "PIPELINE_STRATEGIES", "Plan", "PlanError", "PlanStats", "ProfileSample", "REPLICA_METHODS", "ReplicaSplit",
-    "SOLVERS", "STRATEGIES", "SimResult", "Slice", "StageLayout",
-    "assign_recompute", "backward_order", "balance_replicas", "balanced_split", "build_schedule", "chunk_sequences",
+    "SOLVERS", "STRATEGIES", "SequenceBatch", "SimResult", "Slice", "StageLayout",
+    "assign_recompute", "backward_order", "balance_replicas", "balanced_split", "build_schedule",
     "fits",
-    "ideal_step_time", "make_chunking", "partition_layers", "plan_step", "simulate", "stage_budgets", "token_chunking",
+    "ideal_step_time", "partition_layers", "plan_step", "simulate", "stage_budgets",
     "uniform_recompute",
     "Program", "dry_run", "lower",
 ]

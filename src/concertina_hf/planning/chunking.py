@@ -2,13 +2,13 @@
 
 Work is measured per decoder layer and forward, as in :mod:`.cost`: a slice of length ``s``
 with context ``C`` costs ``alpha_attn * ((C+s)^2 - C^2) + alpha_tok * s`` and a chunk adds
-``beta``. Given a stage layout (:func:`chunk_sequences`, the planner), the per-token time of
+``beta``. Given a stage layout (``SequenceBatch(lens, cost, layout)``, the planner), the per-token time of
 the embedding or LM head on the stage slowest for a typical chunk is added to ``alpha_tok``
 (spread over its layers), so chunks are balanced where the pipeline is slowest. The work of the first ``x`` tokens of a sequence, ``W(x) = alpha_attn x^2 +
 alpha_tok x``, is convex, so equal-work slices get shorter towards the end of the sequence
 (:func:`balanced_split` inverts ``W`` in closed form).
 
-Chunking (:func:`make_chunking`):
+Chunking (:meth:`SequenceBatch.balanced`):
 
 1. The longest sequence is cut into ``K`` equal-work slices (more if a slice would exceed the
    token cap); one slice's work plus ``beta`` is the time target ``T`` of every chunk (unless
@@ -56,11 +56,10 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from .budgets import proxy_budgets, stage_budgets
 from .cost import CostModel
 from .types import Chunk, ChunkKind, PlanError, Remedy, Slice, StageLayout
 
-__all__ = ["Chunking", "SequenceBatch", "balanced_split", "chunk_sequences", "make_chunking", "token_chunking"]
+__all__ = ["Chunking", "SequenceBatch", "balanced_split"]
 
 # Relative slack when comparing work against the time target: slices of the longest sequence
 # are exactly at the target up to rounding, and must not be cut once more because of it.
@@ -384,7 +383,8 @@ class SequenceBatch:
 
     def balanced(self, *, num_slices_longest: float, token_cap: int, time_target: float | None = None,
                  split_threshold: int | None = None) -> Chunking:
-        """See :func:`make_chunking`. ``num_slices_longest`` below 1 means a time target of
+        """Workload-balanced chunking of the step (the module docstring), before grouping.
+        ``num_slices_longest`` below 1 means a time target of
         ``W(longest) / num_slices_longest``: chunks up to that many times the longest
         sequence's work, none cut (fewer, larger chunks where bubbles are cheap, e.g. one
         stage)."""
@@ -427,7 +427,13 @@ class SequenceBatch:
         return Chunking(tuple(lens), target_work + beta, int(token_cap), chains, packed)
 
     def by_tokens(self, token_budget: int, split: bool) -> Chunking:
-        """See :func:`token_chunking`."""
+        """Token-budget chunking of the baselines (no work balancing).
+
+        ``split=False`` (*packed*): whole sequences best-fit decreasing into micro-batches of at
+        most ``token_budget`` tokens; a longer sequence gets a micro-batch of its own (tokens are
+        never dropped). ``split=True`` (*split*, Seq1F1B-like): a sequence longer than
+        ``token_budget`` is cut into ``ceil(len / token_budget)`` equal-length slices; short
+        sequences are packed up to ``token_budget`` tokens, tails included."""
         if token_budget < 1:
             raise PlanError(f"the token budget per micro-batch must be at least 1 (got {token_budget})")
         lens = self.lens
@@ -461,8 +467,8 @@ class SequenceBatch:
 
         def info(kind: ChunkKind, q: int, lo: int, n: int, rest: tuple = (), rest_work: float = 0.0) -> _ChunkInfo:
             hi = lo + n
-            return self._priced(_ChunkInfo(kind, ((q, lo, n),) + rest, n + sum(r[2] for r in rest),
-                                           a * (hi * hi - lo * lo) + (b - x) * n + rest_work + beta, n))
+            return _ChunkInfo(kind, ((q, lo, n),) + rest, n + sum(r[2] for r in rest),
+                              a * (hi * hi - lo * lo) + (b - x) * n + rest_work + beta, n)
 
         chains = list(ch.chains)
         changed = False
@@ -551,65 +557,5 @@ class SequenceBatch:
             else:
                 # buckets open in decreasing length of their first sequence: largest first
                 packed.append(_ChunkInfo(ChunkKind.PACKED, rest, btok[k], bwork[k] - x * btok[k] + beta, 0))
-        if self.cost.alpha_mask:
-            full_chains = [tuple(self._priced(ci) for ci in chain) for chain in full_chains]
-            packed = [self._priced(ci) for ci in packed]
         return tuple(full_chains), tuple(packed)
 
-    def _priced(self, ci: _ChunkInfo) -> _ChunkInfo:
-        """``ci`` with its true layer time as work where the cost model prices a dense attention
-        over masked chunks (``alpha_mask``: chunk times are not additive over slices); else ``ci``."""
-        if not self.cost.alpha_mask:
-            return ci
-        return dataclasses.replace(ci, work=self.cost.layer_fwd_time([Slice(q, s0, n) for q, s0, n in ci.parts]))
-
-
-def make_chunking(seq_lens: Sequence[int], cost: CostModel, *, num_slices_longest: int, token_cap: int,
-                  time_target: float | None = None, split_threshold: int | None = None) -> Chunking:
-    """Workload-balanced chunking of a step (see the module docstring), before grouping."""
-    return SequenceBatch(seq_lens, cost).balanced(num_slices_longest=num_slices_longest, token_cap=token_cap,
-                                                  time_target=time_target, split_threshold=split_threshold)
-
-
-def token_chunking(seq_lens: Sequence[int], cost: CostModel, *, token_budget: int, split: bool = False) -> Chunking:
-    """Token-budget chunking of the baselines (no work balancing).
-
-    ``split=False`` (*packed*): whole sequences best-fit decreasing into micro-batches of at
-    most ``token_budget`` tokens; a longer sequence gets a micro-batch of its own (tokens are
-    never dropped). ``split=True`` (*split*, Seq1F1B-like): a sequence longer than
-    ``token_budget`` is cut into ``ceil(len / token_budget)`` equal-length slices; short
-    sequences are packed up to ``token_budget`` tokens, tails included.
-    """
-    return SequenceBatch(seq_lens, cost).by_tokens(token_budget, split)
-
-
-def chunk_sequences(
-    seq_lens: Sequence[int],
-    cost: CostModel,
-    layout: StageLayout,
-    *,
-    num_slices_longest: int,
-    token_cap: int,
-    time_target: float | None = None,
-    split_threshold: int | None = None,
-    memory_budget_bytes: int | Sequence[int] | None = None,
-    max_groups: int = 1,
-) -> tuple[tuple[Chunk, ...], tuple[tuple[int, ...], ...]]:
-    """Chunks of a step in global forward order, and its pipeline groups.
-
-    Unlike :func:`make_chunking`, work is balanced on the stage of ``layout`` slowest on a
-    typical chunk: its per-token embedding or head time counts as per-token work (the LM head
-    of a large vocabulary is worth a sizeable part of a stage). ``num_slices_longest`` (K) slices of the longest sequence set the time target (unless
-    ``time_target``, per-layer forward seconds of a chunk, is given); ``token_cap`` bounds the
-    tokens of every chunk except a short sequence alone; sequences of at most
-    ``split_threshold`` tokens are never cut. With ``max_groups > 1`` and a
-    ``memory_budget_bytes`` (per stage, or one for all; 0 = unconstrained), the grouping DP
-    picks up to that many pipeline groups; otherwise all chunks form one group.
-    """
-    ch = SequenceBatch(seq_lens, cost, layout).balanced(num_slices_longest=num_slices_longest, token_cap=token_cap,
-                                                        time_target=time_target, split_threshold=split_threshold)
-    cuts: tuple[int, ...] = ()
-    if max_groups > 1 and memory_budget_bytes is not None:
-        budgets = proxy_budgets(stage_budgets(memory_budget_bytes, layout.num_stages))
-        cuts, _ = ch.best_group_cuts(cost, layout, budgets, max_groups=max_groups)
-    return ch.assemble(cuts)

@@ -23,17 +23,11 @@ Terms the profiler measures on the real runtime (all 0 in the analytic model, wh
 to the formulas above): a slice with context ``C`` saves, on every layer that keeps its
 activations, the concatenated keys and values it attends to (``context_bytes_per_token`` per
 layer and context token; a non-final slice with context also keeps its own K/V in the store,
-counted with the same coefficient); an explicit attention mask, built once per chunk when the
-chunk is not one whole sequence, holds ``mask_bytes_per_pair * T * S`` bytes (``T`` tokens,
-``S = T + sum C`` keys; a former CPU backend; the current one attends per slice and keeps no
-mask, so new profiles fit 0); a stage other than the last keeps its
+counted with the same coefficient); a stage other than the last keeps its
 output until the backward (``output_bytes_per_token``); a chunk with any recomputed layer keeps,
 once, what the checkpoint closures hold beyond the layers' inputs and what saved layers keep too
 (``ckpt_chunk_bytes_per_token``: the attention context's index tensors), a step at ``r >= 1`` that
-the recompute planner's linear model over-approximates by ``(r - 1)`` times it (conservative). Backends that compute attention densely
-over ``T x S`` whenever a chunk needs a mask (the former CPU backend) cost ``alpha_mask * T * S``
-per layer instead of ``alpha_attn * pairs`` on such chunks (``alpha_mask = 0``: every current
-backend attends per slice or per varlen segment; kept for cost models saved before).
+the recompute planner's linear model over-approximates by ``(r - 1)`` times it (conservative).
 The layers of a stage share per chunk what they all read (the rotary tables), held once per
 stage whatever its layer count (``stage_bytes_per_token``; the profiler measures it apart, so a
 one-layer stage is not predicted a share of it spread over the profiled layers). The first stage
@@ -63,8 +57,7 @@ recompute (``r == n``), by ``act_bytes_per_token`` per token.
 :meth:`CostModel.with_parallel`): a chunk's tokens are sharded over the stage's ``sp`` GPUs, so
 every per-token and per-pair coefficient above (compute and activation bytes) is that of one GPU
 and is ``1/sp`` of the single-GPU one; ``beta`` (per layer call), the embedding's and head's
-per-call times and the explicit mask (each GPU builds the whole ``T x S`` mask for its heads) are
-not divided. Two things a GPU holds beyond its
+per-call times are not divided. Two things a GPU holds beyond its
 ``1/sp`` share, per saved (or replayed) layer and chunk token (measured on the allocated peak:
 ``act_bytes_per_token`` and ``recompute_bwd_transient_bytes_per_token`` add them,
 :meth:`CostModel._sp_layer_extra`): the attention output twice, the kernel's (all tokens of
@@ -115,7 +108,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from .types import Chunk, ChunkKind, PlanError, Remedy, Slice, StageLayout
 
-__all__ = ["ChunkShape", "CostModel", "DeviceSpec", "ProfileSample", "attn_pairs", "needs_mask"]
+__all__ = ["ChunkShape", "CostModel", "DeviceSpec", "ProfileSample", "attn_pairs"]
 
 def _active_moe_width(get: Any) -> int | None:
     """The MLP width a token goes through in a config without ``intermediate_size`` (MoE only):
@@ -127,6 +120,9 @@ def _active_moe_width(get: Any) -> int | None:
     return int(moe) * max(1, int(get("num_experts_per_tok") or 1)) + int(shared)
 
 
+#: fields of cost models saved before, no longer modelled (:meth:`CostModel.from_dict`)
+_RETIRED_FIELDS = ("alpha_mask", "mask_bytes_per_pair")
+
 #: what :meth:`CostModel.from_hf_config` reads (GPT-2 / T5-style configs name them otherwise)
 _REQUIRED_CONFIG_KEYS = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size", "num_hidden_layers")
 
@@ -136,7 +132,11 @@ ChunkShape = tuple[tuple[int, int], ...]
 
 def attn_pairs(slices: Iterable[Slice]) -> int:
     """(query, key) pairs of causal attention: ``sum((C+s)^2 - C^2)`` (twice the true count,
-    a constant absorbed by ``alpha_attn``)."""
+    a constant absorbed by ``alpha_attn``): a late slice costs more than an early one.
+
+    >>> attn_pairs([Slice(0, 0, 4)]), attn_pairs([Slice(0, 8, 4)])
+    (16, 80)
+    """
     return sum((s.context + s.length) ** 2 - s.context**2 for s in slices)
 
 
@@ -167,21 +167,18 @@ class DeviceSpec:
     gpus_per_node: int = 8
 
     @classmethod
-    def a800(cls, num_gpus: int = 1) -> "DeviceSpec":
+    def a800(cls) -> "DeviceSpec":
         """An A800-80GB at a typical 50% of its 312 TFLOP/s bf16 peak; NVLink at 400 GB/s
         (about 150 GB/s each GPU sends in an all-to-all), one 200 Gb/s NIC per GPU between nodes
-        of 8 (assumed, not measured).
-
-        ``num_gpus > 1`` (deprecated): the aggregate of that many GPUs as one device, rates and
-        memory added up, no communication inside the stage; model a stage of several GPUs with
-        ``CostModel.from_hf_config(config, DeviceSpec.a800()).with_parallel(sp=...)`` instead."""
+        of 8 (assumed, not measured). A stage of several GPUs:
+        ``CostModel.from_hf_config(config, DeviceSpec.a800()).with_parallel(sp=...)``."""
         return cls(
-            flops=156e12 * num_gpus,
-            mem_bandwidth=1.6e12 * num_gpus,
+            flops=156e12,
+            mem_bandwidth=1.6e12,
             kernel_overhead_s=2e-4,
-            p2p_bandwidth=25e9 * num_gpus,
+            p2p_bandwidth=25e9,
             p2p_latency_s=2e-5,
-            memory_bytes=80 * 2**30 * num_gpus,
+            memory_bytes=80 * 2**30,
             intra_node_bandwidth=150e9,
             intra_node_latency_s=1e-5,
             inter_node_bandwidth=25e9,
@@ -228,7 +225,7 @@ class CostModel:
     # the head's forward seconds measured at a ladder of chunk sizes, ``((tokens, seconds), ...)``
     # ascending: fwd_time interpolates them (the line above stays for the planner's proxies and
     # beyond the ends). On CPU the head's time per token is not a line: 114-120 us/token (fwd +
-    # bwd) from 256 to 896 tokens, 132-151 from 1024 up (issue 13). Empty: the line alone
+    # bwd) from 256 to 896 tokens, 132-151 from 1024 up. Empty: the line alone
     head_time_points: tuple[tuple[float, float], ...] = ()
     # bytes
     act_bytes_per_token: float = 0.0
@@ -244,9 +241,7 @@ class CostModel:
     p2p_latency_s: float = 2e-5
     source: str = "analytic"
     # measured terms of the real runtime (see the module docstring); 0 = not modelled
-    alpha_mask: float = 0.0  # s per (query, key) element of a dense masked attention, per layer
     context_bytes_per_token: float = 0.0  # per saved layer and token of context attended to
-    mask_bytes_per_pair: float = 0.0  # per chunk and (query, key) element of an explicit mask
     output_bytes_per_token: float = 0.0  # stage output kept until backward (not the last stage)
     bwd_transient_bytes_per_token: float = 0.0  # peak extra during a decoder layer's backward
     head_bwd_transient_bytes_per_token: float = 0.0  # peak extra during the head's backward
@@ -293,7 +288,7 @@ class CostModel:
     # time coefficients were fitted on; the planner builds no larger chunk (plan_step). 0: no cap
     # (analytic models, models saved before the field). Beyond it the per-token time can grow:
     # on CPU, 8K-13K-token chunks of a 10M Llama ran 1.2-1.6x their linear prediction (the head's
-    # log-softmax over the fp32 logits up to 7x its per-element time in 4K-token chunks; issue 13)
+    # log-softmax over the fp32 logits up to 7x its per-element time in 4K-token chunks)
     max_chunk_tokens: int = 0
 
     # ------------------------------------------------------------------ constructors
@@ -399,7 +394,7 @@ class CostModel:
         )
 
     # per-token and per-pair coefficients that a stage of sp GPUs divides by sp
-    _PER_GPU = ("alpha_attn", "alpha_tok", "alpha_mask", "embed_time_per_token", "head_time_per_token",
+    _PER_GPU = ("alpha_attn", "alpha_tok", "embed_time_per_token", "head_time_per_token",
                 "act_bytes_per_token", "ckpt_bytes_per_token", "kv_bytes_per_token", "logits_bytes_per_token",
                 "hidden_bytes_per_token", "context_bytes_per_token", "output_bytes_per_token",
                 "bwd_transient_bytes_per_token", "head_bwd_transient_bytes_per_token", "ckpt_chunk_bytes_per_token",
@@ -475,11 +470,7 @@ class CostModel:
     def layer_compute_time(self, slices: Sequence[Slice]) -> float:
         """Forward compute of one decoder layer on one GPU (no communication)."""
         tok = sum(s.length for s in slices)
-        if self.alpha_mask and needs_mask([(s.context, s.length) for s in slices]):
-            attn = self.alpha_mask * tok * sum(s.context + s.length for s in slices)
-        else:
-            attn = self.alpha_attn * attn_pairs(slices)
-        return attn + self.alpha_tok * tok + self.beta
+        return self.alpha_attn * attn_pairs(slices) + self.alpha_tok * tok + self.beta
 
     def layer_fwd_time(self, slices: Sequence[Slice]) -> float:
         """Forward of one decoder layer: compute, the four all-to-alls (``sp > 1``), and with
@@ -626,8 +617,6 @@ class CostModel:
             ctx_tok = sum(s.context + (s.length if chunk.kind is ChunkKind.SPLIT else 0)
                           for s in chunk.slices if s.context > 0)
             mem += saved * self.context_bytes_per_token * ctx_tok
-        if self.mask_bytes_per_pair and needs_mask([(s.context, s.length) for s in chunk.slices]):
-            mem += self.mask_bytes_per_pair * tok * sum(s.context + s.length for s in chunk.slices)
         return mem
 
     def kv_grad_memory(self, layout: StageLayout, stage: int, earlier_tokens: int) -> float:
@@ -716,17 +705,16 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "CostModel":
+        """A model from :meth:`to_dict` (fields added since default to what they add nothing at).
+        Models saved with a dense-mask attention term (``alpha_mask``, ``mask_bytes_per_pair``:
+        a CPU backend that attended over ``T x S`` whenever a chunk needed a mask) load when the
+        terms are 0 and are refused otherwise: no backend computes that now."""
         d = dict(d)
+        retired = {k: d.pop(k) for k in _RETIRED_FIELDS if k in d}
+        if any(retired.values()):
+            raise ValueError(f"this cost model was profiled on a dense-mask attention backend ({retired}), which "
+                             "no backend is now; profile the model again")
         if "head_time_points" in d:  # JSON gives lists
             d["head_time_points"] = tuple((float(t), float(s)) for t, s in d["head_time_points"])
         return cls(**d)
 
-
-def needs_mask(slices: Sequence[tuple[int, int]]) -> bool:
-    """Whether a chunk of ``(context, length)`` slices needs an explicit attention mask: all
-    but one whole sequence (plain causal attention) do.
-
-    >>> needs_mask([(0, 128)]), needs_mask([(0, 64), (0, 64)]), needs_mask([(512, 128)])
-    (False, True, True)
-    """
-    return not (len(slices) == 1 and slices[0][0] == 0)

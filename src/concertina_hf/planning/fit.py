@@ -5,7 +5,7 @@
   ``y = k * x``. Every fit below uses one of them.
 - :func:`fit_profile`: decoder-layer time coefficients (and activation bytes per token) from
   profiled :class:`~concertina_hf.planning.cost.ProfileSample` s.
-- :func:`fit_activation_bytes`: the per-token, per-context-token and per-mask-element bytes of
+- :func:`fit_activation_bytes`: the per-token and per-context-token bytes of
   chunks measured without recompute (the profiler's byte fit).
 - :class:`ActionSample` / :func:`action_samples`: a chunk's measured forward and backward on a
   stage, paired from a step's measured actions.
@@ -16,7 +16,7 @@
 
 The measurements come from :mod:`concertina_hf.runtime.profiler` (chunks run on the device) and
 from the executor's timed actions (:class:`~concertina_hf.training.callbacks.StepStatsCallback`). Each fit is
-one ``lstsq`` per active set on a ``samples x features`` matrix (at most 5 features): negligible
+one ``lstsq`` per active set on a ``samples x features`` matrix (at most 4 features): negligible
 next to measuring the samples.
 
 Pure Python and numpy; no torch.
@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .cost import ChunkShape, CostModel, ProfileSample, needs_mask
+from .cost import ChunkShape, CostModel, ProfileSample
 from .types import Action, ActionKind, Chunk, Plan, StageLayout
 
 __all__ = [
@@ -37,12 +37,9 @@ __all__ = [
     "nonneg_lstsq", "prediction_error", "refit_cost_model", "relative_line", "through_origin",
 ]
 
-def fit_profile(cost: CostModel, samples: Sequence[ProfileSample], *, dense_mask: bool = False) -> CostModel:
+def fit_profile(cost: CostModel, samples: Sequence[ProfileSample]) -> CostModel:
     """``cost`` with ``alpha_attn``, ``alpha_tok``, ``beta``, ``bwd_factor`` (and the activation
     bytes per token when samples carry them) fitted by least squares; other fields are kept.
-
-    ``dense_mask``: the samples come from a backend that attends densely over ``T x S`` when
-    a chunk needs a mask (SDPA on CPU); ``alpha_mask`` is fitted too, on those chunks only.
 
     Coefficients are constrained non-negative (:func:`nonneg_lstsq`; all 0 when none stays
     positive). ``bwd_factor`` is ``sum(bwd) / sum(fwd)``; the activation bytes per token a fit
@@ -56,12 +53,7 @@ def fit_profile(cost: CostModel, samples: Sequence[ProfileSample], *, dense_mask
     for x in samples:
         tok = sum(s for _, s in x.slices)
         pairs = sum((c + s) ** 2 - c * c for c, s in x.slices)
-        if dense_mask:
-            masked = needs_mask(x.slices)
-            dense = tok * sum(c + s for c, s in x.slices)
-            rows.append([0.0 if masked else pairs, dense if masked else 0.0, tok, 1.0])
-        else:
-            rows.append([pairs, tok, 1.0])
+        rows.append([pairs, tok, 1.0])
     feats = np.array(rows, dtype=float)
     fwd = np.array([x.fwd_time_s for x in samples], dtype=float)
     bwd = np.array([x.bwd_time_s for x in samples], dtype=float)
@@ -70,13 +62,9 @@ def fit_profile(cost: CostModel, samples: Sequence[ProfileSample], *, dense_mask
         coef = np.zeros(feats.shape[1])
     total = float(fwd.sum())
     bwd_factor = float(bwd.sum() / total) if total > 0 else cost.bwd_factor
-    if dense_mask:
-        coef_attn, coef_mask, coef_tok, coef_beta = (float(v) for v in coef)
-    else:
-        (coef_attn, coef_tok, coef_beta), coef_mask = (float(v) for v in coef), cost.alpha_mask
+    coef_attn, coef_tok, coef_beta = (float(v) for v in coef)
     changes: dict[str, Any] = dict(
-        alpha_attn=coef_attn, alpha_mask=coef_mask, alpha_tok=coef_tok, beta=coef_beta,
-        bwd_factor=bwd_factor, source="fitted",
+        alpha_attn=coef_attn, alpha_tok=coef_tok, beta=coef_beta, bwd_factor=bwd_factor, source="fitted",
     )
     acts = [(sum(s for _, s in x.slices), x.act_bytes) for x in samples if x.act_bytes > 0]
     if acts:
@@ -85,30 +73,28 @@ def fit_profile(cost: CostModel, samples: Sequence[ProfileSample], *, dense_mask
 
 
 def fit_activation_bytes(chunks: Sequence[tuple[ChunkShape, bool]], nbytes: Sequence[float],
-                         num_layers: int) -> tuple[float, float, float]:
-    """``(act_bytes_per_token, context_bytes_per_token, mask_bytes_per_pair)`` from the bytes
-    ``nbytes[i]`` that chunk ``chunks[i]`` (its shape, and whether it is a non-final slice of a
-    split sequence) keeps on ``num_layers`` layers with no recompute.
+                         num_layers: int) -> tuple[float, float]:
+    """``(act_bytes_per_token, context_bytes_per_token)`` from the bytes ``nbytes[i]`` that chunk
+    ``chunks[i]`` (its shape, and whether it is a non-final slice of a split sequence) keeps on
+    ``num_layers`` layers with no recompute.
 
-    Non-negative least squares of ``bytes = layers * (act * T + ctx * context_tokens) + mask * T
-    * S`` (``T`` tokens, ``S`` keys; the mask term only on chunks that need a mask; the context
-    tokens are the keys a saved layer holds beyond the chunk's own: its contexts, plus a split
-    slice's own K/V kept in the store). All 0 when no coefficient stays positive.
+    Non-negative least squares of ``bytes = layers * (act * T + ctx * context_tokens)`` (``T``
+    tokens; the context tokens are the keys a saved layer holds beyond the chunk's own: its
+    contexts, plus a split slice's own K/V kept in the store). Both 0 when neither stays positive.
     """
     import numpy as np
 
     feats = []
     for shape, split in chunks:
         tok = sum(s for _, s in shape)
-        keys = sum(c + s for c, s in shape)
         ctx = sum(c + (s if split else 0) for c, s in shape if c > 0)
-        feats.append([num_layers * tok, num_layers * ctx, tok * keys if needs_mask(shape) else 0.0])
+        feats.append([num_layers * tok, num_layers * ctx])
     a = np.array(feats, dtype=float)
     coef = nonneg_lstsq(a, np.array(nbytes, dtype=float))
     if coef is None:
         coef = np.zeros(a.shape[1])
-    act, ctx_b, mask_b = (float(v) for v in coef)
-    return act, ctx_b, mask_b
+    act, ctx_b = (float(v) for v in coef)
+    return act, ctx_b
 
 
 def relative_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
@@ -166,13 +152,13 @@ def action_samples(plan: Plan, actions: Sequence[tuple[Action, float, float]]) -
 
 #: the fraction of the floor model's coefficients (the profiled or start model) a refit never
 #: goes below: a per-call constant or a per-token rate fitted to 0 on noisy steps makes small
-#: chunks look free (the runaway of issue 10: 12 -> 466 chunks a step, 5x slower)
+#: chunks look free (measured on CPU: 12 -> 466 chunks a step, 5x slower)
 FLOOR_FRACTION = 0.25
 
 
 def refit_cost_model(cost: CostModel, layout: StageLayout, samples: Sequence[ActionSample],
                      memory_scale: float = 1.0, *, floors: CostModel | None = None,
-                     floor_fraction: float = FLOOR_FRACTION, dense_mask: bool | None = None) -> CostModel | None:
+                     floor_fraction: float = FLOOR_FRACTION) -> CostModel | None:
     """Least-squares time coefficients from measured actions; ``None`` when underdetermined.
 
     A forward of a chunk (slices ``s_i`` at contexts ``C_i``, ``T`` tokens) on a stage of ``n``
@@ -180,10 +166,7 @@ def refit_cost_model(cost: CostModel, layout: StageLayout, samples: Sequence[Act
     H(T) * [last])`` with ``P = sum((C+s)^2 - C^2)`` and the start model's embedding / head times
     ``E``, ``H`` (per token, per call, the head's measured points) scaled by one fitted factor
     ``k`` (the head of a large vocabulary is a big share of the last stage, so it must be fitted
-    too). ``dense_mask`` (default: ``cost.alpha_mask > 0``, a
-    model profiled on a dense-mask backend): chunks that need a mask cost ``alpha_mask * T * S``
-    instead of ``alpha_attn * P``, and ``alpha_mask`` is fitted too (every term the profiler
-    fits). The backward factor is then ``sum(t_bwd - r * layer_fwd) / sum(t_fwd)``.
+    too). The backward factor is then ``sum(t_bwd - r * layer_fwd) / sum(t_fwd)``.
 
     Every coefficient stays at or above ``floor_fraction`` times its value in ``floors`` (the
     profiled or start model of the run; ``cost`` itself when ``None``; ``floor_fraction=0``: no
@@ -191,7 +174,7 @@ def refit_cost_model(cost: CostModel, layout: StageLayout, samples: Sequence[Act
     otherwise can set the per-call constant ``beta`` (or ``alpha_tok``) to 0, and small chunks
     look free to the planner. With ``memory_scale > 1`` the activation byte coefficients are multiplied by it
     (never lowered: the runtime's meter sees saved tensors only, not allocator slack). Cost: one
-    ``lstsq`` per active set on a ``len(samples) x 5`` matrix.
+    ``lstsq`` per active set on a ``len(samples) x 4`` matrix.
 
     A stage of several GPUs (``cost.sp > 1``): the measured times include each layer's
     all-to-alls, whose per-call and per-token parts cannot be told apart from ``beta`` and
@@ -207,7 +190,6 @@ def refit_cost_model(cost: CostModel, layout: StageLayout, samples: Sequence[Act
 
     def comm(x: ActionSample) -> float:  # one direction's all-to-alls of the sample's layers (0 at sp = 1)
         return layout.num_stage_layers(x.stage) * cost.a2a_time(x.chunk.num_tokens)
-    dense = cost.alpha_mask > 0 if dense_mask is None else dense_mask
     e0, h0 = cost.embed_time_per_token, cost.head_time_per_token
     if e0 + h0 <= 0:
         e0 = h0 = 1e-9
@@ -223,26 +205,23 @@ def refit_cost_model(cost: CostModel, layout: StageLayout, samples: Sequence[Act
         sl = x.chunk.slices
         pairs = sum((s.context + s.length) ** 2 - s.context ** 2 for s in sl)
         tok = x.chunk.num_tokens
-        masked = dense and needs_mask([(s.context, s.length) for s in sl])
-        keys = tok * sum(s.context + s.length for s in sl) if masked else 0.0
-        rows.append([0.0 if masked else n * pairs, n * keys, n * tok, n, ends(x)])
+        rows.append([n * pairs, n * tok, n, ends(x)])
         y.append(x.fwd_s - comm(x))
     a_mat, y_vec = np.array(rows, dtype=float), np.array(y, dtype=float)
-    cols = [0, 1, 2, 3, 4] if dense else [0, 2, 3, 4]
     floors = cost if floors is None else floors
     f = floor_fraction
     # k scales the start model's embedding / head rates e0, h0: floor it so neither goes below
     k_lo = max((getattr(floors, name) / base for name, base in
                 (("embed_time_per_token", e0), ("head_time_per_token", h0)) if base > 0), default=0.0)
-    lo = f * np.array([floors.alpha_attn, floors.alpha_mask if dense else 0.0, floors.alpha_tok, floors.beta, k_lo])
-    z = nonneg_lstsq(a_mat[:, cols], y_vec - a_mat @ lo)
+    lo = f * np.array([floors.alpha_attn, floors.alpha_tok, floors.beta, k_lo])
+    z = nonneg_lstsq(a_mat, y_vec - a_mat @ lo)
     coef = lo.copy()
     if z is not None:
-        coef[cols] += z
-    if not np.isfinite(coef).all() or coef[:4].sum() <= 0:
+        coef += z
+    if not np.isfinite(coef).all() or coef[:3].sum() <= 0:
         return None
-    a, m, b, beta, k = (float(v) for v in coef)
-    new = dataclasses.replace(cost, alpha_attn=a, alpha_mask=m if dense else cost.alpha_mask, alpha_tok=b, beta=beta,
+    a, b, beta, k = (float(v) for v in coef)
+    new = dataclasses.replace(cost, alpha_attn=a, alpha_tok=b, beta=beta,
                               embed_time_per_token=e0 * k, head_time_per_token=h0 * k,
                               embed_time_per_call=cost.embed_time_per_call * k,
                               head_time_per_call=cost.head_time_per_call * k,

@@ -21,7 +21,7 @@ the backward after it holds a superset (the 1F1B steady state), so the model has
 constraint per over-budget backward.
 
 Time. In 1F1B the backward at position ``i`` of stage ``s``'s backward order runs on diagonal
-``d = i + (p - 1 - s)`` (per pipeline group, DESIGN 4.4): the backwards of a diagonal run side
+``d = i + (p - 1 - s)`` (per pipeline group): the backwards of a diagonal run side
 by side and each waits for the previous diagonal, so recompute on one cell delays the whole
 diagonal and what follows, and the step-time cost is ``sum_d max_{cells on d} delay``. With
 heterogeneous chunks many backwards have slack (a short chunk behind a long one, fill and

@@ -114,7 +114,6 @@ class Probe:
     vocab_size: int
     num_kv_heads: int
     head_dim: int
-    dense_mask: bool  # attention is dense over T x S on chunks that need a mask (no backend is, now)
     config: Any
     own_params: list[nn.Parameter]  # parameters of the caller's modules used in place
     exclude: list[torch.Tensor]  # parameters and buffers: never counted as activation bytes
@@ -510,9 +509,6 @@ def _probe_modules(model_or_wrapper: Any, num_layers: int | None, device: Any) -
         vocab_size=int(c.vocab_size),
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        # every attention path runs per slice (varlen or one call per slice): none attends
-        # densely over T x S keys, so the fitted cost model has no per-pair mask term
-        dense_mask=False,
         config=c,
         own_params=own,
         exclude=exclude,

@@ -26,17 +26,13 @@ autocast state) and measures:
 :func:`measure_chunk` measures one shape alone (a :class:`ProfileSample`).
 
 Fit (:mod:`concertina_hf.planning.fit`). Times go to :func:`~concertina_hf.planning.fit.fit_profile`
-(``alpha_attn``, ``alpha_tok``, ``beta``, ``bwd_factor``; ``alpha_mask`` only for a backend that
-computes attention densely over ``T x S`` keys whenever a chunk needs a mask: none does now, the
-attention runs per slice, so it stays 0). Bytes with no recompute:
+(``alpha_attn``, ``alpha_tok``, ``beta``, ``bwd_factor``). Bytes with no recompute:
 :func:`~concertina_hf.planning.fit.fit_activation_bytes`, non-negative least squares of ``bytes
-= layers * (act * T + ctx * context_tokens) + mask * T * S`` over every shape ->
-``act_bytes_per_token``, ``context_bytes_per_token``, ``mask_bytes_per_pair``; with full
+= layers * (act * T + ctx * context_tokens)`` over every shape ->
+``act_bytes_per_token``, ``context_bytes_per_token``; with full
 recompute and with one recomputed layer (whole sequence) -> ``ckpt_bytes_per_token`` and
 ``ckpt_chunk_bytes_per_token`` (what closures keep once per chunk beyond the saved layers: index
-tensors), (the extra of the non-final slice) ``kv_bytes_per_token``, and (the packed chunk's
-extra per key pair, when larger: what the context keeps of its mask under recompute)
-``mask_bytes_per_pair``; backward transients -> ``bwd_transient_bytes_per_token``,
+tensors), (the extra of the non-final slice) ``kv_bytes_per_token``; backward transients -> ``bwd_transient_bytes_per_token``,
 ``bwd_context_bytes_per_token`` (a 16-token slice after ``size`` and ``2 * size`` tokens of
 context, per key: the larger context's, or the slope between the two when steeper),
 ``head_bwd_transient_bytes_per_token``; recompute -> ``recompute_factor``; head ->
@@ -49,14 +45,14 @@ profiled one down to 1/64 of it, the lines fitted on relative errors,
 a per-call constant (1.9 ms of a 10M Llama's 2.0 ms at 512 tokens), and the LM head's time per
 token is no line on CPU (114-120 us per token fwd + bwd from 256 to 896 tokens, 132-151 from
 1024 up): the former line through the origin at 1024 and 4096 tokens priced it 12-20% too high
-at the 256-512-token chunks of pp=2 plans, so the last stage ran faster than planned (issue 13). The cost model applies ``bwd_factor`` to
+at the 256-512-token chunks of pp=2 plans, so the last stage ran faster than planned. The cost model applies ``bwd_factor`` to
 head and embedding too, so their per-token times are ``(forward + backward) / (1 +
 bwd_factor)``: the step total is right, the forward/backward split of those two approximate.
 The largest profiled chunk (tokens) becomes ``max_chunk_tokens``: the planner builds no larger
 chunk (:func:`~concertina_hf.planning.strategies.plan_step`), since the fit is linear and the
 time per token grows beyond some size (on CPU, a 10M Llama's 8K-13K-token chunks ran 1.2-1.6x
 their prediction in the executor, the fp32 logits' log-softmax at up to 7x its per-element time
-in 4K-token chunks, the matmuls slower too; issue 13). Profile up to the largest chunk
+in 4K-token chunks, the matmuls slower too). Profile up to the largest chunk
 a run should use (``max_tokens`` or ``shapes``).
 Under autocast, the weight copies it keeps for the step are added to ``static_bytes_per_param``
 (spread over the profiled parameters). Parameter counts are the model's own; static bytes per
@@ -140,7 +136,7 @@ def measure_chunk(model_or_wrapper: Any, shape: Sequence[Sequence[int]], *, spli
     Returns a :class:`ProfileSample` with forward and backward seconds **per layer** (summary of
     ``repeats`` after ``warmup``, see the module docstring) and the activation bytes the chunk
     keeps until its backward **per layer** (the chunk's total over the profiled layers, divided
-    by their number; a chunk's mask is spread over its layers). ``repeats=0`` skips timing
+    by their number). ``repeats=0`` skips timing
     (times are 0). ``autocast_dtype``: see :func:`profile_cost_model`.
     """
     shp = _check_shape(shape)
@@ -229,9 +225,6 @@ def profile_cost_model(
             b1 = pr.chunk_bytes(((0, size),), False, 1)
             chunk_extra = max(0.0, (n * (b1 - b0) + b0 - ckpt_final) / (n - 1))
         ckpt_split = pr.chunk_bytes(((0, size),), True, n)
-        # a chunk with a mask, recomputed: checkpoint closures keep its attention context alive
-        masked = ((0, size // 2), (0, size - size // 2))
-        mask_rec = (pr.chunk_bytes(masked, False, n) - ckpt_final) / (size * size)
         # per token at two sizes (the larger one's is kept), and the constant part (weight
         # gradients, whatever the tokens) from a line through two short chunks
         tr_tokens = (max(16, size // 2), size)
@@ -279,9 +272,8 @@ def profile_cost_model(
     if samples_out is not None:
         samples_out.extend(samples)
     timed = [dataclasses.replace(s, act_bytes=0.0) for s in samples]  # bytes are fitted below, with more terms
-    cost = fit_profile(base, timed, dense_mask=pr.dense_mask)
-    act, ctx_b, mask_b = fit_activation_bytes(mem_rows, mem_bytes, n)
-    mask_b = max(mask_b, mask_rec)  # the cost model has one mask term: take the larger
+    cost = fit_profile(base, timed)
+    act, ctx_b = fit_activation_bytes(mem_rows, mem_bytes, n)
     ckpt = (ckpt_final - chunk_extra) / (n * size)
     # every measurement above holds the shared tables once for its n layers: the cost model
     # counts them once per stage (stage_bytes_per_token), whatever its layer count
@@ -293,7 +285,6 @@ def profile_cost_model(
     changes: dict[str, Any] = dict(
         act_bytes_per_token=act,
         context_bytes_per_token=ctx_b,
-        mask_bytes_per_pair=mask_b,
         ckpt_bytes_per_token=ckpt,
         ckpt_chunk_bytes_per_token=chunk_extra / size,
         kv_bytes_per_token=kv,

@@ -97,17 +97,6 @@ def _device(args):
     return dev
 
 
-def _sp(args) -> int:
-    """``--sp``, or the deprecated ``--gpus-per-stage`` (the same number: GPUs of one stage)."""
-    if args.gpus_per_stage is not None:
-        print("concertina plan: --gpus-per-stage is deprecated; it now means --sp (GPUs of one stage running "
-              "Ulysses sequence parallelism, --memory-gb per GPU)", file=sys.stderr)
-        if args.sp not in (None, args.gpus_per_stage):
-            raise SystemExit(f"--gpus-per-stage {args.gpus_per_stage} and --sp {args.sp} disagree; give --sp only")
-        return args.gpus_per_stage
-    return 1 if args.sp is None else args.sp
-
-
 def _lengths(args) -> tuple[list[int], str]:
     """The batch's sequence lengths and a one-line description of where they came from."""
     from . import data
@@ -172,7 +161,7 @@ def run_plan(args) -> list[dict[str, Any]]:
 
     cfg = load_model_config(args.model_config)
     dev = _device(args)
-    sp = _sp(args)
+    sp = 1 if args.sp is None else args.sp
     if sp < 1 or args.dp < 1:
         raise SystemExit(f"--sp and --dp must be at least 1, got --sp {sp} --dp {args.dp}")
     if args.cost_model:
@@ -310,7 +299,7 @@ def _cmd_plan(args) -> int:
         for r in targets:
             path = gpath.with_name(f"{gpath.stem}-{r['strategy']}{gpath.suffix}") if args.gantt_all else gpath
             source = (f"--memory-gb {args.memory_gb:g}" if args.memory_gb is not None
-                      else f"the memory of --device {args.device} x {args.gpus_per_stage}")
+                      else f"the memory of one --device {args.device}")
             plot_gantt(r["_plan"], r["_sim"], path, cost=args._cost, budget_source=source,
                        title=f"{r['strategy']}: {len(lens)} sequences, {args.model_config}, "
                              f"{describe_parallelism(r['_plan'], args.pp, args._sp)}")
@@ -375,7 +364,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pipeline replicas (optimizer state is sharded over dp x sp ranks)")
     m.add_argument("--memory-gb", type=float, default=None, help="memory budget per GPU in GiB (default: the device's)")
     m.add_argument("--device", choices=("a800", "cpu"), default="a800", help="rates of one GPU")
-    m.add_argument("--gpus-per-stage", type=int, default=None, help="deprecated: the same as --sp")
     m.add_argument("--tflops", type=float, default=None, help="sustained TFLOP/s of one device (overrides --device)")
     m.add_argument("--p2p-gbps", type=float, default=None, help="stage-to-stage bandwidth in GB/s (overrides --device)")
     m.add_argument("--a2a-gbps", type=float, default=None,
