@@ -117,7 +117,8 @@ def test_all_to_all_time_formula():
         3 * (m8.layer_compute_time(chunk.slices) + m8.a2a_time(tokens)), rel=1e-9)
     assert m8.comm_time(layout, 1, chunk, True, 3) == pytest.approx(13 * m8.a2a_time(tokens), rel=1e-12)
     # Ulysses gives each GPU whole heads: the error names the setting
-    with pytest.raises(PlanError, match="does not divide the model's 40 attention heads.*set sequence_parallel_size to a divisor of 40"):
+    with pytest.raises(PlanError, match="does not divide the model's 40 attention heads.*"
+                                        "set sequence_parallel_size to a divisor of 40"):
         one.with_parallel(sp=16)
 
 

@@ -8,7 +8,8 @@ length. Here, jointly with each replica's chunking and recompute (the strategy's
 
 1. **Estimate**: a sequence of ``n`` tokens costs ``(1 + bwd_factor) * (layers * (alpha_attn *
    n^2 + alpha_tok * n) + (embed + head) * n)`` (:func:`~.lpt.sequence_cost`, the ideal bound's term).
-2. **LPT** (:func:`~.lpt.lpt_assign`): sequences in decreasing estimate, each to the replica with the least estimated load
+2. **LPT** (:func:`~.lpt.lpt_assign`): sequences in decreasing estimate, each to the replica with
+   the least estimated load
    (longest processing time first; ties to the lower index, so the split is deterministic).
 3. **Refine by simulated step time**: plan every replica with the strategy and simulate it;
    then, a few rounds: scale each replica's estimate by its measured ratio (simulated time over

@@ -78,7 +78,8 @@ class Remedy:
             text = f"{self.change} {name}"
             if self.limit is not None:
                 unit = self.unit[:-1] if self.limit == 1 and self.unit.endswith("s") else self.unit
-                text += f" to at {'least' if self.change == 'raise' else 'most'} {self.limit}" + (f" {unit}" if unit else "")
+                bound = "least" if self.change == "raise" else "most"
+                text += f" to at {bound} {self.limit}" + (f" {unit}" if unit else "")
         return f"{text} {self.note}" if self.note else text
 
 

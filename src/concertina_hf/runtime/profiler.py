@@ -32,7 +32,8 @@ Fit (:mod:`concertina_hf.planning.fit`). Times go to :func:`~concertina_hf.plann
 ``act_bytes_per_token``, ``context_bytes_per_token``; with full
 recompute and with one recomputed layer (whole sequence) -> ``ckpt_bytes_per_token`` and
 ``ckpt_chunk_bytes_per_token`` (what closures keep once per chunk beyond the saved layers: index
-tensors), (the extra of the non-final slice) ``kv_bytes_per_token``; backward transients -> ``bwd_transient_bytes_per_token``,
+tensors), (the extra of the non-final slice) ``kv_bytes_per_token``; backward transients ->
+``bwd_transient_bytes_per_token``,
 ``bwd_context_bytes_per_token`` (a 16-token slice after ``size`` and ``2 * size`` tokens of
 context, per key: the larger context's, or the slope between the two when steeper),
 ``head_bwd_transient_bytes_per_token``; recompute -> ``recompute_factor``; head ->
