@@ -30,7 +30,7 @@ import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
+from datetime import timedelta
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -111,10 +111,7 @@ def _run(rank: int, world: int, spec: dict) -> dict:
 
     layouts = spec["layouts"]
     t_setup = time.perf_counter()
-    topos = [Topology.build(SimpleNamespace(world_size=world, concertina_pipeline_size=lay["pp"],
-                                            concertina_data_parallel_size=1,
-                                            concertina_sequence_parallel_size=lay["sp"], ddp_timeout=1800))
-             for lay in layouts]
+    topos = [Topology.build(pp=lay["pp"], dp=1, sp=lay["sp"], timeout=timedelta(seconds=1800)) for lay in layouts]
     costs = layout_costs(CostModel.from_dict(spec["cost"]), layouts)
     a2a = []
     for i, (lay, topo) in enumerate(zip(layouts, topos)):

@@ -113,9 +113,7 @@ def _run(rank: int, world: int, pp: int, sp: int, dp: int, report: dict) -> None
     from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
 
     fail = report["failures"]
-    args = SimpleNamespace(world_size=world, concertina_pipeline_size=pp, concertina_data_parallel_size=dp,
-                           concertina_sequence_parallel_size=sp, ddp_timeout=300)
-    topo = Topology.build(args)
+    topo = Topology.build(pp=pp, dp=dp, sp=sp, timeout=timedelta(seconds=300))
     # the mesh: sp innermost, then pp, then dp
     (want_replica, want_stage), want_sp = divmod(rank // sp, pp), rank % sp
     if (topo.stage, topo.sp_rank, topo.replica) != (want_stage, want_sp, want_replica):
@@ -295,9 +293,7 @@ def a2a_worker(rank: int, world: int, port: int, outdir: str) -> None:
         from concertina_hf.runtime.distributed import Topology
         from concertina_hf.training.run_setup import _profile_all_to_all
 
-        topo = Topology.build(SimpleNamespace(world_size=world, concertina_pipeline_size=1,
-                                              concertina_data_parallel_size=1,
-                                              concertina_sequence_parallel_size=world, ddp_timeout=300))
+        topo = Topology.build(pp=1, dp=1, sp=world, timeout=timedelta(seconds=300))
         trainer_cost = _profile_all_to_all(SimpleNamespace(output_dir=outdir, concertina_max_tokens_per_chunk=4096),
                                            cost, topo)
         if rank == 0:

@@ -160,20 +160,20 @@ def test_pp1_lora_matches_trainer_and_saves_a_peft_adapter(case, tmp_path):
 
 def test_refusals():
     from concertina_hf.planning import StageLayout
-    from concertina_hf.runtime import PipelineWrapper
+    from concertina_hf.training.run_setup import pipeline_stage
 
     prompt = peft.get_peft_model(_base(), peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
     with pytest.raises(NotImplementedError, match="prompt-learning"):
-        PipelineWrapper(prompt, StageLayout.even(4, 1), 0)
+        pipeline_stage(prompt, StageLayout.even(4, 1), 0)
     # tied embeddings over two stages: an adapter on either copy is refused, naming the setting
     torch.manual_seed(2)
     tied = peft.get_peft_model(_base(tie_word_embeddings=True),
                                peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
     with pytest.raises(NotImplementedError, match="modules_to_save"):
-        PipelineWrapper(tied, StageLayout.even(4, 2), 0)
+        pipeline_stage(tied, StageLayout.even(4, 2), 0)
     # frozen tied embeddings are fine (both copies stay the pretrained matrix)
     plain = peft.get_peft_model(_base(tie_word_embeddings=True), peft.LoraConfig(r=4))
-    assert PipelineWrapper(plain, StageLayout.even(4, 2), 1).peft_model is plain
+    assert pipeline_stage(plain, StageLayout.even(4, 2), 1)[1] is plain
 
 
 # ---------------------------------------------------------------------------------- pp = 2

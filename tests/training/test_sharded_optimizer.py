@@ -1,6 +1,6 @@
 """``concertina_shard_optimizer``: the stage's optimizer state sharded over its ``dp x sp`` ranks
-(torch's ``ZeroRedundancyOptimizer``, ``distributed.shard_optimizer``), checkpointed with
-``torch.distributed.checkpoint`` (each rank writes its share, ``distributed.save_optimizer_shards``).
+(torch's ``ZeroRedundancyOptimizer``, ``sharded_optimizer.shard_optimizer``), checkpointed with
+``torch.distributed.checkpoint`` (each rank writes its share, ``sharded_optimizer.save_optimizer_shards``).
 
 Default tier: the planner's static memory follows the sharding (``state_shards = dp x sp``); a
 sharded checkpoint's manifest requires every rank's shard file.
@@ -83,7 +83,7 @@ def _worker(out: str) -> None:
     from test_trainer_pipeline import COMMON, _dataset, _model, _summary
 
     from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
-    from concertina_hf.runtime.distributed import is_sharded
+    from concertina_hf.training.sharded_optimizer import is_sharded
 
     def args(output_dir, sizes=SIZES, shard=True, **kw):
         return ConcertinaTrainingArguments(output_dir=output_dir, concertina_shard_optimizer=shard,

@@ -162,7 +162,7 @@ def test_peft_config_lora_matches_sfttrainer(tokenizer, tmp_path):
     lora = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
     ref, ours = _sft_pair(tokenizer, tmp_path, _text_dataset(), packing=True, max_length=64,
                           peft_config=LoraConfig(**lora))
-    assert is_peft_model(ref.model) and is_peft_model(ours.pipeline.peft_model)
+    assert is_peft_model(ref.model) and is_peft_model(ours.peft_model)
     losses, ref_losses = _logged(ours), _logged(ref)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (losses, ref_losses)
     want = {k.removeprefix("base_model.model."): v for k, v in ref.model.state_dict().items()}

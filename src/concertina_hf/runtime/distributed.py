@@ -16,11 +16,6 @@ Collectives (all no-ops with one process, each a few lines over ``torch.distribu
   (bounded extra memory, few calls);
 - :func:`global_grad_norm`: the 2-norm over every stage's gradients (squared norms summed over
   the pipeline), the quantity ``clip_grad_norm_`` would compute on the whole model;
-- :func:`shard_optimizer` (``concertina_shard_optimizer``): the stage's optimizer as torch's
-  ``ZeroRedundancyOptimizer`` over its ``dp x sp`` ranks (each keeps the state of its share of
-  the parameters and broadcasts them after its step); :func:`save_optimizer_shards` writes each
-  rank's share with ``torch.distributed.checkpoint`` (nothing gathered to one rank),
-  :func:`load_optimizer_shards` reads it back at any ``dp x sp``;
 - :meth:`Topology.all_reduce_replicas`, :meth:`Topology.all_gather_replicas`: counts, losses and
   evaluation values over the replicas;
 - :meth:`Topology.broadcast_in_pipeline`, :meth:`Topology.gather_in_pipeline`,
@@ -66,11 +61,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..training.args import ConcertinaTrainingArguments, resolve_parallel_sizes
-
 __all__ = ["ABORT_GRACE_S", "ABORT_POLL_S", "BUCKET_ELEMENTS", "MESH_DIMS", "Topology", "global_grad_norm",
-           "is_sharded", "load_optimizer_shards", "optimizer_share", "reduce_gradients", "save_optimizer_shards",
-           "shard_optimizer"]
+           "launched_world_size", "reduce_gradients"]
 
 logger = logging.getLogger(__name__)
 
@@ -117,24 +109,20 @@ class Topology:
     grad_group: Any = None
 
     @classmethod
-    def build(cls, args: ConcertinaTrainingArguments) -> "Topology":
-        """The mesh of the launched job (collective: every rank calls it, once)."""
-        launched = int(os.environ.get("WORLD_SIZE", "1"))
+    def build(cls, *, pp: int, dp: int = 1, sp: int = 1, timeout: timedelta = timedelta(minutes=30)) -> "Topology":
+        """The ``dp x pp x sp`` mesh of the launched job (collective: every rank calls it, once).
+
+        The sizes are plain numbers that the caller resolved (the trainer, from its arguments);
+        their product must be the number of processes. ``timeout``: how long any receive or
+        collective waits for a peer."""
+        world = launched_world_size()
+        if dp * pp * sp != world:
+            raise ValueError(f"a mesh of dp={dp} x pp={pp} x sp={sp} = {dp * pp * sp} processes, but {world} were "
+                             "launched")
         initialized = dist.is_available() and dist.is_initialized()
-        world = dist.get_world_size() if initialized else 1
-        if launched != world or args.world_size != world:
-            raise RuntimeError(
-                f"the launcher started {launched} processes but they do not form one job (process group of "
-                f"{world}, TrainingArguments.world_size={args.world_size}); each rank would train alone. On CPU "
-                "pass use_cpu=True (ConcertinaTrainingArguments does this when no GPU is visible) or launch with "
-                "configs/accelerate/cpu_2proc.yaml"
-            )
-        sp = args.concertina_sequence_parallel_size
-        pp, dp = resolve_parallel_sizes(world, args.concertina_pipeline_size, args.concertina_data_parallel_size, sp)
         rank = dist.get_rank() if initialized else 0
         (replica, stage), sp_rank = divmod(rank // sp, pp), rank % sp
-        topo = cls(world, rank, pp, dp, stage, replica, timeout=timedelta(seconds=args.ddp_timeout),
-                   sequence_parallel_size=sp, sp_rank=sp_rank)
+        topo = cls(world, rank, pp, dp, stage, replica, timeout=timeout, sequence_parallel_size=sp, sp_rank=sp_rank)
         if initialized:
             topo.mesh = _mesh_with_timeout((dp, pp, sp), topo.timeout)
             _AbortWatch.start(rank)
@@ -181,7 +169,7 @@ class Topology:
         if self.data_parallel_size == 1:
             return value
         t = torch.tensor([value], dtype=dtype, device=self.comm_device)
-        with self._waiting(f"a sum over the replicas (ranks {list(self.dp_ranks)})"):
+        with self.waiting(f"a sum over the replicas (ranks {list(self.dp_ranks)})"):
             dist.all_reduce(t, group=self.dp_group)
         return t.item()
 
@@ -191,7 +179,7 @@ class Topology:
             return tensor
         src = tensor.detach().to(self.comm_device).contiguous()
         parts = [torch.empty_like(src) for _ in range(self.data_parallel_size)]
-        with self._waiting(f"a gather over the replicas (ranks {list(self.dp_ranks)})"):
+        with self.waiting(f"a gather over the replicas (ranks {list(self.dp_ranks)})"):
             dist.all_gather(parts, src, group=self.dp_group)
         return torch.cat(parts).to(tensor.device)
 
@@ -203,7 +191,7 @@ class Topology:
         that stage holds it already, so each sends its own down its ``pp`` group)."""
         if self.sequence_parallel_size > 1 and self.stage == src_stage and not same_on_sp_ranks:
             box = [obj]
-            with self._waiting(f"an object from sequence-parallel rank 0 of stage {src_stage} "
+            with self.waiting(f"an object from sequence-parallel rank 0 of stage {src_stage} "
                                f"(rank {self.sp_ranks[0]})"):
                 dist.broadcast_object_list(box, src=self.sp_ranks[0], group=self.sp_group)
             obj = box[0]
@@ -211,7 +199,7 @@ class Topology:
             return obj
         box = [obj]
         src = self.pp_ranks[src_stage]
-        with self._waiting(f"an object from pipeline stage {src_stage} (rank {src})"):
+        with self.waiting(f"an object from pipeline stage {src_stage} (rank {src})"):
             dist.broadcast_object_list(box, src=src, group=self.pp_group)
         return box[0]
 
@@ -220,7 +208,7 @@ class Topology:
         if self.pipeline_size == 1:
             return [obj]
         out = [None] * self.pipeline_size if self.stage == 0 else None
-        with self._waiting(f"a gather of every stage's object (pipeline ranks {list(self.pp_ranks)})"):
+        with self.waiting(f"a gather of every stage's object (pipeline ranks {list(self.pp_ranks)})"):
             dist.gather_object(obj, out, dst=self.pp_ranks[0], group=self.pp_group)
         return out
 
@@ -229,7 +217,7 @@ class Topology:
         if self.world_size == 1:
             return obj
         box = [obj]
-        with self._waiting("an object from rank 0"):
+        with self.waiting("an object from rank 0"):
             dist.broadcast_object_list(box, src=0)
         return box[0]
 
@@ -239,7 +227,7 @@ class Topology:
             return [float(value)]
         t = torch.zeros(self.world_size, dtype=torch.float64, device=self.comm_device)
         t[self.rank] = float(value)
-        with self._waiting("a number from every rank"):
+        with self.waiting("a number from every rank"):
             dist.all_reduce(t)
         return t.tolist()
 
@@ -248,7 +236,7 @@ class Topology:
         if self.world_size == 1:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        with self._waiting("an object from every rank"):
+        with self.waiting("an object from every rank"):
             dist.all_gather_object(out, obj)
         return out
 
@@ -273,11 +261,11 @@ class Topology:
             sums.append(torch.stack([x.sum(), (x * x).sum()]) if x.numel() else torch.zeros(2, dtype=torch.float64))
         lo = torch.nan_to_num(torch.stack(sums)).to(self.comm_device) if sums else torch.zeros(0, 2, dtype=torch.float64)
         hi = lo.clone()
-        with self._waiting("the weights' checksums of every rank"):
+        with self.waiting("the weights' checksums of every rank"):
             dist.all_reduce(lo, op=dist.ReduceOp.MIN)
             dist.all_reduce(hi, op=dist.ReduceOp.MAX)
         differ = [i for i in range(len(named)) if not torch.equal(lo[i], hi[i])]
-        with torch.no_grad(), self._waiting("rank 0's weights"):
+        with torch.no_grad(), self.waiting("rank 0's weights"):
             for i in differ:
                 t = named[i][1]
                 buf = t.detach().to(self.comm_device).contiguous()
@@ -294,7 +282,7 @@ class Topology:
 
     def barrier(self) -> None:
         if self.world_size > 1 and dist.is_initialized():
-            with self._waiting("every rank at a barrier"):
+            with self.waiting("every rank at a barrier"):
                 dist.barrier()
 
     @contextmanager
@@ -311,7 +299,7 @@ class Topology:
             raise
 
     @contextmanager
-    def _waiting(self, what: str):
+    def waiting(self, what: str):
         """Re-raise a failed collective (a peer's timeout, a closed connection) naming this rank
         and what it waited for."""
         t0 = time.perf_counter()
@@ -320,6 +308,24 @@ class Topology:
         except Exception as exc:
             raise RuntimeError(f"rank {self.rank} (pipeline stage {self.stage}, replica {self.replica}) failed after "
                                f"{time.perf_counter() - t0:.1f} s waiting for {what}: {exc}") from exc
+
+
+def launched_world_size(expected: int | None = None) -> int:
+    """The number of processes of the launched job. Raises when the launcher's count
+    (``WORLD_SIZE``), the process group's size and ``expected`` (the arguments' ``world_size``,
+    where the caller has one) disagree: each rank would train alone."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    initialized = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if initialized else 1
+    if launched != world or expected not in (None, world):
+        told = "" if expected is None else f", TrainingArguments.world_size={expected}"
+        raise RuntimeError(
+            f"the launcher started {launched} processes but they do not form one job (process group of "
+            f"{world}{told}); each rank would train alone. On CPU "
+            "pass use_cpu=True (ConcertinaTrainingArguments does this when no GPU is visible) or launch with "
+            "configs/accelerate/cpu_2proc.yaml"
+        )
+    return world
 
 
 class _AbortWatch:
@@ -459,7 +465,7 @@ def reduce_gradients(params: Sequence[nn.Parameter], topology: Topology, average
 
 def _all_reduce_bucket(grads: list[torch.Tensor], topology: Topology, average: bool) -> None:
     flat = torch.cat([g.reshape(-1) for g in grads]).to(topology.comm_device)
-    with topology._waiting(f"the gradients of the stage's ranks {list(topology.grad_ranks)}"):
+    with topology.waiting(f"the gradients of the stage's ranks {list(topology.grad_ranks)}"):
         dist.all_reduce(flat, group=topology.grad_group)
     if average:
         flat /= topology.data_parallel_size
@@ -477,86 +483,6 @@ def global_grad_norm(grads: Sequence[torch.Tensor], topology: Topology, device: 
     sq = local.float().reshape(1) ** 2
     if topology.pipeline_size > 1:
         sq = sq.to(topology.comm_device)
-        with topology._waiting(f"the gradient norms of every stage (pipeline ranks {list(topology.pp_ranks)})"):
+        with topology.waiting(f"the gradient norms of every stage (pipeline ranks {list(topology.pp_ranks)})"):
             dist.all_reduce(sq, group=topology.pp_group)
     return sq.reshape(()).sqrt().to(device)
-
-
-# ---------------------------------------------------------------------------------- sharded optimizer state
-def shard_optimizer(optimizer: torch.optim.Optimizer, topology: Topology) -> torch.optim.Optimizer:
-    """``optimizer`` (built by ``Trainer.create_optimizer`` over this stage's parameters, no state
-    yet) as a :class:`~torch.distributed.optim.ZeroRedundancyOptimizer` over the stage's ``dp x
-    sp`` ranks (:attr:`Topology.grad_group`), same class, parameter groups and hyperparameters:
-    each rank keeps the state of its share of the parameters (ZeRO-1), steps it with the whole
-    (all-reduced, clipped) gradients and broadcasts the new values to the other ranks. With one
-    rank per stage there is nothing to shard: ``optimizer`` itself."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    if topology.data_parallel_size * topology.sequence_parallel_size == 1 or isinstance(
-            optimizer, ZeroRedundancyOptimizer):
-        return optimizer
-    if not isinstance(optimizer, torch.optim.Optimizer) or optimizer.state:
-        raise ValueError(f"concertina_shard_optimizer=True cannot shard {type(optimizer).__name__}: it needs a "
-                         "torch.optim optimizer class built from parameter groups, before its first step")
-    groups = [dict(g, params=list(g["params"])) for g in optimizer.param_groups]
-    # the constructor's own keywords (torch's AdamW records ``decoupled_weight_decay`` in its
-    # defaults but does not take it); each group carries every value anyway
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    keep = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
-    defaults = {k: v for k, v in optimizer.defaults.items() if keep or k in accepted}
-    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=topology.grad_group,
-                                   **defaults)
-
-
-def is_sharded(optimizer: Any) -> bool:
-    """Whether ``optimizer`` holds only this rank's share of its stage's state (:func:`shard_optimizer`)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return isinstance(optimizer, ZeroRedundancyOptimizer)
-
-
-def optimizer_share(optimizer: Any) -> torch.optim.Optimizer:
-    """The optimizer holding this rank's state: a sharded one's local optimizer, else ``optimizer``."""
-    return optimizer.optim if is_sharded(optimizer) else optimizer
-
-
-def save_optimizer_shards(optimizer: Any, model: nn.Module, directory: str, topology: Topology) -> list[str]:
-    """Write the stage's sharded optimizer state with ``torch.distributed.checkpoint`` (collective
-    over the stage's ``dp x sp`` ranks, :attr:`Topology.grad_group`): each rank writes only its
-    share, keyed by parameter name (``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)``:
-    ``state.<name>.exp_avg``, ``param_groups.<name>.lr``, ...), so any number of shards of the
-    same stage (or a plain optimizer) reads it back (:func:`load_optimizer_shards`). Nothing is
-    gathered to one rank. Returns the files (relative to ``directory``) this rank wrote."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    share = optimizer_share(optimizer)
-    if share is not optimizer:  # the hyperparameters the scheduler set since the last step
-        _copy_hyperparameters(optimizer.param_groups, share.param_groups)
-    state = get_optimizer_state_dict(model, share, options=StateDictOptions(flatten_optimizer_state_dict=True))
-    with topology._waiting(f"the optimizer shards of the stage's ranks {list(topology.grad_ranks)}"):
-        dcp.save(state, checkpoint_id=directory, process_group=topology.grad_group)
-    me = dist.get_rank(topology.grad_group) if topology.grad_group is not None else 0
-    return sorted(n for n in os.listdir(directory) if n.startswith(f"__{me}_") or (me == 0 and n == ".metadata"))
-
-
-def load_optimizer_shards(optimizer: Any, model: nn.Module, directory: str) -> None:
-    """This rank's share of a stage's optimizer state written by :func:`save_optimizer_shards`,
-    at whatever ``dp x sp`` it was written: each rank reads the keys of the parameters it holds
-    (all of them for a plain optimizer) and nothing else, without collectives."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                         set_optimizer_state_dict)
-
-    share = optimizer_share(optimizer)
-    options = StateDictOptions(flatten_optimizer_state_dict=True)
-    state = get_optimizer_state_dict(model, share, options=options)  # the keys (and shapes) this rank holds
-    dcp.load(state, checkpoint_id=directory, no_dist=True)
-    set_optimizer_state_dict(model, share, state, options=options)
-    if share is not optimizer:  # the saved hyperparameters (the learning rate of the next step)
-        _copy_hyperparameters(share.param_groups, optimizer.param_groups)
-
-
-def _copy_hyperparameters(src: list[dict[str, Any]], dst: list[dict[str, Any]]) -> None:
-    for a, b in zip(src, dst):
-        b.update({k: v for k, v in a.items() if k != "params"})

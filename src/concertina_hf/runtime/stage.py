@@ -49,7 +49,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..integrations.peft import base_model_of, check_peft_model, is_peft_model
 from ..planning.types import StageLayout
 from .attention import ChunkAttentionContext, chunk_context, register_attention, step_active
 from .families import inspect_model
@@ -87,9 +86,9 @@ class PipelineWrapper(nn.Module):
     ``parameters()`` / ``named_parameters()`` / ``state_dict()`` are those of the pruned HF model,
     so names are the original HF names and only this stage's parameters appear.
 
-    ``model`` may be a ``peft.PeftModel``: the HF model inside it (adapter layers in place) is
-    pruned, and :attr:`peft_model` keeps the ``PeftModel`` for saving the adapter
-    (:mod:`concertina_hf.integrations.peft`).
+    ``model`` is a plain HF model; for a ``peft.PeftModel`` the caller hands over the HF model
+    inside it (adapter layers in place, pruned like any other module) and keeps the ``PeftModel``
+    for saving the adapter (:func:`concertina_hf.training.run_setup.pipeline_stage`).
     """
 
     #: ``TrainingArguments.label_smoothing_factor``: the loss is HF's ``LabelSmoother`` (with
@@ -98,12 +97,6 @@ class PipelineWrapper(nn.Module):
 
     def __init__(self, model: nn.Module, layout: StageLayout, stage: int) -> None:
         super().__init__()
-        peft_model = None
-        if is_peft_model(model):
-            check_peft_model(model, layout.num_stages)
-            peft_model, model = model, base_model_of(model)
-        # not a registered child: its parameters are the HF model's, reached through self.model
-        object.__setattr__(self, "peft_model", peft_model)
         #: what the HF model's forward does around its modules (refuses what cannot be reproduced)
         self.family = inspect_model(model)
         layers = model.model.layers

@@ -15,7 +15,7 @@ A checkpoint directory holds:
   sharded over its ``dp x sp`` ranks written with ``torch.distributed.checkpoint`` (each rank
   writes its own share, ``__{i}_0.distcp``, nothing is gathered to one rank; ``.metadata``),
   keyed by parameter name, so a run of another ``dp x sp`` (or unsharded) reads it back, each
-  rank only its share (:func:`~concertina_hf.runtime.distributed.save_optimizer_shards`);
+  rank only its share (:func:`~concertina_hf.training.sharded_optimizer.save_optimizer_shards`);
 - ``scheduler.pt`` (the main process), plus the Trainer's own ``trainer_state.json`` and RNG files;
 - ``concertina_rng_{i}.pt`` (``concertina_rng.pt`` for one process): process ``i``'s own random
   stream, from which its stage draws dropout (:class:`~concertina_hf.runtime.rng.StageRNG`);
@@ -74,7 +74,8 @@ from torch import nn
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..runtime.distributed import Topology, is_sharded, load_optimizer_shards, save_optimizer_shards
+from ..runtime.distributed import Topology
+from .sharded_optimizer import is_sharded, load_optimizer_shards, save_optimizer_shards
 from ..integrations.peft import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, load_stage_adapter, save_adapter
 from ..planning import CostModel, StageLayout
 
@@ -290,10 +291,13 @@ def latest_verified_checkpoint(run_dir: str) -> tuple[str | None, list[str]]:
 
 class StageCheckpointer:
     """Saves and loads one rank's share of a checkpoint (``pipeline``: this rank's
-    :class:`~concertina_hf.runtime.stage.PipelineWrapper`)."""
+    :class:`~concertina_hf.runtime.stage.PipelineWrapper`; ``peft_model``: the ``PeftModel`` around
+    its HF model, whose adapter is saved instead of the model, else ``None``)."""
 
-    def __init__(self, pipeline: Any, topology: Topology, shard_optimizer: bool = False) -> None:
+    def __init__(self, pipeline: Any, topology: Topology, shard_optimizer: bool = False,
+                 peft_model: nn.Module | None = None) -> None:
         self.pipeline, self.topology, self.shard_optimizer = pipeline, topology, shard_optimizer
+        self.peft_model = peft_model
         self._optimizer_shards = 0  # files per stage of the sharded optimizer state last saved
         # the checkpoint being written, and the digests of its files this rank started taking
         # in the background as soon as each was complete (they overlap the writing of the next)
@@ -339,7 +343,7 @@ class StageCheckpointer:
                 "layer_ranges": [list(r) for r in layout.layer_ranges], "save_only_model": save_only_model,
                 "shard_optimizer": self.shard_optimizer,
                 "optimizer_shards": 0 if save_only_model else self._optimizer_shards,
-                "adapter": getattr(self.pipeline, "peft_model", None) is not None})
+                "adapter": self.peft_model is not None})
             replaced = staging + ".replaced"
             if os.path.exists(final_dir):
                 os.replace(final_dir, replaced)
@@ -405,10 +409,10 @@ class StageCheckpointer:
         """The full HF model directory (collective over the pipeline of replica 0; written by the
         main process). The saved config names ``attn_implementation`` (one every HF install has),
         not the runtime's backend. ``extra_files``: name -> object for ``torch.save``. A PEFT
-        model (``pipeline.peft_model``) is saved as ``Trainer`` + PEFT saves it: the adapter
+        model (``peft_model``) is saved as ``Trainer`` + PEFT saves it: the adapter
         directory (every stage's adapter weights, :func:`~concertina_hf.integrations.peft.save_adapter`),
         not the base model."""
-        peft_model = getattr(self.pipeline, "peft_model", None)
+        peft_model = self.peft_model
         if peft_model is not None:
             if self.topology.writes_stage:
                 logger.info(f"Saving the PEFT adapter (all {self.topology.pipeline_size} stages) to {output_dir}")
@@ -489,7 +493,7 @@ class StageCheckpointer:
         truncated) file is refused by name."""
         from safetensors import SafetensorError, safe_open
 
-        peft_model = getattr(self.pipeline, "peft_model", None)
+        peft_model = self.peft_model
         if peft_model is not None:
             if not os.path.isfile(os.path.join(checkpoint_dir, ADAPTER_CONFIG_NAME)):
                 raise ValueError(f"{checkpoint_dir} has no {ADAPTER_CONFIG_NAME}: the model is a PeftModel, so the "

@@ -1,5 +1,10 @@
 """What a run plans with, resolved once at construction: :func:`resolve_run` -> :class:`RunSetup`.
 
+Before it, from the arguments and the model: the mesh (:func:`build_topology`: the parallel sizes
+resolved from the arguments, handed to the runtime as plain numbers) and this rank's stage of the
+model (:func:`pipeline_stage`: a ``PeftModel`` checked and unwrapped here, so the runtime only
+sees plain HF models).
+
 From the arguments, the model and the mesh: the cost model (analytic from the config, a JSON
 file, a profile of the real layers made once by rank 0 and broadcast, or the one a resumed
 checkpoint's layout was made from), the stage layout (decoder layers balanced over the stages by
@@ -20,18 +25,21 @@ import logging
 import os
 import time
 from dataclasses import dataclass, replace
+from datetime import timedelta
 
 import torch
 from torch import nn
 
-from .args import ConcertinaTrainingArguments
+from .args import ConcertinaTrainingArguments, resolve_parallel_sizes
 from .checkpoint import layout_cost_model
-from ..runtime.distributed import Topology
+from ..integrations.peft import base_model_of, check_peft_model, is_peft_model
+from ..runtime.distributed import Topology, launched_world_size
+from ..runtime.stage import PipelineWrapper
 from ..planning import CostModel, DeviceSpec, StageLayout, partition_layers, stage_budgets
 from ..runtime.ulysses import check_heads
 
-__all__ = ["RunSetup", "budget_source", "check_static_memory", "check_trainer_arguments", "count_frozen_parameters",
-           "resolve_run"]
+__all__ = ["RunSetup", "budget_source", "build_topology", "check_static_memory", "check_trainer_arguments",
+           "count_frozen_parameters", "pipeline_stage", "resolve_run"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +60,29 @@ class RunSetup:
     max_tokens_per_chunk: int | None
     #: where the budgets came from, in words (shown with them in the Gantt chart's memory panel)
     budget_source: str = ""
+
+
+def build_topology(args: ConcertinaTrainingArguments) -> Topology:
+    """The ``dp x pp x sp`` mesh of the launched job, with the sizes the arguments ask for (a
+    missing one derived: :func:`~concertina_hf.training.args.resolve_parallel_sizes`) and
+    ``ddp_timeout`` as every group's timeout. Collective: every rank calls it, once."""
+    world = launched_world_size(args.world_size)
+    sp = args.concertina_sequence_parallel_size
+    pp, dp = resolve_parallel_sizes(world, args.concertina_pipeline_size, args.concertina_data_parallel_size, sp)
+    return Topology.build(pp=pp, dp=dp, sp=sp, timeout=timedelta(seconds=args.ddp_timeout))
+
+
+def pipeline_stage(model: nn.Module, layout: StageLayout, stage: int) -> tuple[PipelineWrapper, nn.Module | None]:
+    """Stage ``stage`` of ``model`` (pruned in place) and the ``PeftModel`` that ``model`` is
+    (``None`` for a plain HF model). A ``PeftModel`` is refused first where the pipeline cannot
+    run or save it like ``Trainer`` + PEFT (:func:`~concertina_hf.integrations.peft.check_peft_model`);
+    the wrapper prunes the HF model inside it (adapter layers in place) and the ``PeftModel`` is
+    what saving the adapter needs (:class:`~concertina_hf.training.checkpoint.StageCheckpointer`)."""
+    peft_model = None
+    if is_peft_model(model):
+        check_peft_model(model, layout.num_stages)
+        peft_model, model = model, base_model_of(model)
+    return PipelineWrapper(model, layout, stage), peft_model
 
 
 def resolve_run(args: ConcertinaTrainingArguments, model: nn.Module, topology: Topology) -> RunSetup:
@@ -121,7 +152,6 @@ def check_model_family(model: nn.Module) -> None:
     """Refuse a model the runtime cannot train as HF does (an other layout, mixers that are not
     attention, the router auxiliary loss, ...), naming its model type and the feature:
     :func:`~concertina_hf.runtime.families.inspect_model`, on the HF model inside a ``PeftModel``."""
-    from ..integrations.peft import base_model_of
     from ..runtime.families import UnsupportedModelError, inspect_model
 
     hf = base_model_of(model)

@@ -270,10 +270,11 @@ def _runtime(model: nn.Module, ids: Sequence[torch.Tensor], labels: Sequence[tor
              checked: dict[str, nn.Parameter]) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The same through the runtime, in one training run of the executor: the stage's head is
     also called, without gradient, on each slice's targets alone to give the per-slice losses."""
-    from ..runtime import PipelineExecutor, PipelineWrapper
+    from ..runtime import PipelineExecutor
+    from .run_setup import pipeline_stage
 
     layout = StageLayout.even(k, 1)
-    wrapper = PipelineWrapper(model, layout, 0)
+    wrapper, _ = pipeline_stage(model, layout, 0)  # a PeftModel: its HF model, adapters in place
     executor = PipelineExecutor(wrapper)
     plan = _probe_plan(layout, num_recompute=1)
     names = list(_slice_groups())

@@ -40,11 +40,12 @@ from .args import ConcertinaTrainingArguments
 from .callbacks import StepStatsCallback, use_compact_console
 from .checkpoint import StageCheckpointer
 from .collator import LengthAwareCollator
-from ..runtime.distributed import Topology, global_grad_norm, reduce_gradients, shard_optimizer
+from ..runtime.distributed import global_grad_norm, reduce_gradients
 from .evaluation import PipelinePredictor
 from ..integrations.peft import base_model_of
-from .run_setup import check_trainer_arguments, resolve_run
+from .run_setup import build_topology, check_trainer_arguments, pipeline_stage, resolve_run
 from .self_check import self_check
+from .sharded_optimizer import shard_optimizer
 from .step_guard import StepGuard
 from .step_planner import StepPlanner
 from .step_reader import Step, StepReader, replica_balancer, replica_data_loader
@@ -68,6 +69,7 @@ class ConcertinaTrainer(Trainer):
     token by token (see :mod:`~concertina_hf.training.evaluation`).
 
     After construction: ``self.pipeline`` (the :class:`PipelineWrapper` of this rank's stage),
+    ``self.peft_model`` (the ``PeftModel`` given as ``model``, else ``None``),
     ``self.executor``, ``self.topology``, ``self.setup`` (``self.cost_model``, ``self.layout``),
     ``self.planner``, ``self.replan`` (the recording callback), ``self.model`` (the pruned HF model).
     """
@@ -91,24 +93,25 @@ class ConcertinaTrainer(Trainer):
     ):
         """Extra keyword arguments go to the next class of the MRO (e.g. ``SFTTrainer``'s
         ``formatting_func`` in :class:`~concertina_hf.integrations.trl.ConcertinaSFTTrainer`)."""
-        from ..runtime import PipelineExecutor, PipelineWrapper
+        from ..runtime import PipelineExecutor
         from ..runtime.rng import StageRNG
 
         args = args if args is not None else ConcertinaTrainingArguments(output_dir="tmp_trainer")
         check_trainer_arguments(model, args, optimizers, model_init=model_init, compute_loss_func=compute_loss_func)
         _ = args.device  # the process group must exist before the model is split: the stage is the pipeline rank
-        self.topology = Topology.build(args)
+        self.topology = build_topology(args)
         self.weights_synced = self.topology.sync_weights_from_rank0(model)  # DDP's: rank 0's weights everywhere
-        hf_model = base_model_of(model)  # a PeftModel's HF model; the wrapper keeps the PeftModel to save adapters
+        hf_model = base_model_of(model)  # a PeftModel's HF model; self.peft_model keeps the PeftModel
         self.setup = resolve_run(args, hf_model, self.topology)
         self.cost_model, self.layout = self.setup.cost_model, self.setup.layout
         if args.concertina_self_check:  # before the model is split: its numbers against HF's, on rank 0
             self_check(model, self.topology, args.device)
         # The saved config must name an attention every HF install has, not the runtime's backend.
         self._saved_attn_implementation = getattr(hf_model.config, "_attn_implementation", None) or "sdpa"
-        self.pipeline = PipelineWrapper(model, self.layout, self.topology.stage)
+        self.pipeline, self.peft_model = pipeline_stage(model, self.layout, self.topology.stage)
         self.pipeline.label_smoothing = args.label_smoothing_factor  # HF's LabelSmoother, in the pipeline's loss
-        self.checkpointer = StageCheckpointer(self.pipeline, self.topology, args.concertina_shard_optimizer)
+        self.checkpointer = StageCheckpointer(self.pipeline, self.topology, args.concertina_shard_optimizer,
+                                              peft_model=self.peft_model)
         self.planner = StepPlanner(self.setup, self.topology, overlap=args.concertina_overlap_planning)
         ahead = args.gradient_accumulation_steps if args.concertina_overlap_planning else 0
         self.steps = StepReader(self.planner, self.topology, batches_ahead=ahead,
@@ -257,7 +260,7 @@ class ConcertinaTrainer(Trainer):
     # ------------------------------------------------------------------ setup of the training loop
     def create_optimizer(self, model=None):
         """Trainer's optimizer over the stage's parameters; ``concertina_shard_optimizer``: sharded
-        over the stage's ``dp x sp`` ranks (:func:`~concertina_hf.runtime.distributed.shard_optimizer`)."""
+        over the stage's ``dp x sp`` ranks (:func:`~concertina_hf.training.sharded_optimizer.shard_optimizer`)."""
         optimizer = super().create_optimizer(model)
         if self.args.concertina_shard_optimizer:
             self.optimizer = optimizer = shard_optimizer(optimizer, self.topology)
