@@ -27,7 +27,7 @@ Import it from here (``from concertina_hf.integrations.trl import ConcertinaSFTT
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from transformers import set_seed
 from trl import SFTConfig, SFTTrainer
@@ -68,27 +68,16 @@ def _check_sft_args(args: ConcertinaSFTConfig) -> None:
 
 class ConcertinaSFTTrainer(ConcertinaTrainer, SFTTrainer):
     """TRL's ``SFTTrainer`` (dataset preparation, collator) over an adaptive pipeline (see the
-    module docstring). Same constructor as ``SFTTrainer`` except ``quantization_config``; ``args``
-    must be :class:`ConcertinaSFTConfig`; ``model`` a model or a name for
-    ``AutoModelForCausalLM.from_pretrained`` (with ``args.model_init_kwargs``)."""
+    module docstring). Same constructor as ``SFTTrainer`` except ``quantization_config``, with the
+    arguments after ``args`` given by keyword; ``args`` must be :class:`ConcertinaSFTConfig`;
+    ``model`` a model or a name for ``AutoModelForCausalLM.from_pretrained`` (with
+    ``args.model_init_kwargs``)."""
 
-    def __init__(
-        self,
-        model: Any,
-        args: ConcertinaSFTConfig | None = None,
-        data_collator: Callable | None = None,
-        train_dataset=None,
-        eval_dataset=None,
-        processing_class=None,
-        compute_loss_func: Callable | None = None,
-        compute_metrics: Callable | None = None,
-        callbacks: list | None = None,
-        optimizers: tuple = (None, None),
-        optimizer_cls_and_kwargs: tuple | None = None,
-        preprocess_logits_for_metrics: Callable | None = None,
-        peft_config: Any = None,
-        formatting_func: Callable | None = None,
-    ):
+    def __init__(self, model: Any, args: ConcertinaSFTConfig | None = None, *, peft_config: Any = None, **kwargs: Any):
+        """``peft_config`` wraps ``model`` here; every other keyword (``data_collator``,
+        ``train_dataset``, ``processing_class``, ``compute_metrics``, ``callbacks``, ``optimizers``,
+        ``formatting_func``, ...) goes to :class:`~concertina_hf.training.trainer.ConcertinaTrainer`,
+        which checks it and hands what it does not take to ``SFTTrainer``."""
         if args is None:
             args = ConcertinaSFTConfig(output_dir="tmp_trainer")
         if not isinstance(args, ConcertinaSFTConfig):
@@ -105,13 +94,7 @@ class ConcertinaSFTTrainer(ConcertinaTrainer, SFTTrainer):
 
             set_seed(args.seed)
             model = get_peft_model(model, peft_config)
-        super().__init__(
-            model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
-            eval_dataset=eval_dataset, processing_class=processing_class, compute_loss_func=compute_loss_func,
-            compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
-            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
-            preprocess_logits_for_metrics=preprocess_logits_for_metrics, formatting_func=formatting_func,
-        )
+        super().__init__(model=model, args=args, **kwargs)
         if self.aux_loss_enabled:
             raise NotImplementedError(
                 "the model adds a router auxiliary loss (router_aux_loss_coef), which the pipeline's loss does not "
