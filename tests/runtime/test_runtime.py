@@ -72,7 +72,7 @@ def test_backend_registered_and_plain_forward_falls_back_to_sdpa():
 
 
 def test_context_layout_and_masks():
-    from concertina_hf.runtime.attention import _segment_mask
+    from concertina_hf.runtime.attention.context import segment_mask as _segment_mask
 
     store = KVStore()
     # a tail slice [10, 14) of sequence 0 packed with a whole sequence 3 of 3 tokens
@@ -108,7 +108,8 @@ def test_kv_store_set_if_absent_and_free():
 def test_context_attention_saves_pieces_not_the_concatenation():
     """A late slice (context 40, 4 tokens) attending to an earlier slice's stored K/V: same
     output and gradients as cat + SDPA, without saving the 44-token concatenated K/V."""
-    from concertina_hf.runtime.attention import _segments_sdpa, concertina_attention_forward
+    from concertina_hf.runtime.attention import concertina_attention_forward
+    from concertina_hf.runtime.attention.segments import segments_sdpa as _segments_sdpa
 
     torch.manual_seed(0)
     module = torch.nn.Module()
