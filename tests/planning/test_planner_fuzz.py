@@ -1,8 +1,8 @@
 """The planner's contract under random calls (issue 10): every ``plan_step`` call returns a plan
-that passes ``validate()`` and fits its memory budget in simulation, or raises ``PlanError``,
-and none takes longer than 2 s of CPU (this process and the CBC solver it waits for: other
-processes' load on a shared machine does not count; wall-clock figures are in
-``benchmarks/planner_fuzz.py``).
+that passes ``validate()`` and fits its memory budget in simulation, or raises ``PlanError``.
+Every search is bounded by counted work (``SEARCH_EFFORT``), not time; how long calls take (the
+contract's 2 s) is measured by ``benchmarks/planner_fuzz.py``, not here: CPU and wall time
+inflate on a loaded machine with shared cores (a 1.0 s call measured 2.8 s of CPU at load 12).
 
 Calls are drawn over what users and adversaries give the planner: batches of 1 to 200 sequences
 of 0 to 1M tokens (all of one token, many equal, long-tailed), pipelines of 1 to 8 stages, budgets
@@ -10,9 +10,7 @@ from below static memory to unconstrained (one for all stages or one per stage),
 1 token up, every strategy of the registry, both recompute solvers, and three cost models (a
 7B model at A800 rates, a tiny one at CPU rates, and the tiny one with every measured term of a
 profiled model). The default test draws 150 calls (seconds). The large one (3000 calls, 3-8
-minutes on 2 cores) runs with ``CONCERTINA_FUZZ_LARGE=1``, beside ``benchmarks/planner_fuzz.py``:
-CPU time inflates on a loaded machine with shared cores (a 1.0 s call measured 2.8 s of CPU at load
-12), so a suite run beside other work would fail it at random.
+minutes on 2 cores) runs with ``CONCERTINA_FUZZ_LARGE=1``, beside ``benchmarks/planner_fuzz.py``.
 Derandomized: the same calls on every run.
 
 Plus the cases the fuzz found: a tiny cap on a long step (thousands of chunks), a token cap of 1,
@@ -31,31 +29,34 @@ from hypothesis import strategies as st
 from concertina_hf.planning.presets import MODEL_PRESETS
 from concertina_hf.planning import (
     SOLVERS, STRATEGIES, Chunk, ChunkKind, CostModel, DeviceSpec, InfeasiblePlanError, PlanError, Slice, fits,
-    make_chunking, partition_layers, plan_step, simulate, uniform_recompute,
+    SequenceBatch, partition_layers, plan_step, simulate, uniform_recompute,
 )
 from concertina_hf.planning.recompute import min_uniform_recompute
 from concertina_hf.planning.strategies import PIPELINE_STRATEGIES, REGISTRY
 from concertina_hf.planning.strategies.common import MAX_SLICES, max_chunks
 
 _RECORDS = {r.name: r for r in REGISTRY}
-#: CPU seconds one plan_step call may take (the contract)
-BOUND_S = 2.0
 
 
-def _cpu_s() -> float:
-    """CPU seconds of this process and of the children it waited for (CBC)."""
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+def _no_search(monkeypatch) -> None:
+    """Every strategy's search (what ``plan_step`` dispatches to once the step is checked)
+    replaced by a failure: a ``PlanError`` raised with this in place came before any search."""
+    from concertina_hf.planning import strategies
+
+    def searched(request):
+        raise AssertionError("plan_step searched instead of refusing the step from its bounds")
+
+    for name, record in list(strategies._BY_NAME.items()):
+        monkeypatch.setitem(strategies._BY_NAME, name, dataclasses.replace(record, run=searched))
 
 _TINY = CostModel.from_hf_config(MODEL_PRESETS["tiny-llama"], DeviceSpec.cpu())
 COSTS = {
     "llama-7b": CostModel.from_hf_config(MODEL_PRESETS["llama-7b"], DeviceSpec.a800()),
     "tiny-llama": _TINY,
-    # every term the profiler measures, non-zero: dense masked attention, K/V context kept by
-    # saved layers, explicit masks, stage outputs, backward transients, checkpoint closures
+    # every term the profiler measures, non-zero: K/V context kept by saved layers, stage
+    # outputs, backward transients, checkpoint closures
     "tiny-profiled": dataclasses.replace(
-        _TINY, alpha_mask=1.5 * _TINY.alpha_attn, context_bytes_per_token=_TINY.kv_bytes_per_token,
-        mask_bytes_per_pair=1.0, output_bytes_per_token=_TINY.hidden_bytes_per_token,
+        _TINY, context_bytes_per_token=_TINY.kv_bytes_per_token, output_bytes_per_token=_TINY.hidden_bytes_per_token,
         bwd_transient_bytes_per_token=3.0 * _TINY.hidden_bytes_per_token,
         head_bwd_transient_bytes_per_token=1.2 * _TINY.logits_bytes_per_token, ckpt_chunk_bytes_per_token=24.0,
         recompute_factor=0.9, source="profiled"),
@@ -118,17 +119,14 @@ def calls(draw):
 
 def _check(call):
     cost, layout = call["cost"], call["layout"]
-    t0 = _cpu_s()
     try:
         plan = plan_step(call["lens"], cost, layout, call["budget"], call["strategy"],
                          max_tokens_per_chunk=call["cap"], solver=call["solver"])
     except PlanError:
         plan = None
-    seconds = _cpu_s() - t0
     desc = {k: v for k, v in call.items() if k not in ("cost", "layout", "lens")}
     desc.update(stages=layout.num_stages, sequences=len(call["lens"]), longest=max(call["lens"]),
                 tokens=sum(call["lens"]))
-    assert seconds <= BOUND_S, f"plan_step took {seconds:.2f} CPU s: {desc}"
     if plan is None:
         return
     plan.validate()
@@ -150,16 +148,15 @@ FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None
 
 @FUZZ
 @given(call=calls())
-def test_every_call_plans_or_refuses_within_2s(call):
+def test_every_call_plans_or_refuses(call):
     _check(call)
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("CONCERTINA_FUZZ_LARGE") != "1",
                     reason="3000 calls; set CONCERTINA_FUZZ_LARGE=1 (see the module docstring)")
 @settings(FUZZ, max_examples=3000)
 @given(call=calls())
-def test_every_call_plans_or_refuses_within_2s_large(call):
+def test_every_call_plans_or_refuses_large(call):
     _check(call)
 
 
@@ -173,7 +170,7 @@ def _static(cost, layout):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_a_token_cap_of_one_plans_a_small_step_and_names_the_field_on_a_long_one(strategy):
+def test_a_token_cap_of_one_plans_a_small_step_and_names_the_field_on_a_long_one(strategy, monkeypatch):
     """``max_tokens_per_chunk=1``: a few tokens get a valid plan of one-token chunks (``packed``
     keeps each longer sequence whole; it used to fail an internal invariant, and full-recompute
     returned a plan failing its own validate()); a long step is refused at once, naming the
@@ -186,16 +183,16 @@ def test_a_token_cap_of_one_plans_a_small_step_and_names_the_field_on_a_long_one
     else:
         assert max(c.num_tokens for c in plan.chunks) == 1 and plan.num_chunks == 9
     lens = [4000, 3000, 1000] + [1] * 4000
-    t0 = _cpu_s()
-    with pytest.raises(PlanError, match=r"max_tokens_per_chunk \(concertina_max_tokens_per_chunk, "
-                                        r"--max-tokens-per-chunk\)=1 cuts this step's 12000 tokens into at least "
-                                        r"\d+ chunks, more than the 2048 .* raise it to at least \d+ tokens") as e:
+    with monkeypatch.context() as m, pytest.raises(
+            PlanError, match=r"a token cap of 1 per chunk cuts this step's 12000 tokens into at least "
+                             r"\d+ chunks, more than the 2048 .* raise max_tokens_per_chunk to at least \d+ tokens") as e:
+        _no_search(m)  # refused before any search
         plan_step(lens, cost, layout, 0, strategy, max_tokens_per_chunk=1)
-    assert _cpu_s() - t0 < 0.1  # before any search
     smallest = int(re.search(r"at least (\d+) tokens", str(e.value)).group(1))
     assert smallest == (16 if splits else 2)  # 4000 tokens in at most 256 slices; 2003 chunks
+    assert (e.value.setting, e.value.limit) == ("max_tokens_per_chunk", smallest)
     plan_step(lens, cost, layout, 0, strategy, max_tokens_per_chunk=smallest).validate()
-    with pytest.raises(PlanError, match="raise it to at least"):
+    with pytest.raises(PlanError, match="raise max_tokens_per_chunk to at least"):
         plan_step(lens, cost, layout, 0, strategy, max_tokens_per_chunk=smallest - 1)
 
 
@@ -205,8 +202,9 @@ def test_a_cap_cutting_a_sequence_into_too_many_slices_is_refused_naming_the_sma
     MAX_SLICES slices (one 4096-token sequence under a cap of 2 took seconds in the recompute
     model), and says which cap does."""
     cost, layout = _layout("llama-7b", 1)
-    with pytest.raises(PlanError, match=rf"=2 cuts sequence 0 \(4096 tokens\) into 2048 slices, more than the "
-                                        rf"{MAX_SLICES} .* raise it to at least {4096 // MAX_SLICES} tokens"):
+    with pytest.raises(PlanError, match=rf"a token cap of 2 per chunk cuts sequence 0 \(4096 tokens\) into 2048 "
+                                        rf"slices, more than the {MAX_SLICES} .* raise max_tokens_per_chunk to at "
+                                        rf"least {4096 // MAX_SLICES} tokens"):
         plan_step([4096], cost, layout, 0, strategy, max_tokens_per_chunk=2)
     plan_step([4096], cost, layout, 0, strategy, max_tokens_per_chunk=4096 // MAX_SLICES).validate()
 
@@ -216,7 +214,7 @@ def test_a_last_token_heavier_than_the_time_target_is_a_tail_of_its_own():
     below the last token's of a sequence of more than half its length: that token ends the
     sequence as its tail (it became a split chunk holding a final slice, and an empty tail)."""
     cost = COSTS["llama-7b"]
-    ch = make_chunking([100, 90, 60], cost, num_slices_longest=100, token_cap=1000)
+    ch = SequenceBatch([100, 90, 60], cost).balanced(num_slices_longest=100, token_cap=1000)
     chunks, groups = ch.assemble()
     for c in chunks:
         for sl in c.slices:
@@ -230,7 +228,7 @@ def test_a_capped_longest_sequence_is_cut_in_cap_sized_slices_not_thousands():
     cut like the others instead (cap-sized slices first): a 153K-token sequence under a 4096
     cap in 38 slices, not 1024."""
     cost = _TINY
-    ch = make_chunking([153308, 2000, 300], cost, num_slices_longest=1, token_cap=4096)
+    ch = SequenceBatch([153308, 2000, 300], cost).balanced(num_slices_longest=1, token_cap=4096)
     chain = ch.chains[0]
     assert len(chain) == -(-153308 // 4096)
     assert all(ci.tokens <= 4096 for ci in chain)
@@ -238,24 +236,24 @@ def test_a_capped_longest_sequence_is_cut_in_cap_sized_slices_not_thousands():
 
 @pytest.mark.parametrize("strategy", PIPELINE_STRATEGIES)  # (sp-only checks its own layout's memory)
 @pytest.mark.parametrize("model,p,factor", [("llama-7b", 5, 1.01), ("llama-7b", 8, 2), ("tiny-llama", 2, 1.5)])
-def test_a_budget_below_the_longest_sequence_in_flight_is_refused_at_once(strategy, model, p, factor):
+def test_a_budget_below_the_longest_sequence_in_flight_is_refused_at_once(strategy, model, p, factor, monkeypatch):
     """All of a sequence's tokens are in flight at once on every stage (its slices run backward
     in reverse order), so a stage whose budget cannot hold its static memory plus the longest
     sequence at the smallest bytes per token (every layer recomputed) admits no plan: refused
     from that bound before any search (one used to take 13 s)."""
     cost, layout = _layout(model, p)
     lens = [10**6] + [3000] * 199
-    t0 = _cpu_s()
+    _no_search(monkeypatch)
     with pytest.raises(InfeasiblePlanError, match=r"sequence 0 \(1000000 tokens\) cannot fit stage \d+'s memory "
-                                                  r"budget .* even recomputing every layer.*concertina_memory_budget"):
+                                                  r"budget .* even recomputing every layer.*raise memory_budget"):
         plan_step(lens, cost, layout, int(_static(cost, layout) * factor), strategy, max_tokens_per_chunk=16)
-    assert _cpu_s() - t0 < 0.1
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_near_static_budgets_and_huge_batches_end_within_the_bound(strategy):
     """Budgets just above static memory with many chunks, and 200 long-tailed sequences up to 1M
-    tokens on 8 stages: a plan or a PlanError within 2 CPU seconds (these took over 10 s)."""
+    tokens on 8 stages: a plan within its budget or a PlanError, from a search bounded by counted
+    work (these took over 10 s before; their time is the benchmark's business)."""
     cost, layout = _layout("llama-7b", 8)
     big = [10**6] + [int(3000 * 1.07**i) for i in range(199)]
     cases = [
@@ -267,13 +265,11 @@ def test_near_static_budgets_and_huge_batches_end_within_the_bound(strategy):
     ]
     for cost, layout, lens, factor, cap in cases:
         budget = int(_static(cost, layout) * factor)
-        t0 = _cpu_s()
         try:
             plan = plan_step(lens, cost, layout, budget, strategy, max_tokens_per_chunk=cap).validate()
             assert fits(plan, cost, [budget] * layout.num_stages)
         except PlanError as e:
             assert re.search(r"memory budget|max_tokens_per_chunk|chunks", str(e)), e
-        assert _cpu_s() - t0 < BOUND_S, (strategy, len(lens), factor, cap)
 
 
 def test_the_chunk_limit_is_documented_per_pipeline_size():

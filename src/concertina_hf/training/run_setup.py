@@ -9,7 +9,7 @@ From the arguments, the model and the mesh: the cost model (analytic from the co
 file, a profile of the real layers made once by rank 0 and broadcast, or the one a resumed
 checkpoint's layout was made from), the stage layout (decoder layers balanced over the stages by
 that cost model, the same on every rank), each stage's memory budget in bytes, and the solver
-settings. Later issues add the replica assignment and sequence-parallel degrees here.
+settings.
 
 Costs: a profile (``concertina_cost_model="profiled"`` without a file) takes a few seconds on rank
 0 and one broadcast; with sequence parallelism (``sp > 1``) every rank then times one layer's
@@ -30,12 +30,12 @@ from datetime import timedelta
 import torch
 from torch import nn
 
-from .args import ConcertinaTrainingArguments, resolve_parallel_sizes
+from .args import ConcertinaTrainingArguments, in_trainer_terms, resolve_parallel_sizes
 from .checkpoint import layout_cost_model
 from ..integrations.peft import base_model_of, check_peft_model, is_peft_model
 from ..runtime.distributed import Topology, launched_world_size
 from ..runtime.stage import PipelineWrapper
-from ..planning import CostModel, DeviceSpec, StageLayout, partition_layers, stage_budgets
+from ..planning import CostModel, DeviceSpec, PlanError, StageLayout, partition_layers, stage_budgets
 from ..runtime.ulysses import check_heads
 
 __all__ = ["RunSetup", "budget_source", "build_topology", "check_static_memory", "check_trainer_arguments",
@@ -108,7 +108,10 @@ def resolve_run(args: ConcertinaTrainingArguments, model: nn.Module, topology: T
         check_heads(heads, int(getattr(model.config, "num_key_value_heads", None) or heads), sp)
     if sp > 1 or shards > 1:
         cost = cost.with_parallel(sp=sp, state_shards=shards)
-    layout = partition_layers(cost, topology.pipeline_size)
+    try:
+        layout = partition_layers(cost, topology.pipeline_size)
+    except PlanError as e:
+        raise in_trainer_terms(e) from None
     budgets = memory_budgets(args, device_memory, layout.num_stages)
     check_static_memory(cost, layout, budgets)
     return RunSetup(
@@ -171,7 +174,10 @@ def memory_budgets(args: ConcertinaTrainingArguments, device_memory: int, num_st
         budget = int(device_memory * args.concertina_memory_fraction)
     elif budget is None:
         budget = 0
-    return stage_budgets(budget, num_stages, setting="concertina_memory_budget")
+    try:
+        return stage_budgets(budget, num_stages)
+    except PlanError as e:
+        raise in_trainer_terms(e) from None
 
 
 def budget_source(args: ConcertinaTrainingArguments, device_memory: int, device) -> str:
