@@ -146,7 +146,8 @@ def _run(rank: int, world: int, spec: dict) -> dict:
         wrapper = PipelineWrapper(build_model(spec["config"], spec["seed"]), sl, topo.stage)
         wrapper.train()
         params = [p for p in wrapper.parameters() if p.requires_grad]
-        ex = PipelineExecutor(wrapper, pp_group=topo.pp_group, sp_group=topo.sp_group if lay["sp"] > 1 else None)
+        ex = PipelineExecutor(wrapper, pp_group=topo.pp_group, sp_group=topo.sp_group if lay["sp"] > 1 else None,
+                                channels=topo.p2p_channels)
         runs.append({"wrapper": wrapper, "params": params, "ex": ex, "opt": opt_cls(params, **opt_kwargs)})
     setup_s = time.perf_counter() - t_setup
 

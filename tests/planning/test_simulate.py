@@ -326,8 +326,8 @@ def test_lowered_plan_prints_as_a_grid_with_sends_and_receives():
 
 def test_simulator_catches_misordered_communication():
     """Stage 0 sends chunk 1 before chunk 0 while stage 1 receives chunk 0 first: NCCL would pair
-    them wrongly; with sends that wait for their receive (large NCCL messages) neither stage can
-    go on. Both are refused before any process group exists, naming the actions."""
+    them wrongly (a channel matches in issue order). Refused before any process group exists,
+    naming the actions, by the simulator and by the rendezvous dry run alike."""
     chunks = tuple(Chunk(i, ChunkKind.PACKED, (Slice(i, 0, 100),)) for i in range(2))
     F, B = ActionKind.FORWARD, ActionKind.BACKWARD
     gpipe = tuple((Action(s, F, 0), Action(s, F, 1), Action(s, B, 1), Action(s, B, 0)) for s in range(2))
@@ -339,10 +339,8 @@ def test_simulator_catches_misordered_communication():
     with pytest.raises(PlanError, match="stage 0 sends to stage 1 in another order than stage 1 receives: "
                                         "message 0 is 0SEND_F1 but 1RECV_F0 on stage 1"):
         simulate(plan, llama_cost(), program=bad)
-    with pytest.raises(PlanError, match="deadlock") as e:
+    with pytest.raises(PlanError, match="message 0 is 0SEND_F1 but 1RECV_F0 on stage 1"):
         dry_run(bad, rendezvous=True)
-    assert "blocked: 0SEND_F1 (waits for 1RECV_F1), 1F0 (waits for 0SEND_F0)" in str(e.value)
-    assert "stuck messages: 0SEND_F1 on stage 0, 1RECV_F0 on stage 1" in str(e.value)
     # a receive placed before the send it depends on: a deadlock on any backend
     one = _edit(program, 0, "0F0 0F1 0SEND_F1+0RECV_B1 0B1 0RECV_B0 0SEND_F0 0B0")
     with pytest.raises(PlanError, match="deadlock") as e:

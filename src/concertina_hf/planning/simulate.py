@@ -15,10 +15,10 @@ Order of slices within a stage is the schedule's business (``Plan.validate`` che
 simulator only follows the program.
 
 Communication is dry-run as the runtime does it: a batch of messages is done once the peer
-has posted the send of each of its receives (sends never wait: gloo buffers them, and NCCL does
-for messages within its buffers); once every program has run, the messages from one stage to
-another must have been received in the order they were sent (NCCL matches them in issue order,
-whatever their tags). A message without a counterpart, a step that can never complete (a
+has posted the send of each of its receives (sends never hold their stage: each direction between
+two neighbours is a channel of its own, :mod:`concertina_hf.runtime.p2p`); once every program has
+run, the messages from one stage to another must have been received in the order they were sent
+(NCCL matches them in issue order, whatever their tags). A message without a counterpart, a step that can never complete (a
 deadlock) or messages out of order raise :class:`PlanError` naming the actions, before any
 process group exists; :func:`dry_run` does only that, with no cost model (and optionally with
 sends that wait for their receive).
@@ -239,8 +239,8 @@ def _compile(program: Program, rendezvous: bool = False):
 
     Returns ``(steps, (sends, receives))``: per stage, ``(_FWD, c)``, ``(_BWD, c)`` or
     ``(_MSG, ops)`` with ``ops = ((peer, peer's step index, chunk, is_recv, action), ...)`` for
-    the messages the step waits for (its receives; its sends too with ``rendezvous``), the peer's
-    step being the one that holds the counterpart; ``sends[s][dst]`` / ``receives[s][src]``:
+    the messages the step waits for (its receives), the peer's step being the one that holds the
+    counterpart; with ``rendezvous``, a last step per stage waits for every send's receive; ``sends[s][dst]`` / ``receives[s][src]``:
     stage ``s``'s messages to ``dst`` / from ``src`` as ``{chunk: step}``, in issue order.
     Raises :class:`PlanError` for a malformed program: a message without counterpart or listed
     twice, a compute action before its input's receive, a send before the compute that
@@ -272,6 +272,7 @@ def _compile(program: Program, rendezvous: bool = False):
     out = []
     for s, prog in enumerate(program.steps):
         rows: list[tuple] = []
+        drain: list[tuple] = []
         for k, step in enumerate(prog):
             a = step[0]
             kind = a.kind
@@ -295,11 +296,12 @@ def _compile(program: Program, rendezvous: bool = False):
                     made = tf if kind is SF else tb
                     if made[s].get(c, k) >= k:
                         raise PlanError(f"{a} is sent before {s}{'F' if kind is SF else 'B'}{c} computes it")
-                    if rendezvous:
-                        ops.append((peer, pk, c, False, a))
+                    drain.append((peer, pk, c, False, a))
                 else:
                     ops.append((peer, pk, c, True, a))
             rows.append((_MSG, tuple(ops)))
+        if rendezvous and drain:  # the step's end waits for every send to be received
+            rows.append((_MSG, tuple(drain)))
         out.append(rows)
     sends = [{s + 1: tsf[s], s - 1: tsb[s]} for s in range(p)]
     receives = [{s - 1: trf[s], s + 1: trb[s]} for s in range(p)]
@@ -375,6 +377,10 @@ def _deadlock(program: Program, steps: list[list[tuple]], ptr, fend, bend) -> Pl
     left = 0
     for s, prog in enumerate(program.steps):
         k = ptr[s]
+        if k == len(prog) < len(steps[s]):  # the rendezvous drain: sends nobody receives
+            waits = [str(a.partner) for peer, pk, c, _, a in steps[s][k][1] if ptr[peer] < pk]
+            blocked.append(f"the end of stage {s}'s step (its sends wait for {', '.join(waits)})")
+            continue
         if k >= len(prog):
             continue
         left += sum(len(step) for step in prog[k:])
@@ -429,12 +435,15 @@ def dry_run(program: Program, *, rendezvous: bool = False) -> None:
     waits forever, messages are received in the order they are sent (see the module
     docstring); raise :class:`PlanError` naming the actions otherwise.
 
-    ``rendezvous=True``: a batch also waits until the receive of each of its sends is posted, as
-    an NCCL group may for messages beyond NCCL's internal buffers (gloo never does). The programs
-    of 1F1B over a split sequence fail it: stage ``s`` sends the forward of the chunk after the
-    chain in one batch with the receive of the chain's first backward, and stage ``s + 1``
-    receives that forward only after sending every backward of the chain, which stage ``s``
-    receives in later batches."""
+    ``rendezvous=True``: NCCL's semantics on the runtime's channels (:mod:`concertina_hf.runtime.p2p`):
+    a send completes only once its receive is posted, and each channel (one direction between two
+    neighbours, its own communicator) runs in issue order. A stage waits for its receives only,
+    so a pending send holds back nothing but later sends of its own channel, which the peer
+    receives in the same order (checked below); what is left is the step's end, which waits for
+    every send to be received. (With one channel for both directions, 1F1B over a split sequence
+    would deadlock: stage ``s`` queues the forward of the chunk after the chain before the
+    receive of the chain's first backward, and stage ``s + 1`` receives that forward only after
+    sending every backward of the chain.)"""
     n, p = program.plan.num_chunks, len(program.steps)
     zeros = [[0.0] * n for _ in range(p)]
     _run(program, _compile(program, rendezvous), zeros, zeros, [0.0] * n)

@@ -86,8 +86,9 @@ class Topology:
     the ranks of this rank's pipeline in stage order (same ``sp_rank``); ``dp_group`` /
     ``dp_ranks``: the ranks holding the same stage and ``sp_rank`` in every replica; ``sp_group``
     / ``sp_ranks``: the ranks sharing this stage's chunks (Ulysses); ``grad_group``: the ``dp x
-    sp`` ranks of this stage, over which its gradients are reduced; ``timeout``: how long any
-    receive or collective waits for a peer (``ddp_timeout``).
+    sp`` ranks of this stage, over which its gradients are reduced; ``p2p_channels``: this
+    rank's point-to-point channels to its neighbour stages (:func:`p2p_channels`); ``timeout``:
+    how long any receive or collective waits for a peer (``ddp_timeout``).
     """
 
     world_size: int
@@ -107,6 +108,7 @@ class Topology:
     sp_group: Any = None
     sp_ranks: tuple[int, ...] = (0,)
     grad_group: Any = None
+    p2p_channels: Any = None
 
     @classmethod
     def build(cls, *, pp: int, dp: int = 1, sp: int = 1, timeout: timedelta = timedelta(minutes=30)) -> "Topology":
@@ -132,6 +134,9 @@ class Topology:
             topo.sp_ranks = tuple(int(r) for r in topo.mesh["sp"].mesh.tolist())
             topo.grad_group = _stage_groups(dp, pp, sp, topo) if dp > 1 and sp > 1 else (
                 topo.sp_group if sp > 1 else topo.dp_group)
+            if pp > 1:  # every pipeline: one lane per replica and sequence-parallel rank
+                lanes = [[(d * pp + s) * sp + r for s in range(pp)] for d in range(dp) for r in range(sp)]
+                topo.p2p_channels = p2p_channels(lanes, topo.timeout)
         return topo
 
     @property
@@ -435,6 +440,44 @@ def _set_group_timeout(group: Any, timeout: timedelta) -> None:
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # torch >= 2.3
     if set_timeout is not None:
         set_timeout(timeout, group)
+
+
+def group_timeout(group: Any) -> timedelta | None:
+    """The timeout ``group`` was made with (``None`` where torch does not tell)."""
+    try:
+        device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+        return group._get_backend(device).options._timeout
+    except Exception:
+        return None
+
+
+def p2p_channels(lanes: Sequence[Sequence[int]], timeout: timedelta | None = None) -> dict[int, tuple[Any, Any]]:
+    """This rank's P2P channels: for each neighbour pair ``s`` of its pipeline (stages ``s`` and
+    ``s + 1``), two process groups of those two ranks, one for activations and one for gradients
+    (:mod:`.p2p` says why NCCL needs them apart). ``lanes``: every pipeline's global ranks in
+    stage order. Collective: every rank of the job calls it with the same lanes.
+
+    Each channel carries one message here, lower stage to higher, in one order on every rank: a
+    fresh NCCL communicator is set up by its first operation, which waits for the peer's first,
+    so no message of a step waits for that."""
+    me = dist.get_rank()
+    mine: dict[int, tuple[Any, Any]] = {}
+    for lane in lanes:
+        for s in range(len(lane) - 1):
+            pair = [int(lane[s]), int(lane[s + 1])]
+            groups = (dist.new_group(pair, timeout=timeout), dist.new_group(pair, timeout=timeout))
+            if me in pair:
+                mine[s] = groups
+    for s in sorted(mine):
+        for group in mine[s]:
+            ranks = dist.get_process_group_ranks(group)
+            nccl = dist.get_backend(group) == "nccl"
+            x = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
+            if me == ranks[0]:
+                dist.send(x, ranks[1], group=group)
+            else:
+                dist.recv(x, ranks[0], group=group)
+    return mine
 
 
 def reduce_gradients(params: Sequence[nn.Parameter], topology: Topology, average: bool) -> None:

@@ -18,7 +18,9 @@ message is sent) and walks this stage's program in order, deciding nothing:
   before the first adapter) are left out of the backward;
 - a batch of ``SEND_F`` / ``RECV_F`` / ``SEND_B`` / ``RECV_B``: one
   :meth:`~concertina_hf.runtime.p2p.StageComm.exchange` (shapes from the plan, the dtype from
-  :meth:`PipelineExecutor.wire_dtype`), returning once its receives have landed.
+  :meth:`PipelineExecutor.wire_dtype`), each message on its channel (activations and gradients
+  of a neighbour pair on process groups of their own, so NCCL's rendezvous never holds a stage
+  back: :mod:`.p2p`), returning once its receives have landed.
 
 Gradients accumulate into ``.grad`` of the stage's parameters (never zeroed here) and equal
 those of the HF model on one device over the same sequences with the same ``num_items_in_batch``
@@ -69,7 +71,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -79,6 +81,7 @@ from ..planning.simulate import dry_run
 from ..planning.types import Action, ActionKind, Plan, PlanError, Program
 from .attention import ChunkAttentionContext, KVStore, SliceSpec, autocast_dtype
 from .memory import SavedTensorMeter
+from .distributed import group_timeout, p2p_channels
 from .p2p import TIED_GRAD_TAG, StageComm, activation_tag, gradient_tag
 from .rng import StageRNG
 from .stage import PipelineWrapper
@@ -156,12 +159,16 @@ class PipelineExecutor:
     sequence parallelism (:mod:`.ulysses`; ``None`` or one rank: none); ``pp_group`` then links
     this rank to the same sequence-parallel rank of every stage. ``measure_memory``: whether
     :meth:`run_step` measures the activation peak when its own ``measure_memory`` is ``None``
-    (see the module docstring for what it costs).
+    (see the module docstring for what it costs). ``channels``: this rank's P2P channels
+    (:func:`~concertina_hf.runtime.distributed.p2p_channels`); ``None``: made here, which needs
+    ``pp_group`` to span the job (with several pipelines every rank makes every pipeline's
+    channels, in one collective call).
     """
 
     def __init__(self, wrapper: PipelineWrapper, pp_group: dist.ProcessGroup | None = None,
                  device: torch.device | str | None = None, rng: StageRNG | None = None,
-                 sp_group: dist.ProcessGroup | None = None, measure_memory: bool = True) -> None:
+                 sp_group: dist.ProcessGroup | None = None, measure_memory: bool = True,
+                 channels: dict[int, tuple[Any, Any]] | None = None) -> None:
         self.wrapper = wrapper
         self.measure_memory = measure_memory
         self.layout = wrapper.layout
@@ -186,7 +193,12 @@ class PipelineExecutor:
                 raise ValueError(f"the pipeline group has {size} ranks but the layout has {self.num_stages} stages")
             if rank != self.stage:
                 raise ValueError(f"this process is rank {rank} of the pipeline group but wraps stage {self.stage}")
-            self.comm = StageComm(group, self.stage, self.num_stages)
+            if channels is None:
+                if size != dist.get_world_size():
+                    raise ValueError("a pipeline group smaller than the job needs its P2P channels passed in "
+                                     "(channels=distributed.p2p_channels(every pipeline's ranks))")
+                channels = p2p_channels([list(range(size))], timeout=group_timeout(group))
+            self.comm = StageComm(group, self.stage, self.num_stages, channels)
             if dist.get_backend(group) == "nccl":
                 # batched NCCL P2P must not be the first operation on a fresh communicator
                 dist.barrier(group=group)
@@ -227,11 +239,8 @@ class PipelineExecutor:
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
         other = self.num_stages - 1 if self.stage == 0 else 0
-        theirs = torch.empty_like(weight.grad)
-        self.comm.exchange([self.comm.send_op(weight.grad, other, TIED_GRAD_TAG)],
-                           [self.comm.recv_op(theirs, other, TIED_GRAD_TAG)])
-        self.comm.drain()  # the send reads weight.grad, which the sum below overwrites
-        weight.grad.add_(theirs)
+        # returns once the send is done too: it reads weight.grad, which the sum below overwrites
+        weight.grad.add_(self.comm.swap(weight.grad, other, TIED_GRAD_TAG))
 
     # ------------------------------------------------------------------ checks
     def _check(self, plan: Plan, input_ids: Sequence[torch.Tensor], labels: Sequence[torch.Tensor] | None) -> None:

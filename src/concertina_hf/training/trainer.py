@@ -132,7 +132,7 @@ class ConcertinaTrainer(Trainer):
         # each process draws its stage's dropout from its own stream (every rank is seeded alike)
         self.executor = PipelineExecutor(self.pipeline, pp_group=self.topology.pp_group, device=args.device,
                                          rng=StageRNG(args.seed, self.topology.rank, args.device),
-                                         sp_group=self.topology.sp_group)
+                                         sp_group=self.topology.sp_group, channels=self.topology.p2p_channels)
         self.guard = StepGuard(args.concertina_nonfinite, self.topology)
         self.predictor = PipelinePredictor(self.executor, self.planner, self.steps, self.topology)
         self.replan.bind(self)
