@@ -16,6 +16,8 @@ import pathlib
 
 import pytest
 
+import _helpers  # noqa: F401  (shared helpers; puts tests/ and the tier folders on sys.path)
+
 #: a test's tier is its folder's (a test file at the top of tests/ is tier 0); tier 2 is ``slow``
 TIERS = {"planning": 0, "runtime": 1, "training": 1, "launch": 2, "benchmarks": 2}
 

@@ -352,12 +352,15 @@ def test_other_architectures(arch):
 # these large-init models: up to 3e-4 on the loss and 2.5e-2 on the gradients (relative, all of a
 # stage's gradients as one vector; largest on the first stage, whose gradients went through every
 # layer's backward), while bf16 autocast itself moves the gradients 2.5e-2 to 7e-2 away from
-# float32. Tolerances: twice the measured worst; and the result must be clearly closer to HF under
-# autocast than to HF in float32 (at most 0.7 times that distance; measured 0.37 to 0.5), which a
-# pipeline that ignored autocast would fail.
+# float32. Tolerances: twice the measured worst here (over pp = 2 and 4, tests/_dist_runtime.py:
+# up to 4e-2 on the gradients, a margin of 1.25x); and the result must have been computed in bf16:
+# at least bf16's unit roundoff u = 2**-8 away from HF in float32 (measured 2.5e-2 and more: 6x
+# u), which a pipeline that ignored autocast fails (float32 compute stays within GRAD_TOL = 1e-4 of
+# it, 39x under u). Not "closer to HF under autocast than to float32": bf16 does not promise it
+# (two bf16 roundings of one function can be as far from each other as from float32).
 AMP_LOSS_TOL = 1e-3
 AMP_GRAD_TOL = 5e-2
-AMP_CLOSER = 0.7
+AMP_ROUNDED = 2.0**-8
 
 
 def test_one_stage_under_autocast_matches_hf_under_autocast(model_and_ref):
@@ -373,7 +376,7 @@ def test_one_stage_under_autocast_matches_hf_under_autocast(model_and_ref):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             res = ex.run_step(plan, ids, labels)
         err, err_fp32 = grad_error(w, amp_grads), grad_error(w, ref_grads)
-        if not (_rel(res.loss, amp_loss) < AMP_LOSS_TOL and err < AMP_GRAD_TOL and err < AMP_CLOSER * err_fp32):
+        if not (_rel(res.loss, amp_loss) < AMP_LOSS_TOL and err < AMP_GRAD_TOL and err_fp32 > AMP_ROUNDED):
             failures.append(f"{kind} {name}: loss {res.loss} vs {amp_loss}, grad err {err:.2e} (fp32 {err_fp32:.2e})")
     assert failures == []
     with torch.autocast("cpu", dtype=torch.bfloat16):  # evaluation under autocast too
