@@ -93,6 +93,14 @@ with compute, so a layer takes ``max(compute + a2a, gather)`` forward and ``max(
 gather + reduce-scatter)`` backward; the gathered weights of two layers and of the embedding or
 head are resident (``static_memory``). Gathers of the embedding and head weights are not timed.
 
+**Within the profiled range.** The time model is linear in tokens and pairs, which measured
+chunks follow only up to a size: a profiled model records its largest profiled chunk
+(``max_chunk_tokens``), under which every pipeline strategy plans (profile up to the chunk sizes a
+run should use). The LM head's time per token is not one line either: a profile keeps it at a
+ladder of chunk sizes (``head_time_points``, interpolated), and the embedding's and head's
+per-call constants (``embed_time_per_call``, ``head_time_per_call``), so the partition and the
+simulator price the end stages at the chunk sizes plans use.
+
 Two ways to a model: :meth:`CostModel.from_hf_config` (FLOPs and bytes of the architecture at a
 device's rates) and :func:`concertina_hf.planning.fit.fit_profile` (least squares over measured
 samples, e.g. from :mod:`concertina_hf.runtime.profiler`).

@@ -1,5 +1,15 @@
 """What every strategy shares: the request it plans, the baselines' chunking ladders (adaptive
-searches them too), and turning a chunking into a plan and a plan into a result."""
+searches them too), and turning a chunking into a plan and a plan into a result.
+
+Bounded planning: every ``plan_step`` call ends in a plan that passes ``validate()`` and fits its
+budgets in simulation, or in a ``PlanError`` naming the setting to change. The refusals that need
+no search run first (:func:`check_step`, microseconds); a token cap the user set is refused
+rather than raised, naming the smallest cap that works. Every pipeline strategy plans under the
+largest chunk a profiled cost model measured (:func:`fitted_token_cap`: chunk times beyond it
+would be extrapolated). The search is counted, not timed: at most :data:`SEARCH_EFFORT` simulated
+chunk-stages after the first evaluation, never a chunking over :func:`max_chunks` chunks or
+:data:`MAX_SLICES` slices, nor one equal to a chunking already evaluated, so the same inputs give
+the same plan."""
 
 from __future__ import annotations
 
