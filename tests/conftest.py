@@ -29,6 +29,10 @@ def tier(item) -> int:
 
 
 def pytest_collection_modifyitems(config, items):
+    # slow is the folder's: a multi-process test goes to launch/ (or benchmarks/), not under a mark
+    marked = [item.nodeid for item in items if tier(item) < 2 and item.get_closest_marker("slow") is not None]
+    if marked:
+        raise pytest.UsageError(f"tests marked slow outside tests/launch and tests/benchmarks: {marked}")
     for item in items:
         if tier(item) == 2:
             item.add_marker(pytest.mark.slow)

@@ -12,11 +12,12 @@ import json
 import os
 import pathlib
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from _helpers import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs" / "accelerate"
@@ -80,7 +81,6 @@ dist.destroy_process_group()
 '''
 
 
-@pytest.mark.slow
 def test_cpu_2proc_starts_two_ranks_sharing_one_process_group(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(WORLD_PROBE)
@@ -167,13 +167,6 @@ def test_multinode_configs_rendezvous_at_machine_0_with_the_machine_rank(name):
     assert c10d.rdzv_backend == "c10d"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.mark.slow
 def test_two_node_launch_on_this_machine_trains_one_pipeline(tmp_path):
     """Two ``accelerate launch`` processes, machine ranks 0 and 1, of a 2-machine config made from
     ``multinode_pp4_sp8.yaml`` (2 processes per "machine", gloo on CPU, rendezvous on 127.0.0.1),
@@ -183,7 +176,7 @@ def test_two_node_launch_on_this_machine_trains_one_pipeline(tmp_path):
 
     cfg = yaml.safe_load((CONFIGS / "multinode_pp4_sp8.yaml").read_text())
     cfg.update(num_machines=2, num_processes=4, use_cpu=True, mixed_precision="no",
-               main_process_ip="127.0.0.1", main_process_port=_free_port())
+               main_process_ip="127.0.0.1", main_process_port=free_port())
     config = tmp_path / "two_nodes.yaml"
     config.write_text(yaml.safe_dump(cfg))
     info_dir = tmp_path / "ranks"

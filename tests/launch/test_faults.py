@@ -9,11 +9,12 @@ itself), with the failure injected on stage 1:
   torch's default of 30 minutes applied and the job waited for the stalled rank.
 - **an exception caught by the user** (default ``ddp_timeout``, 30 minutes): stage 1 raises in
   a training step, in ``evaluate()`` or in ``save_model()``, and the worker's ``try`` swallows it
-  and goes on with other work. Both ranks must exit non-zero within seconds, printing the
+  and goes on with other work. Both ranks must exit non-zero before that work (a sleep of
+  :data:`STALL_S`) would end (measured: within seconds), printing the
   original message.
 
-The workers are this file run as ``python tests/test_faults.py MODE OUT`` with the rank in the
-environment.
+The workers are this file run as ``python tests/launch/test_faults.py MODE OUT`` with the rank in
+the environment.
 """
 
 from __future__ import annotations
@@ -22,18 +23,18 @@ import json
 import os
 import random
 import signal
-import socket
-import subprocess
 import sys
 import time
 
 import pytest
 
+from _helpers import start_ranks
+
 TIMEOUT_S = 10
+#: how long the failing rank stalls (or, having caught the fault, sleeps): every rank ending before
+#: then shows that none waited for its peer (the ranks' exit seconds are printed; the time they take
+#: is no test's business: the timeout, the abort flag polled every 0.5 s, a 5 s grace, the exit)
 STALL_S = 60
-# the timeout, then the abort flag (polled every 0.5 s) and the processes' exit
-STALL_BOUND_S = TIMEOUT_S + 15
-FAULT_BOUND_S = 15  # the abort flag, a 5 s grace on the failing rank, the processes' exit
 FAULT = "injected fault in stage 1"
 
 
@@ -105,25 +106,10 @@ def _worker(mode: str, out: str) -> None:
     trainer.end()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ranks(mode: str, out) -> tuple[list[int], list[float], list[str]]:
     """Start the 2 ranks; their exit codes, the seconds from the injected fault to each one's
     exit, and their stderr. Ranks still running :data:`STALL_S` + 30 s after the start are killed."""
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled",
-                   TOKENIZERS_PARALLELISM="false", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        env.pop("ACCELERATE_USE_CPU", None)
-        err = open(out / f"stderr-rank{rank}.txt", "w")
-        procs.append((subprocess.Popen([sys.executable, __file__, mode, str(out)], env=env, stdout=subprocess.DEVNULL,
-                                       stderr=err, start_new_session=True), err))
+    procs = start_ranks(2, __file__, mode, out, stderr_dir=out)
     ended: list[float | None] = [None, None]
     deadline = time.time() + STALL_S + 30
     while None in ended and time.time() < deadline:
@@ -146,10 +132,9 @@ def _run_ranks(mode: str, out) -> tuple[list[int], list[float], list[str]]:
     return [p.returncode for p, _ in procs], seconds, stderr
 
 
-@pytest.mark.slow
 def test_a_stalled_rank_ends_every_rank_within_ddp_timeout(tmp_path):
     codes, seconds, stderr = _run_ranks("stall", tmp_path)
-    assert max(seconds) < STALL_BOUND_S, (seconds, stderr[0][-4000:])
+    assert max(seconds) < STALL_S, (seconds, stderr[0][-4000:])  # before the stall would end
     assert all(c != 0 for c in codes), (codes, stderr[0][-4000:])
     # stage 0 names what it waited for: the gradient of a chunk from stage 1 (rank 1); the stalled
     # rank is ended with that message
@@ -158,12 +143,11 @@ def test_a_stalled_rank_ends_every_rank_within_ddp_timeout(tmp_path):
     assert "from stage 1 (rank 1)" in stderr[1], stderr[1][-4000:]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("phase", ["step", "eval", "save"])
 def test_an_exception_caught_on_one_rank_ends_every_rank(tmp_path, phase):
     codes, seconds, stderr = _run_ranks(phase, tmp_path)
     assert "caught: " in stderr[1], stderr[1][-4000:]
-    assert max(seconds) < FAULT_BOUND_S, (seconds, stderr[0][-4000:])
+    assert max(seconds) < STALL_S, (seconds, stderr[0][-4000:])  # before the caught rank's sleep would end
     assert all(c != 0 for c in codes), (codes, stderr[0][-4000:])
     assert all(FAULT in e for e in stderr), [e[-3000:] for e in stderr]
 

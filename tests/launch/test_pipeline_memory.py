@@ -3,18 +3,10 @@
 from __future__ import annotations
 
 import json
-import socket
 
-import pytest
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from _helpers import free_port
 
 
-@pytest.mark.slow
 def test_allocated_peak_of_every_pp4_stage_within_its_prediction(tmp_path, monkeypatch):
     """pp=4 (gloo, one launch), ``measured_sp.py``'s layout (1, 3, 3, 1 layers), one 2048-token
     sequence in 32 equal or 24 shrinking slices, no recompute: every stage's allocated activation
@@ -32,7 +24,7 @@ def test_allocated_peak_of_every_pp4_stage_within_its_prediction(tmp_path, monke
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     profile = dpm.memory_profile()
-    mp.spawn(dpm.worker, args=(4, _free_port(), str(tmp_path), profile), nprocs=4, join=True)
+    mp.spawn(dpm.worker, args=(4, free_port(), str(tmp_path), profile), nprocs=4, join=True)
     rows = [row for r in range(4) for row in json.loads((tmp_path / f"mem{r}.json").read_text())]
     assert all(row[0] != "crash" for row in rows), [row[1] for row in rows if row[0] == "crash"]
     assert len(rows) == 4 * len(dpm.slicings())

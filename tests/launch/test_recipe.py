@@ -110,7 +110,6 @@ def test_single_process_with_a_local_file_through_load_dataset(tmp_path, monkeyp
     assert abs(_heldout_loss(out, _heldout_ids(argv)) - info["eval_loss"]) < 1e-5
 
 
-@pytest.mark.slow
 def test_accelerate_launch_cpu_2proc_default_recipe(tmp_path, monkeypatch):
     out = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled",

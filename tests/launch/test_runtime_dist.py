@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -19,20 +18,14 @@ import pytest
 import torch.multiprocessing as mp
 
 import _dist_runtime
+from _helpers import free_port
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("num_stages", [2, 4])
 def test_pipeline_matches_hf(num_stages, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    mp.spawn(_dist_runtime.worker, args=(num_stages, _free_port(), str(tmp_path)), nprocs=num_stages, join=True)
+    mp.spawn(_dist_runtime.worker, args=(num_stages, free_port(), str(tmp_path)), nprocs=num_stages, join=True)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(num_stages)]
     for r in reports:
         print(f"rank {r['rank']}: {r['cases']} cases; measured vs predicted activation peak (bytes):")

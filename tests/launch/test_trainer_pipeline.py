@@ -38,12 +38,12 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
-import subprocess
 import sys
 
 import pytest
 import torch
+
+from _helpers import torchrun
 
 ARCHS = ("llama", "qwen2")
 COMMON = dict(per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=4, learning_rate=2e-3,
@@ -254,7 +254,6 @@ def test_the_balancer_gives_the_replica_with_the_long_sequence_fewer_sequences()
     assert balancer.last_split.step_time_s < count.step_time_s
 
 
-@pytest.mark.slow
 def test_dp2_balanced_replicas_match_trainer(tmp_path):
     _launch(2, "dp2pp1", tmp_path)
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
@@ -282,22 +281,9 @@ def test_dp2_balanced_replicas_match_trainer(tmp_path):
 
 
 # ---------------------------------------------------------------------------------- launching
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(nproc: int, mode: str, out, script: str = __file__) -> None:
-    """``torchrun`` of ``script``'s workers (``script mode out``) on ``nproc`` CPU ranks."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled",
-               TOKENIZERS_PARALLELISM="false")
-    env.pop("ACCELERATE_USE_CPU", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), script, mode, str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
-    if proc.returncode != 0:
-        raise AssertionError(f"{mode} workers failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+def _launch(nproc: int, mode: str, out) -> None:
+    """``torchrun`` of this file's workers (``test_trainer_pipeline.py mode out``) on ``nproc`` CPU ranks."""
+    torchrun(nproc, __file__, mode, out)
 
 
 def _reference(arch: str, out, metrics: bool | None = None, **overrides) -> tuple[dict, dict]:
@@ -336,7 +322,6 @@ def _worst_rel(ref: dict, got: dict) -> tuple[float, str]:
     return max((v, k) for k, v in rel.items() if k not in noisy)
 
 
-@pytest.mark.slow
 def test_pp2_matches_trainer_for_llama_and_qwen2(tmp_path):
     _launch(2, "pp2", tmp_path)
     for arch in ARCHS:
@@ -417,7 +402,6 @@ def test_pp2_matches_trainer_for_llama_and_qwen2(tmp_path):
     assert max(abs(a - b) / b for a, b in zip(info["grad_norms"], ref_info["grad_norms"])) < 5e-3
 
 
-@pytest.mark.slow
 def test_pp2_dp2_matches_trainer_with_the_whole_global_batch(tmp_path):
     _launch(4, "dp2", tmp_path)
     # one process with both replicas' sequences per step: per_device_train_batch_size x 2 (24 rows: whole

@@ -13,7 +13,8 @@ steps is within 1e-3 (relative, all adapter tensors together; 1e-2 per tensor) o
 holds the adapter (no full model) and resuming from it ends on the same adapter; prompt learning
 and adapted tied embeddings over several stages are refused.
 
-``slow`` (one launch of 2 gloo processes, pp=2): the same checks with every stage's adapter
+``tests/launch/test_peft_launch.py`` (this file's :func:`_worker_pp2` on 2 gloo processes, pp=2):
+the same checks with every stage's adapter
 gathered into the one saved directory, the optimizer holding state for the trainable parameters
 only, the gradient norm counted once, checkpoint + resume.
 """
@@ -23,8 +24,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
-import subprocess
 import sys
 
 import pytest
@@ -200,49 +199,6 @@ def _worker_pp2(out: str) -> None:
         with open(os.path.join(d, f"info-rank{rank}.json"), "w") as fh:
             json.dump(info, fh)
     trainer.end()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.mark.slow
-def test_pp2_lora_matches_trainer_with_every_stage_in_the_adapter(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled",
-               TOKENIZERS_PARALLELISM="false")
-    env.pop("ACCELERATE_USE_CPU", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), __file__, "pp2", str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"workers failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    from concertina_hf.training.checkpoint import verify_checkpoint
-
-    for case in sorted(CASES):
-        d = tmp_path / case
-        ranks = [json.loads((d / f"info-rank{r}.json").read_text()) for r in (0, 1)]
-        assert ranks[0]["losses"] == ranks[1]["losses"] and ranks[0]["grad_norms"] == ranks[1]["grad_norms"]
-        # each stage trains its own adapters; the optimizer holds state for them only
-        assert not set(ranks[0]["trainable"]) & set(ranks[1]["trainable"])
-        for r in ranks:
-            assert r["optimizer_params"] == r["optimizer_states"] == len(r["trainable"]), r
-        ref, ref_model = _reference(case, tmp_path / f"ref-{case}")
-        ref_trainable = {n.removeprefix("base_model.model.") for n, p in ref_model.named_parameters()
-                         if p.requires_grad}
-        assert set(ranks[0]["trainable"]) | set(ranks[1]["trainable"]) == ref_trainable
-        _check_adapter(case, d / "final", ref_model, ranks[0], ref)
-        # the saved adapter is exactly what the two stages trained
-        loaded = peft.PeftModel.from_pretrained(_base(), str(d / "final")).state_dict()
-        for r in (0, 1):
-            for name, tensor in torch.load(d / f"trained-rank{r}.pt").items():
-                assert torch.equal(loaded["base_model.model." + name], tensor), (case, r, name)
-        names = set(os.listdir(d / "checkpoint-2"))
-        assert {"adapter_model.safetensors", "optimizer.stage0-of-2.pt", "optimizer.stage1-of-2.pt"} <= names
-        verify_checkpoint(str(d / "checkpoint-2"))
-        if case == "default":
-            assert ranks[0]["resumed_losses"] == pytest.approx(ranks[0]["losses"], abs=1e-6)
-            assert max(r["resumed_max_diff"] for r in ranks) < 1e-6
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ One process (default tier):
   recomputed layer replays its forward's masks; one-process resume reproduces the uninterrupted
   run with dropout.
 
-Two processes (pp = 2, gloo, ``slow``), one launch: a wrong model is refused on both ranks
+Two processes (pp = 2, gloo; this file's :func:`_worker`, started by
+``tests/launch/test_step_safety_launch.py``): a wrong model is refused on both ranks
 with rank 0's verdict; layer i of stage 0 and of stage 1 draw from
 different streams; resume at pp = 2 with attention dropout ends on the uninterrupted run's
 weights; a NaN on stage 1 at step 2 with ``"skip"`` leaves the step-1 weights and logs the
@@ -36,10 +37,7 @@ import json
 import logging
 import math
 import os
-import socket
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -539,59 +537,6 @@ def _worker(out: str) -> None:
     t, _ = nan_trainer("raise")
     t.train()
     print("raise mode trained through the NaN", file=sys.stderr, flush=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.mark.slow
-def test_pp2_dropout_streams_resume_and_nonfinite_steps(tmp_path):
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled",
-                   TOKENIZERS_PARALLELISM="false", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        env.pop("ACCELERATE_USE_CPU", None)
-        err = open(tmp_path / f"stderr-rank{rank}.txt", "w")
-        procs.append((subprocess.Popen([sys.executable, __file__, str(tmp_path)], env=env, stdout=subprocess.DEVNULL,
-                                       stderr=err, start_new_session=True), err))
-    deadline = time.time() + 600
-    for p, err in procs:
-        try:
-            p.wait(timeout=max(1.0, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, 9)
-            p.wait()
-        err.close()
-    stderr = [(tmp_path / f"stderr-rank{r}.txt").read_text() for r in range(2)]
-    infos = []
-    for r in range(2):
-        path = tmp_path / f"info-rank{r}.json"
-        assert path.exists(), f"rank {r} did not finish the first scenarios:\n{stderr[r][-6000:]}"
-        infos.append(json.loads(path.read_text()))
-
-    # the self-check's verdict reached both ranks
-    assert infos[0]["refused"] and infos[0]["refused"] == infos[1]["refused"], infos
-    assert "model type 'qwen2'" in infos[1]["refused"]
-    # stage 0's layer 0 and stage 1's layer 1 (its layer 0 of the stage) draw different numbers
-    assert infos[0]["draws"] and infos[1]["draws"]
-    assert infos[0]["draws"][0] != infos[1]["draws"][0], infos
-    # resume restores each stage's stream: bit-identical weights, which dropout did change
-    for info in infos:
-        assert info["resume_max_diff"] == 0.0 and info["resume_changed"] > 0, info
-        assert info["skip_step2_equal_step1"] and info["skip_step3_trained"], info
-        assert info["skip_losses_nan"] == [False, True, False, False], info
-        assert info["skip_counter"] == [0, 1, 1, 1], info
-    # "raise": both ranks exit non-zero naming the step, the plan, stage 1 and the sequences
-    for (p, _), text in zip(procs, stderr):
-        assert p.returncode not in (0, None), text[-3000:]
-        assert "raise mode trained through the NaN" not in text
-        assert f"optimizer step {NAN_STEP} (plan " in text and "on pipeline stage 1 (rank 1" in text, text[-4000:]
-        assert "holds sequence(s)" in text, text[-4000:]
 
 
 if __name__ == "__main__":
