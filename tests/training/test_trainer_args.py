@@ -151,8 +151,26 @@ def test_parallel_sizes_and_budgets():
 
 
 def test_strategies_are_the_planners(tmp_path):
+    """The run's setup plans with the chosen strategy: its plans are that strategy's."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from concertina_hf.planning import ChunkKind, plan_step
+    from concertina_hf.runtime.distributed import Topology
+    from concertina_hf.training.run_setup import resolve_run
+
+    model = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                         num_hidden_layers=4, num_attention_heads=4,
+                                                         num_key_value_heads=2))
+    plans = {}
     for s in PIPELINE_STRATEGIES:
-        assert _args(tmp_path, concertina_strategy=s).concertina_strategy == s
+        setup = resolve_run(_args(tmp_path, concertina_strategy=s, concertina_max_tokens_per_chunk=64), model,
+                            Topology(1, 0, 1, 1, 0, 0))
+        plans[s] = plan_step([300, 40, 200, 17], setup.cost_model, setup.layout, setup.budgets, setup.strategy,
+                             max_tokens_per_chunk=setup.max_tokens_per_chunk).validate()
+    assert {r for row in plans["no-recompute"].recompute for r in row} == {0}
+    assert {r for row in plans["full-recompute"].recompute for r in row} == {4}  # every layer of the one stage
+    assert all(c.kind is ChunkKind.PACKED for c in plans["packed"].chunks)  # whole sequences
+    assert any(c.kind is not ChunkKind.PACKED for c in plans["split"].chunks)  # the 300 in slices of <= 64
     # sp-only is a simulated baseline on another layout: the trainer refuses it, naming it
     for s in set(STRATEGIES) - set(PIPELINE_STRATEGIES):
         with pytest.raises(ValueError, match=f"concertina_strategy='{s}' is a baseline"):
