@@ -1,4 +1,4 @@
-"""Worker of ``test_pipeline_memory.py``: four pipeline stages (gloo, one process each) run plans
+"""Worker of ``tests/launch/test_pipeline_memory.py``: four pipeline stages (gloo, one process each) run plans
 of one long sequence in many slices under an ``AllocationTracker``; each rank writes its stage's
 allocated activation peak next to the profiled cost model's prediction.
 

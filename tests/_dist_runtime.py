@@ -1,4 +1,4 @@
-"""Worker of ``test_runtime_dist.py``: one process per pipeline stage on a gloo group.
+"""Worker of ``tests/launch/test_runtime_dist.py``: one process per pipeline stage on a gloo group.
 
 Each rank builds the same tiny models, computes the single-process HF reference itself, runs
 every plan of :func:`_runtime_cases.plans_for` on its stage and compares the loss and its own

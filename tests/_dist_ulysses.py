@@ -1,4 +1,5 @@
-"""Worker of ``test_ulysses.py``: one process per (stage, sequence-parallel rank) on a gloo group.
+"""Worker of ``tests/launch/test_ulysses_launch.py``: one process per (stage, sequence-parallel rank)
+on a gloo group.
 
 The ranks form the package's own ``dp x pp x sp`` mesh (:meth:`Topology.build`); each rank builds
 the same tiny models, computes the single-process HF reference itself, runs a set of hand-made
@@ -39,7 +40,7 @@ from _runtime_cases import (  # noqa: E402
 
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-4
-# bf16 autocast: test_runtime_dist's tolerances (see test_runtime.py, AMP_*)
+# bf16 autocast: the tolerances of tests/_dist_runtime.py (see tests/runtime/test_runtime.py, AMP_*)
 AMP_LOSS_TOL = 1e-3
 AMP_GRAD_TOL = 5e-2
 AMP_ROUNDED = 2.0**-8  # computed in bf16: at least its unit roundoff away from float32 (_dist_runtime.py)

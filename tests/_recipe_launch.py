@@ -1,4 +1,4 @@
-"""Runs ``recipes/train_long_context.py`` under ``accelerate launch`` for tests/test_recipe.py, and
+"""Runs ``recipes/train_long_context.py`` under ``accelerate launch`` for tests/launch/test_recipe.py, and
 proves the launched ranks form ONE process group: just before the trainer tears the group down,
 every rank all-reduces a one; the main process writes the sum to ``<output_dir>/group_check.json``.
 With ``CONCERTINA_RANK_INFO_DIR`` set, every rank also writes ``rank<r>.json`` there: its rank, the

@@ -1,5 +1,5 @@
-"""Worker of ``test_ulysses.py::test_trainer_pp2_sp2_matches_trainer``, run by torchrun on 4 CPU
-processes: ``ConcertinaTrainer`` at pp=2 x sp=2 (Ulysses inside each stage; the model perturbed on ranks
+"""Worker of ``tests/launch/test_ulysses_launch.py::test_trainer_pp2_sp2_matches_trainer``, run by
+torchrun on 4 CPU processes: ``ConcertinaTrainer`` at pp=2 x sp=2 (Ulysses inside each stage; the model perturbed on ranks
 1-3, so rank 0's weights must reach them) for 3 steps with
 sequences split into 16-token chunks, then evaluation (run_clm's metrics, ``predict()``), ``save_model`` and a run resumed from
 the step-2 checkpoint, and a LoRA model (``test_peft``'s "embed-head") trained with label smoothing and the online cost-model refit;

@@ -15,7 +15,6 @@ import pathlib
 import subprocess
 import sys
 
-import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -35,7 +34,6 @@ def run_quick(script: str, out: pathlib.Path) -> tuple[dict, str]:
     return res, out.with_suffix(".md").read_text()
 
 
-@pytest.mark.slow
 def test_measured_benchmark_tiny(tmp_path):
     out = tmp_path / "measured_tiny"
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
@@ -62,12 +60,14 @@ def test_measured_benchmark_tiny(tmp_path):
         # out) never above the activation budget, and within 5% of the plan's prediction on
         # every stage, either way (measured: -0.9% to +0.1%, seeds 0-2). Before: one CI run's adaptive plan
         # peaked +16.7% on stage 0 (the embedding's and LM head's weight gradients, not modelled
-        # per backward, and gloo send buffers kept until the step's end; tests/test_memory_model.py)
-        # (the memory batch's own plan: the tracker runs on that step only; tests/test_measured_memory_pairs.py)
+        # per backward, and gloo send buffers kept until the step's end; tests/runtime/test_memory_model.py)
+        # (the memory batch's own plan: the tracker runs on that step only; tests/benchmarks/test_measured_memory_pairs.py)
         for s, got, pred in measured.memory_peak_pairs(r):
             assert got <= ctx["activation_budget_bytes"], (name, s, got, ctx["activation_budget_bytes"])
             assert got <= 1.05 * pred and pred <= 1.05 * got, (name, s, got, pred, got / pred)
-        assert r["plan_wait_s"]["max"] >= 0, name
+        # the wait for each step's plan (planned in the background during the previous step) is
+        # measured inside that step: on every rank from the step's start, never more than the step
+        assert r["plan_wait_s"]["min"] >= 0 and r["plan_wait_fraction"]["max"] <= 1, (name, r["plan_wait_fraction"])
         # where each stage's step went: parts >= 0 summing (medians of each) to about the step time
         for s, b in enumerate(r["stage_breakdown"]):
             parts = [b[k] for k in ("plan_wait", "compute", "comm_wait", "other", "optimizer")]

@@ -120,7 +120,6 @@ def test_attention_check_fails_on_a_wrong_window_or_lost_kv_gradients(tmp_path, 
 
 
 @pytest.mark.gpu
-@pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_check_full(tmp_path):
     """The full check on the GPU (~5 min on an H200): every section runs; the correctness checks

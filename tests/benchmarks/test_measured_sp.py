@@ -56,7 +56,6 @@ def test_budget_rule_and_plans_for_every_layout():
         assert plan.knob("sp") is None  # the layout's own stage size is in the cost model, not the plan
 
 
-@pytest.mark.slow
 def test_measured_sp_quick(tmp_path):
     out = tmp_path / "measured_sp_quick"
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")

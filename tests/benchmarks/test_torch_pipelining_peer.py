@@ -85,7 +85,6 @@ def test_peer_stages_equal_the_single_process_hf_model(attention, ckpt):
         torch.testing.assert_close(p.grad, ref[name].grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.slow
 def test_torch_pipelining_peer_benchmark_tiny(tmp_path):
     out = tmp_path / "peer_tiny"
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")

@@ -142,7 +142,7 @@ def test_prefetch_schedule_only_differs_with_split_chains():
 
 # ------------------------------------------------------------------------------ plan_step
 def _plans(lens, layout, budget, solver="greedy"):
-    # the strategies on the pipeline's stages (sp-only runs another layout: tests/test_sp_planner.py)
+    # the strategies on the pipeline's stages (sp-only runs another layout: tests/planning/test_sp_planner.py)
     out = {}
     for strategy in PIPELINE_STRATEGIES:
         try:

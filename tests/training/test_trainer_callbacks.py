@@ -1,4 +1,4 @@
-"""StepStatsCallback: plan statistics reach a real tracker (the refit it runs: tests/test_fit.py); a refit
+"""StepStatsCallback: plan statistics reach a real tracker (the refit it runs: tests/planning/test_fit.py); a refit
 on noisy steps keeps the chunk counts within 2x; StepPlanner falls back from a refit that shreds a step."""
 
 from __future__ import annotations
