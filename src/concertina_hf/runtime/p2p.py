@@ -31,11 +31,12 @@ receive has arrived): waiting on those returns at once, and their buffers go.
 
 **Rendezvous emulation (tests).** Gloo sends eagerly, so a CPU run cannot show a deadlock that
 NCCL would have. With ``CONCERTINA_EMULATE_NCCL=direction`` (the channels above) or ``=pair``
-(one channel per neighbour pair, both directions, as one communicator per pair would run them)
-every channel end is a FIFO run by a thread of its own: an operation is posted once every earlier
-operation of its end has completed, a send completes once its receive is posted (a handshake
-through the job's store), and the receive posted ``k``-th must be the send posted ``k``-th
-(NCCL matches in order, whatever the tags). ``CONCERTINA_EMULATE_NCCL_TIMEOUT_S`` (default 60)
+(one channel per neighbour pair for both directions, each exchange's messages one NCCL group, as
+a single communicator per pair with ``batch_isend_irecv`` would run them) every channel end is a
+FIFO run by a thread of its own: an exchange's operations on a channel are posted together once
+every earlier one of that end has completed, a send completes once its receive is posted (a
+handshake through the job's store), and the receive posted ``k``-th must be the send posted
+``k``-th (NCCL matches in order, whatever the tags). ``CONCERTINA_EMULATE_NCCL_TIMEOUT_S`` (default 60)
 bounds each wait: a stuck step fails naming the actions and peers it waited for.
 """
 
@@ -45,6 +46,7 @@ import itertools
 import os
 import queue
 import threading
+import time
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -112,7 +114,7 @@ class StageComm:
         landed (the sends go on in the background). ``keys``: one per send, what
         :meth:`release` is asked about."""
         if self._emulated is not None:
-            works = [self._emulated.start(op) for op in sends + recvs]
+            works = self._emulated.start(sends + recvs)
         else:
             works = [op.op(op.tensor, op.peer, op.group, op.tag) for op in sends + recvs]
         keys = keys if keys is not None else [None] * len(sends)
@@ -162,8 +164,8 @@ _EMULATIONS = itertools.count()
 class _Work:
     """An emulated operation's completion, waited for like a ``dist.Work``."""
 
-    def __init__(self, label: str, timeout_s: float) -> None:
-        self.label, self.timeout_s = label, timeout_s
+    def __init__(self, label: str, timeout_s: float, settle: Callable[[], None]) -> None:
+        self.label, self.timeout_s, self.settle = label, timeout_s, settle
         self.done = threading.Event()
         self.error: BaseException | None = None
 
@@ -171,7 +173,9 @@ class _Work:
         return self.done.is_set()
 
     def wait(self) -> bool:
-        if not self.done.wait(self.timeout_s):
+        if not self.done.wait(self.timeout_s) or self.error is not None:
+            self.settle()  # no channel thread is left inside gloo when the caller gives up
+        if not self.done.is_set():
             raise RuntimeError(f"emulated NCCL: {self.label} did not complete within {self.timeout_s:.0f} s "
                                "(a send completes only once its receive is posted; a channel runs in issue order)")
         if self.error is not None:
@@ -192,42 +196,86 @@ class _Emulation:
         self.queues: dict[str, queue.Queue] = {}
         self.counts: dict[tuple[str, bool], int] = {}
 
-    def start(self, op: dist.P2POp) -> _Work:
-        sending = op.op is dist.isend
-        peer = self.comm._ranks.index(op.peer)
-        group, name = self.comm.channel(peer, sending)
-        if self.mode == "pair":  # both directions on the activation channel's group
-            group, name = self.comm.channels[min(peer, self.comm.stage)][0], str(min(peer, self.comm.stage))
-        # the k-th send of a channel meets its k-th receive
-        k = self.counts[(name, sending)] = self.counts.get((name, sending), -1) + 1
-        kind = ("SEND" if sending else "RECV") + ("_F" if op.tag % 2 == 0 else "_B")
-        work = _Work(f"stage {self.comm.stage} {kind} tag {op.tag} with stage {peer} (channel {name}, message {k})",
-                     self.timeout_s)
-        if name not in self.queues:
-            self.queues[name] = queue.Queue()
-            threading.Thread(target=self._run, args=(self.queues[name],), daemon=True,
-                             name=f"nccl-emu-{name}").start()
-        self.queues[name].put((op, group, f"{self.prefix}/{name}/{k}", sending, work))
-        return work
+    def start(self, ops: list[dist.P2POp]) -> list[_Work]:
+        """Queue one batch: the operations of one channel in it are posted together, as one NCCL
+        group (``batch_isend_irecv``) would post them."""
+        works, items = [], {}
+        for op in ops:
+            sending = op.op is dist.isend
+            peer = self.comm._ranks.index(op.peer)
+            group, name = self.comm.channel(peer, sending)
+            if self.mode == "pair":  # both directions on the activation channel's group
+                group, name = self.comm.channels[min(peer, self.comm.stage)][0], str(min(peer, self.comm.stage))
+            # the k-th message of a channel from one end meets the k-th receive of the other
+            src = self.comm.stage if sending else peer
+            k = self.counts[(name, src)] = self.counts.get((name, src), -1) + 1
+            kind = ("SEND" if sending else "RECV") + ("_F" if op.tag % 2 == 0 else "_B")
+            work = _Work(f"stage {self.comm.stage} {kind} tag {op.tag} with stage {peer} (channel {name}, "
+                         f"message {k})", self.timeout_s, self.settle)
+            items.setdefault(name, []).append((op, group, f"{self.prefix}/{name}/{src}/{k}", sending, work))
+            works.append(work)
+        for name, item in items.items():
+            if name not in self.queues:
+                self.queues[name] = queue.Queue()
+                threading.Thread(target=self._run, args=(self.queues[name],), daemon=True,
+                                 name=f"nccl-emu-{name}").start()
+            self.queues[name].put(item)
+        return works
 
-    def _run(self, ops: queue.Queue) -> None:
-        """One channel end: each operation posted once the one before it completed."""
+    def settle(self) -> None:
+        """Wait until every channel thread has finished what it was given (each of its waits is
+        bounded)."""
+        deadline = time.monotonic() + 3 * self.timeout_s
+        while any(q.unfinished_tasks for q in self.queues.values()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def _wait_for(self, key: str, label: str) -> None:
+        # polled: a blocking store.wait holds the process's store client, so another channel's
+        # thread could not announce its receive meanwhile
+        deadline = time.monotonic() + self.timeout_s
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{label}: its receive was not posted within {self.timeout_s:.0f} s")
+            time.sleep(0.0005)
+
+    def _run_batch(self, item: list) -> BaseException | None:
+        """Post a batch's receives, wait for its sends' receives, then run it on gloo. A receive
+        once announced is always run, and a send only once its receive is announced, so no gloo
+        operation is left waiting when a batch fails (an exiting process would abort)."""
+        for op, _, key, sending, _ in item:
+            if not sending:
+                self.store.set(key, str(op.tag))
+        failed, ready = None, []
+        for op, group, key, sending, work in item:
+            if sending:
+                try:
+                    self._wait_for(key, work.label)
+                    tag = int(self.store.get(key))
+                    if tag != op.tag:
+                        raise RuntimeError(f"NCCL would deliver the message of tag {op.tag} into the receive "
+                                           f"posted for tag {tag} (messages out of order)")
+                except BaseException as exc:
+                    failed = exc
+                    break
+                ready.append((op, group))
+        ready += [(op, group) for op, group, _, sending, _ in item if not sending]
+        works = [(dist.isend if op.op is dist.isend else dist.irecv)(op.tensor, op.peer, group=group, tag=op.tag)
+                 for op, group in ready]
+        for w in works:
+            try:
+                w.wait(timedelta(seconds=self.timeout_s))
+            except BaseException as exc:
+                failed = failed or exc
+        return failed
+
+    def _run(self, items: queue.Queue) -> None:
+        """One channel end: each batch posted once the one before it completed."""
         failed: BaseException | None = None
         while True:
-            op, group, key, sending, work = ops.get()
+            item = items.get()
             if failed is None:
-                try:
-                    if sending:  # wait until the receive is posted, then check NCCL would pair them
-                        self.store.wait([key], timedelta(seconds=self.timeout_s))
-                        tag = int(self.store.get(key))
-                        if tag != op.tag:
-                            raise RuntimeError(f"NCCL would deliver the message of tag {op.tag} into the receive "
-                                               f"posted for tag {tag} (messages out of order)")
-                        dist.send(op.tensor, op.peer, group=group, tag=op.tag)
-                    else:
-                        self.store.set(key, str(op.tag))
-                        dist.recv(op.tensor, op.peer, group=group, tag=op.tag)
-                except BaseException as exc:  # the channel is broken: later operations fail too
-                    failed = exc
-            work.error = failed
-            work.done.set()
+                failed = self._run_batch(item)
+            for *_, work in item:
+                work.error = failed
+                work.done.set()
+            items.task_done()
