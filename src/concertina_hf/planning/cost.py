@@ -116,7 +116,10 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from .types import Chunk, ChunkKind, PlanError, Remedy, Slice, StageLayout
 
-__all__ = ["ChunkShape", "CostModel", "DeviceSpec", "ProfileSample", "attn_pairs"]
+__all__ = ["DEVICE_PRESETS", "ChunkShape", "CostModel", "DeviceSpec", "ProfileSample", "attn_pairs"]
+
+#: the GPUs :meth:`DeviceSpec.preset` (and ``concertina plan --device``) knows, and ``cpu``
+DEVICE_PRESETS = ("a800", "h100", "h200", "b200", "cpu")
 
 def _active_moe_width(get: Any) -> int | None:
     """The MLP width a token goes through in a config without ``intermediate_size`` (MoE only):
@@ -193,6 +196,55 @@ class DeviceSpec:
             inter_node_latency_s=2e-5,
             gpus_per_node=8,
         )
+
+    # Hopper and Blackwell presets, on a800's conventions: ``flops`` 50% of the datasheet's dense
+    # (no sparsity) bf16 Tensor Core peak; ``mem_bandwidth`` 80% of the datasheet's HBM bandwidth
+    # (a800: 1.6 of 2.04 TB/s, 78%); ``intra_node_bandwidth`` what a GPU sends in an NVLink
+    # all-to-all, 3/8 of the datasheet's total (bidirectional) NVLink bandwidth (a800: 150 of 400
+    # GB/s); ``inter_node_bandwidth`` and ``p2p_bandwidth`` one NIC per GPU at its line rate (the
+    # stage link may leave the node); latencies and the per-layer overhead as a800's. Assumed, not
+    # measured: fit a profile (``concertina_cost_model="profiled"``) for real use.
+    @classmethod
+    def h100(cls) -> "DeviceSpec":
+        """An H100 SXM5 80GB. Sources: NVIDIA H100 Tensor Core GPU datasheet (SXM5: BF16 Tensor
+        Core 1,979 TFLOP/s with sparsity, so 989 dense; 80 GB HBM3 at 3.35 TB/s; NVLink 900
+        GB/s) and NVIDIA DGX H100 datasheet (eight ConnectX-7 400 Gb/s InfiniBand/Ethernet ports,
+        one per GPU, 8 GPUs a node). Here: 495 TFLOP/s (50%), 2.68 TB/s (80%), 80 GiB (as a800's
+        80 GB), all-to-all 337.5 GB/s (3/8 of 900), 50 GB/s (400 Gb/s) between nodes."""
+        return cls(flops=494.5e12, mem_bandwidth=2.68e12, kernel_overhead_s=2e-4, p2p_bandwidth=50e9,
+                   p2p_latency_s=2e-5, memory_bytes=80 * 2**30, intra_node_bandwidth=337.5e9,
+                   intra_node_latency_s=1e-5, inter_node_bandwidth=50e9, inter_node_latency_s=2e-5, gpus_per_node=8)
+
+    @classmethod
+    def h200(cls) -> "DeviceSpec":
+        """An H200 SXM 141GB. Sources: NVIDIA H200 Tensor Core GPU datasheet (SXM: BF16 Tensor Core
+        1,979 TFLOP/s with sparsity, so 989 dense, as H100; 141 GB HBM3e at 4.8 TB/s; NVLink 900
+        GB/s) and NVIDIA DGX H200 datasheet (eight ConnectX-7 400 Gb/s ports, one per GPU, 8 GPUs
+        a node). Here: 495 TFLOP/s (50%), 3.84 TB/s (80%), 141e9 bytes (the datasheet's decimal
+        GB, 131 GiB: a budget on the safe side; ``--memory-gb`` sets another), all-to-all 337.5
+        GB/s (3/8 of 900), 50 GB/s (400 Gb/s) between nodes."""
+        return cls(flops=494.5e12, mem_bandwidth=3.84e12, kernel_overhead_s=2e-4, p2p_bandwidth=50e9,
+                   p2p_latency_s=2e-5, memory_bytes=141 * 10**9, intra_node_bandwidth=337.5e9,
+                   intra_node_latency_s=1e-5, inter_node_bandwidth=50e9, inter_node_latency_s=2e-5, gpus_per_node=8)
+
+    @classmethod
+    def b200(cls) -> "DeviceSpec":
+        """A B200 (HGX/DGX B200, 8 GPUs a node). Sources: NVIDIA HGX B200 datasheet (8 GPUs: FP16/BF16
+        Tensor Core 36 PFLOP/s with sparsity, so 2.25 PFLOP/s dense per GPU; 1.4 TB of HBM3e, 180 GB
+        a GPU, and 64 TB/s, 8 TB/s a GPU; fifth-generation NVLink at 1.8 TB/s per GPU) and NVIDIA
+        DGX B200 datasheet (1,440 GB of GPU memory; eight ConnectX-7 400 Gb/s ports for the compute
+        fabric, one per GPU). Here: 1,125 TFLOP/s (50%), 6.4 TB/s (80%), 180e9 bytes (decimal GB,
+        168 GiB), all-to-all 675 GB/s (3/8 of 1.8 TB/s), 50 GB/s (400 Gb/s) between nodes."""
+        return cls(flops=1125e12, mem_bandwidth=6.4e12, kernel_overhead_s=2e-4, p2p_bandwidth=50e9,
+                   p2p_latency_s=2e-5, memory_bytes=180 * 10**9, intra_node_bandwidth=675e9,
+                   intra_node_latency_s=1e-5, inter_node_bandwidth=50e9, inter_node_latency_s=2e-5, gpus_per_node=8)
+
+    @classmethod
+    def preset(cls, name: str) -> "DeviceSpec":
+        """The preset called ``name`` (one of :data:`DEVICE_PRESETS`)."""
+        if name not in DEVICE_PRESETS:
+            raise PlanError(f"unknown device preset {name!r}; choose one of {', '.join(DEVICE_PRESETS)}")
+        return getattr(cls, name)()
 
     @classmethod
     def cpu(cls) -> "DeviceSpec":

@@ -16,6 +16,17 @@ simulated with the same cost model, so the table compares like for like:
 gradients and optimizer state sharded as :mod:`concertina_hf.planning.cost` describes;
 ``--memory-gb`` is per GPU.)
 
+``--layout auto --gpus N`` chooses the layout instead: every ``pp x sp x dp = N`` split the runtime
+can run is planned with ``adaptive`` and ranked (:mod:`concertina_hf.planning.layouts`; layouts a
+lower bound shows cannot win are pruned, ``sp-only`` is listed as a reference the trainer cannot
+run yet):
+
+    concertina plan --gpus 32 --layout auto --model-config llama-13b --memory-gb 80 \\
+        --distribution github --max-len 131072 --num-seqs 512 --json layouts.json
+
+``--device`` takes the presets of :class:`~concertina_hf.planning.DeviceSpec`: ``a800``, ``h100``,
+``h200``, ``b200`` (datasheet figures at a stated efficiency) and ``cpu``.
+
 Cost: planning time is the planner's (ILP with a time limit per call, or greedy); the
 simulation of a plan takes milliseconds.
 """
@@ -23,6 +34,7 @@ simulation of a plan takes milliseconds.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import pathlib
@@ -32,6 +44,7 @@ import time
 from typing import Any, Sequence
 
 from ..planning.presets import MODEL_PRESETS
+from ..planning.types import PlanError
 
 __all__ = ["FLAGS", "build_parser", "load_model_config", "main", "run_plan"]
 
@@ -78,7 +91,7 @@ def _device(args):
     """The rates of one GPU (``--device``, ``--tflops``, ``--p2p-gbps``, ``--a2a-gbps``)."""
     from ..planning import DeviceSpec
 
-    dev = DeviceSpec.a800() if args.device == "a800" else DeviceSpec.cpu()
+    dev = DeviceSpec.preset(args.device)
     changes = {}
     if args.tflops is not None:
         changes["flops"] = args.tflops * 1e12
@@ -271,6 +284,12 @@ def _table(records: list[dict[str, Any]]) -> str:
 
 
 def _cmd_plan(args) -> int:
+    if args.solver is None:  # --layout auto plans tens of layouts: the greedy solver, unless asked
+        args.solver = "greedy" if args.layout == "auto" else "ilp"
+    if args.layout == "auto":
+        return _cmd_layout_auto(args)
+    if args.gpus is not None:
+        raise SystemExit("--gpus goes with --layout auto (a fixed layout is --pp x --sp x --dp GPUs)")
     records = run_plan(args)
     lens = args._lens
     print(f"batch: {len(lens)} sequences, {sum(lens)} tokens, longest {max(lens)}, median "
@@ -307,6 +326,97 @@ def _cmd_plan(args) -> int:
     return 0 if fits else 1
 
 
+# ---------------------------------------------------------------------------------- --layout auto
+def run_layout_auto(args) -> list[Any]:
+    """Rank every layout of ``--gpus`` GPUs (:func:`concertina_hf.planning.layouts.rank_layouts`);
+    sets ``args._lens``, ``_source``, ``_budget``, ``_cost`` like :func:`run_plan`."""
+    from ..planning import CostModel
+    from ..planning.layouts import rank_layouts
+
+    if args.gpus is None or args.gpus < 1:
+        raise SystemExit("--layout auto needs --gpus N (the GPUs of the run, at least 1)")
+    cfg = load_model_config(args.model_config)
+    dev = _device(args)
+    if args.cost_model:
+        cost = CostModel.from_dict(json.loads(pathlib.Path(args.cost_model).read_text()))
+        cost = dataclasses.replace(cost, gpus_per_node=dev.gpus_per_node)
+    else:
+        cost = CostModel.from_hf_config(cfg, dev)
+    budget = int(args.memory_gb * _GIB) if args.memory_gb is not None else int(dev.memory_bytes)
+    try:
+        lens, src = _lengths(args)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"concertina plan: {e}") from None
+    args._lens, args._source, args._budget, args._cost = lens, src, budget, cost
+    try:
+        return rank_layouts(lens, cost, args.gpus, budget, gpus_per_node=dev.gpus_per_node, solver=args.solver,
+                            time_limit_s=args.time_limit, max_tokens_per_chunk=args.max_tokens_per_chunk)
+    except PlanError as e:
+        raise SystemExit(f"concertina plan: {e.worded(FLAGS)}") from None
+
+
+def _layout_table(rows: list[Any]) -> str:
+    head = ["#", "layout", "step (s)", "tok/s/GPU", "vs best", "peak GiB/GPU", "bubble", "recompute", "plan s"]
+    lines, table = [], []
+    rank = 0
+    for r in rows:
+        if r.status in ("ok", "reference"):
+            if r.step_time_s is None:
+                table.append((r, ["-", f"{r.layout.name} (sp-only)"]))
+                continue
+            rank += r.status == "ok"
+            name = r.layout.name if r.status == "ok" else f"sp-only {r.layout.sp}-GPU groups x{r.layout.dp} *"
+            table.append((r, [str(rank) if r.status == "ok" else "ref", name, f"{r.step_time_s:.4g}",
+                              f"{r.tokens_per_s_per_gpu:.4g}", f"{r.ratio_to_best:.3f}x",
+                              f"{_gib(r.peak_memory_bytes)}/{_gib(r.memory_budget_bytes) if r.memory_budget_bytes else '-'}",
+                              f"{r.bubble_fraction:.1%}", f"{r.recompute_fraction:.1%}", f"{r.plan_time_s:.2f}"]))
+        else:
+            table.append((r, ["-", r.layout.name]))
+    full = [row for _, row in table if len(row) == len(head)]
+    widths = [max([len(head[i])] + [len(row[i]) for row in full]) for i in range(len(head))]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
+    for r, row in table:
+        if len(row) == len(head):
+            lines.append("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
+        else:
+            why = r.error.worded(FLAGS) if r.error is not None else r.reason
+            lines.append(f"{row[0].ljust(widths[0])}  {row[1].ljust(widths[1])}  {r.status}: {why}")
+    return "\n".join(lines)
+
+
+def _cmd_layout_auto(args) -> int:
+    t0 = time.perf_counter()
+    rows = run_layout_auto(args)
+    wall = time.perf_counter() - t0
+    lens = args._lens
+    print(f"batch: {len(lens)} sequences, {sum(lens)} tokens, longest {max(lens)}, median "
+          f"{sorted(lens)[len(lens) // 2]} ({args._source})")
+    print(f"model: {args.model_config}, {args.gpus} GPUs ({args._cost.gpus_per_node} per node), --device {args.device}, "
+          f"budget {args._budget / _GIB:.1f} GiB per GPU, cost model {args._cost.source}, strategy adaptive, "
+          f"solver {args.solver}; optimizer state sharded over each stage's dp x sp ranks "
+          "(concertina_shard_optimizer=True), weights and gradients whole")
+    print(_layout_table(rows))
+    best = next((r for r in rows if r.status == "ok"), None)
+    print("* sp-only (no pipeline, the GPUs in Ulysses groups, micro-batches in rounds) is planned as the runtime "
+          "would hold it (ZeRO-1: optimizer state sharded, weights and gradients whole), but the trainer refuses "
+          "strategies that do not run on the pipeline's stages: not runnable yet, never chosen.")
+    counts = {k: sum(r.status == k for r in rows) for k in ("ok", "pruned", "infeasible", "refused")}
+    print(f"{counts['ok']} planned, {counts['pruned']} pruned (a lower bound of their step time above the best "
+          f"found), {counts['infeasible']} do not fit, {counts['refused']} the runtime cannot run; {wall:.1f} s")
+    if best is not None:
+        print(f"chosen: {best.layout.name}: concertina_pipeline_size={best.layout.pp} "
+              f"concertina_sequence_parallel_size={best.layout.sp} concertina_data_parallel_size={best.layout.dp} "
+              f"concertina_shard_optimizer=True, {best.step_time_s:.4g} s per step")
+    if args.json:
+        out = {"gpus": args.gpus, "gpus_per_node": args._cost.gpus_per_node, "model": args.model_config,
+               "device": args.device, "memory_budget_bytes": args._budget, "solver": args.solver,
+               "num_seqs": len(lens), "tokens": sum(lens), "longest": max(lens), "source": args._source,
+               "wall_s": wall, "chosen": best.layout.name if best else None, "rows": [r.to_dict() for r in rows]}
+        pathlib.Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 0 if best is not None else 1
+
+
 # ---------------------------------------------------------------------------------- parser
 class _OneDefaultFormatter(argparse.HelpFormatter):
     """Each option's default once: appended when it means something (not None / False) and the
@@ -322,6 +432,7 @@ class _OneDefaultFormatter(argparse.HelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     from ..planning import SOLVERS, STRATEGIES
+    from ..planning.cost import DEVICE_PRESETS
 
     ap = argparse.ArgumentParser(
         prog="concertina",
@@ -363,7 +474,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dp", type=int, default=1,
                    help="pipeline replicas (optimizer state is sharded over dp x sp ranks)")
     m.add_argument("--memory-gb", type=float, default=None, help="memory budget per GPU in GiB (default: the device's)")
-    m.add_argument("--device", choices=("a800", "cpu"), default="a800", help="rates of one GPU")
+    m.add_argument("--device", choices=DEVICE_PRESETS, default="a800",
+                   help="rates of one GPU (DeviceSpec presets: dense bf16 at 50%% of peak, HBM, NVLink, NIC)")
     m.add_argument("--tflops", type=float, default=None, help="sustained TFLOP/s of one device (overrides --device)")
     m.add_argument("--p2p-gbps", type=float, default=None, help="stage-to-stage bandwidth in GB/s (overrides --device)")
     m.add_argument("--a2a-gbps", type=float, default=None,
@@ -375,7 +487,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("planner")
     s.add_argument("--strategy", action="append", default=None, metavar="NAME",
                    help=f"one of {', '.join(STRATEGIES)}, or all; repeatable or comma separated (default: all)")
-    s.add_argument("--solver", choices=SOLVERS, default="ilp", help="recompute solver")
+    s.add_argument("--solver", choices=SOLVERS, default=None,
+                   help="recompute solver (default: ilp; greedy with --layout auto)")
+    s.add_argument("--layout", choices=("fixed", "auto"), default="fixed",
+                   help="auto: rank every pp x sp x dp layout of --gpus GPUs the runtime can run, each planned with "
+                        "adaptive (--pp/--sp/--dp/--strategy ignored); fixed: --pp x --sp x --dp (default: fixed)")
+    s.add_argument("--gpus", type=int, default=None, help="GPUs in all, with --layout auto")
     s.add_argument("--time-limit", type=float, default=1.0, help="ILP time limit per call, seconds")
     s.add_argument("--max-tokens-per-chunk", type=int, default=None,
                    help="token cap of one chunk (default: none, the planner chooses)")

@@ -22,6 +22,10 @@ GPUs). They run as one stage holding every layer:
   token budget (the ladder of :func:`~.common.token_budget_candidates`) and for each the fewest
   recomputed layers that fit (binary search), for every valid ``u``.
 
+Knob ``zero3=False`` (not searched; default ``True``) shards the optimizer state only (ZeRO-1:
+weights and gradients whole on every GPU, gathered once per step), as this project's runtime
+holds state: how :func:`~..layouts.rank_layouts` scores its ``sp-only`` reference.
+
 The plan has one stage and records its layout in its knobs (``sp``, ``state_shards``,
 ``zero3``, ``data_parallel``): :func:`~..simulate.simulate` runs it under
 ``cost.for_plan(plan)``, the same simulator and cost coefficients as the pipeline strategies.
@@ -44,8 +48,10 @@ from .common import (
 
 __all__ = ["SP_ONLY_KNOBS", "plan_sp_only", "ulysses_degrees"]
 
-#: sp-only's settings (searched unless given)
-SP_ONLY_KNOBS = ("sp", "token_budget", "recompute_layers")
+#: sp-only's settings (searched unless given; ``zero3`` is not searched: ``True``, the default, shards
+#: weights and gradients too, DeepSpeed's ZeRO-3; ``False`` shards the optimizer state only, ZeRO-1,
+#: as this project's runtime does, see :mod:`..layouts`)
+SP_ONLY_KNOBS = ("sp", "token_budget", "recompute_layers", "zero3")
 
 
 def ulysses_degrees(num_gpus: int, num_heads: int) -> list[int]:
@@ -111,6 +117,7 @@ def plan_sp_only(req: PlanRequest) -> Plan:
         degrees = [u]
     budgets = [b for b in req.budgets if b]
     budget = (min(budgets),) if budgets else (0,)  # one GPU kind: the tightest per-GPU budget
+    zero3 = bool(req.knobs.get("zero3", True))
     fixed_r = req.knobs.get("recompute_layers")
     fixed_r = None if fixed_r is None else int(fixed_r)
     if "token_budget" in req.knobs:
@@ -119,9 +126,9 @@ def plan_sp_only(req: PlanRequest) -> Plan:
         token_budgets = token_budget_candidates(max(lens), req.token_cap)
     tally, static_refusal = SettingTally(budget), None
     for u in degrees:
-        knobs = {"sp": u, "state_shards": replicas * gpus, "zero3": True, "data_parallel": gpus // u}
+        knobs = {"sp": u, "state_shards": replicas * gpus, "zero3": zero3, "data_parallel": gpus // u}
         one = StageLayout(cost.num_layers, ((0, cost.num_layers),))
-        ucost: CostModel = cost.with_parallel(sp=u, state_shards=replicas * gpus, zero3=True)
+        ucost: CostModel = cost.with_parallel(sp=u, state_shards=replicas * gpus, zero3=zero3)
         static = ucost.static_memory(one, 0)
         if budget[0] and static >= budget[0]:
             static_refusal = static
@@ -136,7 +143,8 @@ def plan_sp_only(req: PlanRequest) -> Plan:
         if closest is None:
             raise InfeasiblePlanError(
                 f"sp-only: stage 0's memory budget of {budget[0]} bytes ({budget[0] / GIB:.3g} GiB) per GPU is below "
-                f"its static memory alone ({static_refusal / GIB:.3g} GiB of ZeRO-3 shards and gathered weights)",
+                f"its static memory alone ({static_refusal / GIB:.3g} GiB of "
+                + ("ZeRO-3 shards and gathered weights)" if zero3 else "whole weights and gradients, ZeRO-1 shards)"),
                 MORE_MEMORY, others=("use more GPUs",))
         _, setting, sim = closest
         u, tb = setting["sp"], setting["token_budget"]

@@ -1,0 +1,361 @@
+"""The layout from the data: every pipeline x sequence-parallel x data-parallel split of ``N`` GPUs
+the runtime can run, each planned on a step's lengths, ranked by simulated step time.
+
+A **layout** is ``pp x sp x dp = N``: ``pp`` pipeline stages (partitioned by
+:func:`~.partition.partition_layers`), each of ``sp`` GPUs running Ulysses sequence parallelism,
+and ``dp`` pipeline replicas. :func:`runnable_layouts` enumerates every factorisation and
+refuses, with the reason, those the runtime cannot run:
+
+- ``pp`` larger than the decoder layers (a stage would be empty);
+- ``sp`` not dividing the attention heads (Ulysses gives each GPU whole heads), or neither
+  dividing nor divided by the K/V heads (K/V heads are split over the ranks, or replicated when
+  there are fewer than ``sp``): :func:`ulysses_heads_refusal`, the rule of the runtime's
+  ``runtime.ulysses.check_heads`` (kept here, in the pure planner; a test holds the two equal).
+
+:func:`rank_layouts` plans each runnable layout with a pipeline strategy (``adaptive``) as the
+trainer holds it: the cost model per GPU of a stage of ``sp``
+(:meth:`~.cost.CostModel.with_parallel`), optimizer state sharded over the stage's ``dp x sp``
+ranks (``concertina_shard_optimizer=True``; ``shard_optimizer=False``: whole on every rank), and
+with ``dp > 1`` the step's sequences split over the replicas by
+:func:`~.replicas.balance_replicas` (the step ends with the slowest replica). Layouts are planned
+in increasing order of a lower bound of their step time (:func:`layout_lower_bound`: the ideal
+step time of the replica's share of the work, or of the longest sequence alone); one whose bound
+is above the best step time found so far cannot win and is skipped (``pruned``), which never
+drops the best (the bound is below every plan's simulated time).
+
+The ``sp-only`` baseline (:mod:`.strategies.sp_only`: no pipeline, the GPUs in Ulysses groups)
+is planned beside them as a **reference, never chosen**: the trainer refuses strategies whose
+plans do not use the pipeline's stages (``Strategy.pipeline=False``). It is scored as the runtime
+would hold its state (optimizer sharded, ZeRO-1: weights and gradients whole on every GPU), not
+with ZeRO-3 parameter sharding, which the runtime does not have. The closest runnable layouts
+are the ``pp=1`` ones (one stage of ``sp`` GPUs, ``dp`` replicas), which are ranked.
+
+Pure Python; no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from .cost import CostModel
+from .partition import partition_layers
+from .replicas import balance_replicas
+from .simulate import simulate
+from .strategies import PIPELINE_STRATEGIES, ideal_step_time, plan_step
+from .types import Plan, PlanError, StageLayout
+
+__all__ = ["Layout", "LayoutResult", "layout_lower_bound", "rank_layouts", "runnable_layouts",
+           "ulysses_heads_refusal"]
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Layout:
+    """``pp`` stages of ``sp`` GPUs, ``dp`` replicas: ``pp * sp * dp`` GPUs."""
+
+    pp: int
+    sp: int
+    dp: int
+
+    @property
+    def gpus(self) -> int:
+        return self.pp * self.sp * self.dp
+
+    @property
+    def name(self) -> str:
+        return f"pp{self.pp} x sp{self.sp} x dp{self.dp}"
+
+
+@dataclass
+class LayoutResult:
+    """One row of the ranked table (:func:`rank_layouts`).
+
+    ``status``: ``"ok"`` (planned, fits), ``"infeasible"`` (no plan fits the budget: ``reason``),
+    ``"refused"`` (the runtime cannot run the layout: ``reason``), ``"pruned"`` (its lower bound
+    is above the best step time found: it cannot win), or ``"reference"`` (``sp-only``: planned,
+    not runnable by the trainer). ``peak_memory_bytes``: the largest peak of any GPU (every stage
+    of every replica); ``bubble_fraction`` / ``recompute_fraction``: the slowest replica's.
+    """
+
+    layout: Layout
+    strategy: str
+    status: str
+    runnable: bool = True
+    step_time_s: float | None = None
+    tokens_per_s_per_gpu: float | None = None
+    ratio_to_best: float | None = None
+    peak_memory_bytes: int | None = None
+    memory_budget_bytes: int = 0
+    bubble_fraction: float | None = None
+    recompute_fraction: float | None = None
+    lower_bound_s: float | None = None
+    plan_time_s: float = 0.0
+    reason: str = ""
+    knobs: dict = field(default_factory=dict)
+    plans: tuple = ()  # the replicas' plans (not in to_dict)
+    error: PlanError | None = None  # why it is infeasible (not in to_dict; a front end words it)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("plans", "layout", "error")}
+        d.update(pp=self.layout.pp, sp=self.layout.sp, dp=self.layout.dp, layout=self.layout.name)
+        return d
+
+
+def ulysses_heads_refusal(num_heads: int, num_kv_heads: int, sp: int) -> str | None:
+    """Why the runtime's Ulysses attention cannot split ``num_heads`` query and ``num_kv_heads``
+    K/V heads over ``sp`` GPUs, or ``None`` when it can (the rule of ``runtime.ulysses.check_heads``:
+    ``sp`` divides the heads, and divides the K/V heads or is a multiple of them).
+
+    >>> ulysses_heads_refusal(40, 40, 8) is None, ulysses_heads_refusal(32, 8, 16) is None
+    (True, True)
+    >>> ulysses_heads_refusal(40, 40, 16)
+    'sp=16 does not divide the 40 attention heads (Ulysses gives each GPU whole heads)'
+    """
+    if sp <= 1 or not num_heads:
+        return None
+    if num_heads % sp:
+        return f"sp={sp} does not divide the {num_heads} attention heads (Ulysses gives each GPU whole heads)"
+    kv = num_kv_heads or num_heads
+    if kv % sp and sp % kv:
+        return (f"sp={sp} and the {kv} K/V heads: neither divides the other (K/V heads are split over the GPUs, "
+                "or replicated when fewer)")
+    return None
+
+
+def _model_shape(model: CostModel | Mapping[str, Any]) -> tuple[int, int, int]:
+    if isinstance(model, CostModel):
+        return model.num_layers, model.num_heads, model.num_kv_heads or model.num_heads
+    heads = int(model["num_attention_heads"])
+    return int(model["num_hidden_layers"]), heads, int(model.get("num_key_value_heads") or heads)
+
+
+def runnable_layouts(model: CostModel | Mapping[str, Any], gpus: int,
+                     gpus_per_node: int = 8) -> tuple[list[Layout], list[tuple[Layout, str]]]:
+    """Every ``pp x sp x dp = gpus`` layout: ``(runnable, [(refused, reason), ...])``, each list
+    in ``(pp, sp)`` order. ``model``: a cost model (its layer and head counts) or an HF config
+    mapping. ``gpus_per_node`` does not restrict the layouts (a stage's GPUs may span nodes: the
+    cost model prices the slower link); it is here so a caller states the cluster once."""
+    gpus, gpus_per_node = int(gpus), int(gpus_per_node)
+    if gpus < 1:
+        raise PlanError(f"the number of GPUs must be at least 1 (got {gpus})")
+    if gpus_per_node < 1:
+        raise PlanError(f"GPUs per node must be at least 1 (got {gpus_per_node})")
+    layers, heads, kv = _model_shape(model)
+    ok: list[Layout] = []
+    refused: list[tuple[Layout, str]] = []
+    for pp in range(1, gpus + 1):
+        if gpus % pp:
+            continue
+        for sp in range(1, gpus // pp + 1):
+            if (gpus // pp) % sp:
+                continue
+            lay = Layout(pp, sp, gpus // (pp * sp))
+            if pp > layers:
+                refused.append((lay, f"pp={pp} stages for {layers} decoder layers: a stage would be empty"))
+                continue
+            why = ulysses_heads_refusal(heads, kv, sp)
+            if why:
+                refused.append((lay, why))
+                continue
+            ok.append(lay)
+    return ok, refused
+
+
+def layout_cost(cost: CostModel, layout: Layout, shard_optimizer: bool = True) -> CostModel:
+    """The per-GPU cost model of ``layout`` as the trainer builds it (``run_setup``): a stage of
+    ``sp`` GPUs, optimizer state over the stage's ``dp x sp`` ranks when ``shard_optimizer``."""
+    shards = layout.sp * layout.dp if shard_optimizer else 1
+    if layout.sp > 1 or shards > 1:
+        return cost.with_parallel(sp=layout.sp, state_shards=shards)
+    return cost
+
+
+def _stage_work(n: int, cost: CostModel, stages: StageLayout, budget: int = 0) -> list[float]:
+    """Per stage, the least busy time one sequence of ``n`` tokens gives a GPU of it: forward and
+    backward of its layers' compute and all-to-alls (the per-token parts: no per-call overhead,
+    latency), the embedding on the first stage and the head on the last (linear heads only: a
+    profiled ladder of head times is left out, keeping the bound), and the recompute the memory
+    ``budget`` forces. The last: every slice of a sequence keeps its activations from its forward
+    until its backward, which runs in reverse slice order, so all of them are alive at once on a
+    stage unless layers recompute; keeping ``act_bytes_per_token`` per saved layer and token and
+    ``ckpt_bytes_per_token`` per recomputed one, at least ``(static + layers * act * n - budget) /
+    (act - ckpt)`` layer-tokens recompute, each at least ``recompute_factor * alpha_tok``."""
+    comp = cost.alpha_attn * n * n + cost.alpha_tok * n
+    a2a = cost.a2a_time(n) - cost.a2a_time(0) if cost.sp > 1 else 0.0
+    layer = (1.0 + cost.bwd_factor) * comp + 2.0 * a2a
+    save = cost.act_bytes_per_token - cost.ckpt_bytes_per_token
+    out = []
+    for s in range(stages.num_stages):
+        layers = stages.num_stage_layers(s)
+        t = layers * layer
+        if stages.has_embedding(s):
+            t += (1.0 + cost.bwd_factor) * cost.embed_time_per_token * n
+        if stages.has_head(s) and not cost.head_time_points:
+            t += (1.0 + cost.bwd_factor) * cost.head_time_per_token * n
+        if budget and save > 0:
+            over = cost.static_memory(stages, s) + layers * cost.act_bytes_per_token * n - budget
+            if over > 0:
+                t += cost.recompute_factor * cost.alpha_tok * min(layers * n, over / save)
+        out.append(t)
+    return out
+
+
+def layout_lower_bound(lens: Sequence[int], cost: CostModel, stages: StageLayout, dp: int, budget: int = 0) -> float:
+    """No plan of ``lens`` on ``dp`` replicas of ``stages`` (``cost`` per GPU) simulates faster.
+    Every stage of the slowest replica is busy at least its share of the work, which is at least
+    the mean over the replicas (the whole step's work over ``dp``) and at least the longest
+    sequence's (the replica holding it), each with the recompute the per-GPU memory ``budget``
+    forces (0: none); the per-step gather and reduce-scatter of the sharded state come on top
+    (the simulator adds them). Tighter than :func:`~.strategies.ideal_step_time` (which spreads
+    all work evenly over every GPU): it counts the all-to-alls, forced recompute and the slowest
+    stage (uneven layer counts, the head on the last)."""
+    total = [0.0] * stages.num_stages
+    for n in lens:
+        for s, t in enumerate(_stage_work(int(n), cost, stages, budget)):
+            total[s] += t
+    longest = _stage_work(max(int(n) for n in lens), cost, stages, budget)
+    work = max(max(total) / max(1, dp), max(longest))
+    return work + max(cost.step_sync_time(stages, s) for s in range(stages.num_stages))
+
+
+def _plan_layout(lens: list[int], cost: CostModel, stages: StageLayout, layout: Layout, budget: int,
+                 strategy: str, refine_rounds: int, plan_kwargs: dict) -> tuple[list[Plan], list[float]]:
+    if layout.dp == 1:
+        plan = plan_step(lens, cost, stages, budget, strategy, **plan_kwargs)
+        return [plan], [plan.predicted.step_time_s]
+    split = balance_replicas(lens, layout.dp, cost, stages, budget, strategy=strategy, refine_rounds=refine_rounds,
+                             **plan_kwargs)
+    plans = [p for p in split.plans if p is not None]
+    return plans, [t for p, t in zip(split.plans, split.step_times_s) if p is not None]
+
+
+def _fill(row: LayoutResult, lens: list[int], cost: CostModel, plans: list[Plan], times: list[float]) -> None:
+    slow = max(range(len(plans)), key=lambda i: times[i])
+    stats = plans[slow].predicted
+    row.status = "ok"
+    row.step_time_s = max(times)
+    row.tokens_per_s_per_gpu = sum(lens) / row.step_time_s / row.layout.gpus if row.step_time_s > 0 else None
+    row.peak_memory_bytes = max(max(p.predicted.peak_memory_bytes) for p in plans)
+    row.bubble_fraction = stats.bubble_fraction
+    row.recompute_fraction = stats.recompute_fraction
+    row.knobs = dict(plans[slow].knobs)
+    row.plans = tuple(plans)
+
+
+def rank_layouts(
+    lens: Sequence[int],
+    cost: CostModel,
+    gpus: int,
+    memory_budget_bytes: int,
+    *,
+    gpus_per_node: int | None = None,
+    strategy: str = "adaptive",
+    shard_optimizer: bool = True,
+    prune: bool = True,
+    sp_only: bool = True,
+    refine_rounds: int = 0,
+    **plan_kwargs: Any,
+) -> list[LayoutResult]:
+    """Plan ``lens`` on every layout of ``gpus`` GPUs (module docstring) and rank them.
+
+    ``cost``: the model on one GPU (``sp = 1``, no sharding: an analytic or profiled model);
+    ``gpus_per_node`` replaces its own when given. ``memory_budget_bytes``: per GPU (0:
+    unconstrained). ``strategy``: a pipeline strategy (the trainer runs it). ``prune``: skip a
+    layout whose lower bound exceeds the best step time found (``False``: plan every layout).
+    ``sp_only``: add the ``sp-only`` reference row. ``refine_rounds``: of
+    :func:`~.replicas.balance_replicas` with ``dp > 1`` (0: its LPT split on estimated costs, each
+    replica planned once; the refinement gained under 0.1% at 32 GPUs and cost 3x the time).
+    ``plan_kwargs`` go to
+    :func:`~.strategies.plan_step` (``solver``, ``time_limit_s``, ``max_tokens_per_chunk``).
+
+    Returns the rows best first: the fitting runnable layouts by step time (ties: fewer stages,
+    then smaller ``sp``), then the ``sp-only`` reference, the pruned, the infeasible and the
+    refused layouts. ``ratio_to_best`` is to the fastest runnable layout (also on the reference).
+    """
+    if strategy not in PIPELINE_STRATEGIES:
+        raise PlanError(f"rank_layouts plans with a strategy the trainer runs ({', '.join(PIPELINE_STRATEGIES)}); "
+                        f"got {strategy!r}")
+    lens = [int(n) for n in lens]
+    if not lens or max(lens) <= 0:
+        raise PlanError("a step needs at least one non-empty sequence")
+    if cost.sp != 1 or cost.state_shards != 1:
+        raise PlanError("rank_layouts takes the cost model of one GPU (sp=1, unsharded state); "
+                        f"got sp={cost.sp}, state_shards={cost.state_shards}")
+    if gpus_per_node is not None:
+        cost = dataclasses.replace(cost, gpus_per_node=int(gpus_per_node))
+    budget = int(memory_budget_bytes or 0)
+    ok, refused = runnable_layouts(cost, gpus, cost.gpus_per_node)
+    rows: list[LayoutResult] = [LayoutResult(lay, strategy, "refused", runnable=False, reason=why,
+                                             memory_budget_bytes=budget) for lay, why in refused]
+    todo = []
+    for lay in ok:
+        row = LayoutResult(lay, strategy, "pending", memory_budget_bytes=budget)
+        rows.append(row)
+        try:
+            lcost = layout_cost(cost, lay, shard_optimizer)
+            stages = partition_layers(lcost, lay.pp)
+        except PlanError as e:
+            row.status, row.runnable, row.reason = "refused", False, e.reason
+            continue
+        row.lower_bound_s = layout_lower_bound(lens, lcost, stages, lay.dp, budget)
+        todo.append((row.lower_bound_s, lay, row, lcost, stages))
+    best = float("inf")
+    # one-replica layouts first (one plan each: a good incumbent early, so more are pruned), then by bound;
+    # the order changes what is pruned, never the best
+    for bound, lay, row, lcost, stages in sorted(todo, key=lambda t: (t[1].dp > 1, t[0], t[1])):
+        if prune and bound > best:
+            row.status = "pruned"
+            row.reason = f"lower bound {bound:.4g} s above the best step time found, {best:.4g} s"
+            continue
+        t0 = time.perf_counter()
+        try:
+            plans, times = _plan_layout(lens, lcost, stages, lay, budget, strategy, refine_rounds, plan_kwargs)
+        except PlanError as e:  # InfeasiblePlanError too
+            row.status, row.reason, row.error = "infeasible", e.reason, e
+            row.plan_time_s = time.perf_counter() - t0
+            continue
+        row.plan_time_s = time.perf_counter() - t0
+        _fill(row, lens, lcost, plans, times)
+        best = min(best, row.step_time_s)
+    if sp_only:
+        rows.append(_sp_only_row(lens, cost, gpus, budget, plan_kwargs))
+    best_time = min((r.step_time_s for r in rows if r.status == "ok"), default=None)
+    for r in rows:
+        if r.step_time_s is not None and best_time:
+            r.ratio_to_best = r.step_time_s / best_time
+    order = {"ok": 0, "reference": 1, "pruned": 2, "infeasible": 3, "refused": 4}
+    rows.sort(key=lambda r: (order[r.status], r.step_time_s if r.step_time_s is not None else float("inf"),
+                             r.lower_bound_s if r.lower_bound_s is not None else float("inf"), r.layout))
+    return rows
+
+
+def _sp_only_row(lens: list[int], cost: CostModel, gpus: int, budget: int, plan_kwargs: dict) -> LayoutResult:
+    """The ``sp-only`` reference on all ``gpus`` GPUs as one replica, optimizer state sharded over
+    them (ZeRO-1), weights and gradients whole: what the runtime's sharding would hold."""
+    _, heads, _ = _model_shape(cost)
+    # the replica's GPUs as stages of the largest Ulysses degree the heads allow (plan_sp_only
+    # searches every degree dividing them); its stages only count the GPUs
+    u = max(s for s in range(1, gpus + 1) if gpus % s == 0 and ulysses_heads_refusal(heads, cost.num_kv_heads, s) is None)
+    row = LayoutResult(Layout(1, u, gpus // u), "sp-only", "reference", runnable=False, memory_budget_bytes=budget)
+    kwargs = {k: v for k, v in plan_kwargs.items() if k in ("max_tokens_per_chunk", "solver", "time_limit_s")}
+    t0 = time.perf_counter()
+    try:
+        lcost = cost.with_parallel(sp=u, state_shards=u)  # one replica: sp-only shards over its GPUs
+        stages = StageLayout.even(cost.num_layers, gpus // u)
+        plan = plan_step(lens, lcost, stages, budget, "sp-only", zero3=False, **kwargs)
+    except PlanError as e:
+        row.plan_time_s = time.perf_counter() - t0
+        row.error = e
+        row.reason = f"no plan fits ({e.reason}); not runnable by the trainer yet"
+        return row
+    row.plan_time_s = time.perf_counter() - t0
+    sim = simulate(plan, lcost)
+    _fill(row, lens, lcost, [plan], [sim.step_time_s])
+    row.status = "reference"
+    knobs = dict(plan.knobs)
+    row.layout = Layout(1, int(knobs["sp"]), gpus // int(knobs["sp"]))
+    row.reason = ("not runnable by the trainer yet (sp-only is not a pipeline strategy); ZeRO-1 memory as the "
+                  "runtime would hold it")
+    return row
