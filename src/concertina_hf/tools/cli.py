@@ -216,7 +216,7 @@ def run_plan(args) -> list[dict[str, Any]]:
         try:
             plan = plan_step(lens, cost, layout, budget, strategy,
                              max_tokens_per_chunk=args.max_tokens_per_chunk,
-                             solver=args.solver, time_limit_s=args.time_limit)
+                             solver=args.solver or "ilp", time_limit_s=args.time_limit)
         except PlanError as e:  # InfeasiblePlanError too
             records.append({"strategy": strategy, "fits": False, "reason": e.worded(FLAGS),
                             "plan_time_s": time.perf_counter() - t0})
