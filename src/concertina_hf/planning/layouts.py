@@ -98,7 +98,9 @@ class LayoutResult:
     error: PlanError | None = None  # why it is infeasible (not in to_dict; a front end words it)
 
     def to_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("plans", "layout", "error")}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+             if f.name not in ("plans", "layout", "error")}  # not asdict: it would copy every plan
+        d["knobs"] = dict(self.knobs)
         d.update(pp=self.layout.pp, sp=self.layout.sp, dp=self.layout.dp, layout=self.layout.name)
         return d
 
