@@ -35,7 +35,7 @@ Timeouts: every group of the mesh is created with the run's ``ddp_timeout``
 within ``ddp_timeout`` seconds instead of hanging the job.
 
 Failing together: an exception that leaves :meth:`Topology.failing_together` (the trainer wraps
-``train``, ``evaluate`` and ``save_model`` in it) sets an abort flag in the job's rendezvous store
+every public call that may run a collective in it, through :func:`fails_together`) sets an abort flag in the job's rendezvous store
 with its message; a daemon thread on every rank polls the flag every :data:`ABORT_POLL_S`
 seconds and ends its process with status 1 after printing that message, so no rank waits for a
 peer that gave up, even when the user catches the exception on the failing rank (that rank ends
@@ -46,6 +46,7 @@ lookup per rank every :data:`ABORT_POLL_S` seconds.
 from __future__ import annotations
 
 import atexit
+import functools
 import inspect
 import logging
 import os
@@ -55,14 +56,14 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["ABORT_GRACE_S", "ABORT_POLL_S", "BUCKET_ELEMENTS", "MESH_DIMS", "Topology", "global_grad_norm",
-           "launched_world_size", "reduce_gradients"]
+__all__ = ["ABORT_GRACE_S", "ABORT_POLL_S", "BUCKET_ELEMENTS", "MESH_DIMS", "Topology", "fails_together",
+           "global_grad_norm", "launched_world_size", "reduce_gradients"]
 
 logger = logging.getLogger(__name__)
 
@@ -303,6 +304,15 @@ class Topology:
                                  f"{what}: {type(exc).__name__}: {exc}")
             raise
 
+    def failures_of_other_ranks(self) -> list[str]:
+        """The failures other ranks raised in :meth:`failing_together`, none when this rank failed
+        too (it has its own exception). Collective: it replaces a barrier, so a rank that reaches
+        the end of the job before its abort watch saw a peer's failure still learns of it."""
+        watch = _AbortWatch.current
+        mine = watch.message if watch is not None and watch.raised_at is not None else None
+        others = [m for r, m in enumerate(self.objects_of_every_rank(mine)) if m and r != self.rank]
+        return [] if mine else others
+
     @contextmanager
     def waiting(self, what: str):
         """Re-raise a failed collective (a peer's timeout, a closed connection) naming this rank
@@ -313,6 +323,39 @@ class Topology:
         except Exception as exc:
             raise RuntimeError(f"rank {self.rank} (pipeline stage {self.stage}, replica {self.replica}) failed after "
                                f"{time.perf_counter() - t0:.1f} s waiting for {what}: {exc}") from exc
+
+
+def fails_together(what: str) -> Callable[[Callable], Callable]:
+    """Decorator of a method whose object holds (or will hold) its :class:`Topology` as ``topology``:
+    the call runs inside :meth:`Topology.failing_together` (``what`` names the call in the
+    message); before the object has its topology (early in a constructor), inside this process's
+    abort watch alone, naming the rank. The exception itself propagates unchanged. Nested guarded
+    calls: the innermost failure is the one reported. ``guarded.fails_together`` is ``what``."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def guarded(self, *args, **kwargs):
+            topology = getattr(self, "topology", None)
+            guard = topology.failing_together(what) if isinstance(topology, Topology) else _failing_alone(what)
+            with guard:
+                return fn(self, *args, **kwargs)
+
+        guarded.fails_together = what
+        return guarded
+
+    return wrap
+
+
+@contextmanager
+def _failing_alone(what: str):
+    """:meth:`Topology.failing_together` for a process that has no topology yet (or none at all)."""
+    try:
+        yield
+    except Exception as exc:
+        watch = _AbortWatch.current
+        if watch is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            watch.raise_flag(f"rank {watch.rank} failed in {what}: {type(exc).__name__}: {exc}")
+        raise
 
 
 def launched_world_size(expected: int | None = None) -> int:

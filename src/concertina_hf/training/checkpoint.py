@@ -21,9 +21,11 @@ A checkpoint directory holds:
   stream, from which its stage draws dropout (:class:`~concertina_hf.runtime.rng.StageRNG`);
 - ``concertina.json``: the layout (``pipeline_size``, ``data_parallel_size``,
   ``sequence_parallel_size``, the stages' ``layer_ranges``, ``shard_optimizer``) and the cost
-  model the planner was using; a resume at another pipeline size or layer split is refused
-  before the first step, on every rank, naming the setting (:meth:`StageCheckpointer.check_layout`);
-  another ``dp x sp`` or ``concertina_shard_optimizer`` reshards the optimizer state; and
+  model the planner was using; a resume at another pipeline size, layer split or number of
+  processes is refused before the first step, on every rank, naming the setting and both
+  ``dp x pp x sp`` layouts (:meth:`StageCheckpointer.check_layout`); data- and sequence-parallel
+  sizes exchanged at the same number of processes, or another ``concertina_shard_optimizer``,
+  reshard the optimizer state; and
   ``layout_cost_model.json``: the cost model the stage layout was made from (pass it as
   ``concertina_cost_model_path`` to rebuild the same layout; a resumed run must split the
   layers the same way);
@@ -454,10 +456,13 @@ class StageCheckpointer:
     def check_layout(self, checkpoint: str, layout: StageLayout) -> CostModel | None:
         """Refuse a checkpoint written at another pipeline size, or whose layers were split
         otherwise than ``layout`` (every rank reads the checkpoint's ``concertina.json`` and raises
-        the same error, before the first step); the cost model it was planning with (``None`` when
-        it recorded none). Another ``dp x sp`` or ``concertina_shard_optimizer`` is accepted: the
-        optimizer state is per stage, and a sharded one is keyed by parameter name and resharded
-        as it is read (:meth:`load_optimizer`)."""
+        the same error, before the first step), or by another number of processes (the RNG
+        files are per process, the replicas' batches change with their number), naming both
+        ``dp x pp x sp`` layouts; the cost model it was planning with (``None`` when it recorded
+        none). Another ``dp x sp`` at the same number of processes, or another
+        ``concertina_shard_optimizer``, is accepted: the optimizer state is per stage, and a
+        sharded one is keyed by parameter name and resharded as it is read (:meth:`load_optimizer`);
+        each process continues the random stream of the process of its index."""
         meta_path = os.path.join(checkpoint, PLAN_META_NAME)
         if not os.path.isfile(meta_path):
             return None
@@ -465,11 +470,21 @@ class StageCheckpointer:
             meta = json.load(fh)
         topo = self.topology
         pp = meta.get("pipeline_size", len(meta.get("layer_ranges") or ()))
+        written = (meta.get("data_parallel_size"), pp, meta.get("sequence_parallel_size"))
+        layouts = (f"(checkpoint: {_layout_name(written)}, this run: "
+                   f"{_layout_name((topo.data_parallel_size, topo.pipeline_size, topo.sequence_parallel_size))})")
         if pp != topo.pipeline_size:
             raise ValueError(
                 f"{checkpoint} was written with concertina_pipeline_size={pp}, this run has "
                 f"concertina_pipeline_size={topo.pipeline_size}: resume with concertina_pipeline_size={pp} (its "
-                "optimizer state and layer split are per pipeline stage)")
+                f"optimizer state and layer split are per pipeline stage) {layouts}")
+        if None not in written and written[0] * written[1] * written[2] != topo.world_size:
+            n = written[0] * written[1] * written[2]
+            raise ValueError(
+                f"{checkpoint} was written by {n} processes, this run has {topo.world_size} {layouts}: the RNG "
+                "states (rng_state_<i>.pth, concertina_rng_<i>.pt) are per process and the replicas' batches "
+                f"change with their number; resume with {n} processes (data- and sequence-parallel sizes may be "
+                "exchanged at that number)")
         ranges = [list(r) for r in layout.layer_ranges]
         if meta.get("layer_ranges") != ranges:
             raise ValueError(
@@ -599,6 +614,11 @@ class StageCheckpointer:
 
     def _optimizer_path(self, directory: str) -> str:
         return os.path.join(directory, optimizer_name(self.topology.stage, self.topology.pipeline_size))
+
+
+def _layout_name(sizes: tuple) -> str:
+    """``dp=2 x pp=2 x sp=1`` (``?`` for a size a checkpoint did not record)."""
+    return " x ".join(f"{d}={'?' if n is None else n}" for d, n in zip(("dp", "pp", "sp"), sizes))
 
 
 def _torch_load(path: str, map_location: Any) -> Any:

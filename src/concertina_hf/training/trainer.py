@@ -40,7 +40,7 @@ from .args import ConcertinaTrainingArguments
 from .callbacks import StepStatsCallback, use_compact_console
 from .checkpoint import StageCheckpointer
 from .collator import LengthAwareCollator
-from ..runtime.distributed import global_grad_norm, reduce_gradients
+from ..runtime.distributed import fails_together, global_grad_norm, reduce_gradients
 from .evaluation import PipelinePredictor
 from ..integrations.peft import base_model_of
 from .run_setup import build_topology, check_trainer_arguments, pipeline_stage, resolve_run
@@ -53,6 +53,19 @@ from .step_reader import Step, StepReader, replica_balancer, replica_data_loader
 __all__ = ["ConcertinaTrainer"]
 
 logger = logging.getLogger(__name__)
+
+#: every public call that may run a collective (and the resume's loading, which ``train`` runs), and
+#: what the failure message calls it: each runs inside the job-wide failure guard
+#: (:func:`~concertina_hf.runtime.distributed.fails_together`), so a failure on one rank, caught by
+#: the user or not, ends every rank instead of leaving them in a collective. The callbacks' collective
+#: work runs inside ``train`` / ``evaluate``. Subclasses' overrides are guarded too (``__init_subclass__``).
+GUARDED_CALLS = {
+    "__init__": "construction", "train": "train", "evaluate": "evaluate", "predict": "predict",
+    "save_model": "save_model", "push_to_hub": "push_to_hub", "create_model_card": "create_model_card",
+    "end": "end", "_load_from_checkpoint": "resume from checkpoint (weights)",
+    "_load_optimizer_and_scheduler": "resume from checkpoint (optimizer and scheduler)",
+    "_load_rng_state": "resume from checkpoint (RNG state)", "_load_best_model": "loading the best model",
+}
 
 
 class ConcertinaTrainer(Trainer):
@@ -73,6 +86,11 @@ class ConcertinaTrainer(Trainer):
     ``self.executor``, ``self.topology``, ``self.setup`` (``self.cost_model``, ``self.layout``),
     ``self.planner``, ``self.replan`` (the recording callback), ``self.model`` (the pruned HF model).
     """
+
+    def __init_subclass__(cls, **kwargs):
+        """A subclass's own overrides of :data:`GUARDED_CALLS` are guarded too."""
+        super().__init_subclass__(**kwargs)
+        _guard_calls(cls, own_only=True)
 
     def __init__(
         self,
@@ -293,9 +311,8 @@ class ConcertinaTrainer(Trainer):
         preprocess, self.preprocess_logits_for_metrics = self.preprocess_logits_for_metrics, None
         self.predictor.preprocess = preprocess
         try:
-            with self.topology.failing_together("evaluation"):
-                return super().evaluation_loop(dataloader, description, prediction_loss_only=prediction_loss_only,
-                                               ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+            return super().evaluation_loop(dataloader, description, prediction_loss_only=prediction_loss_only,
+                                           ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
         finally:
             self.preprocess_logits_for_metrics, self.predictor.preprocess = preprocess, None
 
@@ -313,26 +330,29 @@ class ConcertinaTrainer(Trainer):
 
     def end(self) -> None:
         """Finish the trackers and destroy the process group, once every rank got here (call it
-        last: a gloo group left alive can abort the interpreter's shutdown)."""
+        last: a gloo group left alive can abort the interpreter's shutdown). Raises, after the
+        teardown, when another rank failed in a guarded call (its message): a script that caught
+        a failure on one rank and went on to ``end()`` does not end as a success elsewhere."""
         self.planner.close()
-        self.topology.barrier()
+        failures = self.topology.failures_of_other_ranks()  # also the barrier: every rank got here
         if hasattr(Trainer, "end"):  # not in transformers 5.17 (checked): there, what Trainer.end does
             super().end()
         else:
             self.accelerator.end_training()
+        if failures:
+            raise RuntimeError(f"rank {self.topology.rank}: the job failed: {failures[0]}")
 
     # ------------------------------------------------------------------ saving and loading
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None):
         """``Trainer.train`` resuming only from a verified checkpoint: ``True`` takes the newest
         ``checkpoint-N`` of ``output_dir`` whose manifest verifies (a warning names each newer one
         skipped and why); a path that does not verify is refused, naming the file."""
-        with self.topology.failing_together("train"):  # a failure on one rank ends them all
-            if isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
-                resume_from_checkpoint = self.checkpointer.latest_verified(self.args.output_dir)
-            elif isinstance(resume_from_checkpoint, str):
-                self.checkpointer.verified(resume_from_checkpoint)
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
-                                 ignore_keys_for_eval=ignore_keys_for_eval)
+        if isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
+            resume_from_checkpoint = self.checkpointer.latest_verified(self.args.output_dir)
+        elif isinstance(resume_from_checkpoint, str):
+            self.checkpointer.verified(resume_from_checkpoint)
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                             ignore_keys_for_eval=ignore_keys_for_eval)
 
     def _save_checkpoint(self, model, trial) -> None:
         """``Trainer._save_checkpoint`` made atomic: every rank writes into ``tmp-checkpoint-N``, then
@@ -380,16 +400,31 @@ class ConcertinaTrainer(Trainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write a standard HF model directory of the FULL model (collective over the pipeline)."""
+        if _internal_call and output_dir is None and self.__dict__.pop("_saved_for_push", False):
+            return  # Trainer.push_to_hub's own save: done first by push_to_hub below
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        with self.topology.failing_together("save_model"):
-            self.checkpointer.save_model(
-                output_dir, layout=self.layout, model=self.model, is_main=self.args.should_save,
-                attn_implementation=self._saved_attn_implementation, processing_class=self.processing_class,
-                extra_files={"training_args.bin": self.args}, planning_cost=self.planner.cost_model,
-                layout_cost=self.cost_model)
-            self.topology.barrier()  # the directory is complete when save_model returns, on every rank
+        self.checkpointer.save_model(
+            output_dir, layout=self.layout, model=self.model, is_main=self.args.should_save,
+            attn_implementation=self._saved_attn_implementation, processing_class=self.processing_class,
+            extra_files={"training_args.bin": self.args}, planning_cost=self.planner.cost_model,
+            layout_cost=self.cost_model)
+        self.topology.barrier()  # the directory is complete when save_model returns, on every rank
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
+                    token: str | None = None, revision: str | None = None, private: bool | None = None, **kwargs):
+        """``Trainer.push_to_hub`` with its collective part first: every rank saves the model into
+        ``output_dir``, then the main process creates the repository, writes the model card and
+        uploads (``Trainer`` creates the repository on the main process before the save: a Hub
+        error there would leave the other ranks in the collective save)."""
+        self.save_model(_internal_call=True)
+        self._saved_for_push = True  # Trainer.push_to_hub's save_model(_internal_call=True) is skipped
+        try:
+            return super().push_to_hub(commit_message=commit_message, blocking=blocking, token=token,
+                                       revision=revision, private=private, **kwargs)
+        finally:
+            self.__dict__.pop("_saved_for_push", None)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         self.checkpointer.save_optimizer(output_dir, self.optimizer, self.lr_scheduler, self.args.should_save, self.model)
@@ -411,3 +446,27 @@ class ConcertinaTrainer(Trainer):
         logger.info(f"Loading best model from {self.state.best_model_checkpoint} (score: {self.state.best_metric}).")
         self.checkpointer.verified(self.state.best_model_checkpoint)
         self.checkpointer.load_stage_weights(self.model, self.state.best_model_checkpoint)
+
+
+def _guard_calls(cls: type, own_only: bool = False) -> None:
+    """Wrap ``cls``'s :data:`GUARDED_CALLS` (``own_only``: those it defines itself) in the failure guard."""
+    for name, what in GUARDED_CALLS.items():
+        fn = cls.__dict__.get(name)
+        if fn is None and not own_only and hasattr(cls, name):
+            fn = _next_in_mro(cls, name)  # not a copy of the inherited one: a subclass's MRO may differ
+        if fn is None or getattr(fn, "fails_together", None) is not None:
+            continue
+        setattr(cls, name, fails_together(what if name != "__init__" else f"{cls.__name__} construction")(fn))
+
+
+def _next_in_mro(cls: type, name: str) -> Callable:
+    """A method of ``cls`` calling the next class's ``name`` in the object's MRO."""
+    def call(self, *args, **kwargs):
+        return getattr(super(cls, self), name)(*args, **kwargs)
+
+    call.__name__, call.__qualname__ = name, f"{cls.__name__}.{name}"
+    call.__doc__, call.__wrapped__ = getattr(cls, name).__doc__, getattr(cls, name)  # help() and the signature
+    return call
+
+
+_guard_calls(ConcertinaTrainer)
