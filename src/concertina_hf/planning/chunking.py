@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .cost import CostModel
+from .segments import segment_cuts
 from .types import Chunk, ChunkKind, PlanError, Remedy, Slice, StageLayout
 
 __all__ = ["Chunking", "SequenceBatch", "balanced_split"]
@@ -359,7 +360,11 @@ def _per_token_overhead(cost: CostModel, layout: StageLayout, tokens_hint: int =
 class SequenceBatch:
     """A step's lengths prepared once (sorted, with their work) for chunking it many ways."""
 
-    def __init__(self, seq_lens: Sequence[int], cost: CostModel, layout: StageLayout | None = None):
+    def __init__(self, seq_lens: Sequence[int], cost: CostModel, layout: StageLayout | None = None,
+                 segment_tokens: int | None = None):
+        #: segment-level training (:mod:`.segments`): every sequence longer than this is cut at
+        #: every multiple of it, whatever the chunking asks for (``None``: off)
+        self.segment_tokens = None if segment_tokens is None else int(segment_tokens)
         lens = [int(x) for x in seq_lens]
         if not lens or max(lens) <= 0:
             raise PlanError("a step needs at least one non-empty sequence")
@@ -423,8 +428,16 @@ class SequenceBatch:
                 cuts.append((i, balanced_split(n, k_long, self.cost)))
             else:
                 cuts.append((i, _target_split(n, target_work, token_cap, a, b)))
+        if self.segment_tokens is not None:
+            cuts = self._segment_cuts()
         chains, packed = self._pack(cuts, self.order[len(cuts):], target_work, token_cap, by_work=True)
         return Chunking(tuple(lens), target_work + beta, int(token_cap), chains, packed)
+
+    def _segment_cuts(self) -> list[tuple[int, list[int]]]:
+        """Segment-level training: the sequences longer than ``segment_tokens`` (longest first), cut
+        into their segments."""
+        seg = self.segment_tokens
+        return [(i, segment_cuts(self.lens[i], seg)) for i in self.order if self.lens[i] > seg]
 
     def by_tokens(self, token_budget: int, split: bool) -> Chunking:
         """Token-budget chunking of the baselines (no work balancing).
@@ -446,6 +459,8 @@ class SequenceBatch:
                 k = -(-n // token_budget)
                 q, r = divmod(n, k)
                 cuts.append((i, [q + 1] * r + [q] * (k - r)))
+        if self.segment_tokens is not None:
+            cuts = self._segment_cuts()
         chains, packed = self._pack(cuts, self.order[len(cuts):], math.inf, token_budget, by_work=False)
         return Chunking(tuple(lens), math.inf, int(token_budget), chains, packed)
 
@@ -463,6 +478,8 @@ class SequenceBatch:
         slice of one token)."""
         if not 0.0 < fraction < 1.0:
             raise PlanError(f"taper fraction must be within (0, 1) (got {fraction})")
+        if self.segment_tokens is not None:  # slices are the segments: nothing to cut
+            return None
         a, b, beta, x = self.a, self.b, self.beta, self.extra
 
         def info(kind: ChunkKind, q: int, lo: int, n: int, rest: tuple = (), rest_work: float = 0.0) -> _ChunkInfo:

@@ -77,6 +77,7 @@ import torch
 import torch.distributed as dist
 
 from ..planning.lower import lower
+from ..planning.segments import check_segment_plan
 from ..planning.simulate import dry_run
 from ..planning.types import Action, ActionKind, Plan, PlanError, Program
 from .attention import ChunkAttentionContext, KVStore, SliceSpec, autocast_dtype
@@ -267,6 +268,9 @@ class PipelineExecutor:
                 f"the plan was made for stage layout {plan.layout.layer_ranges} but this pipeline runs "
                 f"{self.layout.layer_ranges}; plan with the wrapper's layout"
             )
+        if check_segment_plan(plan) is not None and self.sp is not None:
+            raise PlanError("segment-level training (plan knob segment_tokens) runs with sequence parallelism 1 "
+                            "only: Ulysses does not carry the segment K/V tail or the detached older K/V")
 
     def _program(self, plan: Plan, train: bool) -> Program:
         """The checked plan lowered, and dry-run once (every rank checks the whole program)."""
@@ -507,7 +511,8 @@ class _Step:
         ]
         self.ids = [t.to(dev) for t in input_ids] if w.is_first else None
         self.labels = [t.to(dev) for t in labels] if w.is_last else None
-        self.store = KVStore()
+        seg = check_segment_plan(plan)  # segment-level training: the objective is in the plan's knobs
+        self.store = KVStore() if seg is None else KVStore(seg.gradient, seg.kv_tail)
         self.inputs: dict[int, torch.Tensor] = {}  # received activations, for their gradient
         self.outputs: dict[int, torch.Tensor] = {}  # stage outputs (last stage: loss), for backward
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
@@ -550,6 +555,12 @@ class _Step:
                     self.store.free_seq(s.seq)
                     for _, earlier in self.plan.slices_of(s.seq):
                         meter.release(("kv", s.seq, earlier.start))
+                elif self.store.kv_tail is not None and s.start > 0:  # K/V no later slice's tail reaches
+                    reach = s.start + s.length - self.store.kv_tail
+                    self.store.drop_before(s.seq, reach)
+                    for _, earlier in self.plan.slices_of(s.seq):
+                        if earlier.end <= reach:
+                            meter.release(("kv", s.seq, earlier.start))
         if w.is_last:
             targets = torch.cat([_targets(self.labels[s.seq], s) for s in slices])
             if self.sp is not None:

@@ -22,6 +22,7 @@ that the ILP's result can depend on where CBC's time limit cuts it off.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -29,6 +30,7 @@ from ..budgets import stage_budgets
 from ..chunking import SequenceBatch
 from ..cost import CostModel
 from ..recompute import SOLVERS
+from ..segments import SegmentOptions, check_segment_plan
 from ..types import Plan, PlanError, Remedy, StageLayout
 from .adaptive import ADAPTIVE_KNOBS, CHUNKING_KNOBS, plan_adaptive, plan_full_recompute, plan_no_recompute
 from .baselines import PACKED_KNOBS, SPLIT_KNOBS, plan_packed, plan_split
@@ -100,6 +102,7 @@ def plan_step(
     max_tokens_per_chunk: int | None = None,
     solver: str = "ilp",
     time_limit_s: float = 1.0,
+    segment: SegmentOptions | None = None,
     **knobs: Any,
 ) -> Plan:
     """Plan one step: chunks, groups, schedule and recompute, with ``predicted`` filled in.
@@ -117,7 +120,10 @@ def plan_step(
     slice keeps, cut off in a chunk of its own; default: 0.5 on small steps when it simulates faster,
     0 = none); packed ``token_budget``, ``recompute_layers``; split
     ``num_slices``, ``recompute_layers`` (see :data:`REGISTRY`). The chosen settings are in
-    ``plan.knobs``.
+    ``plan.knobs``. ``segment``: segment-level training (:mod:`~..segments`, opt-in): every
+    sequence longer than ``segment.tokens`` is cut into its segments whatever the strategy, and
+    the options are recorded in ``plan.knobs`` for the executor (the prediction is the one of
+    ordinary training: an upper bound, the segment options only shorten what attention keeps).
 
     Raises :class:`~..recompute.InfeasiblePlanError` when nothing fits the budget (at once, from
     a lower bound, when a stage cannot hold its static memory plus the longest sequence even
@@ -150,6 +156,11 @@ def plan_step(
     check_step(record, lens, cost, layout, budgets, token_cap)  # the refusals that need no search
     user_cap = token_cap
     token_cap = fitted_token_cap(record, lens, cost, layout, token_cap)  # no larger chunk than profiled
-    return record.run(PlanRequest(lens=lens, batch=SequenceBatch(lens, cost, layout), cost=cost, layout=layout,
+    batch = SequenceBatch(lens, cost, layout, segment_tokens=None if segment is None else segment.tokens)
+    plan = record.run(PlanRequest(lens=lens, batch=batch, cost=cost, layout=layout,
                                   budgets=budgets, token_cap=token_cap, solver=solver, time_limit_s=time_limit_s,
                                   knobs=knobs, user_capped=user_cap is not None and user_cap == token_cap))
+    if segment is not None:
+        plan = dataclasses.replace(plan, knobs=plan.knobs + segment.knobs())
+        check_segment_plan(plan)
+    return plan

@@ -25,6 +25,13 @@ runs a step (:func:`step_active`, a process-wide flag read by :func:`step_runnin
 call that finds no context raises instead of silently attending over the whole chunk.
 
 Cost: the earlier slices' K/V stay alive (in the store) until their own backward.
+
+Segment-level training (opt-in, :mod:`concertina_hf.planning.segments`: slices are segments):
+``KVStore(gradient="previous")`` hands later slices the immediately preceding slice's leaves and
+only detached aliases of older ones (no gradient, no gradient buffers for them);
+``KVStore(kv_tail=W)`` makes a slice starting at ``start`` attend to earlier keys at positions
+``>= start - W`` only (``prefix`` cuts, the varlen ``cu_seqlens_k`` shrink), and a forward-only
+step drops entries no later slice's tail reaches. A checkpointed layer's replay reads the same.
 """
 
 from __future__ import annotations
@@ -71,9 +78,18 @@ class KVStore:
     gradients, once the sequence's last slice has run forward.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, gradient: str = "full", kv_tail: int | None = None) -> None:
         # seq -> layer -> {start: entry}
         self._kv: dict[int, dict[int, dict[int, KVEntry]]] = {}
+        if gradient not in ("full", "previous"):
+            raise ValueError(f"segment gradient must be 'full' or 'previous' (got {gradient!r})")
+        if kv_tail is not None and int(kv_tail) < 0:
+            raise ValueError(f"the K/V tail must be at least 0 tokens (got {kv_tail})")
+        # segment-level training (opt-in; DESIGN.md 6d): under "previous" only the immediately
+        # preceding slice's leaves receive gradient, older ones are read detached; ``kv_tail`` W:
+        # a slice starting at ``start`` attends to earlier keys at positions >= start - W only
+        self.gradient = gradient
+        self.kv_tail = None if kv_tail is None else int(kv_tail)
 
     def put_if_absent(self, seq: int, start: int, layer: int, k: torch.Tensor, v: torch.Tensor,
                       requires_grad: bool) -> None:
@@ -87,13 +103,18 @@ class KVStore:
     def prefix_parts(self, seq: int, context: int, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Leaves ``(K, V)`` ([1, K, s, D]) of the slices of ``seq`` before token ``context``, in order."""
         per_start = self._kv.get(seq, {}).get(layer, {})
-        parts = [per_start[s] for s in sorted(per_start) if s < context]
+        starts = [s for s in sorted(per_start) if s < context]
+        parts = [per_start[s] for s in starts]
         have = sum(e.k_leaf.shape[2] for e in parts)
-        if have != context:
+        # under a K/V tail, entries no later slice reaches may have been dropped (forward only)
+        first = starts[0] if starts else context
+        if first + have != context or (first > 0 and (self.kv_tail is None or first > context - self.kv_tail)):
             raise RuntimeError(
                 f"K/V of sequence {seq} before token {context} on layer {layer} is incomplete "
                 f"({have} tokens stored): an earlier slice did not run forward on this stage first"
             )
+        if self.gradient == "previous" and len(parts) > 1:  # older segments: read, no gradient buffers
+            return [(e.k_leaf.detach(), e.v_leaf.detach()) for e in parts[:-1]] + [(parts[-1].k_leaf, parts[-1].v_leaf)]
         return [(e.k_leaf, e.v_leaf) for e in parts]
 
     def prefix(self, seq: int, context: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,6 +139,18 @@ class KVStore:
             return
         for per_start in layers.values():
             per_start.pop(start, None)
+        if all(not p for p in layers.values()):
+            del self._kv[seq]
+
+    def drop_before(self, seq: int, position: int) -> None:
+        """Drop the entries of ``seq`` whose tokens all lie before ``position`` (outside every later
+        slice's K/V tail; forward only: a training step keeps them for their own backward)."""
+        layers = self._kv.get(seq)
+        if not layers:
+            return
+        for per_start in layers.values():
+            for s in [s for s, e in per_start.items() if s + e.k.shape[2] <= position]:
+                del per_start[s]
         if all(not p for p in layers.values()):
             del self._kv[seq]
 
@@ -206,10 +239,10 @@ class ChunkAttentionContext:
         self.has_context = any(s.start > 0 for s in self.slices)
         self.cu_seqlens_q = torch.tensor([0] + _cumsum([s.length for s in self.slices]), dtype=torch.int32,
                                          device=self.device)
-        self.cu_seqlens_k = torch.tensor([0] + _cumsum([s.start + s.length for s in self.slices]),
-                                         dtype=torch.int32, device=self.device)
+        keys = [s.start - _tail_lo(s.start, store.kv_tail) + s.length for s in self.slices]
+        self.cu_seqlens_k = torch.tensor([0] + _cumsum(keys), dtype=torch.int32, device=self.device)
         self.max_seqlen_q = max(s.length for s in self.slices)
-        self.max_seqlen_k = max(s.start + s.length for s in self.slices)
+        self.max_seqlen_k = max(keys)
 
     def store_own(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Keep this chunk's non-final slices' K/V (set-if-absent) for their later slices."""
@@ -225,11 +258,13 @@ class ChunkAttentionContext:
         first key kept. Leaves stored in another dtype than ``dtype`` (earlier slices run under
         another autocast state; the runtime never does that within a step) are cast to it,
         through autograd, so their gradient still reaches the leaf."""
-        lo = _window_lo(s.start, window)
+        lo = max(_window_lo(s.start, window), _tail_lo(s.start, self.store.kv_tail))
         if s.start == 0:
             return [], 0, lo
-        kept, cut, p0 = [], 0, 0
-        for k_leaf, v_leaf in self.store.prefix_parts(s.seq, s.start, layer):
+        kept, cut = [], 0
+        stored = self.store.prefix_parts(s.seq, s.start, layer)
+        p0 = s.start - sum(k.shape[2] for k, _ in stored)  # > 0 once a K/V tail dropped older entries
+        for k_leaf, v_leaf in stored:
             p1 = p0 + k_leaf.shape[2]
             if p1 > lo:
                 if not kept:
@@ -274,6 +309,11 @@ class ChunkAttentionContext:
 def _window_lo(start: int, window: int | None) -> int:
     """Position of the first key the first query (position ``start``) of a segment sees."""
     return 0 if window is None else max(0, start - window + 1)
+
+
+def _tail_lo(start: int, tail: int | None) -> int:
+    """Position of the first earlier key a segment starting at ``start`` may see under a K/V tail."""
+    return 0 if tail is None else max(0, start - tail)
 
 
 def segment_mask(start: int, length: int, lo: int, window: int | None, device: torch.device

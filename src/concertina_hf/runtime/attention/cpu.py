@@ -51,6 +51,8 @@ def _cpu_seg_parts(query, key, value, pk, pv, seg, window):
     if idx and (window is None or window >= start + n):
         kp = pk[idx[0]] if len(idx) == 1 else torch.cat([pk[i] for i in idx], dim=2)
         vp = pv[idx[0]] if len(idx) == 1 else torch.cat([pv[i] for i in idx], dim=2)
+        if cut:  # a K/V tail (segment-level training) starts inside the first earlier slice
+            kp, vp = kp[:, :, cut:], vp[:, :, cut:]
         return [(q, kp, vp, None, False), (q, k, v, None, True)]
     if idx:
         k = torch.cat([pk[i] for i in idx] + [k], dim=2)[:, :, cut:]

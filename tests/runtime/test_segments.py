@@ -1,0 +1,208 @@
+"""Segment-level training (opt-in, DESIGN.md 6d, issue 24): the executor against a plain-HF segment reference.
+
+The reference runs each long sequence segment by segment through the HF model with
+``past_key_values`` (a :class:`~transformers.DynamicCache` built from the earlier segments' K/V),
+cut to the K/V tail and detached beyond the previous segment under ``segment_gradient="previous"``,
+positions continued (``position_ids``) and HF's mask built from the cache (``cache_position``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _runtime_cases import SEQ_LENS, batch, compare_grads, make_plan, reference, tiny_model
+
+from concertina_hf.planning import PlanError, StageLayout
+from concertina_hf.planning.segments import SegmentOptions, check_segment_plan, segment_cuts
+from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
+
+LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
+S = 8
+
+
+def segment_chunks(seq_lens, tokens: int):
+    """Hand-made chunks: each split sequence's segments as split chunks, its last segment packed with
+    one unsplit sequence (a hybrid chunk), the other short sequences packed together."""
+    chunks, short = [], [i for i, n in enumerate(seq_lens) if n <= tokens]
+    for i, n in enumerate(seq_lens):
+        if n <= tokens:
+            continue
+        start, cuts = 0, segment_cuts(n, tokens)
+        for length in cuts[:-1]:
+            chunks.append([(i, start, length)])
+            start += length
+        last = [(i, start, cuts[-1])]
+        if short:
+            q = short.pop()
+            last.append((q, 0, seq_lens[q]))
+        chunks.append(last)
+    if short:
+        chunks.append([(q, 0, seq_lens[q]) for q in short])
+    return chunks
+
+
+def segment_plan(layout, opts: SegmentOptions, recompute="none", seq_lens=SEQ_LENS):
+    import dataclasses
+
+    plan = make_plan(seq_lens, segment_chunks(seq_lens, opts.tokens), layout, recompute)
+    return dataclasses.replace(plan, knobs=plan.knobs + opts.knobs())
+
+
+def segment_reference(model, ids, labels, opts: SegmentOptions):
+    """Plain HF, segment by segment with a DynamicCache cut to the tail (see the module docstring)."""
+    from transformers import DynamicCache
+
+    ref = copy.deepcopy(model)
+    ref.zero_grad(set_to_none=True)
+    n_items = int(sum(int((lab[1:] != -100).sum()) for lab in labels))
+    num_layers = ref.config.num_hidden_layers
+    total = 0.0
+    for t, lab in zip(ids, labels):
+        n = t.shape[0]
+        kept = []  # per earlier segment: (start, [(k, v) per layer]), keys post-rotary, attached
+        logits = []
+        for k, start in enumerate(range(0, n, opts.tokens)):
+            length = min(opts.tokens, n - start)
+            lo = 0 if opts.kv_tail is None else max(0, start - opts.kv_tail)
+            cache = DynamicCache()
+            past = 0
+            for layer in range(num_layers):
+                ks, vs = [], []
+                for j, (s0, kvs) in enumerate(kept):
+                    kk, vv = kvs[layer]
+                    a = max(0, lo - s0)
+                    if a >= kk.shape[2]:
+                        continue
+                    kk, vv = kk[:, :, a:], vv[:, :, a:]
+                    if opts.gradient == "previous" and j < k - 1:
+                        kk, vv = kk.detach(), vv.detach()
+                    ks.append(kk)
+                    vs.append(vv)
+                if ks:
+                    cache.update(torch.cat(ks, dim=2), torch.cat(vs, dim=2), layer)
+                    past = cache.get_seq_length()
+            out = ref(input_ids=t[None, start:start + length],
+                      position_ids=torch.arange(start, start + length)[None],
+                      cache_position=torch.arange(past, past + length),
+                      past_key_values=cache, use_cache=True)
+            kept.append((start, [(out.past_key_values.layers[l].keys[:, :, -length:],
+                                  out.past_key_values.layers[l].values[:, :, -length:]) for l in range(num_layers)]))
+            logits.append(out.logits[0])
+        logit = torch.cat(logits)
+        loss = F.cross_entropy(logit[:-1].float(), lab[1:], ignore_index=-100, reduction="sum") / n_items
+        loss.backward()
+        total += float(loss.detach())
+    grads = {k: p.grad.detach().clone() for k, p in ref.named_parameters() if p.grad is not None}
+    return total, grads
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def model_and_data(request):
+    model = tiny_model(request.param, num_layers=4)
+    ids, labels = batch()
+    return request.param, model, ids, labels
+
+
+def test_reference_without_limits_is_hf():
+    """The segment reference with an unbounded tail and full gradient is ordinary training."""
+    model = tiny_model("llama", num_layers=2)
+    ids, labels = batch()
+    ref_loss, ref_grads = reference(model, ids, labels)
+    loss, grads = segment_reference(model, ids, labels, SegmentOptions(S))
+    assert abs(loss - ref_loss) < 1e-5 * abs(ref_loss)
+    for k, g in ref_grads.items():
+        assert float((grads[k] - g).norm() / g.norm()) < 1e-4, k
+
+
+CASES = [("full", None), ("full", 5), ("previous", None), ("previous", 5), ("previous", 12), ("full", 0)]
+
+
+@pytest.mark.parametrize("gradient,tail", CASES)
+def test_one_stage_matches_the_segment_reference(model_and_data, gradient, tail):
+    kind, model, ids, labels = model_and_data
+    opts = SegmentOptions(S, gradient, tail)
+    ref_loss, ref_grads = segment_reference(model, ids, labels, opts)
+    full_loss, _ = reference(model, ids, labels)
+    if (gradient, tail) != ("full", None):  # the objective differs from ordinary training
+        assert abs(ref_loss - full_loss) > 1e-4 * abs(full_loss) or gradient == "previous"
+    layout = StageLayout.even(4, 1)
+    w = PipelineWrapper(copy.deepcopy(model), layout, 0)
+    ex = PipelineExecutor(w)
+    failures = []
+    for rec in ("none", "partial", "full"):
+        w.zero_grad(set_to_none=True)
+        res = ex.run_step(segment_plan(layout, opts, rec), ids, labels)
+        if not abs(res.loss - ref_loss) < LOSS_TOL * abs(ref_loss):
+            failures.append(f"{kind} {rec}: loss {res.loss} vs {ref_loss}")
+        failures += [f"{kind} {rec}: {b}" for b in compare_grads(w, ref_grads, GRAD_TOL)]
+    assert failures == []
+
+
+def test_eval_drops_kv_outside_the_tail(model_and_data):
+    kind, model, ids, labels = model_and_data
+    opts = SegmentOptions(S, "previous", 5)
+    ref_loss, _ = segment_reference(model, ids, labels, opts)
+    layout = StageLayout.even(4, 1)
+    w = PipelineWrapper(copy.deepcopy(model), layout, 0)
+    res = PipelineExecutor(w).run_step(segment_plan(layout, opts, "none"), ids, labels, train=False)
+    assert abs(res.loss - ref_loss) < LOSS_TOL * abs(ref_loss)
+
+
+def test_plans_not_cut_at_segments_are_refused():
+    layout = StageLayout.even(4, 1)
+    import dataclasses
+
+    from _runtime_cases import CHUNKINGS
+
+    plan = make_plan(SEQ_LENS, CHUNKINGS["split"], layout)
+    bad = dataclasses.replace(plan, knobs=SegmentOptions(S).knobs())
+    with pytest.raises(PlanError, match="segment_tokens=8"):
+        check_segment_plan(bad)
+    assert check_segment_plan(plan) is None
+    with pytest.raises(PlanError, match="segment_gradient"):
+        SegmentOptions(S, "older")
+    with pytest.raises(PlanError, match="segment_kv_tail"):
+        SegmentOptions(S, "full", -1)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa-per-segment", "eager-per-segment"])
+def test_other_kernels_follow_the_segment_semantics(model_and_data, kernel, monkeypatch):
+    from concertina_hf.runtime.attention import kernels
+
+    kind, model, ids, labels = model_and_data
+    monkeypatch.setattr(kernels, "choose_kernel", lambda *a, **k: kernel)
+    opts = SegmentOptions(S, "previous", 12)
+    ref_loss, ref_grads = segment_reference(model, ids, labels, opts)
+    layout = StageLayout.even(4, 1)
+    w = PipelineWrapper(copy.deepcopy(model), layout, 0)
+    res = PipelineExecutor(w).run_step(segment_plan(layout, opts, "partial"), ids, labels)
+    assert abs(res.loss - ref_loss) < LOSS_TOL * abs(ref_loss)
+    assert compare_grads(w, ref_grads, GRAD_TOL) == []
+
+
+@pytest.mark.parametrize("strategy", ["adaptive", "packed", "split"])
+def test_planner_cuts_at_segments_and_the_plan_runs(strategy):
+    from _runtime_cases import tiny_config
+
+    from concertina_hf.planning import CostModel
+    from concertina_hf.planning.strategies import plan_step
+
+    model = tiny_model("llama", num_layers=4)
+    ids, labels = batch()
+    layout = StageLayout.even(4, 1)
+    cost = CostModel.from_hf_config(tiny_config("llama", 4), dtype_bytes=4)
+    opts = SegmentOptions(S, "previous", 5)
+    plan = plan_step(list(SEQ_LENS), cost, layout, 0, strategy, max_tokens_per_chunk=24, segment=opts)
+    assert check_segment_plan(plan) == opts
+    assert plan.knob("segment_gradient") == "previous" and plan.knob("segment_kv_tail") == 5
+    off = plan_step(list(SEQ_LENS), cost, layout, 0, strategy, max_tokens_per_chunk=24)
+    assert off.knob("segment_tokens") is None
+    ref_loss, ref_grads = segment_reference(model, ids, labels, opts)
+    w = PipelineWrapper(copy.deepcopy(model), layout, 0)
+    res = PipelineExecutor(w).run_step(plan, ids, labels)
+    assert abs(res.loss - ref_loss) < LOSS_TOL * abs(ref_loss)
+    assert compare_grads(w, ref_grads, GRAD_TOL) == []
