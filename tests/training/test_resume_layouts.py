@@ -2,7 +2,8 @@
 rank runs before the first step): over every pair of layouts with dp, pp, sp in {1, 2}, a resume is
 accepted exactly when the pipeline size and the number of processes are the checkpoint's (data- and
 sequence-parallel sizes exchanged: the optimizer state is resharded; the resumed trajectory's equality
-with the uninterrupted one is tests/launch/test_sharded_optimizer_launch.py's sp=2 -> dp=2 case), and
+with the uninterrupted one is tests/launch/test_sharded_optimizer_launch.py's sp=2 -> dp=2 case and
+tests/launch/test_resume_layouts_launch.py's dp=2 -> sp=2, both at pp=1), and
 refused otherwise naming both layouts (the per-process RNG files would not match the processes)."""
 
 from __future__ import annotations
