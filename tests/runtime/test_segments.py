@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from _runtime_cases import SEQ_LENS, batch, compare_grads, make_plan, reference, tiny_model
+from _segment_reference import segment_logits
 
 from concertina_hf.planning import PlanError, StageLayout
 from concertina_hf.planning.segments import SegmentOptions, check_segment_plan, segment_cuts
@@ -53,46 +54,14 @@ def segment_plan(layout, opts: SegmentOptions, recompute="none", seq_lens=SEQ_LE
 
 
 def segment_reference(model, ids, labels, opts: SegmentOptions):
-    """Plain HF, segment by segment with a DynamicCache cut to the tail (see the module docstring)."""
-    from transformers import DynamicCache
-
+    """Plain HF, segment by segment with a DynamicCache cut to the tail (:mod:`_segment_reference`):
+    loss (token-weighted over the batch) and gradients."""
     ref = copy.deepcopy(model)
     ref.zero_grad(set_to_none=True)
     n_items = int(sum(int((lab[1:] != -100).sum()) for lab in labels))
-    num_layers = ref.config.num_hidden_layers
     total = 0.0
     for t, lab in zip(ids, labels):
-        n = t.shape[0]
-        kept = []  # per earlier segment: (start, [(k, v) per layer]), keys post-rotary, attached
-        logits = []
-        for k, start in enumerate(range(0, n, opts.tokens)):
-            length = min(opts.tokens, n - start)
-            lo = 0 if opts.kv_tail is None else max(0, start - opts.kv_tail)
-            cache = DynamicCache()
-            past = 0
-            for layer in range(num_layers):
-                ks, vs = [], []
-                for j, (s0, kvs) in enumerate(kept):
-                    kk, vv = kvs[layer]
-                    a = max(0, lo - s0)
-                    if a >= kk.shape[2]:
-                        continue
-                    kk, vv = kk[:, :, a:], vv[:, :, a:]
-                    if opts.gradient == "previous" and j < k - 1:
-                        kk, vv = kk.detach(), vv.detach()
-                    ks.append(kk)
-                    vs.append(vv)
-                if ks:
-                    cache.update(torch.cat(ks, dim=2), torch.cat(vs, dim=2), layer)
-                    past = cache.get_seq_length()
-            out = ref(input_ids=t[None, start:start + length],
-                      position_ids=torch.arange(start, start + length)[None],
-                      cache_position=torch.arange(past, past + length),
-                      past_key_values=cache, use_cache=True)
-            kept.append((start, [(out.past_key_values.layers[l].keys[:, :, -length:],
-                                  out.past_key_values.layers[l].values[:, :, -length:]) for l in range(num_layers)]))
-            logits.append(out.logits[0])
-        logit = torch.cat(logits)
+        logit = segment_logits(ref, t, opts.tokens, opts.gradient, opts.kv_tail)
         loss = F.cross_entropy(logit[:-1].float(), lab[1:], ignore_index=-100, reduction="sum") / n_items
         loss.backward()
         total += float(loss.detach())

@@ -1,0 +1,82 @@
+"""Worker of ``tests/launch/test_segments_dist.py``: segment-level training (issue 24) at pp = 2 and 4 on gloo.
+
+Each rank computes the plain-HF segment reference itself and runs hand-made segment plans (every
+recompute setting) and a planner plan with the segment options on its stage; failures go to
+``<outdir>/rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import traceback
+from datetime import timedelta
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "runtime"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+CASES = (("previous", 5), ("previous", 12), ("full", 12), ("full", None))
+
+
+def worker(rank: int, world: int, port: int, outdir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=180))
+    report: dict = {"rank": rank, "failures": [], "cases": 0}
+    try:
+        _run(rank, world, report)
+    except Exception:
+        report["failures"].append("crash:\n" + traceback.format_exc())
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(rank: int, world: int, report: dict) -> None:
+    from _runtime_cases import SEQ_LENS, batch, compare_grads, tiny_config, tiny_model
+    from test_segments import LOSS_TOL, GRAD_TOL, S, segment_plan, segment_reference
+
+    from concertina_hf.planning import CostModel, StageLayout
+    from concertina_hf.planning.segments import SegmentOptions
+    from concertina_hf.planning.strategies import plan_step
+    from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
+
+    fail = report["failures"]
+    ids, labels = batch()
+    layout = StageLayout.even(4, world)
+    cost = CostModel.from_hf_config(tiny_config("llama", 4), dtype_bytes=4)
+    for kind in ("llama", "qwen2"):
+        model = tiny_model(kind, num_layers=4)
+        w = PipelineWrapper(copy.deepcopy(model), layout, rank)
+        ex = PipelineExecutor(w)
+        for gradient, tail in CASES:
+            opts = SegmentOptions(S, gradient, tail)
+            ref_loss, ref_grads = segment_reference(model, ids, labels, opts)
+            plans = [(rec, segment_plan(layout, opts, rec)) for rec in ("none", "partial", "full")]
+            plans.append(("adaptive", plan_step(list(SEQ_LENS), cost, layout, 0, "adaptive", max_tokens_per_chunk=24,
+                                                segment=opts)))
+            for name, plan in plans:
+                w.zero_grad(set_to_none=True)
+                res = ex.run_step(plan, ids, labels)
+                report["cases"] += 1
+                if not abs(res.loss - ref_loss) < LOSS_TOL * abs(ref_loss):
+                    fail.append(f"{kind} {gradient}/{tail} {name}: loss {res.loss} vs {ref_loss}")
+                fail.extend(f"{kind} {gradient}/{tail} {name} stage {rank}: {b}"
+                            for b in compare_grads(w, ref_grads, GRAD_TOL))
+        # forward only: the tail's K/V dropped, the same loss
+        opts = SegmentOptions(S, "previous", 5)
+        ref_loss, _ = segment_reference(model, ids, labels, opts)
+        res = ex.run_step(segment_plan(layout, opts, "none"), ids, labels, train=False)
+        report["cases"] += 1
+        if not abs(res.loss - ref_loss) < LOSS_TOL * abs(ref_loss):
+            fail.append(f"{kind} eval: loss {res.loss} vs {ref_loss}")
