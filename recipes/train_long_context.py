@@ -107,8 +107,8 @@ class DataArguments:
 
 def build_model(model_args: ModelArguments, tokenizer, max_length: int) -> torch.nn.Module:
     dtype = getattr(torch, model_args.torch_dtype)
-    if model_args.model_name_or_path:
-        return AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, dtype=dtype)
+    if model_args.model_name_or_path:  # loaded by stage by ConcertinaTrainer (args.model_init_kwargs)
+        return model_args.model_name_or_path
     text = (model_args.model_config or "").strip()
     if text and not text.startswith("{"):
         config = AutoConfig.from_pretrained(text)
@@ -175,10 +175,21 @@ def main(argv: list[str] | None = None) -> dict:
     model = build_model(model_args, tokenizer, data_args.max_length)
     world = dist.get_world_size() if dist.is_initialized() else 1
     pipeline_size = args.concertina_pipeline_size or world // (args.concertina_data_parallel_size or 1)
-    if model_args.untie_embeddings and pipeline_size > 1 and getattr(model.config, "tie_word_embeddings", False):
-        logger.info("untying the input and output embeddings so they can live on different pipeline stages")
-        untie_embeddings(model)
-    n_params = sum(p.numel() for p in model.parameters())
+    if isinstance(model, str):  # by name: each rank reads only its stage's tensors
+        kw = {"dtype": model_args.torch_dtype, **(args.model_init_kwargs or {})}
+        config = AutoConfig.from_pretrained(model, revision=kw.get("revision"),
+                                            trust_remote_code=bool(kw.get("trust_remote_code", False)))
+        if model_args.untie_embeddings and pipeline_size > 1 and getattr(config, "tie_word_embeddings", False):
+            logger.info("untying the input and output embeddings so they can live on different pipeline stages")
+            kw["tie_word_embeddings"] = False  # the head's own copy of the embedding, trained apart
+        args.model_init_kwargs = kw
+        with torch.device("meta"):  # counted without weights
+            n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    else:
+        if model_args.untie_embeddings and pipeline_size > 1 and getattr(model.config, "tie_word_embeddings", False):
+            logger.info("untying the input and output embeddings so they can live on different pipeline stages")
+            untie_embeddings(model)
+        n_params = sum(p.numel() for p in model.parameters())
 
     trainer = ConcertinaTrainer(
         model=model, args=args, data_collator=LengthAwareCollator(max_length=data_args.max_length),

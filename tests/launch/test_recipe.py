@@ -110,6 +110,32 @@ def test_single_process_with_a_local_file_through_load_dataset(tmp_path, monkeyp
     assert abs(_heldout_loss(out, _heldout_ids(argv)) - info["eval_loss"]) < 1e-5
 
 
+def test_single_process_from_a_model_directory_by_name(tmp_path, monkeypatch):
+    """--model_name_or_path: the trainer gets the directory's name and reads the weights by stage."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("\n".join(json.dumps({"content": "x = %d\n" % i * (1 + i % 5)}) for i in range(30)) + "\n")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    common = ["--dataset", "json", "--data_files", str(docs), "--text_column", "content", "--max_steps", "2",
+              "--per_device_train_batch_size", "4", "--max_length", "48", "--eval_samples", "4",
+              "--concertina_max_tokens_per_chunk", "32", "--disable_tqdm", "true"]
+    recipe = _recipe_module()
+    first = recipe.main(["--output_dir", str(tmp_path / "first"), *common])
+    seen = []
+    real = recipe.ConcertinaTrainer
+
+    def spy(model, **kw):
+        seen.append(model)
+        return real(model=model, **kw)
+
+    monkeypatch.setattr(recipe, "ConcertinaTrainer", spy)
+    argv = ["--output_dir", str(tmp_path / "second"), "--model_name_or_path", str(tmp_path / "first"), *common]
+    info = recipe.main(argv)
+    assert seen == [str(tmp_path / "first")]
+    assert info["num_parameters"] == first["num_parameters"] and len(info["losses"]) == 2
+    assert info["losses"][0] < first["losses"][0]  # it starts from the first run's trained weights
+    assert abs(_heldout_loss(tmp_path / "second", _heldout_ids(argv)) - info["eval_loss"]) < 1e-5
+
+
 def test_accelerate_launch_cpu_2proc_default_recipe(tmp_path, monkeypatch):
     out = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled",
@@ -131,7 +157,7 @@ def test_accelerate_launch_cpu_2proc_default_recipe(tmp_path, monkeypatch):
     assert len(losses) == 6
     assert losses[-1] < losses[0] - 0.3 and all(x < losses[0] for x in losses[2:]), losses
     # a plain HF directory; its held-out loss is the pipeline's eval loss
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "trainer_state.json"):
+    for name in ("config.json", "model.safetensors.index.json", "tokenizer.json", "trainer_state.json"):
         assert (out / name).is_file(), name
     monkeypatch.setenv("HF_DATASETS_CACHE", env["HF_DATASETS_CACHE"])
     assert abs(_heldout_loss(out, _heldout_ids(argv)) - info["eval_loss"]) < 1e-5

@@ -369,7 +369,9 @@ def test_pp2_matches_trainer_for_llama_and_qwen2(tmp_path):
                 assert torch.equal(got["labels"], want["labels"])
         # checkpoints: standard model files plus one optimizer shard per stage; resume = same end
         names = set(os.listdir(tmp_path / arch / "checkpoint-2"))
-        assert {"model.safetensors", "config.json", "optimizer.stage0-of-2.pt", "optimizer.stage1-of-2.pt",
+        # the model in HF's sharded format, one shard per stage (each written by its stage)
+        assert {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json",
+                "config.json", "optimizer.stage0-of-2.pt", "optimizer.stage1-of-2.pt",
                 "scheduler.pt", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth", "concertina.json",
                 "layout_cost_model.json"} <= names
         assert info["resumed_losses"] == pytest.approx(info["losses"], abs=1e-6)
@@ -388,8 +390,11 @@ def test_pp2_matches_trainer_for_llama_and_qwen2(tmp_path):
     assert max(abs(a - b) / b for a, b in zip(ranks[0]["grad_norms"], ref_info["grad_norms"])) < 1e-4
     first, last = (torch.load(tmp_path / "tied" / f"tied-rank{r}.pt") for r in (0, 1))
     assert torch.equal(first, last)  # same gradients, same optimizer steps: the same bits
-    with safe_open(str(tmp_path / "tied" / "final" / "model.safetensors"), framework="pt") as fh:
-        assert "lm_head.weight" not in set(fh.keys())
+    weight_map = json.loads((tmp_path / "tied" / "final" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "lm_head.weight" not in weight_map and weight_map["model.embed_tokens.weight"].startswith("model-00001-")
+    for shard in sorted(set(weight_map.values())):
+        with safe_open(str(tmp_path / "tied" / "final" / shard), framework="pt") as fh:
+            assert "lm_head.weight" not in set(fh.keys())
     loaded = _load(tmp_path / "tied" / "final")  # tie_word_embeddings: lm_head.weight is the embedding
     assert torch.equal(loaded["lm_head.weight"], first) and torch.equal(loaded["model.embed_tokens.weight"], first)
     worst, name = _worst_rel(ref_state, loaded)

@@ -134,7 +134,8 @@ def test_trainer_pp2_sp2_matches_trainer(tmp_path):
     assert worst < 1e-4, (name, worst)
     # the checkpoint: one optimizer shard per stage, every process's RNG; resuming ends the same
     names = set(os.listdir(tmp_path / "checkpoint-2"))
-    assert {"optimizer.stage0-of-2.pt", "optimizer.stage1-of-2.pt", "model.safetensors"} <= names
+    assert {"optimizer.stage0-of-2.pt", "optimizer.stage1-of-2.pt", "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors", "model.safetensors.index.json"} <= names
     assert {f"rng_state_{r}.pth" for r in range(4)} <= names
     assert json.loads((tmp_path / "checkpoint-2" / "concertina.json").read_text())["sequence_parallel_size"] == 2
     assert info["resumed_losses"] == pytest.approx(info["losses"], abs=1e-6)

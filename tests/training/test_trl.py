@@ -180,3 +180,24 @@ def test_peft_config_lora_matches_sfttrainer(tokenizer, tmp_path):
     update = torch.cat([(want[k] - init[k]).flatten() for k in trained])
     error = torch.cat([(have[k] - want[k]).flatten() for k in trained])
     assert (error.norm() / update.norm()).item() < 1e-3
+
+
+def test_model_by_name_trains_as_the_object(tokenizer, tmp_path):
+    """A local directory as ``model`` (read by stage, ``model_init_kwargs`` honoured) trains as the
+    ``from_pretrained`` object of it: same losses, same weights."""
+    from transformers import AutoModelForCausalLM
+
+    from concertina_hf.integrations.trl import ConcertinaSFTConfig, ConcertinaSFTTrainer
+
+    src = tmp_path / "src"
+    _model(tokenizer).save_pretrained(src)
+    runs = []
+    for model in (AutoModelForCausalLM.from_pretrained(src), str(src)):
+        ours = ConcertinaSFTTrainer(
+            model=model, train_dataset=_text_dataset(), processing_class=tokenizer,
+            args=ConcertinaSFTConfig(output_dir=str(tmp_path / f"run{len(runs)}"), concertina_max_tokens_per_chunk=16,
+                                     packing=True, max_length=64, model_init_kwargs={"dtype": "float32"}, **COMMON))
+        ours.train()
+        runs.append((_logged(ours), ours.model.state_dict()))
+    assert runs[0][0] == runs[1][0]
+    assert _worst(runs[0][1], runs[1][1]) == 0

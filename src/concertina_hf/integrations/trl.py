@@ -70,8 +70,10 @@ class ConcertinaSFTTrainer(ConcertinaTrainer, SFTTrainer):
     """TRL's ``SFTTrainer`` (dataset preparation, collator) over an adaptive pipeline (see the
     module docstring). Same constructor as ``SFTTrainer`` except ``quantization_config``, with the
     arguments after ``args`` given by keyword; ``args`` must be :class:`ConcertinaSFTConfig`;
-    ``model`` a model or a name for ``AutoModelForCausalLM.from_pretrained`` (with
-    ``args.model_init_kwargs``)."""
+    ``model`` a model, or a Hub name or local directory (with ``args.model_init_kwargs``) that
+    each rank reads by stage (:mod:`~concertina_hf.training.stage_loading`); with ``peft_config``
+    a name is loaded whole with ``AutoModelForCausalLM.from_pretrained`` (the adapters are
+    initialised on the whole model)."""
 
     def __init__(self, model: Any, args: ConcertinaSFTConfig | None = None, *, peft_config: Any = None, **kwargs: Any):
         """``peft_config`` wraps ``model`` here; every other keyword (``data_collator``,
@@ -85,7 +87,7 @@ class ConcertinaSFTTrainer(ConcertinaTrainer, SFTTrainer):
                 f"ConcertinaSFTTrainer needs ConcertinaSFTConfig, got {type(args).__name__}; build the arguments with "
                 "concertina_hf.integrations.trl.ConcertinaSFTConfig(...) (SFTConfig's fields plus concertina_*)")
         _check_sft_args(args)
-        if isinstance(model, str):
+        if isinstance(model, str) and peft_config is not None:  # adapters are initialised on the whole model
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(model, **dict(args.model_init_kwargs or {}))

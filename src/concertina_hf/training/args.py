@@ -24,6 +24,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import TrainingArguments
 
@@ -265,6 +266,11 @@ class ConcertinaTrainingArguments(TrainingArguments):
         "sequence alone, and HF's training loss with plain cross-entropy (auxiliary losses); a mismatch refuses "
         "the model, naming its type and what differs.",
     )
+    # TRL's SFTConfig has the same field (same type and default: ConcertinaSFTConfig inherits both)
+    model_init_kwargs: dict[str, Any] | str | None = field(default=None, metadata={"help": (
+        "With a model given by name (ConcertinaTrainer(model='org/name' or a local directory)): the keyword "
+        "arguments of AutoModelForCausalLM.from_pretrained (dtype, attn_implementation, revision, "
+        "trust_remote_code; a JSON string is accepted); each rank then reads only its stage's tensors.")})
 
     def __post_init__(self):
         self._check_concertina_fields()

@@ -3,11 +3,13 @@ written atomically and verified on resume.
 
 A checkpoint directory holds:
 
-- the FULL model as ``save_pretrained`` writes it (``model.safetensors`` or shards with their
-  index, ``config.json``), gathered once to the main process
-  (:meth:`~concertina_hf.runtime.stage.PipelineWrapper.full_state_dict`), so
-  ``AutoModelForCausalLM.from_pretrained`` loads it without this package; tied embeddings are
-  written once, as HF does, and the last stage's copy is loaded from them; for a ``PeftModel``
+- the full model in HF's format, so ``AutoModelForCausalLM.from_pretrained`` loads it without
+  this package: with several stages each stage (replica 0, sp rank 0) writes its own shard
+  ``model-{s+1:05d}-of-{p:05d}.safetensors`` under the HF names and the main process
+  ``model.safetensors.index.json`` and ``config.json`` (no rank holds another stage's weights:
+  :func:`~concertina_hf.training.stage_loading.write_stage_shard`); with one stage
+  ``save_pretrained``'s own files. Tied embeddings are written once, as HF does, and the last
+  stage's copy is loaded from them; for a ``PeftModel``
   instead the adapter directory ``PeftModel.save_pretrained`` writes (``adapter_config.json``,
   ``adapter_model.safetensors`` with every stage's adapter weights), as ``Trainer`` + PEFT does;
 - ``optimizer.stage{s}-of-{p}.pt``: each stage's optimizer state (replica 0 writes it); with
@@ -47,8 +49,9 @@ checkpoint that verifies and says why it skipped newer ones; a file the resume n
 optimizer shard, ``scheduler.pt``, this process's RNG files) is an error when missing, never a
 silent default.
 
-Costs: saving moves every parameter once to pipeline rank 0 of replica 0; loading reads only
-this stage's tensors from the safetensors files. The manifest costs one read and an XXH3-128 hash
+Costs: saving writes each stage's tensors from its own rank, streamed to its shard (only names
+and sizes travel to pipeline rank 0, for the index); loading reads only this stage's tensors from
+the safetensors files. The manifest costs one read and an XXH3-128 hash
 of every byte (:data:`DIGEST`): each stage hashes its own optimizer shard, the main process the
 rest, in background threads started as each file is complete, reading 1 MiB blocks into one
 reused buffer; a resume hashes the checkpoint again on rank 0. Nothing is fsynced (as the plain
@@ -78,6 +81,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..runtime.distributed import Topology
 from .sharded_optimizer import is_sharded, load_optimizer_shards, save_optimizer_shards
+from .stage_loading import write_index, write_stage_shard
 from ..integrations.peft import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, load_stage_adapter, save_adapter
 from ..planning import CostModel, StageLayout
 
@@ -408,19 +412,32 @@ class StageCheckpointer:
                    attn_implementation: str,
                    extra_files: dict[str, Any], planning_cost: CostModel, layout_cost: CostModel,
                    processing_class: Any = None) -> None:
-        """The full HF model directory (collective over the pipeline of replica 0; written by the
-        main process). The saved config names ``attn_implementation`` (one every HF install has),
+        """The full HF model directory (collective over the pipeline of replica 0): each stage's
+        shard written by its stage, the index and config by the main process. The saved config names ``attn_implementation`` (one every HF install has),
         not the runtime's backend. ``extra_files``: name -> object for ``torch.save``. A PEFT
         model (``peft_model``) is saved as ``Trainer`` + PEFT saves it: the adapter
         directory (every stage's adapter weights, :func:`~concertina_hf.integrations.peft.save_adapter`),
         not the base model."""
         peft_model = self.peft_model
+        hashed: set[str] = set()
         if peft_model is not None:
             if self.topology.writes_stage:
                 logger.info(f"Saving the PEFT adapter (all {self.topology.pipeline_size} stages) to {output_dir}")
                 save_adapter(peft_model, output_dir, gather=self.topology.gather_in_pipeline, is_main=is_main)
             if not is_main:
                 return
+        elif self.topology.pipeline_size > 1:  # each stage writes its own shard: no rank holds another's weights
+            shards = None
+            if self.topology.writes_stage:
+                os.makedirs(output_dir, exist_ok=True)
+                shard = write_stage_shard(self.pipeline, output_dir)
+                self._hash_in_background(output_dir, [shard[0]])
+                shards = self.topology.gather_in_pipeline(shard)  # names and sizes only
+            if not is_main:
+                return
+            logger.info(f"Saving the model ({self.topology.pipeline_size} stage shards) to {output_dir}")
+            hashed = set(write_index(output_dir, shards))  # each shard hashed by the stage that wrote it
+            _save_config(model, output_dir, attn_implementation)
         else:
             state_dict = None
             if self.topology.writes_stage:
@@ -436,7 +453,8 @@ class StageCheckpointer:
                 model.save_pretrained(output_dir, state_dict=state_dict, is_main_process=True)
             finally:
                 config._attn_implementation = runtime_attn
-        self._hash_in_background(output_dir, _files(output_dir))  # the weights, while the rest is written
+        # the weights, while the rest is written
+        self._hash_in_background(output_dir, [n for n in _files(output_dir) if n not in hashed])
         if processing_class is not None:
             processing_class.save_pretrained(output_dir)
         for name, obj in extra_files.items():
@@ -451,7 +469,8 @@ class StageCheckpointer:
         })
         # the cost model the stage layout was made from: concertina_cost_model_path for a rerun
         _write_json(os.path.join(output_dir, LAYOUT_COST_NAME), layout_cost.to_dict())
-        self._hash_in_background(output_dir, [n for n in _files(output_dir) if n not in self._hashing])
+        self._hash_in_background(output_dir, [n for n in _files(output_dir)
+                                              if n not in self._hashing and n not in hashed])
 
     def check_layout(self, checkpoint: str, layout: StageLayout) -> CostModel | None:
         """Refuse a checkpoint written at another pipeline size, or whose layers were split
@@ -628,6 +647,21 @@ def _torch_load(path: str, map_location: Any) -> Any:
             return torch.load(path, map_location=map_location, weights_only=True)
     except (RuntimeError, OSError, EOFError, ValueError) as e:
         raise CheckpointError(f"{path} is unreadable (truncated or damaged?): {e}") from e
+
+
+def _save_config(model: nn.Module, output_dir: str, attn_implementation: str) -> None:
+    """The config (and generation config) as ``save_pretrained`` writes them beside the weights."""
+    config = model.config
+    runtime_attn, architectures = config._attn_implementation, getattr(config, "architectures", None)
+    try:
+        config._attn_implementation = attn_implementation
+        config.architectures = [type(model).__name__]
+        config.save_pretrained(output_dir)
+    finally:
+        config._attn_implementation, config.architectures = runtime_attn, architectures
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and getattr(model, "can_generate", lambda: False)():
+        generation.save_pretrained(output_dir)
 
 
 def _files(directory: str) -> list[str]:

@@ -235,7 +235,10 @@ def _profile_on_rank0(model: nn.Module, args: ConcertinaTrainingArguments, base:
         # chunk shapes up to the cap (at least 32 tokens, to make distinct shapes; None: the
         # profiler's device default), in the precision the run trains in (bf16 autocast halves
         # activations and K/V)
-        cost = profile_cost_model(model, base=base, device=args.device, num_layers=layers,
+        # a model loaded by stage (parameters on the meta device): its first layers, read for the profile
+        source = getattr(model, "_concertina_source", None)
+        probe = source.prefix_model(layers) if source is not None else model
+        cost = profile_cost_model(probe, base=base, device=args.device, num_layers=layers,
                                   max_tokens=None if cap is None else max(32, cap),
                                   autocast_dtype=torch.bfloat16 if args.bf16 else None)
         logger.info("profiled the cost model in %.1fs", time.perf_counter() - t0)

@@ -44,7 +44,8 @@ from ..runtime.distributed import fails_together, global_grad_norm, reduce_gradi
 from .evaluation import PipelinePredictor
 from ..integrations.peft import base_model_of
 from .run_setup import build_topology, check_trainer_arguments, pipeline_stage, resolve_run
-from .self_check import self_check
+from .self_check import probe_layers, self_check
+from .stage_loading import model_source
 from .sharded_optimizer import shard_optimizer
 from .step_guard import StepGuard
 from .step_planner import StepPlanner
@@ -71,7 +72,10 @@ GUARDED_CALLS = {
 class ConcertinaTrainer(Trainer):
     """``transformers.Trainer`` over an adaptive pipeline (see the module docstring).
 
-    Same constructor as ``Trainer``. ``args`` must be :class:`ConcertinaTrainingArguments`
+    Same constructor as ``Trainer``; ``model`` may also be a Hub name or a local HF directory (as
+    for TRL's ``SFTTrainer``, with ``args.model_init_kwargs``): each rank then builds the model on
+    the meta device and reads only its stage's tensors (:mod:`~concertina_hf.training.stage_loading`).
+    ``args`` must be :class:`ConcertinaTrainingArguments`
     (default: ``ConcertinaTrainingArguments(output_dir="tmp_trainer")``); ``data_collator``
     defaults to :class:`LengthAwareCollator` and may be any collator whose batches
     :func:`split_sequences` understands (``DataCollatorWithFlattening``, padding collators with an
@@ -94,7 +98,7 @@ class ConcertinaTrainer(Trainer):
 
     def __init__(
         self,
-        model: nn.Module | None = None,
+        model: nn.Module | str | os.PathLike | None = None,
         args: ConcertinaTrainingArguments | None = None,
         data_collator: Callable | None = None,
         train_dataset=None,
@@ -115,18 +119,29 @@ class ConcertinaTrainer(Trainer):
         from ..runtime.rng import StageRNG
 
         args = args if args is not None else ConcertinaTrainingArguments(output_dir="tmp_trainer")
+        # a name or a directory: the model on the meta device, each rank reads its stage's tensors
+        source = model_source(model, args.model_init_kwargs) if isinstance(model, (str, os.PathLike)) \
+            and isinstance(args, ConcertinaTrainingArguments) else None
+        model = source.empty_model() if source is not None else model
         check_trainer_arguments(model, args, optimizers, model_init=model_init, compute_loss_func=compute_loss_func)
         _ = args.device  # the process group must exist before the model is split: the stage is the pipeline rank
         self.topology = build_topology(args)
-        self.weights_synced = self.topology.sync_weights_from_rank0(model)  # DDP's: rank 0's weights everywhere
+        # DDP's: rank 0's weights everywhere (loaded by stage, every rank read the same files)
+        self.weights_synced = self.topology.sync_weights_from_rank0(model) if source is None else []
         hf_model = base_model_of(model)  # a PeftModel's HF model; self.peft_model keeps the PeftModel
         self.setup = resolve_run(args, hf_model, self.topology)
         self.cost_model, self.layout = self.setup.cost_model, self.setup.layout
         if args.concertina_self_check:  # before the model is split: its numbers against HF's, on rank 0
-            self_check(model, self.topology, args.device)
+            # by name: rank 0 probes the embedding, the first layers and the head, read for it alone
+            probe = source.prefix_model(probe_layers(model)) if source is not None and self.topology.rank == 0 \
+                else model
+            self_check(probe, self.topology, args.device)
+            del probe
         # The saved config must name an attention every HF install has, not the runtime's backend.
         self._saved_attn_implementation = getattr(hf_model.config, "_attn_implementation", None) or "sdpa"
         self.pipeline, self.peft_model = pipeline_stage(model, self.layout, self.topology.stage)
+        if source is not None:
+            source.load_stage(self.pipeline)
         self.pipeline.label_smoothing = args.label_smoothing_factor  # HF's LabelSmoother, in the pipeline's loss
         self.checkpointer = StageCheckpointer(self.pipeline, self.topology, args.concertina_shard_optimizer,
                                               peft_model=self.peft_model)
@@ -284,6 +299,13 @@ class ConcertinaTrainer(Trainer):
             self.optimizer = optimizer = shard_optimizer(optimizer, self.topology)
         return optimizer
 
+    def _move_model_to_device(self, model, device):
+        """Trainer's move, except onto the CPU of a model already there: ``.to("cpu:0")`` (the
+        device of distributed CPU runs) would copy every tensor of the stage (the peak memory twice)."""
+        if torch.device(device).type == "cpu" and all(t.device.type == "cpu" for t in model.state_dict().values()):
+            return
+        super()._move_model_to_device(model, device)
+
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         return model  # no DDP / DataParallel: replicas reduce gradients themselves
 
@@ -399,7 +421,7 @@ class ConcertinaTrainer(Trainer):
         super()._load_rng_state(checkpoint)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Write a standard HF model directory of the FULL model (collective over the pipeline)."""
+        """Write a standard HF model directory of the full model, each stage its own shard (collective)."""
         if _internal_call and output_dir is None and self.__dict__.pop("_saved_for_push", False):
             return  # Trainer.push_to_hub's own save: done first by push_to_hub below
         output_dir = output_dir if output_dir is not None else self.args.output_dir
