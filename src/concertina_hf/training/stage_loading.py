@@ -30,6 +30,7 @@ sharded HF checkpoint.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -183,7 +184,10 @@ class ModelSource:
 
     def load_stage(self, pipeline: Any) -> None:
         """This stage's tensors into ``pipeline`` (a :class:`~concertina_hf.runtime.stage.PipelineWrapper`
-        built on :meth:`empty_model`)."""
+        built on :meth:`empty_model`). A prefix model read before (self-check, profiler) sits in
+        reference cycles (modules, the probe's wrapper): collected first, so that its memory is
+        free before the stage's is taken."""
+        gc.collect()
         self.load(pipeline.model, pipeline.checkpoint_keys(self.weight_map.keys()), f"stage {pipeline.stage}")
 
     def prefix_model(self, num_layers: int) -> nn.Module:
