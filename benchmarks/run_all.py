@@ -52,6 +52,9 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str], str, str]] = {
                             ["--quick"], "pp=2 against twice the project's pp=1 on CPU", "~10-30 min"),
     "torch_pipelining_peer": ("torch_pipelining_peer.py", [], ["--quick"],
                               "torch.distributed.pipelining (1F1B) against adaptive on CPU", "~15 min"),
+    "stage_loading": ("stage_loading.py", [], ["--quick", "--no-self-check", "--out",
+                                               "benchmarks/results/stage_loading_quick"],
+                      "pp=4 peak RSS per rank loading and saving by stage vs a model object (1.2 GB)", "~1 min"),
 }
 #: on a CUDA GPU only (``--gpu``): the committed result is written to benchmarks/results/gpu/
 GPU = {"gpu_check": ("gpu_check.py", [], ["--only", "a,c", "--budget-s", "240", "--out", "benchmarks/results/gpu_quick"],
