@@ -141,14 +141,17 @@ ChunkShape = tuple[tuple[int, int], ...]
 """A chunk as measured by the profiler: its slices as ``(context, length)`` pairs."""
 
 
-def attn_pairs(slices: Iterable[Slice]) -> int:
+def attn_pairs(slices: Iterable[Slice], kv_tail: int | None = None) -> int:
     """(query, key) pairs of causal attention: ``sum((C+s)^2 - C^2)`` (twice the true count,
-    a constant absorbed by ``alpha_attn``): a late slice costs more than an early one.
+    a constant absorbed by ``alpha_attn``): a late slice costs more than an early one. Under a
+    segment K/V tail ``W`` (segment-level training) a slice attends to ``min(C, W)`` earlier keys.
 
-    >>> attn_pairs([Slice(0, 0, 4)]), attn_pairs([Slice(0, 8, 4)])
-    (16, 80)
+    >>> attn_pairs([Slice(0, 0, 4)]), attn_pairs([Slice(0, 8, 4)]), attn_pairs([Slice(0, 8, 4)], 2)
+    (16, 80, 32)
     """
-    return sum((s.context + s.length) ** 2 - s.context**2 for s in slices)
+    if kv_tail is None:
+        return sum((s.context + s.length) ** 2 - s.context**2 for s in slices)
+    return sum((min(s.context, kv_tail) + s.length) ** 2 - min(s.context, kv_tail) ** 2 for s in slices)
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,6 +353,10 @@ class CostModel:
     # on CPU, 8K-13K-token chunks of a 10M Llama ran 1.2-1.6x their linear prediction (the head's
     # log-softmax over the fp32 logits up to 7x its per-element time in 4K-token chunks)
     max_chunk_tokens: int = 0
+    # segment-level training (planning.segments): the K/V tail W of the plan being simulated, set
+    # by for_plan from its knobs (a slice attends to min(C, W) earlier keys); None: unbounded.
+    # Not a fitted coefficient: to_dict leaves it out while None.
+    segment_kv_tail: int | None = None
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -517,6 +524,9 @@ class CostModel:
         """The model a plan runs under: this one, unless the plan records its own stage size
         and sharding (knobs ``sp``, ``state_shards``, ``zero3``: the ``sp-only`` baseline's plans,
         which run the replica's GPUs as one stage)."""
+        tail = plan.knob("segment_kv_tail") if plan.knob("segment_tokens") is not None else None
+        if tail != self.segment_kv_tail:
+            return dataclasses.replace(self, segment_kv_tail=tail).for_plan(plan)
         sp = plan.knob("sp")
         if sp is None:
             return self
@@ -530,7 +540,7 @@ class CostModel:
     def layer_compute_time(self, slices: Sequence[Slice]) -> float:
         """Forward compute of one decoder layer on one GPU (no communication)."""
         tok = sum(s.length for s in slices)
-        return self.alpha_attn * attn_pairs(slices) + self.alpha_tok * tok + self.beta
+        return self.alpha_attn * attn_pairs(slices, self.segment_kv_tail) + self.alpha_tok * tok + self.beta
 
     def layer_fwd_time(self, slices: Sequence[Slice]) -> float:
         """Forward of one decoder layer: compute, the four all-to-alls (``sp > 1``), and with
@@ -674,7 +684,7 @@ class CostModel:
         if saved and self.context_bytes_per_token:
             # keys attended to beyond the slice's own (its earlier slices'), and the own K/V a
             # non-final slice keeps in the store besides that concatenated copy
-            ctx_tok = sum(s.context + (s.length if chunk.kind is ChunkKind.SPLIT else 0)
+            ctx_tok = sum(self._attended(s.context) + (s.length if chunk.kind is ChunkKind.SPLIT else 0)
                           for s in chunk.slices if s.context > 0)
             mem += saved * self.context_bytes_per_token * ctx_tok
         return mem
@@ -705,7 +715,7 @@ class CostModel:
         if n and self.bwd_context_bytes_per_token:
             # a slice with context: the attention's backward, one slice at a time, holds the
             # gradients of every key and value the slice attended to
-            keys = max((s.context + s.length for s in chunk.slices if s.context > 0), default=0)
+            keys = max((self._attended(s.context) + s.length for s in chunk.slices if s.context > 0), default=0)
             layer = max(layer, self.bwd_context_bytes_per_token * keys)
         if n and recompute_layers >= n:
             if self.recompute_bwd_transient_bytes_per_token:
@@ -760,8 +770,15 @@ class CostModel:
         return params * self.static_bytes_per_param
 
     # ------------------------------------------------------------------ serialization
+    def _attended(self, context: int) -> int:
+        """Earlier keys a slice with ``context`` attends to (``min(C, W)`` under a segment K/V tail)."""
+        return context if self.segment_kv_tail is None else min(context, self.segment_kv_tail)
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if d["segment_kv_tail"] is None:  # a plan's setting, not a coefficient: files stay as they were
+            del d["segment_kv_tail"]
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "CostModel":

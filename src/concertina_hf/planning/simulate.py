@@ -77,6 +77,7 @@ from dataclasses import dataclass
 
 from .cost import CostModel
 from .lower import lower
+from .segments import segment_options
 from .types import Action, ActionKind, Plan, PlanError, PlanStats, Program
 
 __all__ = [
@@ -156,6 +157,20 @@ def _kv_grad_plan(plan: Plan, split: frozenset[int]) -> tuple[dict[int, list[int
         for s in c.slices:
             if s.seq in split:
                 chains.setdefault(s.seq, []).append((s.start, c.index, s.length))
+    seg = segment_options(plan)
+    if seg is not None and (seg.gradient == "previous" or seg.kv_tail is not None):
+        # segment-level training: a slice's buffer is allocated by the backward of the last slice
+        # whose attention gives it gradient (the next one under "previous"; under a K/V tail W the
+        # last one starting less than W tokens after it ends), none when no slice does (W = 0)
+        for seq in sorted(chains):
+            chain = sorted(chains[seq])
+            for j, (start, ci, length) in enumerate(chain[:-1]):
+                later = chain[j + 1:j + 2] if seg.gradient == "previous" else chain[j + 1:]
+                reach = [c for s0, c, _ in later if seg.kv_tail is None or s0 - seg.kv_tail < start + length]
+                if reach:
+                    alloc.setdefault(reach[-1], []).append(length)
+                    free[ci] = free.get(ci, 0) + length
+        return alloc, free
     for seq in sorted(chains):
         chain = sorted(chains[seq])
         *earlier, (_, last_chunk, _) = chain
