@@ -36,6 +36,8 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str], str, str]] = {
     "paper_layout": ("paper_layout.py", [],
                      ["--batches", "1", "--solver", "greedy", "--out", "benchmarks/results/paper_layout_quick"],
                      "the paper's 32-GPU layout simulated, sp-only included", "~2-4 min"),
+    "layout_auto": ("layout_auto.py", [], [], "concertina plan --layout auto on 32 GPUs at 64K and 128K (LLaMA-13B)",
+                    "~1 min"),
     "planner_speed": ("planner_speed.py", [], ["--repeats", "1", "--out", "benchmarks/results/planner_speed_quick"],
                       "simulator and recompute solvers on a 512-sequence plan", "~30 s"),
     "planner_fuzz": ("planner_fuzz.py", ["--seconds", "120"],

@@ -30,6 +30,7 @@ from transformers import TrainingArguments
 
 # the plan strategies of concertina_hf.planning.plan_step: the adaptive method and its baselines
 from ..planning import PIPELINE_STRATEGIES, SOLVERS, STRATEGIES, PlanError, stage_budgets
+from ..planning.segments import SegmentOptions
 
 __all__ = [
     "COST_MODEL_SOURCES",
@@ -266,6 +267,33 @@ class ConcertinaTrainingArguments(TrainingArguments):
         "sequence alone, and HF's training loss with plain cross-entropy (auxiliary losses); a mismatch refuses "
         "the model, naming its type and what differs.",
     )
+    concertina_segment_tokens: int | None = _option(
+        None,
+        "Segment-level training (opt-in; a different objective from Trainer's): every sequence longer than S "
+        "tokens is cut at every multiple of S into segments (one pipeline slice each) that carry K/V to the "
+        "later segments of their sequence; sequences up to S tokens are untouched. None (default): ordinary "
+        "training, exactly Trainer's model. With only this option set the loss and gradients are still "
+        "Trainer's; concertina_segment_gradient and concertina_segment_kv_tail change the objective. "
+        "Sequence parallelism 1 only.",
+    )
+    concertina_segment_gradient: str = _option(
+        "full",
+        "With concertina_segment_tokens: 'full' (default): every earlier segment's K/V receives gradient from "
+        "the later segments that attend to it; 'previous': only the K/V of the immediately preceding segment "
+        "does (truncated backpropagation), older K/V are read without gradient (no gradient buffers for them).",
+    )
+    concertina_segment_kv_tail: int | None = _option(
+        None,
+        "With concertina_segment_tokens: a segment attends to its own tokens (causally) and to at most the W "
+        "most recent earlier tokens of its sequence (keys at positions >= segment start - W); K/V no later "
+        "segment reaches is dropped. None (default): every earlier token. Inference should follow the same "
+        "segment semantics.",
+    )
+    concertina_segment_global_heads: str | None = _option(
+        None,
+        "Heads that read every earlier token without gradient (the paper's head-specific access): not "
+        "implemented yet; setting it is refused.",
+    )
     # TRL's SFTConfig has the same field (same type and default: ConcertinaSFTConfig inherits both)
     model_init_kwargs: dict[str, Any] | str | None = field(default=None, metadata={"help": (
         "With a model given by name (ConcertinaTrainer(model='org/name' or a local directory)): the keyword "
@@ -352,6 +380,7 @@ class ConcertinaTrainingArguments(TrainingArguments):
         if self.concertina_gantt_steps < -1:
             raise ValueError(f"concertina_gantt_steps must be -1 (no chart), 0 (the last step's) or a positive "
                              f"number of steps, got {self.concertina_gantt_steps}")
+        self._check_segment_fields()
         if not 0 < self.concertina_memory_fraction <= 1:
             raise ValueError(f"concertina_memory_fraction must be in (0, 1], got {self.concertina_memory_fraction}")
         try:
@@ -363,6 +392,39 @@ class ConcertinaTrainingArguments(TrainingArguments):
                 stage_budgets(budget, self.concertina_pipeline_size)
             except PlanError as e:
                 raise in_trainer_terms(e) from None
+
+    def _check_segment_fields(self) -> None:
+        tokens, tail = self.concertina_segment_tokens, self.concertina_segment_kv_tail
+        if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1):
+            raise ValueError(f"concertina_segment_tokens must be a positive number of tokens or None, got {tokens!r}")
+        if self.concertina_segment_gradient not in ("full", "previous"):
+            raise ValueError(f"concertina_segment_gradient={self.concertina_segment_gradient!r}: choose 'full' or "
+                             "'previous'")
+        if tail is not None and (not isinstance(tail, int) or isinstance(tail, bool) or tail < 0):
+            raise ValueError(f"concertina_segment_kv_tail must be a number of tokens >= 0 or None, got {tail!r}")
+        if self.concertina_segment_global_heads is not None:
+            raise ValueError("concertina_segment_global_heads is not implemented yet (heads reading every earlier "
+                             "token without gradient); leave it unset")
+        if tokens is None:
+            for name, value, default in (("concertina_segment_gradient", self.concertina_segment_gradient, "full"),
+                                         ("concertina_segment_kv_tail", tail, None)):
+                if value != default:
+                    raise ValueError(f"{name}={value!r} needs concertina_segment_tokens (the segment length); "
+                                     "set it or leave the option at its default")
+            return
+        if self.concertina_sequence_parallel_size > 1:
+            raise ValueError(
+                f"concertina_segment_tokens={tokens} runs with concertina_sequence_parallel_size=1 only (got "
+                f"{self.concertina_sequence_parallel_size}): Ulysses does not carry the segment K/V tail or the "
+                "detached older K/V")
+
+    @property
+    def segment_options(self) -> SegmentOptions | None:
+        """The segment-level training options as the planner takes them (``None``: off)."""
+        if self.concertina_segment_tokens is None:
+            return None
+        return SegmentOptions(self.concertina_segment_tokens, self.concertina_segment_gradient,
+                              self.concertina_segment_kv_tail)
 
     @property
     def memory_budget(self) -> str | tuple[int, ...] | None:

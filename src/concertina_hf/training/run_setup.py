@@ -36,6 +36,7 @@ from ..integrations.peft import base_model_of, check_peft_model, is_peft_model
 from ..runtime.distributed import Topology, launched_world_size
 from ..runtime.stage import PipelineWrapper
 from ..planning import CostModel, DeviceSpec, PlanError, StageLayout, partition_layers, stage_budgets
+from ..planning.segments import SegmentOptions
 from ..runtime.ulysses import check_heads
 
 __all__ = ["RunSetup", "budget_source", "build_topology", "check_static_memory", "check_trainer_arguments",
@@ -60,6 +61,8 @@ class RunSetup:
     max_tokens_per_chunk: int | None
     #: where the budgets came from, in words (shown with them in the Gantt chart's memory panel)
     budget_source: str = ""
+    #: segment-level training (concertina_segment_*; None: off), recorded in every plan's knobs
+    segment: SegmentOptions | None = None
 
 
 def build_topology(args: ConcertinaTrainingArguments) -> Topology:
@@ -120,6 +123,7 @@ def resolve_run(args: ConcertinaTrainingArguments, model: nn.Module, topology: T
         solver_time_limit_s=args.concertina_solver_time_limit,
         max_tokens_per_chunk=args.concertina_max_tokens_per_chunk,
         budget_source=budget_source(args, device_memory, args.device),
+        segment=args.segment_options,
     )
 
 

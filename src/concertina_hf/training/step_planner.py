@@ -128,6 +128,8 @@ class StepPlanner:
         args = (list(seq_lens), cost, self.layout, setup.budgets, setup.strategy)
         kwargs = dict(max_tokens_per_chunk=setup.max_tokens_per_chunk, solver=setup.solver,
                       time_limit_s=setup.solver_time_limit_s)
+        if setup.segment is not None:  # segment-level training: cut at segments, recorded in the plan
+            kwargs["segment"] = setup.segment
         try:
             process = self._process
             if process is not None:
