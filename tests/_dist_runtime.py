@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import os
 import sys
-import traceback
-from datetime import timedelta
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -26,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from _helpers import gloo_rank  # noqa: E402
 from _runtime_cases import (  # noqa: E402
     CHUNKINGS, SEQ_LENS, batch, compare_grads, grad_error, make_plan, plans_for, reference, tied_model, tiny_model,
 )
@@ -66,20 +64,7 @@ def _breakdown_problems(res) -> list[str]:
 
 
 def worker(rank: int, world: int, port: int, outdir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=180))
-    report: dict = {"rank": rank, "failures": [], "cases": 0, "memory": [], "amp": []}
-    try:
-        _run(rank, world, report)
-    except Exception:
-        report["failures"].append("crash:\n" + traceback.format_exc())
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump(report, f)
-    try:
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    gloo_rank(rank, world, port, outdir, lambda report: _run(rank, world, report), memory=[], amp=[])
 
 
 def _run(rank: int, world: int, report: dict) -> None:

@@ -8,38 +8,21 @@ recompute setting) and a planner plan with the segment options on its stage; fai
 from __future__ import annotations
 
 import copy
-import json
 import os
 import sys
-import traceback
-from datetime import timedelta
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "runtime"))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from _helpers import gloo_rank  # noqa: E402
 
 CASES = (("previous", 5), ("previous", 12), ("full", 12), ("full", None))
 
 
 def worker(rank: int, world: int, port: int, outdir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=180))
-    report: dict = {"rank": rank, "failures": [], "cases": 0}
-    try:
-        _run(rank, world, report)
-    except Exception:
-        report["failures"].append("crash:\n" + traceback.format_exc())
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump(report, f)
-    try:
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    gloo_rank(rank, world, port, outdir, lambda report: _run(rank, world, report))
 
 
 def _run(rank: int, world: int, report: dict) -> None:

@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from _helpers import gloo_rank  # noqa: E402
 from _runtime_cases import (  # noqa: E402
     CHUNKINGS, GROUPED, SEQ_LENS, allocated_activation_peak, batch, compare_grads, grad_error, make_plan, reference,
     tiny_config,
@@ -53,21 +54,8 @@ def _rel(a: float, b: float) -> float:
 
 
 def worker(rank: int, world: int, port: int, outdir: str, pp: int, sp: int, dp: int = 1) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                           timeout=timedelta(seconds=300))
-    report: dict = {"rank": rank, "failures": [], "cases": [], "memory": [], "allocated": []}
-    try:
-        _run(rank, world, pp, sp, dp, report)
-    except Exception:
-        report["failures"].append("crash:\n" + traceback.format_exc())
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump(report, f)
-    try:
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    gloo_rank(rank, world, port, outdir, lambda report: _run(rank, world, pp, sp, dp, report), timeout_s=300,
+              cases=[], memory=[], allocated=[])
 
 
 def _model(kind: str, kv_heads: int | None = None, tied: bool = False, seed: int = 0):

@@ -72,3 +72,31 @@ def start_ranks(world: int, script: str, *args: str, stderr_dir) -> list[tuple[s
         procs.append((subprocess.Popen([sys.executable, str(script), *map(str, args)], env=env,
                                        stdout=subprocess.DEVNULL, stderr=err, start_new_session=True), err))
     return procs
+
+
+def gloo_rank(rank: int, world: int, port: int, outdir, run, timeout_s: float = 180, **fields) -> None:
+    """One rank of an ``mp.spawn``-ed gloo job: join the group, ``run(report)`` with ``report =
+    {"rank", "failures", "cases", **fields}`` (a crash becomes a failure), write it to
+    ``<outdir>/rank<r>.json``, then wait for the others and leave the group."""
+    import json
+    import traceback
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    report: dict = {"rank": rank, "failures": [], "cases": 0, **fields}
+    try:
+        run(report)
+    except Exception:
+        report["failures"].append("crash:\n" + traceback.format_exc())
+    with open(os.path.join(str(outdir), f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
