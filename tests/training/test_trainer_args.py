@@ -186,8 +186,8 @@ def test_doctests_pass():
     assert result.attempted >= 1 and result.failed == 0
 
 
-def test_readme_states_the_defaults_of_the_arguments_and_of_the_recipe():
-    """One truth per default: the README's options table gives each concertina_* field's default
+def test_options_doc_states_the_defaults_of_the_arguments_and_of_the_recipe():
+    """One truth per default: docs/options.md gives each concertina_* field's default
     as the dataclass has it (and lists every field); its recipe sentence gives RECIPE_DEFAULTS."""
     import importlib.util
     import pathlib
@@ -197,7 +197,7 @@ def test_readme_states_the_defaults_of_the_arguments_and_of_the_recipe():
     from concertina_hf import ConcertinaTrainingArguments
 
     root = pathlib.Path(__file__).resolve().parents[2]
-    readme = (root / "README.md").read_text()
+    readme = (root / "docs" / "options.md").read_text()
     table = dict(re.findall(r"^\| `(concertina_\w+)` \| `([^`]*)` \|", readme, flags=re.M))
     fields = {f.name: f.default for f in dataclasses.fields(ConcertinaTrainingArguments)
               if f.name.startswith("concertina_")}

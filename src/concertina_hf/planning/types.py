@@ -177,6 +177,10 @@ class Chunk:
     index: int
     kind: ChunkKind
     slices: tuple[Slice, ...]
+    #: Where the chunk's tokens live on the ``sp`` ranks of a stage (:mod:`.sharding`): empty for
+    #: Ulysses (the default), else one entry per slice: a rank ``0 .. sp-1`` (whole-doc: the slice
+    #: entirely on that rank) or :data:`~.sharding.PER_DOC` (``-1``: cut into ``2 sp`` zig-zag pieces).
+    placement: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -505,7 +509,8 @@ class Plan:
             "seq_lens": list(self.seq_lens),
             "layout": {"num_layers": self.layout.num_layers, "layer_ranges": [list(r) for r in self.layout.layer_ranges]},
             "chunks": [
-                {"index": c.index, "kind": c.kind.value, "slices": [[s.seq, s.start, s.length] for s in c.slices]}
+                {"index": c.index, "kind": c.kind.value, "slices": [[s.seq, s.start, s.length] for s in c.slices],
+                 **({"placement": list(c.placement)} if c.placement else {})}
                 for c in self.chunks
             ],
             "groups": [list(g) for g in self.groups],
@@ -529,7 +534,9 @@ class Plan:
             seq_lens=tuple(d["seq_lens"]),
             layout=StageLayout(d["layout"]["num_layers"], tuple(tuple(r) for r in d["layout"]["layer_ranges"])),
             chunks=tuple(
-                Chunk(c["index"], ChunkKind(c["kind"]), tuple(Slice(*s) for s in c["slices"])) for c in d["chunks"]
+                Chunk(c["index"], ChunkKind(c["kind"]), tuple(Slice(*s) for s in c["slices"]),
+                      tuple(c.get("placement", ())))
+                for c in d["chunks"]
             ),
             groups=tuple(tuple(g) for g in d["groups"]),
             schedule=tuple(tuple(Action.parse(a) for a in acts) for acts in d["schedule"]),

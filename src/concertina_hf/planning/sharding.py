@@ -1,0 +1,99 @@
+"""Where a chunk's tokens live on the ``sp`` ranks of a pipeline stage.
+
+Three modes, recorded per chunk in :attr:`~.types.Chunk.placement` (one entry per slice):
+
+- **Ulysses** (``placement == ()``, the default): every rank holds ``ceil(T / sp)`` consecutive
+  tokens of the chunk and attention runs over all tokens after an all-to-all by heads
+  (:mod:`concertina_hf.runtime.ulysses`).
+- **whole-doc** (entry ``r`` in ``0 .. sp-1``): the slice lies entirely on rank ``r``; its
+  attention needs nothing from the other ranks.
+- **per-doc** (entry :data:`PER_DOC`): the slice is cut into ``2 sp`` pieces at
+  :func:`zigzag_bounds`, rank ``r`` holding pieces ``r`` and ``2 sp - 1 - r`` (so causal work
+  balances); its K/V are all-gathered within the stage for attention.
+
+Every rank's local tokens are the pieces :func:`rank_pieces` lists, in that order (the chunk's
+slice order; a per-doc slice's two pieces in position order). Pure Python; planner, lowering and
+runtime all read the layout from here.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .types import Chunk
+
+PER_DOC = -1
+MODES = ("ulysses", "whole-doc", "per-doc", "mixed")
+
+
+class Piece(NamedTuple):
+    """Tokens ``[start, start + length)`` of sequence ``seq``, from slice ``slice_index`` of the chunk."""
+
+    slice_index: int
+    seq: int
+    start: int
+    length: int
+
+
+def zigzag_bounds(length: int, sp: int) -> tuple[int, ...]:
+    """The ``2 sp + 1`` offsets (within a slice of ``length`` tokens) that cut it into ``2 sp`` pieces.
+
+    >>> zigzag_bounds(10, 2)
+    (0, 2, 5, 7, 10)
+    """
+    n = 2 * sp
+    return tuple(j * length // n for j in range(n + 1))
+
+
+def chunk_mode(chunk: Chunk) -> str:
+    """``ulysses``, ``whole-doc``, ``per-doc`` or ``mixed`` (whole-doc and per-doc slices)."""
+    if not chunk.placement:
+        return "ulysses"
+    per_doc = sum(1 for r in chunk.placement if r == PER_DOC)
+    if per_doc == 0:
+        return "whole-doc"
+    return "per-doc" if per_doc == len(chunk.placement) else "mixed"
+
+
+def rank_pieces(chunk: Chunk, sp: int, rank: int) -> tuple[Piece, ...]:
+    """The tokens rank ``rank`` of the stage holds of a whole-doc / per-doc chunk, in local order."""
+    if not chunk.placement:
+        raise ValueError(f"chunk {chunk.index} is a Ulysses chunk: its tokens are split evenly, not by piece")
+    out: list[Piece] = []
+    for i, (sl, where) in enumerate(zip(chunk.slices, chunk.placement)):
+        if where == rank:
+            out.append(Piece(i, sl.seq, sl.start, sl.length))
+        elif where == PER_DOC:
+            b = zigzag_bounds(sl.length, sp)
+            for j in (rank, 2 * sp - 1 - rank):
+                out.append(Piece(i, sl.seq, sl.start + b[j], b[j + 1] - b[j]))
+    return tuple(out)
+
+
+def rank_tokens(chunk: Chunk, sp: int, rank: int) -> int:
+    """Tokens rank ``rank`` holds of the chunk (Ulysses: ``ceil(T / sp)``, padding included)."""
+    if not chunk.placement:
+        return -(-chunk.num_tokens // sp)
+    return sum(p.length for p in rank_pieces(chunk, sp, rank))
+
+
+def placement_refusal(chunk: Chunk, sp: int) -> str | None:
+    """Why ``chunk.placement`` cannot run on a stage of ``sp`` ranks, or ``None``.
+
+    One entry per slice, each a rank or :data:`PER_DOC`; a per-doc slice has at least ``2 sp``
+    tokens (no empty piece); every rank holds at least one token.
+    """
+    if not chunk.placement:
+        return None
+    if len(chunk.placement) != len(chunk.slices):
+        return f"chunk {chunk.index}: {len(chunk.placement)} placements for {len(chunk.slices)} slices"
+    for sl, where in zip(chunk.slices, chunk.placement):
+        if where != PER_DOC and not 0 <= where < sp:
+            return f"chunk {chunk.index}: slice of sequence {sl.seq} placed on rank {where}, not in 0..{sp - 1}"
+        if where == PER_DOC and sl.length < 2 * sp:
+            return (f"chunk {chunk.index}: per-doc slice of sequence {sl.seq} has {sl.length} tokens, "
+                    f"fewer than 2 x sp = {2 * sp}")
+    empty = [r for r in range(sp) if rank_tokens(chunk, sp, r) == 0]
+    if empty:
+        return f"chunk {chunk.index}: ranks {empty} of the stage hold no token"
+    return None
