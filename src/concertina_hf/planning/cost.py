@@ -111,9 +111,11 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
+from .sharding import PER_DOC, rank_pieces
 from .types import Chunk, ChunkKind, PlanError, Remedy, Slice, StageLayout
 
 __all__ = ["DEVICE_PRESETS", "ChunkShape", "CostModel", "DeviceSpec", "ProfileSample", "attn_pairs"]
@@ -468,7 +470,8 @@ class CostModel:
                 "embed_bwd_bytes_per_token", "bwd_transient_slope", "head_bwd_transient_slope",
                 "recompute_bwd_transient_bytes_per_token", "bwd_context_bytes_per_token", "stage_bytes_per_token")
 
-    def with_parallel(self, *, sp: int = 1, state_shards: int | None = None, zero3: bool = False) -> "CostModel":
+    def with_parallel(self, *, sp: int = 1, state_shards: int | None = None, zero3: bool = False,
+                      ulysses: bool = True) -> "CostModel":
         """This model for a stage of ``sp`` GPUs (Ulysses inside attention) whose state is
         sharded over ``state_shards`` ranks (default ``sp``: one replica; ``dp * sp`` with
         ``dp`` replicas), per GPU; ``zero3``: weights and gradients sharded too (module
@@ -476,13 +479,15 @@ class CostModel:
         ``m.with_parallel(sp=2).with_parallel(sp=8)`` agree.
 
         Raises :class:`~.types.PlanError` when ``sp`` does not divide the attention heads
-        (Ulysses gives each GPU ``H / sp`` whole heads).
+        (Ulysses gives each GPU ``H / sp`` whole heads), unless ``ulysses=False``: a stage whose
+        chunks are all placed whole-doc / per-doc (no head-count limit; the planner then never
+        chooses Ulysses, :func:`~.placement.ulysses_allowed`).
         """
         sp = int(sp)
         shards = sp if state_shards is None else int(state_shards)
         if sp < 1 or shards < 1:
             raise PlanError(f"the sequence-parallel size must be >= 1 (got sp={sp}, state_shards={shards})")
-        if self.num_heads and self.num_heads % sp:
+        if ulysses and self.num_heads and self.num_heads % sp:
             raise PlanError(f"sequence-parallel size {sp} does not divide the model's {self.num_heads} attention "
                             "heads (Ulysses gives each GPU whole heads)",
                             Remedy("sequence_parallel_size", "set", value=f"a divisor of {self.num_heads}"))
@@ -535,6 +540,101 @@ class CostModel:
         if (int(sp), shards, zero3) == (self.sp, self.state_shards, self.zero3):
             return self
         return self.with_parallel(sp=int(sp), state_shards=shards, zero3=zero3)
+
+    # ------------------------------------------------------------------ whole-doc / per-doc chunks
+    def rank_model(self) -> "CostModel":
+        """This model for one GPU running whole layers on its own tokens (``sp = 1``, the same
+        state sharding): what each rank of a stage computes on a chunk placed whole-doc /
+        per-doc (:mod:`.sharding`). ``self`` at ``sp = 1``."""
+        return self if self.sp == 1 else _rank_model(self)
+
+    def placed_layer_time(self, chunk: Chunk) -> float:
+        """Forward plus backward of one decoder layer on ``chunk`` (no recompute), on the busiest
+        GPU of the stage, communication included: the per-layer time the placement search
+        compares (``layer_fwd_time + layer_bwd_time`` for a Ulysses chunk)."""
+        if not chunk.placement or self.sp <= 1:
+            return self.layer_fwd_time(chunk.slices) + self.layer_bwd_time(chunk.slices)
+        info = _placed(chunk, self.sp)
+        base = self.rank_model()
+        comp = max(base.layer_compute_time(sl) for sl in info.time_slices)
+        return (1.0 + self.bwd_factor) * comp + 2.0 * self.gather_kv_time(info.gathered)
+
+    def gather_kv_time(self, tokens: int) -> float:
+        """The all-gather of the K/V of ``tokens`` per-doc tokens over the stage's ``sp`` GPUs for
+        one decoder layer (the reduce-scatter of their gradients in backward costs the same): each
+        GPU sends its ``1/sp`` share to the others, ``(sp - 1) / sp`` of the slices' K/V bytes at
+        one GPU's width (all K/V heads), one latency per collective as the all-to-alls; the share
+        crossing nodes on the inter-node link when the stage spans nodes. 0 without tokens."""
+        sp = self.sp
+        if sp <= 1 or tokens <= 0:
+            return 0.0
+        return self._collective_time(self.rank_model().kv_bytes_per_token * tokens * (sp - 1) / sp, 1)
+
+    def _collective_time(self, moved: float, count: int) -> float:
+        """``count`` collectives over the stage's ``sp`` GPUs in which each GPU sends ``moved``
+        bytes in all, spread evenly over the other GPUs (the all-to-all's rule, :meth:`a2a_time`)."""
+        sp = self.sp
+        lat, intra, inter = self._link(sp)
+        if not inter:
+            return count * lat + moved / intra
+        g = self.gpus_per_node
+        return count * lat + max(moved * (sp - g) / (sp - 1) / inter, moved * (g - 1) / (sp - 1) / intra)
+
+    def stage_comm_bytes(self, layout: StageLayout, stage: int, chunk: Chunk, recompute_layers: int = 0) -> float:
+        """Bytes the GPUs of ``stage`` send one another (summed over them) for the forward and
+        backward of ``chunk``, its recomputed layers' forwards included: Ulysses' four
+        all-to-alls per layer and direction, ``(sp - 1) / sp`` of the chunk's q, k, v and output
+        bytes; per-doc slices' K/V all-gather forward and dK/dV reduce-scatter backward,
+        ``(sp - 1)`` times their K/V bytes (each GPU receives everyone else's share); whole-doc
+        slices nothing. 0 at ``sp = 1``."""
+        sp = self.sp
+        if sp <= 1:
+            return 0.0
+        calls = 2 * layout.num_stage_layers(stage) + recompute_layers
+        if not chunk.placement:
+            return calls * self._a2a_bytes(sp) * chunk.num_tokens * (sp - 1) / sp
+        return calls * self.rank_model().kv_bytes_per_token * _placed(chunk, sp).gathered * (sp - 1)
+
+    def kv_grad_scale(self, chunk: Chunk) -> float:
+        """How many times this model's per-GPU K/V bytes the K/V gradient buffers of ``chunk``'s
+        split slice take on a GPU: 1 for Ulysses (each GPU its heads' share), ``sp`` (about) for a
+        placed chunk, whose ranks accumulate whole K/V gradients (per-doc: every rank for all of
+        the slice's tokens before the reduce-scatter; whole-doc: the rank holding it)."""
+        if not chunk.placement or self.sp <= 1 or not self.kv_bytes_per_token:
+            return 1.0
+        return self.rank_model().kv_bytes_per_token / self.kv_bytes_per_token
+
+    def _placed_fwd(self, layout: StageLayout, stage: int, chunk: Chunk) -> float:
+        info, base = _placed(chunk, self.sp), self.rank_model()
+        comp = max(base.fwd_time(layout, stage, rc) for rc in info.time_chunks(chunk))
+        return comp + layout.num_stage_layers(stage) * self.gather_kv_time(info.gathered)
+
+    def _placed_bwd(self, layout: StageLayout, stage: int, chunk: Chunk, recompute_layers: int) -> float:
+        info, base = _placed(chunk, self.sp), self.rank_model()
+        comp = max(base.bwd_time(layout, stage, rc, recompute_layers) for rc in info.time_chunks(chunk))
+        return comp + (layout.num_stage_layers(stage) + recompute_layers) * self.gather_kv_time(info.gathered)
+
+    def _placed_act(self, layout: StageLayout, stage: int, chunk: Chunk, recompute_layers: int) -> float:
+        """The busiest rank's :meth:`act_memory` of its own tokens, plus the other ranks' K/V of
+        its per-doc slices it holds gathered: on every saved layer (attention saves them for
+        backward), and on recomputed layers too for a split chunk (later slices attend to them),
+        plus the whole chunk's token ids / targets (every GPU of the first / last stage)."""
+        info, base = _placed(chunk, self.sp), self.rank_model()
+        n = layout.num_stage_layers(stage)
+        keep = n if chunk.kind is ChunkKind.SPLIT else n - recompute_layers
+        ends = layout.has_embedding(stage) + layout.has_head(stage)
+        return max(base.act_memory(layout, stage, rc, recompute_layers)
+                   + keep * base.kv_bytes_per_token * (info.gathered - own)
+                   + self.ids_bytes_per_token * (chunk.num_tokens - rc.num_tokens) * ends
+                   for rc, own in zip(info.mem_chunks(chunk), info.own_gathered))
+
+    def _placed_transient(self, layout: StageLayout, stage: int, chunk: Chunk, recompute_layers: int) -> float:
+        """The busiest rank's :meth:`transient_memory`, plus during a layer's backward the whole
+        dK/dV of the per-doc slices before their reduce-scatter."""
+        info, base = _placed(chunk, self.sp), self.rank_model()
+        grads = base.kv_bytes_per_token * info.gathered if layout.num_stage_layers(stage) else 0.0
+        return max(base.transient_memory(layout, stage, rc, recompute_layers)
+                   for rc in info.mem_chunks(chunk)) + grads
 
     # ------------------------------------------------------------------ time
     def layer_compute_time(self, slices: Sequence[Slice]) -> float:
@@ -605,7 +705,10 @@ class CostModel:
         return 2 * (lat + self._stage_params(layout, stage) * self.dtype_bytes * (n - 1) / n / (inter or intra))
 
     def fwd_time(self, layout: StageLayout, stage: int, chunk: Chunk) -> float:
-        """Forward time of ``chunk`` on ``stage`` (its layers, plus embedding / head)."""
+        """Forward time of ``chunk`` on ``stage`` (its layers, plus embedding / head); a placed
+        chunk (whole-doc / per-doc): its busiest GPU's, the K/V all-gathers included."""
+        if chunk.placement and self.sp > 1:
+            return self._placed_fwd(layout, stage, chunk)
         t = layout.num_stage_layers(stage) * self.layer_fwd_time(chunk.slices)
         if layout.has_embedding(stage):
             t += self.embed_time_per_token * chunk.num_tokens + self.embed_time_per_call
@@ -631,6 +734,8 @@ class CostModel:
 
     def bwd_time(self, layout: StageLayout, stage: int, chunk: Chunk, recompute_layers: int = 0) -> float:
         """Backward time, including ``recompute_layers`` extra layer forwards."""
+        if chunk.placement and self.sp > 1:
+            return self._placed_bwd(layout, stage, chunk, recompute_layers)
         if self.sp == 1 and not self.zero3:
             return self.bwd_factor * self.fwd_time(layout, stage, chunk) + self.recompute_time(chunk, recompute_layers)
         t = layout.num_stage_layers(stage) * self.layer_bwd_time(chunk.slices)
@@ -642,7 +747,13 @@ class CostModel:
 
     def recompute_time(self, chunk: Chunk, recompute_layers: int) -> float:
         """Extra forwards of ``recompute_layers`` layers in the chunk's backward (their
-        all-to-alls included; ``zero3``: the weights the backward gathers serve them)."""
+        all-to-alls included; ``zero3``: the weights the backward gathers serve them; a placed
+        chunk: its busiest GPU's and the K/V all-gathers)."""
+        if chunk.placement and self.sp > 1:
+            base = self.rank_model()
+            info = _placed(chunk, self.sp)
+            return (max(base.recompute_time(rc, recompute_layers) for rc in info.time_chunks(chunk))
+                    + recompute_layers * self.gather_kv_time(info.gathered))
         if self.sp == 1 and not self.zero3:
             return recompute_layers * self.recompute_factor * self.layer_fwd_time(chunk.slices)
         return recompute_layers * (self.recompute_factor * self.layer_compute_time(chunk.slices)
@@ -651,12 +762,20 @@ class CostModel:
     def comm_time(self, layout: StageLayout, stage: int, chunk: Chunk, backward: bool,
                   recompute_layers: int = 0) -> float:
         """The all-to-all share of a forward (or backward, with its recomputed layers' own) of
-        ``chunk`` on ``stage``: what the Gantt chart draws as communication."""
+        ``chunk`` on ``stage``: what the Gantt chart draws as communication (a placed chunk:
+        its per-doc slices' K/V all-gathers and dK/dV reduce-scatters)."""
+        if chunk.placement and self.sp > 1:
+            g = self.gather_kv_time(_placed(chunk, self.sp).gathered)
+            return g * (layout.num_stage_layers(stage) + (recompute_layers if backward else 0))
         a = self.a2a_time(chunk.num_tokens)
         return a * (layout.num_stage_layers(stage) + (recompute_layers if backward else 0))
 
     def p2p_time(self, chunk: Chunk) -> float:
-        """Time to send one chunk's hidden states (or their gradient) to the next stage."""
+        """Time to send one chunk's hidden states (or their gradient) to the next stage (sp
+        rank to the same sp rank: a placed chunk's busiest rank's tokens)."""
+        if chunk.placement and self.sp > 1:
+            return self.p2p_latency_s + (self.rank_model().hidden_bytes_per_token
+                                         * max(_placed(chunk, self.sp).rank_tokens) / self.p2p_bandwidth)
         return self.p2p_latency_s + self.hidden_bytes_per_token * chunk.num_tokens / self.p2p_bandwidth
 
     # ------------------------------------------------------------------ memory
@@ -665,7 +784,10 @@ class CostModel:
 
         A split chunk keeps its K/V on recomputed layers too (later slices attend to it); a
         hybrid chunk's tail slice is final and keeps no K/V of its own (``chunk.kind`` says which).
+        A placed chunk: its busiest GPU's (:meth:`_placed_act`).
         """
+        if chunk.placement and self.sp > 1:
+            return self._placed_act(layout, stage, chunk, recompute_layers)
         n = layout.num_stage_layers(stage)
         tok = chunk.num_tokens
         kv_tok = tok if chunk.kind is ChunkKind.SPLIT else 0
@@ -704,6 +826,8 @@ class CostModel:
         on a large vocabulary can hold more in the LM head's weight gradient than in its
         activations). The embedding's backward is a moment of its own
         (:meth:`embed_bwd_memory`)."""
+        if chunk.placement and self.sp > 1:
+            return self._placed_transient(layout, stage, chunk, recompute_layers)
         tok = chunk.num_tokens
         n = layout.num_stage_layers(stage)
         # a layer's backward: its gradients in flight (at least the hidden-state gradients in
@@ -762,12 +886,17 @@ class CostModel:
         two layers and of the larger of embedding and head."""
         params = self._stage_params(layout, stage)
         if self.zero3:
-            per = (self.static_bytes_per_param + self.sharded_bytes_per_param) / self.state_shards
             gathered = 2 * self.layer_params + max(self.embed_params, self.head_params)
-            return params * per + gathered * self.dtype_bytes
+            return self.sharded_state_memory(layout, stage) + gathered * self.dtype_bytes
         if self.sharded_bytes_per_param:
             return params * (self.static_bytes_per_param + self.sharded_bytes_per_param / self.state_shards)
         return params * self.static_bytes_per_param
+
+    def sharded_state_memory(self, layout: StageLayout, stage: int) -> float:
+        """``zero3``: the shards one GPU of ``stage`` holds (weights, gradients and optimizer
+        state over ``state_shards``), without the gathered working set of :meth:`static_memory`."""
+        per = (self.static_bytes_per_param + self.sharded_bytes_per_param) / self.state_shards
+        return self._stage_params(layout, stage) * per
 
     # ------------------------------------------------------------------ serialization
     def _attended(self, context: int) -> int:
@@ -795,3 +924,45 @@ class CostModel:
             d["head_time_points"] = tuple((float(t), float(s)) for t, s in d["head_time_points"])
         return cls(**d)
 
+
+
+@functools.lru_cache(maxsize=16)
+def _rank_model(cost: CostModel) -> CostModel:
+    return cost.with_parallel(sp=1, state_shards=cost.state_shards, zero3=cost.zero3)
+
+
+class _Placement(NamedTuple):
+    """A placed chunk seen rank by rank (:func:`_placed`)."""
+
+    #: per rank, its pieces as slices whose context is the piece's position (attention pairs:
+    #: a per-doc piece's queries attend to every earlier token of its sequence)
+    time_slices: tuple[tuple[Slice, ...], ...]
+    #: per rank, its tokens of each slice as one slice with the slice's own context (memory)
+    mem_slices: tuple[tuple[Slice, ...], ...]
+    rank_tokens: tuple[int, ...]
+    #: tokens of the per-doc slices (all ranks gather their K/V) and each rank's own share
+    gathered: int
+    own_gathered: tuple[int, ...]
+
+    def time_chunks(self, chunk: Chunk) -> list[Chunk]:
+        return [Chunk(chunk.index, chunk.kind, sl) for sl in self.time_slices]
+
+    def mem_chunks(self, chunk: Chunk) -> list[Chunk]:
+        return [Chunk(chunk.index, chunk.kind, sl) for sl in self.mem_slices]
+
+
+@functools.lru_cache(maxsize=4096)
+def _placed(chunk: Chunk, sp: int) -> _Placement:
+    time_s, mem_s, toks, own = [], [], [], []
+    per_doc = {i for i, w in enumerate(chunk.placement) if w == PER_DOC}
+    for r in range(sp):
+        pieces = rank_pieces(chunk, sp, r)
+        time_s.append(tuple(Slice(p.seq, p.start, p.length) for p in pieces if p.length))
+        mine: dict[int, int] = {}
+        for p in pieces:
+            mine[p.slice_index] = mine.get(p.slice_index, 0) + p.length
+        mem_s.append(tuple(Slice(chunk.slices[i].seq, chunk.slices[i].start, n) for i, n in mine.items() if n))
+        toks.append(sum(mine.values()))
+        own.append(sum(n for i, n in mine.items() if i in per_doc))
+    gathered = sum(chunk.slices[i].length for i in per_doc)
+    return _Placement(tuple(time_s), tuple(mem_s), tuple(toks), gathered, tuple(own))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .types import Chunk
+from .types import Chunk, Plan
 
 PER_DOC = -1
 MODES = ("ulysses", "whole-doc", "per-doc", "mixed")
@@ -96,4 +96,15 @@ def placement_refusal(chunk: Chunk, sp: int) -> str | None:
     empty = [r for r in range(sp) if rank_tokens(chunk, sp, r) == 0]
     if empty:
         return f"chunk {chunk.index}: ranks {empty} of the stage hold no token"
+    return None
+
+
+def plan_placement_refusal(plan: Plan, sp: int) -> str | None:
+    """Why ``plan``'s placements cannot run on stages of ``sp`` ranks, or ``None``: the first
+    chunk's :func:`placement_refusal` (:meth:`~.types.Plan.validate` checks the rest: split
+    sequences placed consistently)."""
+    for c in plan.chunks:
+        why = placement_refusal(c, sp)
+        if why is not None:
+            return why
     return None

@@ -101,6 +101,9 @@ class SimResult:
     recompute_fraction: float  # recompute_time / sum(busy)
     comm_time_s: float = 0.0  # all-to-alls inside the stages (sp > 1), summed over stages
     sync_time_s: float = 0.0  # once-per-step weight gather + gradient reduce-scatter (in step_time_s)
+    #: bytes the GPUs of each stage send one another per step (all-to-alls, K/V all-gathers and
+    #: reduce-scatters: ``CostModel.stage_comm_bytes``), summed over stages and their GPUs
+    stage_comm_bytes: float = 0.0
 
     def stats(self) -> PlanStats:
         return PlanStats(
@@ -143,17 +146,23 @@ def split_sequence_ids(plan: Plan) -> frozenset[int]:
     return frozenset(q for q, n in count.items() if n > 1)
 
 
-def _kv_grad_plan(plan: Plan, split: frozenset[int]) -> tuple[dict[int, list[int]], dict[int, int]]:
+def _kv_grad_plan(plan: Plan, split: frozenset[int],
+                  cost: CostModel | None = None) -> tuple[dict[int, list[float]], dict[int, float]]:
     """For each split sequence: which chunk's backward allocates the K/V gradient buffers
     (its last slice) and how many tokens each earlier slice's buffer holds.
 
     Returns ``(alloc, free)``: ``alloc[chunk]`` = token counts of the buffers allocated when
-    that chunk's backward starts; ``free[chunk]`` = tokens freed when its backward ends.
+    that chunk's backward starts; ``free[chunk]`` = tokens freed when its backward ends. With
+    ``cost``, a placed slice's tokens count ``cost.kv_grad_scale`` times (whole K/V gradients on
+    a GPU, not its heads' share).
     """
-    alloc: dict[int, list[int]] = {}
-    free: dict[int, int] = {}
+    alloc: dict[int, list[float]] = {}
+    free: dict[int, float] = {}
     chains: dict[int, list[tuple[int, int, int]]] = {}
+    scale: dict[int, float] = {}  # placed chunks only: the others count their tokens as they are
     for c in plan.chunks:
+        if cost is not None and c.placement:
+            scale[c.index] = cost.kv_grad_scale(c)
         for s in c.slices:
             if s.seq in split:
                 chains.setdefault(s.seq, []).append((s.start, c.index, s.length))
@@ -168,15 +177,15 @@ def _kv_grad_plan(plan: Plan, split: frozenset[int]) -> tuple[dict[int, list[int
                 later = chain[j + 1:j + 2] if seg.gradient == "previous" else chain[j + 1:]
                 reach = [c for s0, c, _ in later if seg.kv_tail is None or s0 - seg.kv_tail < start + length]
                 if reach:
-                    alloc.setdefault(reach[-1], []).append(length)
-                    free[ci] = free.get(ci, 0) + length
+                    alloc.setdefault(reach[-1], []).append(length * scale.get(ci, 1))
+                    free[ci] = free.get(ci, 0) + length * scale.get(ci, 1)
         return alloc, free
     for seq in sorted(chains):
         chain = sorted(chains[seq])
         *earlier, (_, last_chunk, _) = chain
-        alloc.setdefault(last_chunk, []).extend(length for _, _, length in earlier)
+        alloc.setdefault(last_chunk, []).extend(length * scale.get(ci, 1) for _, ci, length in earlier)
         for _, ci, length in earlier:
-            free[ci] = free.get(ci, 0) + length
+            free[ci] = free.get(ci, 0) + length * scale.get(ci, 1)
     return alloc, free
 
 
@@ -186,8 +195,9 @@ def memory_moments(plan: Plan, cost: CostModel, stage: int) -> list[MemoryMoment
     Right after each forward and during each backward; the K/V gradient terms are constants
     (they do not depend on recompute).
     """
-    kv = _kv_grad_plan(plan, split_sequence_ids(plan))
-    return [MemoryMoment(stage, *row) for row in _moments(plan, cost.for_plan(plan), stage, *kv)]
+    cost = cost.for_plan(plan)
+    kv = _kv_grad_plan(plan, split_sequence_ids(plan), cost)
+    return [MemoryMoment(stage, *row) for row in _moments(plan, cost, stage, *kv)]
 
 
 def _moments(plan: Plan, cost: CostModel, stage: int, alloc: dict[int, list[int]], free: dict[int, int],
@@ -514,10 +524,12 @@ def simulate(plan: Plan, cost: CostModel, *, program: Program | None = None) -> 
                 rec_total += memo[kr]
     busy = [sum(fdur[s]) + sum(bdur[s]) for s in range(p)]
     comm = 0.0
+    moved = 0.0
     if cost.sp > 1:
         for c in chunks:
             for s in range(p):
                 comm += cost.comm_time(lay, s, c, False) + cost.comm_time(lay, s, c, True, rec[s][c.index])
+                moved += cost.stage_comm_bytes(lay, s, c, rec[s][c.index])
 
     # ---------------------------------------------------------------- timing
     if lanes > 1:
@@ -539,7 +551,7 @@ def simulate(plan: Plan, cost: CostModel, *, program: Program | None = None) -> 
     action_times: dict[Action, tuple[float, float]] = {}
     act_memo: dict[tuple[int, int, int], float] = {}
     tr_memo: dict[tuple[int, int, int], float] = {}
-    alloc, free = _kv_grad_plan(plan, split_sequence_ids(plan))
+    alloc, free = _kv_grad_plan(plan, split_sequence_ids(plan), cost)
     for s in range(p):
         rs = rec[s]
         s0 = rep[s]
@@ -600,6 +612,7 @@ def simulate(plan: Plan, cost: CostModel, *, program: Program | None = None) -> 
         recompute_fraction=(rec_total / sum_busy) if sum_busy > 0 else 0.0,
         comm_time_s=comm,
         sync_time_s=sync,
+        stage_comm_bytes=moved,
     )
 
 

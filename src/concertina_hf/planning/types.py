@@ -44,7 +44,8 @@ __all__ = [
 
 #: the planner's names of the settings a :class:`Remedy` changes (each front end has its own:
 #: ``concertina_memory_budget`` for the trainer, ``--memory-gb`` for ``concertina plan``)
-SETTINGS = ("memory_budget", "max_tokens_per_chunk", "pipeline_size", "sequence_parallel_size", "strategy", "solver")
+SETTINGS = ("memory_budget", "max_tokens_per_chunk", "pipeline_size", "sequence_parallel_size", "strategy", "solver",
+            "sequence_parallel_mode")
 
 
 @dataclass(frozen=True, slots=True)
@@ -493,6 +494,8 @@ class Plan:
                     raise PlanError(f"recompute[{st}][{ci}] = {r} outside 0..{n}")
         if self.memory_budget_bytes and len(self.memory_budget_bytes) != p:
             raise PlanError("memory_budget_bytes must have one entry per stage")
+        if any(c.placement for c in self.chunks):
+            self._validate_placements()
         lanes = int(self.knob("data_parallel", 1))
         if lanes > 1:  # the groups are rounds run at once on `lanes` groups of GPUs (simulate.py)
             if p != 1:
@@ -501,6 +504,33 @@ class Plan:
             if wide is not None:
                 raise PlanError(f"a round of {len(wide)} chunks {list(wide)} on data_parallel={lanes} groups of GPUs")
         return self
+
+    def _validate_placements(self) -> None:
+        """Placements as data (:mod:`.sharding`; the ranks against ``sp``:
+        :func:`~.sharding.plan_placement_refusal`): one entry per slice, each a rank or ``-1``
+        (per-doc); a split sequence's slices all Ulysses or all placed, each per-doc slice after
+        per-doc ones only, a whole-doc slice after per-doc ones or ones on its own rank (the K/V
+        carried from slice to slice must be where the next one attends)."""
+        where: dict[int, list[tuple[int, int | None]]] = {}
+        for c in self.chunks:
+            if c.placement and len(c.placement) != len(c.slices):
+                raise PlanError(f"chunk {c.index}: {len(c.placement)} placements for {len(c.slices)} slices")
+            if any(w < -1 for w in c.placement):
+                raise PlanError(f"chunk {c.index}: placement {list(c.placement)} holds an entry below -1 (per-doc)")
+            for i, sl in enumerate(c.slices):
+                if sl.length != self.seq_lens[sl.seq]:
+                    where.setdefault(sl.seq, []).append((sl.start, c.placement[i] if c.placement else None))
+        for seq, items in sorted(where.items()):
+            items.sort()
+            if len({w is None for _, w in items}) > 1:
+                raise PlanError(f"sequence {seq} has slices run by Ulysses and slices placed whole-doc / per-doc; "
+                                "their carried K/V are laid out differently (heads vs tokens)")
+            for (_, before), (start, w) in zip(items, items[1:]):
+                if w is None or w == before or before == -1:
+                    continue
+                raise PlanError(f"sequence {seq}: the slice at token {start} is placed "
+                                f"{'per-doc' if w == -1 else f'on rank {w}'} but the earlier slice's K/V live on "
+                                f"rank {before} only")
 
     # ------------------------------------------------------------------ serialization
     def to_dict(self) -> dict[str, Any]:
@@ -581,7 +611,8 @@ class Plan:
         for c in self.chunks:
             sl = " ".join(f"{s.seq}[{s.start}:{s.end}]" for s in c.slices)
             rc = "/".join(str(self.recompute[st][c.index]) for st in range(self.num_stages))
-            lines.append(f"  chunk {c.index:>3} {c.kind.value:<6} {c.num_tokens:>7} tok  recompute {rc}  {sl}")
+            mode = f"  {_placement_words(c.placement)}" if c.placement else ""
+            lines.append(f"  chunk {c.index:>3} {c.kind.value:<6} {c.num_tokens:>7} tok  recompute {rc}{mode}  {sl}")
         return "\n".join(lines)
 
 
@@ -614,6 +645,13 @@ class Program:
         cells = [[_cell(step, marked) for step in steps] for steps in self.steps]
         what = "" if self.train else ", forward only"
         return self.plan._render(f"program of plan {self.plan.strategy} ({self.plan.fingerprint()}{what})", cells)
+
+
+def _placement_words(placement: tuple[int, ...]) -> str:
+    """A placed chunk's mode and its slices' places, e.g. ``mixed [d,0,1]`` (``d``: per-doc)."""
+    per_doc = sum(1 for w in placement if w == -1)
+    mode = "whole-doc" if not per_doc else "per-doc" if per_doc == len(placement) else "mixed"
+    return f"{mode} [{','.join('d' if w == -1 else str(w) for w in placement)}]"
 
 
 def _cell(step: tuple[Action, ...], marked: tuple[Action | None, ...]) -> str:

@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 from ..budgets import stage_budgets
 from ..chunking import SequenceBatch
 from ..cost import CostModel
+from ..placement import check_sp_mode
 from ..recompute import SOLVERS
 from ..segments import SegmentOptions, check_segment_plan
 from ..types import Plan, PlanError, Remedy, StageLayout
@@ -103,6 +104,7 @@ def plan_step(
     solver: str = "ilp",
     time_limit_s: float = 1.0,
     segment: SegmentOptions | None = None,
+    sp_mode: str = "ulysses",
     **knobs: Any,
 ) -> Plan:
     """Plan one step: chunks, groups, schedule and recompute, with ``predicted`` filled in.
@@ -124,6 +126,11 @@ def plan_step(
     sequence longer than ``segment.tokens`` is cut into its segments whatever the strategy, and
     the options are recorded in ``plan.knobs`` for the executor (the prediction is the one of
     ordinary training: an upper bound, the segment options only shorten what attention keeps).
+    ``sp_mode``: how a stage of ``cost.sp > 1`` GPUs shards each chunk (:mod:`~..placement`):
+    ``"ulysses"`` (the default here: every chunk Ulysses, as plans were before), ``"context"``
+    (whole-doc / per-doc only, no head-count limit) or ``"auto"`` (per chunk, the cheaper; the
+    trainer's and ``concertina plan``'s default); the pipeline strategies record it in each
+    chunk's ``placement``; ``sp-only`` ignores it.
 
     Raises :class:`~..recompute.InfeasiblePlanError` when nothing fits the budget (at once, from
     a lower bound, when a stage cannot hold its static memory plus the longest sequence even
@@ -151,6 +158,8 @@ def plan_step(
     if layout.num_layers != cost.num_layers:
         raise PlanError(f"the stage layout has {layout.num_layers} layers but the cost model {cost.num_layers}; "
                         "build both from the same model config")
+    if record.pipeline:
+        check_sp_mode(sp_mode, cost)
     budgets = stage_budgets(memory_budget_bytes, layout.num_stages)
     token_cap = int(max_tokens_per_chunk) if max_tokens_per_chunk is not None else None
     check_step(record, lens, cost, layout, budgets, token_cap)  # the refusals that need no search
@@ -159,7 +168,8 @@ def plan_step(
     batch = SequenceBatch(lens, cost, layout, segment_tokens=None if segment is None else segment.tokens)
     plan = record.run(PlanRequest(lens=lens, batch=batch, cost=cost, layout=layout,
                                   budgets=budgets, token_cap=token_cap, solver=solver, time_limit_s=time_limit_s,
-                                  knobs=knobs, user_capped=user_cap is not None and user_cap == token_cap))
+                                  knobs=knobs, user_capped=user_cap is not None and user_cap == token_cap,
+                                  sp_mode=sp_mode if record.pipeline else "ulysses"))
     if segment is not None:
         plan = dataclasses.replace(plan, knobs=plan.knobs + segment.knobs())
         check_segment_plan(plan)

@@ -31,7 +31,7 @@ from ..recompute import InfeasiblePlanError, assign_recompute, uniform_recompute
 from ..simulate import SimResult, simulate
 from ..types import Plan, PlanError, Remedy
 from .common import (
-    GIB, MORE_MEMORY, USE_ADAPTIVE, PlanRequest, describe_longest, finish, overshoot, plan_of, worst_stage,
+    GIB, MORE_MEMORY, USE_ADAPTIVE, PlanRequest, describe_longest, finish, overshoot, placed, plan_of, worst_stage,
 )
 from .search import Candidate, ChunkingSearch, candidate_knobs, run_search
 
@@ -91,7 +91,8 @@ def plan_adaptive(req: PlanRequest) -> Plan:
         likely_fits = proxy is None or (not c.cuts and not math.isinf(c.est)
                                         and not c.chunking.needs_recompute(cost, layout, proxy))
         try:
-            return _with_recompute(plan_of("adaptive", c.chunking, layout, c.cuts), cost, budgets, likely_fits)
+            return _with_recompute(placed(plan_of("adaptive", c.chunking, layout, c.cuts), req), cost, budgets,
+                                   likely_fits)
         except InfeasiblePlanError as e:
             errors.append(e)  # candidates the proxy rejects come smallest chunks first
             misjudged = misjudged or not math.isinf(c.est)
@@ -138,7 +139,7 @@ def plan_adaptive(req: PlanRequest) -> Plan:
             if ch is None:
                 continue
             try:
-                plan = _with_recompute(plan_of("adaptive", ch, layout, cand.cuts, w0), cost, budgets,
+                plan = _with_recompute(placed(plan_of("adaptive", ch, layout, cand.cuts, w0), req), cost, budgets,
                                        not any(any(row) for row in best.recompute))
             except InfeasiblePlanError:
                 continue
@@ -172,7 +173,7 @@ def _deeper_warmup(chunking, cuts: tuple[int, ...], best: Plan, warmup: int, req
         if k <= 0 or k == warmup:
             break
         try:
-            deeper = _with_recompute(plan_of("adaptive", chunking, layout, cuts, k), req.cost, req.budgets,
+            deeper = _with_recompute(placed(plan_of("adaptive", chunking, layout, cuts, k), req), req.cost, req.budgets,
                                      not any(any(row) for row in best.recompute))
         except InfeasiblePlanError:
             break
@@ -189,7 +190,7 @@ def _plan_fixed_recompute(strategy: str, req: PlanRequest) -> Plan:
     closest: list[tuple[float, Candidate, SimResult]] = []  # the least over-budget attempt, for the error
 
     def evaluate(c: Candidate) -> Plan | None:
-        plan = plan_of(strategy, c.chunking, layout, c.cuts)
+        plan = placed(plan_of(strategy, c.chunking, layout, c.cuts), req)
         if strategy == "full-recompute":
             plan = uniform_recompute(plan, full)
         sim = simulate(plan, cost)

@@ -26,7 +26,7 @@ from ..simulate import SimResult, simulate
 from ..types import Plan, PlanError
 from .common import (
     GIB, MORE_MEMORY, MORE_STAGES, N_CANDIDATES, SEARCH_EFFORT, USE_ADAPTIVE, PlanRequest, SettingTally,
-    describe_longest, finish, max_chunks, plan_of, token_budget_candidates, too_many_chunks, worst_stage,
+    describe_longest, finish, max_chunks, placed, plan_of, token_budget_candidates, too_many_chunks, worst_stage,
 )
 
 __all__ = ["PACKED_KNOBS", "SPLIT_KNOBS", "plan_packed", "plan_split", "uniform_search"]
@@ -121,7 +121,7 @@ def _plan_baseline(strategy: str, req: PlanRequest) -> Plan:
         # a setting costs one to three simulations (or the memory model); within the effort
         if effort[0] and effort[0] + ch.num_chunks * layout.num_stages > SEARCH_EFFORT:
             continue
-        r, plan, sim = uniform_search(plan_of(strategy, ch, layout), cost, budgets, fixed_r, effort)
+        r, plan, sim = uniform_search(placed(plan_of(strategy, ch, layout), req), cost, budgets, fixed_r, effort)
         tally.add({name: value, "token_budget": size} if name != "token_budget" else {name: value}, r, plan, sim)
     best, closest = tally.best, tally.closest
     if best is None and closest is None:

@@ -19,6 +19,7 @@ from typing import Any, Mapping, Sequence
 
 from ..chunking import Chunking, SequenceBatch
 from ..cost import CostModel
+from ..placement import place_plan
 from ..recompute import InfeasiblePlanError
 from ..schedule import build_schedule
 from ..types import Chunk, ChunkKind, Plan, PlanError, PlanStats, Remedy, Slice, StageLayout
@@ -26,7 +27,7 @@ from ..types import Chunk, ChunkKind, Plan, PlanError, PlanStats, Remedy, Slice,
 __all__ = [
     "ASSIGN_COST", "GIB", "fitted_token_cap", "MAX_CHUNKS", "MAX_CHUNK_STAGES", "MAX_SLICES", "MORE_MEMORY",
     "MORE_STAGES", "N_CANDIDATES", "SEARCH_EFFORT", "USE_ADAPTIVE", "PlanRequest", "SettingTally",
-    "check_step", "describe_longest", "finish", "larger_cap", "max_chunks", "min_chunks", "overshoot", "plan_of",
+    "check_step", "describe_longest", "finish", "larger_cap", "max_chunks", "min_chunks", "overshoot", "placed", "plan_of",
     "token_budget_candidates", "too_many_chunks", "worst_stage",
 ]
 
@@ -80,6 +81,9 @@ class PlanRequest:
     """The ILP solver's time limit."""
     knobs: Mapping[str, Any]
     """The strategy's fixed settings (only names its record lists); the others are searched."""
+    sp_mode: str = "ulysses"
+    """How chunks are sharded over a stage's ``cost.sp`` GPUs (:mod:`..placement`): ``ulysses``,
+    ``context`` (whole-doc / per-doc only) or ``auto`` (per chunk, the cheaper)."""
 
 
 def token_budget_candidates(longest: int, cap: int | None) -> list[int]:
@@ -119,6 +123,12 @@ def plan_of(strategy: str, chunking: Chunking, layout: StageLayout, cuts: Sequen
         schedule=build_schedule(chunks, groups, p, prefetch=True, extra_warmup=extra_warmup),
         recompute=tuple((0,) * len(chunks) for _ in range(p)),
     )
+
+
+def placed(plan: Plan, req: PlanRequest) -> Plan:
+    """``plan`` with its chunks' placements inside a stage under ``req.sp_mode``
+    (:func:`~..placement.place_plan`; unchanged at ``sp = 1`` and in ``ulysses`` mode)."""
+    return place_plan(plan, req.cost, req.sp_mode)
 
 
 def finish(plan: Plan, stats: PlanStats, budgets: tuple[int, ...], knobs: dict[str, Any]) -> Plan:

@@ -1,0 +1,190 @@
+"""Choosing each chunk's sharding mode inside a stage of ``sp`` GPUs (FlashCP-like heuristic).
+
+A chunk runs Ulysses (all-to-all of heads), or is *placed* (:mod:`.sharding`): each whole
+sequence entirely on one rank (**whole-doc**, no attention traffic) or cut into ``2 sp`` zig-zag
+pieces with its K/V all-gathered within the stage (**per-doc**). ``sp_mode`` says what the
+planner may use: ``ulysses`` (every chunk Ulysses: today's plans), ``context`` (whole-doc and
+per-doc only, never an all-to-all) or ``auto`` (whichever the cost model predicts faster, per
+chunk). Per chunk (:func:`choose_placement`), with the per-layer forward + backward time of the
+busiest GPU as the score (:meth:`~.cost.CostModel.placed_layer_time`):
+
+1. **whole-doc first**: the chunk's whole sequences go to the ranks longest-processing-time
+   first (each to the least loaded rank, by predicted layer time; :func:`lpt_ranks`);
+2. **per-doc for the sequences that unbalance it**: while the busiest rank's predicted time
+   exceeds the mean by more than :data:`IMBALANCE` (a long sequence dominates), the longest
+   whole-doc sequence becomes per-doc (at least ``2 sp`` tokens) and the rest are placed again;
+   every step of that ladder is scored and the fastest kept (an empty rank is not allowed, so a
+   chunk of fewer sequences than ranks needs per-doc ones);
+3. **Ulysses where cheaper** (``auto``, when ``sp`` divides the heads: :func:`ulysses_allowed`).
+
+A split sequence's slices are all placed the same way (their K/V are carried from slice to slice
+on each rank), decided once per sequence before the chunks (:func:`place_plan`): per-doc in
+``context`` mode, in ``auto`` the cheaper of per-doc and Ulysses over its slices alone. A chunk
+holding a slice of a sequence left to Ulysses runs Ulysses whole.
+
+Cost: per chunk about ``k + 1`` LPT passes (``k``: sequences moved to per-doc, mostly 0-2) of
+``O(n log sp)`` and as many per-rank cost evaluations; results are cached by chunk, since the
+search assembles the same chunks many times. Pure Python.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+from typing import Sequence
+
+from .cost import CostModel
+from .sharding import PER_DOC, placement_refusal, rank_pieces
+from .types import Chunk, Plan, PlanError, Remedy, Slice
+
+__all__ = ["IMBALANCE", "SP_MODES", "choose_placement", "lpt_ranks", "place_plan", "ulysses_allowed"]
+
+#: what ``sequence_parallel_mode`` / ``--sp-mode`` accept
+SP_MODES = ("auto", "ulysses", "context")
+#: how far above the mean rank time the busiest rank of a whole-doc placement may be before the
+#: longest whole-doc sequence goes per-doc (FlashCP's imbalance threshold)
+IMBALANCE = 0.1
+
+
+def ulysses_allowed(cost: CostModel) -> bool:
+    """Whether a stage of ``cost.sp`` GPUs can run Ulysses: ``sp`` divides the attention heads
+    (the runtime gives each GPU whole heads; K/V heads are replicated when fewer)."""
+    return not cost.num_heads or cost.num_heads % cost.sp == 0
+
+
+def check_sp_mode(mode: str, cost: CostModel) -> None:
+    """Refuse an unknown mode, or ``ulysses`` on a stage whose ``sp`` does not divide the heads."""
+    if mode not in SP_MODES:
+        raise PlanError(f"unknown sequence-parallel mode {mode!r}",
+                        Remedy("sequence_parallel_mode", "set", value=" or ".join(map(repr, SP_MODES))))
+    if mode == "ulysses" and cost.sp > 1 and not ulysses_allowed(cost):
+        raise PlanError(f"sequence-parallel size {cost.sp} does not divide the model's {cost.num_heads} attention "
+                        "heads (Ulysses gives each GPU whole heads)",
+                        Remedy("sequence_parallel_mode", "set", value="'auto' or 'context' (whole-doc / per-doc "
+                               "sharding, no head-count limit)"),
+                        Remedy("sequence_parallel_size", "set", value=f"a divisor of {cost.num_heads}"))
+
+
+def lpt_ranks(work: Sequence[float], sp: int, load: Sequence[float] | None = None) -> list[int]:
+    """Longest processing time first: each item (largest ``work`` first, the first of equals
+    first) to the least loaded of ``sp`` ranks (the lowest of equals), starting from ``load``.
+
+    >>> lpt_ranks([5, 1, 4, 3], 2)
+    [0, 0, 1, 1]
+    """
+    heap = [(float(load[r]) if load else 0.0, r) for r in range(sp)]
+    heapq.heapify(heap)
+    out = [0] * len(work)
+    for i in sorted(range(len(work)), key=lambda i: (-work[i], i)):
+        t, r = heapq.heappop(heap)
+        out[i] = r
+        heapq.heappush(heap, (t + work[i], r))
+    return out
+
+
+def _layer_work(cost: CostModel, sl: Slice) -> float:
+    """One GPU's forward compute of one layer on ``sl`` alone, without the per-call constant."""
+    return cost.layer_compute_time((sl,)) - cost.beta
+
+
+@functools.lru_cache(maxsize=8192)
+def choose_placement(chunk: Chunk, cost: CostModel, mode: str, fixed: tuple[tuple[int, int], ...] = ()
+                     ) -> tuple[int, ...] | None:
+    """The placement of ``chunk`` on a stage of ``cost.sp`` GPUs (module docstring): a tuple for
+    :attr:`Chunk.placement` (``()``: Ulysses), or ``None`` when ``context`` mode finds none
+    (fewer ranks filled than ``sp``: every sequence too short to cut into ``2 sp`` pieces).
+    ``fixed``: ``(slice index, entry)`` pairs decided per split sequence."""
+    sp = cost.sp
+    if sp <= 1 or mode == "ulysses":
+        return ()
+    base = cost.rank_model()
+    pinned = dict(fixed)
+    free = [i for i in range(len(chunk.slices)) if i not in pinned]
+    work = {i: _layer_work(base, chunk.slices[i]) for i in free}
+    order = sorted(free, key=lambda i: (-work[i], i))
+    best: tuple[float, tuple[int, ...]] | None = None
+    per_doc: set[int] = set()
+    for k in range(len(order) + 1):
+        if k:
+            nxt = order[k - 1]
+            if chunk.slices[nxt].length < 2 * sp:
+                break  # the longest left cannot be cut into 2 sp pieces, nor can the shorter ones
+            per_doc.add(nxt)
+        entries = dict(pinned)
+        entries.update((i, PER_DOC) for i in per_doc)
+        placed = Chunk(chunk.index, chunk.kind, chunk.slices, tuple(entries.get(i, 0) for i in range(len(chunk.slices))))
+        # the ranks' load from the per-doc and pinned slices, then LPT of the whole-doc ones
+        load = [0.0] * sp
+        if entries:
+            part = Chunk(chunk.index, chunk.kind, tuple(chunk.slices[i] for i in sorted(entries)),
+                         tuple(entries[i] for i in sorted(entries)))
+            load = _rank_work(part, base, sp)
+        rest = [i for i in free if i not in per_doc]
+        ranks = lpt_ranks([work[i] for i in rest], sp, load)
+        entries.update(zip(rest, ranks))
+        placed = dataclasses.replace(placed, placement=tuple(entries[i] for i in range(len(chunk.slices))))
+        balanced = True
+        if placement_refusal(placed, sp) is None:
+            t = cost.placed_layer_time(placed)
+            if best is None or t < best[0]:
+                best = (t, placed.placement)
+            busy = _rank_work(placed, base, sp)
+            balanced = max(busy) <= (1.0 + IMBALANCE) * sum(busy) / sp
+        if balanced and best is not None:
+            break
+    if mode == "auto" and ulysses_allowed(cost) and not any(w == PER_DOC for w in pinned.values()):
+        t = cost.placed_layer_time(dataclasses.replace(chunk, placement=()))
+        if best is None or t <= best[0]:
+            return ()
+    return None if best is None else best[1]
+
+
+def _rank_work(chunk: Chunk, base: CostModel, sp: int) -> list[float]:
+    """Each rank's forward compute of one layer on its pieces of a placed ``chunk``."""
+    out = []
+    for r in range(sp):
+        pieces = rank_pieces(chunk, sp, r)
+        out.append(sum(_layer_work(base, Slice(p.seq, p.start, p.length)) for p in pieces if p.length))
+    return out
+
+
+def _split_choice(plan: Plan, cost: CostModel, mode: str, seq: int) -> int | None:
+    """How a split sequence's slices are all placed: ``PER_DOC``, ``None`` (Ulysses) or, in
+    ``context`` mode when a slice is too short to cut, whole-doc on rank 0."""
+    slices = [sl for _, sl in plan.slices_of(seq)]
+    if any(sl.length < 2 * cost.sp for sl in slices):
+        return 0 if mode == "context" or not ulysses_allowed(cost) else None
+    if mode == "context" or not ulysses_allowed(cost):
+        return PER_DOC
+    t_pd = sum(cost.placed_layer_time(Chunk(0, plan.chunks[0].kind, (sl,), (PER_DOC,))) for sl in slices)
+    t_u = sum(cost.placed_layer_time(Chunk(0, plan.chunks[0].kind, (sl,))) for sl in slices)
+    return PER_DOC if t_pd < t_u else None
+
+
+def place_plan(plan: Plan, cost: CostModel, mode: str) -> Plan:
+    """``plan`` with each chunk's placement chosen for a stage of ``cost.sp`` GPUs under
+    ``mode`` (module docstring); unchanged at ``sp = 1`` or in ``ulysses`` mode. Raises
+    :class:`~.types.PlanError` when ``context`` mode cannot fill every rank of a chunk."""
+    if cost.sp <= 1 or mode == "ulysses":
+        return plan
+    counts: dict[int, int] = {}
+    for c in plan.chunks:
+        for sl in c.slices:
+            counts[sl.seq] = counts.get(sl.seq, 0) + 1
+    split = {q: _split_choice(plan, cost, mode, q) for q, n in counts.items() if n > 1}
+    chunks = []
+    for c in plan.chunks:
+        pins = [(i, split[sl.seq]) for i, sl in enumerate(c.slices) if sl.seq in split]
+        if any(w is None for _, w in pins):
+            chunks.append(c)  # a slice of a sequence left to Ulysses: the chunk runs Ulysses
+            continue
+        where = choose_placement(dataclasses.replace(c, placement=()), cost, mode, tuple(pins))
+        if where is None:
+            raise PlanError(
+                f"chunk {c.index} ({len(c.slices)} sequences of {c.num_tokens} tokens) cannot fill the {cost.sp} GPUs "
+                f"of a stage whole-doc / per-doc (a per-doc sequence needs at least 2 x sp = {2 * cost.sp} tokens)",
+                Remedy("sequence_parallel_mode", "set", value="'auto' (Ulysses where needed)"),
+                Remedy("sequence_parallel_size", "lower"))
+        chunks.append(dataclasses.replace(c, placement=where))
+    return dataclasses.replace(plan, chunks=tuple(chunks))

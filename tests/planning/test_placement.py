@@ -1,0 +1,181 @@
+"""Whole-doc / per-doc sharding inside a stage (issue 23, the planner): mode choice, costs,
+validation, serialization, display. Pure planner, milliseconds."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from concertina_hf.planning import CostModel, DeviceSpec, Plan, PlanError, StageLayout, plan_step, simulate
+from concertina_hf.planning.placement import check_sp_mode, choose_placement, lpt_ranks, place_plan
+from concertina_hf.planning.presets import MODEL_PRESETS
+from concertina_hf.planning.sharding import PER_DOC, chunk_mode, plan_placement_refusal, rank_tokens
+from concertina_hf.planning.types import Chunk, ChunkKind, Slice
+
+GIB = 2**30
+
+
+def _cost(model: str = "llama-13b", sp: int = 8, **kw) -> CostModel:
+    return CostModel.from_hf_config(MODEL_PRESETS[model], DeviceSpec.a800()).with_parallel(sp=sp, **kw)
+
+
+def _packed(lens, index=0) -> Chunk:
+    return Chunk(index, ChunkKind.PACKED, tuple(Slice(i, 0, n) for i, n in enumerate(lens)))
+
+
+def test_all_short_chunk_goes_whole_doc_balanced():
+    cost = _cost()
+    chunk = _packed([2048] * 16 + [1024] * 8)
+    for mode in ("auto", "context"):
+        where = choose_placement(chunk, cost, mode)
+        placed = dataclasses.replace(chunk, placement=where)
+        assert chunk_mode(placed) == "whole-doc"
+        toks = [rank_tokens(placed, 8, r) for r in range(8)]
+        assert max(toks) == min(toks) == 5120  # LPT: two 2048s and one 1024 per rank
+        # no attention traffic: cheaper than Ulysses' all-to-alls, nothing moved
+        lay = StageLayout.even(cost.num_layers, 4)
+        assert cost.placed_layer_time(placed) < cost.placed_layer_time(chunk)
+        assert cost.stage_comm_bytes(lay, 1, placed) == 0 < cost.stage_comm_bytes(lay, 1, chunk)
+
+
+def test_one_long_sequence_per_doc_in_context_mode_ulysses_in_auto_when_cheaper():
+    cost = _cost()  # LLaMA-13B: as many K/V heads as query heads, so per-doc moves 4x Ulysses' bytes at sp=8
+    chunk = _packed([32768, 512, 512, 512])
+    where = choose_placement(chunk, cost, "context")
+    assert where[0] == PER_DOC and chunk_mode(dataclasses.replace(chunk, placement=where)) == "mixed"
+    assert choose_placement(chunk, cost, "auto") == ()
+    # per-doc balances the long one's causal work: its ranks within 10% of each other
+    placed = dataclasses.replace(chunk, placement=where)
+    base = cost.rank_model()
+    from concertina_hf.planning.sharding import rank_pieces
+    work = [base.layer_compute_time([Slice(p.seq, p.start, p.length) for p in rank_pieces(placed, 8, r)])
+            for r in range(8)]
+    assert max(work) <= 1.1 * min(work)
+    # with few K/V heads (GQA: 4 of 8 at sp=4 in small-llama) per-doc's K/V are small: still whole-doc
+    # for the short ones beside it
+    small = _cost("small-llama", sp=4)
+    w = choose_placement(_packed([8192] + [256] * 12), small, "context")
+    assert w[0] == PER_DOC and all(0 <= r < 4 for r in w[1:])
+
+
+def test_whole_doc_unbalanced_beyond_threshold_moves_the_longest_per_doc():
+    cost = _cost(sp=4)
+    chunk = _packed([16384, 1024, 1024, 1024, 1024])
+    where = choose_placement(chunk, cost, "context")
+    assert where[0] == PER_DOC  # whole-doc would put all of it on one rank
+    assert all(w != PER_DOC for w in where[1:])
+
+
+def test_lpt():
+    assert lpt_ranks([5, 1, 4, 3], 2) == [0, 0, 1, 1]
+    assert lpt_ranks([1, 1], 2, load=[3.0, 0.0]) == [1, 1]
+
+
+def test_costs_monotone():
+    cost = _cost()
+    assert 0 == cost.gather_kv_time(0) < cost.gather_kv_time(1024) < cost.gather_kv_time(4096)
+    lay = StageLayout.even(cost.num_layers, 4)
+    one = Chunk(0, ChunkKind.PACKED, (Slice(0, 0, 16384),), (PER_DOC,))
+    two = Chunk(0, ChunkKind.PACKED, (Slice(0, 0, 32768),), (PER_DOC,))
+    assert cost.fwd_time(lay, 1, one) < cost.fwd_time(lay, 1, two)
+    assert cost.bwd_time(lay, 1, one) < cost.bwd_time(lay, 1, one, recompute_layers=3)
+    assert cost.act_memory(lay, 1, one, 0) > cost.act_memory(lay, 1, one, 5) > 0
+    # per-doc moves more bytes than Ulysses for the same tokens (K/V all-gathered: O(T) a GPU)
+    uly = Chunk(0, ChunkKind.PACKED, (Slice(0, 0, 16384),))
+    assert cost.stage_comm_bytes(lay, 1, one) > cost.stage_comm_bytes(lay, 1, uly)
+    # the gathered K/V take memory: a per-doc chunk holds more per GPU than a Ulysses one
+    assert cost.act_memory(lay, 1, one) > cost.act_memory(lay, 1, uly)
+    # a stage spanning two nodes pays the inter-node link for the all-gather
+    wide = _cost("llama-7b", sp=16)
+    narrow = _cost("llama-7b", sp=8)
+    assert wide.gather_kv_time(8192) > narrow.gather_kv_time(8192)
+    # whole-doc: the busiest rank sets the time (an unbalanced placement is slower)
+    even = Chunk(0, ChunkKind.PACKED, (Slice(0, 0, 4096), Slice(1, 0, 4096)), (0, 1))
+    cost2 = _cost(sp=2)
+    uneven = Chunk(0, ChunkKind.PACKED, (Slice(0, 0, 6144), Slice(1, 0, 2048)), (0, 1))
+    assert cost2.placed_layer_time(even) < cost2.placed_layer_time(uneven)
+
+
+def test_no_head_limit_for_placed_modes():
+    with pytest.raises(PlanError, match="does not divide the model's 52 attention heads"):
+        _cost("llama-30b", sp=8)
+    cost = _cost("llama-30b", sp=8, ulysses=False)
+    with pytest.raises(PlanError) as e:
+        check_sp_mode("ulysses", cost)
+    assert "set sequence_parallel_mode to 'auto' or 'context'" in str(e.value)
+    with pytest.raises(PlanError, match="unknown sequence-parallel mode 'fast'; set sequence_parallel_mode to"):
+        check_sp_mode("fast", cost)
+    lens = [3000, 900, 700, 500, 400, 300, 2000, 1500, 1200, 800, 600, 100]
+    plan = plan_step(lens, cost, StageLayout.even(60, 4), 0, "adaptive", solver="greedy", sp_mode="auto")
+    plan.validate()
+    assert all(c.placement for c in plan.chunks)  # Ulysses cannot run: context only
+    assert plan_placement_refusal(plan, 8) is None
+
+
+def _plan(sp_mode: str, sp: int = 4, lens=(9000, 300, 200, 250, 280, 120, 600, 700, 90, 4000)):
+    cost = _cost("small-llama", sp=sp)
+    return cost, plan_step(list(lens), cost, StageLayout.even(16, 2), 0, "adaptive", solver="greedy",
+                           num_slices_longest=3, sp_mode=sp_mode)
+
+
+def test_plans_validate_round_trip_and_show_their_modes():
+    cost, plan = _plan("context")
+    plan.validate()
+    assert any(c.placement for c in plan.chunks)
+    assert Plan.from_json(plan.to_json()) == plan
+    assert Plan.from_json(plan.to_json()).fingerprint() == plan.fingerprint()
+    grid = plan.grid()
+    assert "per-doc [d]" in grid or "mixed [d," in grid
+    # a split sequence's slices all per-doc (context mode)
+    split = [c for c in plan.chunks if c.kind is ChunkKind.SPLIT]
+    assert split and all(c.placement == (PER_DOC,) for c in split)
+    sim = simulate(plan, cost)
+    assert sim.stage_comm_bytes > 0
+    _, uly = _plan("ulysses")
+    assert not any(c.placement for c in uly.chunks)
+    assert "whole-doc" not in uly.grid() and "per-doc" not in uly.grid()
+
+
+def test_auto_never_predicted_slower_than_ulysses():
+    for lens in ((9000, 300, 200, 250, 280, 120, 600, 700, 90, 4000), tuple([512] * 40), (20000,)):
+        cost, auto = _plan("auto", lens=lens)
+        _, uly = _plan("ulysses", lens=lens)
+        assert auto.predicted.step_time_s <= uly.predicted.step_time_s * (1 + 1e-9)
+
+
+def test_sp1_and_ulysses_unchanged():
+    cost = CostModel.from_hf_config(MODEL_PRESETS["small-llama"], DeviceSpec.a800())
+    lens = [9000, 300, 200, 4000]
+    a = plan_step(lens, cost, StageLayout.even(16, 2), 0, "adaptive", solver="greedy")
+    b = plan_step(lens, cost, StageLayout.even(16, 2), 0, "adaptive", solver="greedy", sp_mode="context")
+    assert a.fingerprint() == b.fingerprint()
+    assert place_plan(a, cost, "auto") is a
+
+
+def test_validate_refuses_inconsistent_placements():
+    cost, plan = _plan("context")
+    split_seq = next(c for c in plan.chunks if c.kind is ChunkKind.SPLIT).slices[0].seq
+    chunks = list(plan.chunks)
+    first = next(i for i, c in enumerate(chunks) if any(s.seq == split_seq for s in c.slices))
+    chunks[first] = dataclasses.replace(chunks[first], placement=())
+    with pytest.raises(PlanError, match=f"sequence {split_seq} has slices run by Ulysses and slices placed"):
+        dataclasses.replace(plan, chunks=tuple(chunks)).validate()
+    chunks[first] = dataclasses.replace(chunks[first], placement=(1,))
+    with pytest.raises(PlanError, match=f"sequence {split_seq}: the slice at token .* placed per-doc but the "
+                                        "earlier slice's K/V live on rank 1 only"):
+        dataclasses.replace(plan, chunks=tuple(chunks)).validate()
+    bad = dataclasses.replace(plan.chunks[0], placement=(0,) * (len(plan.chunks[0].slices) + 1))
+    with pytest.raises(PlanError, match="placements for"):
+        dataclasses.replace(plan, chunks=(bad,) + plan.chunks[1:]).validate()
+    assert "not in 0..3" in plan_placement_refusal(
+        dataclasses.replace(plan, chunks=(dataclasses.replace(plan.chunks[0], placement=tuple(
+            7 for _ in plan.chunks[0].slices)),) + plan.chunks[1:]), 4)
+
+
+def test_context_mode_refuses_a_chunk_it_cannot_spread():
+    cost = _cost("small-llama", sp=4)
+    with pytest.raises(PlanError) as e:
+        plan_step([5, 6], cost, StageLayout.even(16, 1), 0, "packed", sp_mode="context")
+    assert "cannot fill the 4 GPUs of a stage whole-doc / per-doc" in str(e.value)
+    assert "set sequence_parallel_mode to 'auto'" in str(e.value)
