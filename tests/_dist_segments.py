@@ -18,7 +18,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "run
 
 from _helpers import gloo_rank  # noqa: E402
 
-CASES = (("previous", 5), ("previous", 12), ("full", 12), ("full", None))
+# (gradient, tail, global heads)
+CASES = (("previous", 5, ()), ("previous", 12, ()), ("full", 12, ()), ("full", None, ()), ("previous", 5, (1, 2)))
 
 
 def worker(rank: int, world: int, port: int, outdir: str) -> None:
@@ -42,8 +43,8 @@ def _run(rank: int, world: int, report: dict) -> None:
         model = tiny_model(kind, num_layers=4)
         w = PipelineWrapper(copy.deepcopy(model), layout, rank)
         ex = PipelineExecutor(w)
-        for gradient, tail in CASES:
-            opts = SegmentOptions(S, gradient, tail)
+        for gradient, tail, heads in CASES:
+            opts = SegmentOptions(S, gradient, tail, heads)
             ref_loss, ref_grads = segment_reference(model, ids, labels, opts)
             plans = [(rec, segment_plan(layout, opts, rec)) for rec in ("none", "partial", "full")]
             plans.append(("adaptive", plan_step(list(SEQ_LENS), cost, layout, 0, "adaptive", max_tokens_per_chunk=24,
@@ -53,13 +54,14 @@ def _run(rank: int, world: int, report: dict) -> None:
                 res = ex.run_step(plan, ids, labels)
                 report["cases"] += 1
                 if not abs(res.loss - ref_loss) < LOSS_TOL * abs(ref_loss):
-                    fail.append(f"{kind} {gradient}/{tail} {name}: loss {res.loss} vs {ref_loss}")
-                fail.extend(f"{kind} {gradient}/{tail} {name} stage {rank}: {b}"
+                    fail.append(f"{kind} {gradient}/{tail}/{heads} {name}: loss {res.loss} vs {ref_loss}")
+                fail.extend(f"{kind} {gradient}/{tail}/{heads} {name} stage {rank}: {b}"
                             for b in compare_grads(w, ref_grads, GRAD_TOL))
-        # forward only: the tail's K/V dropped, the same loss
-        opts = SegmentOptions(S, "previous", 5)
-        ref_loss, _ = segment_reference(model, ids, labels, opts)
-        res = ex.run_step(segment_plan(layout, opts, "none"), ids, labels, train=False)
-        report["cases"] += 1
-        if not abs(res.loss - ref_loss) < LOSS_TOL * abs(ref_loss):
-            fail.append(f"{kind} eval: loss {res.loss} vs {ref_loss}")
+        # forward only: the tail's K/V dropped (but the global heads'), the same loss
+        for heads in ((), (1, 2)):
+            opts = SegmentOptions(S, "previous", 5, heads)
+            ref_loss, _ = segment_reference(model, ids, labels, opts)
+            res = ex.run_step(segment_plan(layout, opts, "none"), ids, labels, train=False)
+            report["cases"] += 1
+            if not abs(res.loss - ref_loss) < LOSS_TOL * abs(ref_loss):
+                fail.append(f"{kind} eval {heads}: loss {res.loss} vs {ref_loss}")

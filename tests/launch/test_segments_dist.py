@@ -1,6 +1,7 @@
 """Segment-level training (issue 24) at pp = 2 and 4, one gloo process per stage, against the plain-HF
 segment reference (loss 1e-5, each stage's gradients 1e-4): hand-made segment plans under every
-recompute setting and the adaptive planner's segment plans, llama and qwen2, and a forward-only step."""
+recompute setting and the adaptive planner's segment plans, llama and qwen2, global heads included, and
+forward-only steps."""
 
 from __future__ import annotations
 
@@ -24,4 +25,4 @@ def test_segment_training_matches_the_segment_reference(num_stages, tmp_path, mo
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(num_stages)]
     failures = [f for r in reports for f in r["failures"]]
     assert failures == []
-    assert all(r["cases"] == 2 * (4 * 4 + 1) for r in reports)
+    assert all(r["cases"] == 2 * (5 * 4 + 2) for r in reports)

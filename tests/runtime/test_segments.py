@@ -61,12 +61,27 @@ def segment_reference(model, ids, labels, opts: SegmentOptions):
     n_items = int(sum(int((lab[1:] != -100).sum()) for lab in labels))
     total = 0.0
     for t, lab in zip(ids, labels):
-        logit = segment_logits(ref, t, opts.tokens, opts.gradient, opts.kv_tail)
+        logit = segment_logits(ref, t, opts.tokens, opts.gradient, opts.kv_tail, global_heads=opts.global_heads)
         loss = F.cross_entropy(logit[:-1].float(), lab[1:], ignore_index=-100, reduction="sum") / n_items
         loss.backward()
         total += float(loss.detach())
     grads = {k: p.grad.detach().clone() for k, p in ref.named_parameters() if p.grad is not None}
     return total, grads
+
+
+def every_recompute_mismatches(kind, model, ids, labels, opts, ref_loss, ref_grads) -> list[str]:
+    """One stage, hand-made segment plans under each recompute setting: what differs from the reference."""
+    layout = StageLayout.even(4, 1)
+    w = PipelineWrapper(copy.deepcopy(model), layout, 0)
+    ex = PipelineExecutor(w)
+    failures = []
+    for rec in ("none", "partial", "full"):
+        w.zero_grad(set_to_none=True)
+        res = ex.run_step(segment_plan(layout, opts, rec), ids, labels)
+        if not abs(res.loss - ref_loss) < LOSS_TOL * abs(ref_loss):
+            failures.append(f"{kind} {rec}: loss {res.loss} vs {ref_loss}")
+        failures += [f"{kind} {rec}: {b}" for b in compare_grads(w, ref_grads, GRAD_TOL)]
+    return failures
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -98,17 +113,7 @@ def test_one_stage_matches_the_segment_reference(model_and_data, gradient, tail)
     full_loss, _ = reference(model, ids, labels)
     if (gradient, tail) != ("full", None):  # the objective differs from ordinary training
         assert abs(ref_loss - full_loss) > 1e-4 * abs(full_loss) or gradient == "previous"
-    layout = StageLayout.even(4, 1)
-    w = PipelineWrapper(copy.deepcopy(model), layout, 0)
-    ex = PipelineExecutor(w)
-    failures = []
-    for rec in ("none", "partial", "full"):
-        w.zero_grad(set_to_none=True)
-        res = ex.run_step(segment_plan(layout, opts, rec), ids, labels)
-        if not abs(res.loss - ref_loss) < LOSS_TOL * abs(ref_loss):
-            failures.append(f"{kind} {rec}: loss {res.loss} vs {ref_loss}")
-        failures += [f"{kind} {rec}: {b}" for b in compare_grads(w, ref_grads, GRAD_TOL)]
-    assert failures == []
+    assert every_recompute_mismatches(kind, model, ids, labels, opts, ref_loss, ref_grads) == []
 
 
 def test_eval_drops_kv_outside_the_tail(model_and_data):
@@ -139,12 +144,13 @@ def test_plans_not_cut_at_segments_are_refused():
 
 
 @pytest.mark.parametrize("kernel", ["sdpa-per-segment", "eager-per-segment"])
-def test_other_kernels_follow_the_segment_semantics(model_and_data, kernel, monkeypatch):
+@pytest.mark.parametrize("opts", [SegmentOptions(S, "previous", 12), SegmentOptions(S, "previous", 5, (1, 2))],
+                         ids=["tail", "global-heads"])
+def test_other_kernels_follow_the_segment_semantics(model_and_data, kernel, opts, monkeypatch):
     from concertina_hf.runtime.attention import kernels
 
     kind, model, ids, labels = model_and_data
     monkeypatch.setattr(kernels, "choose_kernel", lambda *a, **k: kernel)
-    opts = SegmentOptions(S, "previous", 12)
     ref_loss, ref_grads = segment_reference(model, ids, labels, opts)
     layout = StageLayout.even(4, 1)
     w = PipelineWrapper(copy.deepcopy(model), layout, 0)
@@ -175,3 +181,37 @@ def test_planner_cuts_at_segments_and_the_plan_runs(strategy):
     res = PipelineExecutor(w).run_step(plan, ids, labels)
     assert abs(res.loss - ref_loss) < LOSS_TOL * abs(ref_loss)
     assert compare_grads(w, ref_grads, GRAD_TOL) == []
+
+
+GLOBAL_CASES = [("previous", 5, (1,)), ("full", 3, (0, 3)), ("previous", 0, (2,))]
+
+
+@pytest.mark.parametrize("gradient,tail,heads", GLOBAL_CASES)
+def test_global_heads_match_the_per_head_reference(model_and_data, gradient, tail, heads):
+    """Global heads read every earlier token (before the tail detached), the others the tail: equal to
+    the plain-HF reference with a per-head mask, every recompute setting; a different objective from
+    the tail alone."""
+    kind, model, ids, labels = model_and_data
+    opts = SegmentOptions(S, gradient, tail, heads)
+    ref_loss, ref_grads = segment_reference(model, ids, labels, opts)
+    tail_loss, _ = segment_reference(model, ids, labels, SegmentOptions(S, gradient, tail))
+    assert abs(ref_loss - tail_loss) > 1e-4 * abs(tail_loss)
+    assert every_recompute_mismatches(kind, model, ids, labels, opts, ref_loss, ref_grads) == []
+    layout = StageLayout.even(4, 1)  # forward only: the store keeps only the global heads' K/V outside the tail
+    res = PipelineExecutor(PipelineWrapper(copy.deepcopy(model), layout, 0)).run_step(
+        segment_plan(layout, opts, "none"), ids, labels, train=False)
+    assert abs(res.loss - ref_loss) < LOSS_TOL * abs(ref_loss)
+
+
+def test_global_heads_refusals():
+    with pytest.raises(PlanError, match="segment_global_heads needs a K/V tail"):
+        SegmentOptions(S, "previous", None, (0,))
+    with pytest.raises(PlanError, match="segment_global_heads"):
+        SegmentOptions(S, "previous", 4, (-1,))
+    model = tiny_model("llama", num_layers=2)
+    ids, labels = batch()
+    layout = StageLayout.even(2, 1)
+    w = PipelineWrapper(copy.deepcopy(model), layout, 0)
+    heads = model.config.num_attention_heads
+    with pytest.raises(RuntimeError, match="concertina_segment_global_heads"):
+        PipelineExecutor(w).run_step(segment_plan(layout, SegmentOptions(S, "full", 4, (heads,))), ids, labels)

@@ -80,7 +80,10 @@ def test_three_steps_equal_the_segment_reference_trainer(tmp_path):
     (dict(concertina_segment_tokens=8, concertina_segment_kv_tail=-1), "concertina_segment_kv_tail"),
     (dict(concertina_segment_gradient="previous"), "needs concertina_segment_tokens"),
     (dict(concertina_segment_kv_tail=4), "needs concertina_segment_tokens"),
-    (dict(concertina_segment_tokens=8, concertina_segment_global_heads="0,1"), "concertina_segment_global_heads"),
+    (dict(concertina_segment_tokens=8, concertina_segment_global_heads="0,1"), "global_heads needs concertina_segment_kv_tail"),
+    (dict(concertina_segment_tokens=8, concertina_segment_kv_tail=4, concertina_segment_global_heads="0,x"),
+     "concertina_segment_global_heads='0,x'"),
+    (dict(concertina_segment_global_heads="0"), "needs concertina_segment_tokens"),
     (dict(concertina_segment_tokens=8, concertina_sequence_parallel_size=2), "concertina_sequence_parallel_size=1"),
 ])
 def test_segment_options_refused_naming_the_field(tmp_path, kwargs, match):
@@ -93,3 +96,7 @@ def test_segment_options_off_by_default(tmp_path):
     assert args.segment_options is None
     on = ConcertinaTrainingArguments(output_dir=str(tmp_path), report_to=[], **SEG)
     assert (on.segment_options.tokens, on.segment_options.gradient, on.segment_options.kv_tail) == (16, "previous", 12)
+    heads = ConcertinaTrainingArguments(output_dir=str(tmp_path), report_to=[], concertina_segment_global_heads="3, 0",
+                                        **SEG)
+    assert heads.segment_options.global_heads == (0, 3)
+    assert heads.segment_options.knobs()[-1] == ("segment_global_heads", "0,3")

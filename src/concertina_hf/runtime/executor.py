@@ -512,7 +512,7 @@ class _Step:
         self.ids = [t.to(dev) for t in input_ids] if w.is_first else None
         self.labels = [t.to(dev) for t in labels] if w.is_last else None
         seg = check_segment_plan(plan)  # segment-level training: the objective is in the plan's knobs
-        self.store = KVStore() if seg is None else KVStore(seg.gradient, seg.kv_tail)
+        self.store = KVStore() if seg is None else KVStore(seg.gradient, seg.kv_tail, seg.global_heads)
         self.inputs: dict[int, torch.Tensor] = {}  # received activations, for their gradient
         self.outputs: dict[int, torch.Tensor] = {}  # stage outputs (last stage: loss), for backward
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=dev)

@@ -30,7 +30,7 @@ from transformers import TrainingArguments
 
 # the plan strategies of concertina_hf.planning.plan_step: the adaptive method and its baselines
 from ..planning import PIPELINE_STRATEGIES, SOLVERS, STRATEGIES, PlanError, stage_budgets
-from ..planning.segments import SegmentOptions
+from ..planning.segments import SegmentOptions, parse_heads
 
 __all__ = [
     "COST_MODEL_SOURCES",
@@ -291,8 +291,10 @@ class ConcertinaTrainingArguments(TrainingArguments):
     )
     concertina_segment_global_heads: str | None = _option(
         None,
-        "Heads that read every earlier token without gradient (the paper's head-specific access): not "
-        "implemented yet; setting it is refused.",
+        "With concertina_segment_tokens and concertina_segment_kv_tail: query heads (comma-separated indices, "
+        "e.g. '0,5', the same on every layer) that also read every token before the tail, without gradient "
+        "(the paper's head-specific access); the other heads keep the tail. Their K/V heads are kept whole. "
+        "None (default): every head keeps the tail.",
     )
     # TRL's SFTConfig has the same field (same type and default: ConcertinaSFTConfig inherits both)
     model_init_kwargs: dict[str, Any] | str | None = field(default=None, metadata={"help": (
@@ -402,12 +404,22 @@ class ConcertinaTrainingArguments(TrainingArguments):
                              "'previous'")
         if tail is not None and (not isinstance(tail, int) or isinstance(tail, bool) or tail < 0):
             raise ValueError(f"concertina_segment_kv_tail must be a number of tokens >= 0 or None, got {tail!r}")
-        if self.concertina_segment_global_heads is not None:
-            raise ValueError("concertina_segment_global_heads is not implemented yet (heads reading every earlier "
-                             "token without gradient); leave it unset")
+        heads = self.concertina_segment_global_heads
+        if heads is not None:
+            try:
+                parsed = parse_heads(heads)
+            except PlanError:
+                parsed = None
+            if not parsed or any(not isinstance(h, int) or isinstance(h, bool) or h < 0 for h in parsed):
+                raise ValueError(f"concertina_segment_global_heads={heads!r}: give query-head indices >= 0, "
+                                 "comma-separated ('0,5') or as a list")
+            if tokens is not None and tail is None:
+                raise ValueError("concertina_segment_global_heads needs concertina_segment_kv_tail (without a tail "
+                                 "every head already reads every earlier token)")
         if tokens is None:
             for name, value, default in (("concertina_segment_gradient", self.concertina_segment_gradient, "full"),
-                                         ("concertina_segment_kv_tail", tail, None)):
+                                         ("concertina_segment_kv_tail", tail, None),
+                                         ("concertina_segment_global_heads", heads, None)):
                 if value != default:
                     raise ValueError(f"{name}={value!r} needs concertina_segment_tokens (the segment length); "
                                      "set it or leave the option at its default")
@@ -424,7 +436,7 @@ class ConcertinaTrainingArguments(TrainingArguments):
         if self.concertina_segment_tokens is None:
             return None
         return SegmentOptions(self.concertina_segment_tokens, self.concertina_segment_gradient,
-                              self.concertina_segment_kv_tail)
+                              self.concertina_segment_kv_tail, parse_heads(self.concertina_segment_global_heads))
 
     @property
     def memory_budget(self) -> str | tuple[int, ...] | None:

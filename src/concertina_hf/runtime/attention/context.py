@@ -31,7 +31,10 @@ Segment-level training (opt-in, :mod:`concertina_hf.planning.segments`: slices a
 only detached aliases of older ones (no gradient, no gradient buffers for them);
 ``KVStore(kv_tail=W)`` makes a slice starting at ``start`` attend to earlier keys at positions
 ``>= start - W`` only (``prefix`` cuts, the varlen ``cu_seqlens_k`` shrink), and a forward-only
-step drops entries no later slice's tail reaches. A checkpointed layer's replay reads the same.
+step drops entries no later slice's tail reaches. ``KVStore(global_heads=...)`` (query heads): those
+heads also read the keys before the tail, detached (:meth:`KVStore.global_prefix`); a forward-only
+step then keeps, of a dropped entry, the K/V heads those query heads use (detached). A checkpointed
+layer's replay reads the same.
 """
 
 from __future__ import annotations
@@ -78,9 +81,16 @@ class KVStore:
     gradients, once the sequence's last slice has run forward.
     """
 
-    def __init__(self, gradient: str = "full", kv_tail: int | None = None) -> None:
+    def __init__(self, gradient: str = "full", kv_tail: int | None = None,
+                 global_heads: Sequence[int] = ()) -> None:
         # seq -> layer -> {start: entry}
         self._kv: dict[int, dict[int, dict[int, KVEntry]]] = {}
+        # global heads (query heads reading every earlier key, detached) and, once attention told
+        # the head counts (:meth:`head_groups`), the K/V heads they use; seq -> layer -> {start:
+        # (k, v)}: those K/V heads of entries dropped outside the tail (forward only), detached
+        self.global_heads = tuple(sorted(int(h) for h in global_heads))
+        self._groups: tuple[int, int, tuple[int, ...], tuple[int, ...]] | None = None
+        self._old: dict[int, dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
         if gradient not in ("full", "previous"):
             raise ValueError(f"segment gradient must be 'full' or 'previous' (got {gradient!r})")
         if kv_tail is not None and int(kv_tail) < 0:
@@ -124,6 +134,40 @@ class KVStore:
             return parts[0]
         return torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2)
 
+    def head_groups(self, heads: int, kv_heads: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """For a layer of ``heads`` query and ``kv_heads`` K/V heads: the global query heads' K/V
+        heads (sorted) and, per global query head, the index of its K/V head among those."""
+        if self._groups is None or self._groups[:2] != (heads, kv_heads):
+            bad = [h for h in self.global_heads if h >= heads]
+            if bad:
+                raise ValueError(f"concertina_segment_global_heads {list(self.global_heads)}: the model has "
+                                 f"{heads} attention heads (indices 0..{heads - 1}); {bad} do not exist")
+            rep = heads // kv_heads
+            kv = tuple(sorted({h // rep for h in self.global_heads}))
+            self._groups = (heads, kv_heads, kv, tuple(kv.index(h // rep) for h in self.global_heads))
+        return self._groups[2], self._groups[3]
+
+    def global_prefix(self, seq: int, lo: int, hi: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The global heads' K/V heads (:meth:`head_groups`) of ``seq`` at positions ``[lo, hi)``,
+        detached: [1, Kg, hi - lo, D] each (read from the entries, or what :meth:`drop_before` kept)."""
+        kv = self._groups[2]
+        parts = [(s, k, v) for s, (k, v) in self._old.get(seq, {}).get(layer, {}).items()]
+        parts += [(s, e.k_leaf.detach()[:, kv], e.v_leaf.detach()[:, kv])
+                  for s, e in self._kv.get(seq, {}).get(layer, {}).items()]
+        ks, vs, have = [], [], 0
+        for s, k, v in sorted(parts, key=lambda p: p[0]):
+            a, b = max(lo, s), min(hi, s + k.shape[2])
+            if a < b:
+                ks.append(k[:, :, a - s:b - s])
+                vs.append(v[:, :, a - s:b - s])
+                have += b - a
+        if have != hi - lo:
+            raise RuntimeError(f"K/V of the global heads of sequence {seq} at positions [{lo}, {hi}) on layer {layer} "
+                               f"is incomplete ({have} tokens stored)")
+        if len(ks) == 1:
+            return ks[0], vs[0]
+        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+
     def entries(self, seq: int, start: int) -> list[KVEntry]:
         """This slice's entries on every layer of the stage (layer order)."""
         layers = self._kv.get(seq, {})
@@ -148,17 +192,23 @@ class KVStore:
         layers = self._kv.get(seq)
         if not layers:
             return
-        for per_start in layers.values():
+        for layer, per_start in layers.items():
             for s in [s for s, e in per_start.items() if s + e.k.shape[2] <= position]:
-                del per_start[s]
+                e = per_start.pop(s)
+                if self.global_heads and self._groups is not None:  # the global heads still read it
+                    kv = self._groups[2]
+                    self._old.setdefault(seq, {}).setdefault(layer, {})[s] = (e.k.detach()[:, kv].clone(),
+                                                                              e.v.detach()[:, kv].clone())
         if all(not p for p in layers.values()):
             del self._kv[seq]
 
     def free_seq(self, seq: int) -> None:
         self._kv.pop(seq, None)
+        self._old.pop(seq, None)
 
     def clear(self) -> None:
         self._kv.clear()
+        self._old.clear()
 
     def tensors(self) -> list[torch.Tensor]:
         """Every stored tensor, with the leaves' gradients (for memory accounting)."""
@@ -168,6 +218,10 @@ class KVStore:
                 for e in per_start.values():
                     out += [e.k, e.v]
                     out += [g for g in (e.k_leaf.grad, e.v_leaf.grad) if g is not None]
+        for layers in self._old.values():
+            for per_start in layers.values():
+                for k, v in per_start.values():
+                    out += [k, v]
         return out
 
     def __len__(self) -> int:

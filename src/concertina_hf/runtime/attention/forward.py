@@ -28,7 +28,7 @@ from . import kernels
 from .context import ChunkAttentionContext, current_context, step_running
 from .cpu import SegmentsCPU, cpu_segments
 from .keywords import check_keywords, model_type_of
-from .segments import eager_attention, segments_math, segments_sdpa, sink_rows
+from .segments import eager_attention, global_heads_attention, segments_math, segments_sdpa, sink_rows
 from .varlen import varlen_path
 
 __all__ = ["autocast_dtype", "concertina_attention_forward"]
@@ -98,15 +98,19 @@ def concertina_attention_forward(
     kernels.note_kernel(kernel, query.device)
     ctx.store_own(layer, key, value)
     if kernel in ("flash-attn", "torch-varlen"):
-        return varlen_path(kernel, ctx, layer, query, key, value, scale, window, dropout, softcap), None
-    if kernel == "sdpa-cpu-flash":
-        segs, pk, pv = cpu_segments(ctx, layer, window, key.dtype)
-        out = SegmentsCPU.apply(query, key, value, scale, window, segs, len(pk), *pk, *pv)
-    elif kernel == "sdpa-per-segment":
-        out = segments_sdpa(ctx, layer, query, key, value, scale, window, dropout)
+        out = varlen_path(kernel, ctx, layer, query, key, value, scale, window, dropout, softcap)
     else:
-        out = segments_math(ctx, layer, query, key, value, scale, window, dropout, softcap, sink)
-    return out.transpose(1, 2).contiguous(), None
+        if kernel == "sdpa-cpu-flash":
+            segs, pk, pv = cpu_segments(ctx, layer, window, key.dtype)
+            out = SegmentsCPU.apply(query, key, value, scale, window, segs, len(pk), *pk, *pv)
+        elif kernel == "sdpa-per-segment":
+            out = segments_sdpa(ctx, layer, query, key, value, scale, window, dropout)
+        else:
+            out = segments_math(ctx, layer, query, key, value, scale, window, dropout, softcap, sink)
+        out = out.transpose(1, 2).contiguous()
+    if getattr(getattr(ctx, "store", None), "global_heads", ()) and ctx.has_context:  # segment-level training's global heads
+        out = global_heads_attention(ctx, layer, out, query, key, value, scale, window, dropout, softcap, sink)
+    return out, None
 
 
 def _fallback(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, sink,

@@ -8,7 +8,10 @@
   kernels do not implement: attention soft-capping (Gemma2's ``softcap``; flash-attn does it
   itself) and attention sinks (gpt-oss's ``s_aux``, per-query ``sinks``);
 - :func:`pad_head_dims`: MLA's value heads of another size than query/key heads, zero-padded for
-  the kernels that take one head size (every kernel of the backend uses it).
+  the kernels that take one head size (every kernel of the backend uses it);
+- :func:`global_heads_attention`: segment-level training's global heads (the store's
+  ``global_heads``), recomputed over every earlier key (those before the K/V tail detached) for
+  the segments the tail binds, their outputs replacing the kernel's for those heads.
 
 Costs: both paths concatenate a segment's ``[prefix, own]`` keys through ``torch.cat``, so
 autograd keeps the ``C + s`` keys of each layer until the slice's backward (``O(n^2)`` K/V over a
@@ -23,7 +26,8 @@ import torch.nn.functional as F
 
 from .context import ChunkAttentionContext, segment_mask
 
-__all__ = ["eager_attention", "pad_head_dims", "segments_math", "segments_sdpa", "sink_rows"]
+__all__ = ["eager_attention", "global_heads_attention", "pad_head_dims", "segments_math", "segments_sdpa",
+           "sink_rows"]
 
 
 def pad_head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -109,3 +113,51 @@ def segments_math(ctx: ChunkAttentionContext, layer: int, query, key, value, sca
         sk = sink if sink is None or sink.shape[2] == 1 else sink[:, :, s.offset:s.offset + s.length]
         outs.append(eager_attention(q, k, v, scale, softcap, sk, dropout, allowed=m))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def global_heads_attention(ctx: ChunkAttentionContext, layer: int, out: torch.Tensor, query, key, value,
+                           scale: float, window: int | None, dropout: float, softcap: float | None,
+                           sink: torch.Tensor | None) -> torch.Tensor:
+    """``out`` ([1, T, H, Dv], the kernel's output under the K/V tail) with the global heads'
+    outputs replaced, on the segments whose tail cuts earlier keys: those heads' queries against
+    ``[detached keys before the tail, the keys the tail keeps (gradient as the other heads), own]``,
+    causal (and a layer's sliding window), by :func:`eager_attention` (SDPA without soft-capping
+    or sinks). Costs: those heads attend to every earlier key, and keep the concatenated keys
+    of the global heads' K/V heads for backward."""
+    store = ctx.store
+    heads = list(store.global_heads)
+    kv_idx, head_kv = store.head_groups(query.shape[1], key.shape[1])
+    kv_idx = list(kv_idx)
+    hsel = torch.tensor(heads, device=query.device)
+    kmap = torch.tensor(head_kv, device=query.device)
+    sink = sink_rows(sink, query.shape[1])
+    pieces, changed = [], False
+    base = out[:, :, hsel].transpose(1, 2)  # [1, G, T, Dv]
+    for s in ctx.slices:
+        lo_g = 0 if window is None else max(0, s.start - window + 1)  # the window's first key
+        if max(0, s.start - store.kv_tail) <= lo_g:  # the tail cuts nothing the window reaches
+            pieces.append(base[:, :, s.offset:s.offset + s.length])
+            continue
+        changed = True
+        k, v, lo = ctx.segment_kv(s, layer, key, value, window)
+        k_old, v_old = store.global_prefix(s.seq, lo_g, lo, layer)
+        k = torch.cat([k_old.to(k.dtype), k[:, kv_idx]], dim=2)[:, kmap]  # [1, G, start + n - lo_g, D]
+        v = torch.cat([v_old.to(v.dtype), v[:, kv_idx]], dim=2)[:, kmap]
+        q = query[:, heads, s.offset:s.offset + s.length]
+        m = segment_mask(s.start, s.length, lo_g, window, query.device)
+        if m is None:
+            m = torch.ones(s.length, s.length, dtype=torch.bool, device=query.device).tril()
+        if softcap is None and sink is None:
+            qp, kp, vp = pad_head_dims(q, k, v)
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=m, dropout_p=dropout, scale=scale)
+            o = o[..., :value.shape[-1]]
+        else:
+            sk = None if sink is None else sink[:, hsel]
+            if sk is not None and sk.shape[2] != 1:
+                sk = sk[:, :, s.offset:s.offset + s.length]
+            o = eager_attention(q, k, v, scale, softcap, sk, dropout, allowed=m)
+        pieces.append(o.to(base.dtype))
+    if not changed:
+        return out
+    glob = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)  # [1, G, T, Dv]
+    return out.index_copy(2, hsel, glob.transpose(1, 2))
