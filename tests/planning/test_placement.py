@@ -179,3 +179,20 @@ def test_context_mode_refuses_a_chunk_it_cannot_spread():
         plan_step([5, 6], cost, StageLayout.even(16, 1), 0, "packed", sp_mode="context")
     assert "cannot fill the 4 GPUs of a stage whole-doc / per-doc" in str(e.value)
     assert "set sequence_parallel_mode to 'auto'" in str(e.value)
+
+
+def test_cli_sp_mode_shows_modes_and_lifts_the_head_rule(capsys):
+    from concertina_hf.tools import cli
+
+    base = ["plan", "--distribution", "github", "--max-len", "16384", "--num-seqs", "24", "--strategy", "adaptive",
+            "--solver", "greedy", "--memory-gb", "80"]
+    assert cli.main(base + ["--model-config", "small-llama", "--pp", "2", "--sp", "4", "--sp-mode", "context"]) == 0
+    out = capsys.readouterr().out
+    assert "modes u/w/d/m" in out and "(--sp-mode context)" in out
+    with pytest.raises(SystemExit) as e:
+        cli.main(base + ["--model-config", "llama-30b", "--pp", "4", "--sp", "8", "--sp-mode", "ulysses"])
+    assert "does not divide the model's 52 attention heads" in str(e.value)
+    assert "set --sp to a divisor of 52 or set --sp-mode to 'auto' or 'context'" in str(e.value)
+    assert cli.main(base + ["--model-config", "llama-30b", "--pp", "4", "--sp", "8"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("adaptive"))
+    assert " 0/" in row  # no Ulysses chunk: sp=8 does not divide 52 heads

@@ -272,7 +272,7 @@ def test_cli_plan_with_sp(tmp_path, capsys):
     rc = cli.main([*base, "--strategy", "adaptive,sp-only", "--sp", "8", "--memory-gb", "80", "--json", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
-    assert "8 GPUs each (Ulysses)" in text and "80.0 GiB per GPU" in text and "sp-only" in text
+    assert "8 GPUs each (--sp-mode auto)" in text and "80.0 GiB per GPU" in text and "sp-only" in text
     import json
 
     recs = {r["strategy"]: r for r in json.loads(out.read_text())}
@@ -285,7 +285,7 @@ def test_cli_plan_with_sp(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main([*base, "--gpus-per-stage", "8", "--memory-gb", "80", "--strategy", "adaptive"])
     with pytest.raises(SystemExit, match="--sp 16: .*40 attention heads.*set --sp to a divisor of 40"):
-        cli.main([*base, "--sp", "16", "--strategy", "adaptive"])
+        cli.main([*base, "--sp", "16", "--strategy", "adaptive", "--sp-mode", "ulysses"])
 
 
 def test_old_cost_model_files_still_load():

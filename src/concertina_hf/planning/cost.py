@@ -490,7 +490,9 @@ class CostModel:
         if ulysses and self.num_heads and self.num_heads % sp:
             raise PlanError(f"sequence-parallel size {sp} does not divide the model's {self.num_heads} attention "
                             "heads (Ulysses gives each GPU whole heads)",
-                            Remedy("sequence_parallel_size", "set", value=f"a divisor of {self.num_heads}"))
+                            Remedy("sequence_parallel_size", "set", value=f"a divisor of {self.num_heads}"),
+                            Remedy("sequence_parallel_mode", "set",
+                                   value="'auto' or 'context' (whole-doc / per-doc sharding, no head-count rule)"))
         ratio = self.sp / sp
         changes: dict[str, Any] = {name: getattr(self, name) * ratio for name in self._PER_GPU}
         # K/V heads fewer than sp GPUs: each GPU holds (and receives) one replicated K/V head

@@ -134,11 +134,13 @@ def _model_shape(model: CostModel | Mapping[str, Any]) -> tuple[int, int, int]:
 
 
 def runnable_layouts(model: CostModel | Mapping[str, Any], gpus: int,
-                     gpus_per_node: int = 8) -> tuple[list[Layout], list[tuple[Layout, str]]]:
+                     gpus_per_node: int = 8, ulysses: bool = True) -> tuple[list[Layout], list[tuple[Layout, str]]]:
     """Every ``pp x sp x dp = gpus`` layout: ``(runnable, [(refused, reason), ...])``, each list
     in ``(pp, sp)`` order. ``model``: a cost model (its layer and head counts) or an HF config
     mapping. ``gpus_per_node`` does not restrict the layouts (a stage's GPUs may span nodes: the
-    cost model prices the slower link); it is here so a caller states the cluster once."""
+    cost model prices the slower link); it is here so a caller states the cluster once.
+    ``ulysses=False``: the stages run whole-doc / per-doc placements where Ulysses cannot
+    (``sp_mode`` ``auto`` or ``context``, :mod:`.placement`), so no head-count refusal."""
     gpus, gpus_per_node = int(gpus), int(gpus_per_node)
     if gpus < 1:
         raise PlanError(f"the number of GPUs must be at least 1 (got {gpus})")
@@ -157,7 +159,7 @@ def runnable_layouts(model: CostModel | Mapping[str, Any], gpus: int,
             if pp > layers:
                 refused.append((lay, f"pp={pp} stages for {layers} decoder layers: a stage would be empty"))
                 continue
-            why = ulysses_heads_refusal(heads, kv, sp)
+            why = ulysses_heads_refusal(heads, kv, sp) if ulysses else None
             if why:
                 refused.append((lay, why))
                 continue
@@ -165,12 +167,12 @@ def runnable_layouts(model: CostModel | Mapping[str, Any], gpus: int,
     return ok, refused
 
 
-def layout_cost(cost: CostModel, layout: Layout, shard_optimizer: bool = True) -> CostModel:
+def layout_cost(cost: CostModel, layout: Layout, shard_optimizer: bool = True, ulysses: bool = True) -> CostModel:
     """The per-GPU cost model of ``layout`` as the trainer builds it (``run_setup``): a stage of
     ``sp`` GPUs, optimizer state over the stage's ``dp x sp`` ranks when ``shard_optimizer``."""
     shards = layout.sp * layout.dp if shard_optimizer else 1
     if layout.sp > 1 or shards > 1:
-        return cost.with_parallel(sp=layout.sp, state_shards=shards)
+        return cost.with_parallel(sp=layout.sp, state_shards=shards, ulysses=ulysses)
     return cost
 
 
@@ -288,7 +290,11 @@ def rank_layouts(
     if gpus_per_node is not None:
         cost = dataclasses.replace(cost, gpus_per_node=int(gpus_per_node))
     budget = int(memory_budget_bytes or 0)
-    ok, refused = runnable_layouts(cost, gpus, cost.gpus_per_node)
+    # plan_kwargs' sp_mode (auto / context: whole-doc / per-doc where Ulysses cannot run, no head-count
+    # rule; the lower bound counts the all-to-alls, so it prunes under Ulysses only)
+    uly = plan_kwargs.get("sp_mode", "ulysses") == "ulysses"
+    prune = prune and uly
+    ok, refused = runnable_layouts(cost, gpus, cost.gpus_per_node, ulysses=uly)
     rows: list[LayoutResult] = [LayoutResult(lay, strategy, "refused", runnable=False, reason=why,
                                              memory_budget_bytes=budget) for lay, why in refused]
     todo = []
@@ -296,7 +302,7 @@ def rank_layouts(
         row = LayoutResult(lay, strategy, "pending", memory_budget_bytes=budget)
         rows.append(row)
         try:
-            lcost = layout_cost(cost, lay, shard_optimizer)
+            lcost = layout_cost(cost, lay, shard_optimizer, ulysses=uly)
             stages = partition_layers(lcost, lay.pp)
         except PlanError as e:
             row.status, row.runnable, row.reason = "refused", False, e.reason

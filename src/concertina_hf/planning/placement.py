@@ -49,8 +49,13 @@ IMBALANCE = 0.1
 
 def ulysses_allowed(cost: CostModel) -> bool:
     """Whether a stage of ``cost.sp`` GPUs can run Ulysses: ``sp`` divides the attention heads
-    (the runtime gives each GPU whole heads; K/V heads are replicated when fewer)."""
-    return not cost.num_heads or cost.num_heads % cost.sp == 0
+    (the runtime gives each GPU whole heads) and divides the K/V heads or is a multiple of them
+    (split, or replicated when fewer): ``layouts.ulysses_heads_refusal``'s rule."""
+    sp, heads = cost.sp, cost.num_heads
+    if sp <= 1 or not heads:
+        return True
+    kv = cost.num_kv_heads or heads
+    return heads % sp == 0 and (kv % sp == 0 or sp % kv == 0)
 
 
 def check_sp_mode(mode: str, cost: CostModel) -> None:

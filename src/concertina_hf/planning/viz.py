@@ -31,11 +31,14 @@ from __future__ import annotations
 import os
 from typing import Any, Iterable, Mapping, Sequence
 
+from .sharding import chunk_mode
 from .types import Action, ActionKind, ChunkKind, Plan
 
 __all__ = ["KIND_COLORS", "describe_parallelism", "plot_gantt"]
 
 KIND_COLORS = {ChunkKind.PACKED: "#4C72B0", ChunkKind.SPLIT: "#DD8452", ChunkKind.HYBRID: "#55A868"}
+#: the suffix of a chunk's label for its sharding mode inside a stage (Ulysses: none)
+_MODE_MARKS = {"whole-doc": "w", "per-doc": "d", "mixed": "m"}
 _STAGE_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22"]
 _GIB = float(2**30)
 
@@ -125,8 +128,10 @@ def _draw_schedule(ax, plan: Plan, times: Sequence[tuple[Action, float, float]],
                 groups.setdefault((y, color, 0.95, "////"), []).append((t0, rec))
             if dur - rec > 0:
                 groups.setdefault((y, color, 0.95, None), []).append((t0 + rec, dur - rec))
-        if span > 0 and dur / span > 0.012 * max(1, len(str(a.chunk))):
-            texts.append((t0 + dur / 2, y, str(a.chunk)))
+        # a placed chunk's mode inside the stage (.sharding): w(hole-doc), d (per-doc), m(ixed)
+        name = f"{a.chunk}{_MODE_MARKS.get(chunk_mode(chunk), '')}"
+        if span > 0 and dur / span > 0.012 * max(1, len(name)):
+            texts.append((t0 + dur / 2, y, name))
     for (stage, color, alpha, hatch), bars in groups.items():
         ax.broken_barh(bars, (stage - 0.4, 0.8), facecolors=color, alpha=alpha, hatch=hatch,
                        edgecolor="white", linewidth=0.3)
@@ -240,7 +245,12 @@ def plot_gantt(
               label="recompute (hatched)" if cost is not None else "backward with recompute (hatched)"),
     ]
     if cost is not None and getattr(cost, "sp", 1) > 1:
-        handles.append(Patch(facecolor="white", edgecolor="black", hatch="....", label=f"all-to-all (sp={cost.sp})"))
+        placed = [c for c in plan.chunks if c.placement]
+        what = "all-to-all / K/V all-gather" if placed else "all-to-all"
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="....", label=f"{what} (sp={cost.sp})"))
+        if placed:
+            handles.append(Patch(facecolor="white", edgecolor="white",
+                                 label="chunk N: Ulysses, Nw whole-doc, Nd per-doc, Nm mixed"))
     # above the chart, so it never hides the first bars
     axes[0].legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7,
                    ncol=len(handles), frameon=False)

@@ -52,7 +52,8 @@ _GIB = 2**30
 
 #: the flag of this command setting each planner setting its errors name (``PlanError.remedies``)
 FLAGS = {"memory_budget": "--memory-gb", "max_tokens_per_chunk": "--max-tokens-per-chunk", "pipeline_size": "--pp",
-         "sequence_parallel_size": "--sp", "strategy": "--strategy", "solver": "--solver"}
+         "sequence_parallel_size": "--sp", "strategy": "--strategy", "solver": "--solver",
+         "sequence_parallel_mode": "--sp-mode"}
 
 _REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size", "num_hidden_layers")
 
@@ -170,10 +171,12 @@ def run_plan(args) -> list[dict[str, Any]]:
     Also attaches the ``Plan`` and the simulation under the private keys ``_plan`` / ``_sim``.
     """
     from ..planning import CostModel, PlanError, ideal_step_time, plan_step
+    from ..planning.sharding import MODES, chunk_mode
     from ..planning.simulate import simulate
 
     cfg = load_model_config(args.model_config)
     dev = _device(args)
+    args.sp_mode = getattr(args, "sp_mode", None) or "auto"
     sp = 1 if args.sp is None else args.sp
     if sp < 1 or args.dp < 1:
         raise SystemExit(f"--sp and --dp must be at least 1, got --sp {sp} --dp {args.dp}")
@@ -183,7 +186,7 @@ def run_plan(args) -> list[dict[str, Any]]:
         cost = CostModel.from_hf_config(cfg, dev)
     if sp > 1 or args.dp > 1:
         try:
-            cost = cost.with_parallel(sp=sp, state_shards=args.dp * sp)
+            cost = cost.with_parallel(sp=sp, state_shards=args.dp * sp, ulysses=args.sp_mode == "ulysses")
         except PlanError as e:
             raise SystemExit(f"--sp {sp}: {e.worded(FLAGS)}") from None
     args._sp = sp
@@ -216,7 +219,8 @@ def run_plan(args) -> list[dict[str, Any]]:
         try:
             plan = plan_step(lens, cost, layout, budget, strategy,
                              max_tokens_per_chunk=args.max_tokens_per_chunk,
-                             solver=args.solver or "ilp", time_limit_s=args.time_limit)
+                             solver=args.solver or "ilp", time_limit_s=args.time_limit,
+                             **({"sp_mode": args.sp_mode} if sp > 1 else {}))
         except PlanError as e:  # InfeasiblePlanError too
             records.append({"strategy": strategy, "fits": False, "reason": e.worded(FLAGS),
                             "plan_time_s": time.perf_counter() - t0})
@@ -232,6 +236,9 @@ def run_plan(args) -> list[dict[str, Any]]:
             continue
         counts = plan.chunk_counts()
         counts["total"] = plan.num_chunks
+        modes = {m: 0 for m in MODES}
+        for c in plan.chunks:
+            modes[chunk_mode(c)] += 1
         records.append({
             "strategy": strategy,
             "fits": True,
@@ -242,6 +249,8 @@ def run_plan(args) -> list[dict[str, Any]]:
             "peak_memory_bytes": list(sim.peak_memory_bytes),
             "memory_budget_bytes": [budget] * plan.num_stages,
             "num_chunks": counts,
+            "chunk_modes": modes,
+            "stage_comm_bytes": sim.stage_comm_bytes,
             "plan_time_s": plan_s,
             "ideal_step_time_s": ideal,
             "plan": plan.with_predicted(sim.stats()).to_dict(),
@@ -260,8 +269,10 @@ def _gib(b: float) -> str:
     return f"{b / _GIB:.3g}"
 
 
-def _table(records: list[dict[str, Any]]) -> str:
+def _table(records: list[dict[str, Any]], sp: int = 1) -> str:
     head = ["strategy", "step (s)", "vs best", "bubble", "recompute", "peak GiB per stage", "chunks p/s/h", "plan ms"]
+    if sp > 1:  # each chunk's sharding mode inside a stage and the bytes moved there
+        head[-1:-1] = ["modes u/w/d/m", "stage GiB"]
     rows = []
     for r in records:
         if not r["fits"]:
@@ -273,6 +284,10 @@ def _table(records: list[dict[str, Any]]) -> str:
             f"{r['recompute_fraction']:.1%}", "/".join(_gib(b) for b in r["peak_memory_bytes"]),
             f"{c['packed']}/{c['split']}/{c['hybrid']}", f"{r['plan_time_s'] * 1e3:.0f}",
         ])
+        if sp > 1:
+            m = r["chunk_modes"]
+            rows[-1][-1:-1] = [f"{m['ulysses']}/{m['whole-doc']}/{m['per-doc']}/{m['mixed']}",
+                               f"{r['stage_comm_bytes'] / _GIB:.4g}"]
     widths = [max([len(head[i])] + [len(row[i]) for row in rows if len(row) == len(head)]) for i in range(len(head))]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
     for row in rows:
@@ -294,14 +309,14 @@ def _cmd_plan(args) -> int:
     lens = args._lens
     print(f"batch: {len(lens)} sequences, {sum(lens)} tokens, longest {max(lens)}, median "
           f"{sorted(lens)[len(lens) // 2]} ({args._source})")
-    gpus = f"{args._sp} GPUs each (Ulysses), " if args._sp > 1 else ""
+    gpus = f"{args._sp} GPUs each (--sp-mode {args.sp_mode}), " if args._sp > 1 else ""
     print(f"model: {args.model_config}, {args.pp} stages {list(args._layout.layer_ranges)}, {gpus}budget "
           f"{args._budget / _GIB:.1f} GiB per GPU, state sharded over {args._cost.state_shards} ranks, "
           f"cost model {args._cost.source}, solver {args.solver}")
     fits = [r for r in records if r["fits"]]
     if fits:
         print(f"ideal step time (all stages busy, no recompute): {fits[0]['ideal_step_time_s']:.4g} s")
-    print(_table(records))
+    print(_table(records, args._sp))
     if args.show_grid:
         for r in fits:
             print()
@@ -349,8 +364,10 @@ def run_layout_auto(args) -> list[Any]:
         raise SystemExit(f"concertina plan: {e}") from None
     args._lens, args._source, args._budget, args._cost = lens, src, budget, cost
     try:
+        mode = getattr(args, "sp_mode", None)
         return rank_layouts(lens, cost, args.gpus, budget, gpus_per_node=dev.gpus_per_node, solver=args.solver,
-                            time_limit_s=args.time_limit, max_tokens_per_chunk=args.max_tokens_per_chunk)
+                            time_limit_s=args.time_limit, max_tokens_per_chunk=args.max_tokens_per_chunk,
+                            **({"sp_mode": mode} if mode else {}))
     except PlanError as e:
         raise SystemExit(f"concertina plan: {e.worded(FLAGS)}") from None
 
@@ -470,7 +487,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a CostModel.to_dict() file (e.g. fitted from measurements) instead of the analytic one")
     m.add_argument("--pp", type=int, default=4, help="pipeline stages")
     m.add_argument("--sp", type=int, default=None,
-                   help="GPUs of one stage (Ulysses sequence parallelism; must divide the attention heads); default 1")
+                   help="GPUs of one stage (sequence parallelism; --sp-mode ulysses needs it to divide the attention "
+                        "heads); default 1")
+    m.add_argument("--sp-mode", choices=("auto", "ulysses", "context"), default=None,
+                   help="how a stage of --sp GPUs shards each chunk: auto (the planner picks Ulysses, whole-doc or "
+                        "per-doc per chunk; a fixed layout's choice when unset), ulysses (--layout auto's when "
+                        "unset, as the trainer runs today), or context (whole-doc / per-doc only, any head count); "
+                        "the table's modes column counts the chunks of each: u(lysses)/w(hole-doc)/d (per-doc)/m(ixed)")
     m.add_argument("--dp", type=int, default=1,
                    help="pipeline replicas (optimizer state is sharded over dp x sp ranks)")
     m.add_argument("--memory-gb", type=float, default=None, help="memory budget per GPU in GiB (default: the device's)")

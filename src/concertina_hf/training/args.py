@@ -30,6 +30,7 @@ from transformers import TrainingArguments
 
 # the plan strategies of concertina_hf.planning.plan_step: the adaptive method and its baselines
 from ..planning import PIPELINE_STRATEGIES, SOLVERS, STRATEGIES, PlanError, stage_budgets
+from ..planning.placement import SP_MODES
 from ..planning.segments import SegmentOptions, parse_heads
 
 __all__ = [
@@ -57,7 +58,12 @@ PLANNER_FIELDS = {
     "memory_budget": "concertina_memory_budget", "max_tokens_per_chunk": "concertina_max_tokens_per_chunk",
     "pipeline_size": "concertina_pipeline_size", "sequence_parallel_size": "concertina_sequence_parallel_size",
     "strategy": "concertina_strategy", "solver": "concertina_solver",
+    "sequence_parallel_mode": "concertina_sequence_parallel_mode",
 }
+#: Whether the runtime executes whole-doc / per-doc placements (issue 23). While False the trainer
+#: plans every chunk Ulysses: concertina_sequence_parallel_mode='auto' resolves to 'ulysses' and
+#: 'context' is refused. The one switch to flip once the runtime runs placed chunks.
+PLACEMENTS_RUN = False
 #: concertina_nonfinite: stop every rank, or drop the step (see concertina_hf.training.step_guard)
 NONFINITE_MODES = ("raise", "skip")
 
@@ -187,6 +193,15 @@ class ConcertinaTrainingArguments(TrainingArguments):
         0.85,
         "With concertina_memory_budget='auto': share of the device's memory a stage may plan for "
         "(the rest is left to the allocator's fragmentation and communication buffers).",
+    )
+    concertina_sequence_parallel_mode: str = _option(
+        "auto",
+        "How a stage of several processes shards each chunk: 'auto' (the planner chooses per chunk the "
+        "cheapest of Ulysses, whole-doc: each sequence entirely on one process, no attention traffic, "
+        "and per-doc: a long sequence cut into 2 x sp zig-zag pieces with its K/V all-gathered), "
+        "'ulysses' (every chunk Ulysses), or 'context' (whole-doc and per-doc only, never an "
+        "all-to-all; no head-count limit). Until the runtime executes placements, 'auto' runs Ulysses "
+        "and 'context' is refused.",
     )
     concertina_strategy: str = _option(
         "adaptive",
@@ -360,6 +375,13 @@ class ConcertinaTrainingArguments(TrainingArguments):
                              f"{', '.join(PIPELINE_STRATEGIES)}")
         if self.concertina_solver not in SOLVERS:
             raise ValueError(f"concertina_solver={self.concertina_solver!r}: choose one of {', '.join(SOLVERS)}")
+        if self.concertina_sequence_parallel_mode not in SP_MODES:
+            raise ValueError(f"concertina_sequence_parallel_mode={self.concertina_sequence_parallel_mode!r}: choose "
+                             f"one of {', '.join(SP_MODES)}")
+        if self.concertina_sequence_parallel_mode == "context" and not PLACEMENTS_RUN:
+            raise ValueError("concertina_sequence_parallel_mode='context' needs whole-doc / per-doc execution in the "
+                             "runtime, which this version does not have yet; set it to 'auto' (Ulysses for now) or "
+                             "'ulysses'")
         if not self.concertina_solver_time_limit > 0:
             raise ValueError(f"concertina_solver_time_limit must be positive, got {self.concertina_solver_time_limit}")
         if self.concertina_cost_model not in COST_MODEL_SOURCES:
@@ -437,6 +459,13 @@ class ConcertinaTrainingArguments(TrainingArguments):
             return None
         return SegmentOptions(self.concertina_segment_tokens, self.concertina_segment_gradient,
                               self.concertina_segment_kv_tail, parse_heads(self.concertina_segment_global_heads))
+
+    @property
+    def sequence_parallel_mode(self) -> str:
+        """The mode the planner gets: ``concertina_sequence_parallel_mode``, with ``'auto'`` as
+        ``'ulysses'`` while the runtime cannot run placements (:data:`PLACEMENTS_RUN`)."""
+        mode = self.concertina_sequence_parallel_mode
+        return mode if PLACEMENTS_RUN or mode != "auto" else "ulysses"
 
     @property
     def memory_budget(self) -> str | tuple[int, ...] | None:

@@ -63,6 +63,9 @@ class RunSetup:
     budget_source: str = ""
     #: segment-level training (concertina_segment_*; None: off), recorded in every plan's knobs
     segment: SegmentOptions | None = None
+    #: how a stage of sp processes shards each chunk (planning.placement): the effective
+    #: concertina_sequence_parallel_mode (ConcertinaTrainingArguments.sequence_parallel_mode)
+    sp_mode: str = "ulysses"
 
 
 def build_topology(args: ConcertinaTrainingArguments) -> Topology:
@@ -106,11 +109,12 @@ def resolve_run(args: ConcertinaTrainingArguments, model: nn.Module, topology: T
     sp = topology.sequence_parallel_size
     # optimizer state over the stage's dp x sp ranks (concertina_shard_optimizer), else whole on each
     shards = sp * topology.data_parallel_size if args.concertina_shard_optimizer else 1
-    if sp > 1:  # per GPU: compute and activations over sp
+    sp_mode = args.sequence_parallel_mode
+    if sp > 1 and sp_mode == "ulysses":  # whole-doc / per-doc have no head-count rule
         heads = int(model.config.num_attention_heads)
         check_heads(heads, int(getattr(model.config, "num_key_value_heads", None) or heads), sp)
-    if sp > 1 or shards > 1:
-        cost = cost.with_parallel(sp=sp, state_shards=shards)
+    if sp > 1 or shards > 1:  # per GPU: compute and activations over sp
+        cost = cost.with_parallel(sp=sp, state_shards=shards, ulysses=sp_mode == "ulysses")
     try:
         layout = partition_layers(cost, topology.pipeline_size)
     except PlanError as e:
@@ -124,6 +128,7 @@ def resolve_run(args: ConcertinaTrainingArguments, model: nn.Module, topology: T
         max_tokens_per_chunk=args.concertina_max_tokens_per_chunk,
         budget_source=budget_source(args, device_memory, args.device),
         segment=args.segment_options,
+        sp_mode=sp_mode,
     )
 
 

@@ -130,6 +130,8 @@ class StepPlanner:
                       time_limit_s=setup.solver_time_limit_s)
         if setup.segment is not None:  # segment-level training: cut at segments, recorded in the plan
             kwargs["segment"] = setup.segment
+        if setup.sp_mode != "ulysses":  # whole-doc / per-doc placements chosen per chunk
+            kwargs["sp_mode"] = setup.sp_mode
         try:
             process = self._process
             if process is not None:
