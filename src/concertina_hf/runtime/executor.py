@@ -78,6 +78,7 @@ import torch.distributed as dist
 
 from ..planning.lower import lower
 from ..planning.segments import check_segment_plan
+from ..planning.sharding import plan_placement_refusal, rank_tokens
 from ..planning.simulate import dry_run
 from ..planning.types import Action, ActionKind, Plan, PlanError, Program
 from .attention import ChunkAttentionContext, KVStore, SliceSpec, autocast_dtype
@@ -86,6 +87,7 @@ from .distributed import group_timeout, p2p_channels
 from .p2p import TIED_GRAD_TAG, StageComm, activation_tag, gradient_tag
 from .rng import StageRNG
 from .stage import PipelineWrapper
+from .context_parallel import ContextParallelContext
 from .ulysses import SequenceParallel
 
 __all__ = ["PipelineExecutor", "StepResult"]
@@ -179,9 +181,13 @@ class PipelineExecutor:
         self.hidden_size = int(wrapper.config.hidden_size)
         self.comm: StageComm | None = None
         self.sp: SequenceParallel | None = None
+        self._ulysses_refusal: str | None = None  # why Ulysses cannot split the heads (placed chunks still run)
         if sp_group is not None and dist.get_world_size(sp_group) > 1:
             self.sp = SequenceParallel(sp_group)
-            self.sp.check_model(wrapper.config)
+            try:
+                self.sp.check_model(wrapper.config)
+            except ValueError as exc:
+                self._ulysses_refusal = str(exc)
         if self.num_stages > 1:
             if not dist.is_initialized():
                 raise RuntimeError(
@@ -270,7 +276,16 @@ class PipelineExecutor:
             )
         if check_segment_plan(plan) is not None and self.sp is not None:
             raise PlanError("segment-level training (plan knob segment_tokens) runs with sequence parallelism 1 "
-                            "only: Ulysses does not carry the segment K/V tail or the detached older K/V")
+                            "only: neither Ulysses nor the whole-doc / per-doc placements carry the segment K/V "
+                            "tail or the detached older K/V")
+        if self.sp is not None:
+            why = plan_placement_refusal(plan, self.sp.size)
+            if why is not None:
+                raise PlanError(f"the plan's whole-doc / per-doc placements cannot run on this stage's "
+                                f"{self.sp.size} sequence-parallel ranks: {why}")
+            if self._ulysses_refusal is not None and any(not c.placement for c in plan.chunks):
+                raise PlanError(f"{self._ulysses_refusal}; or plan every chunk whole-doc / per-doc "
+                                "(concertina_sequence_parallel_mode='context'), which has no head-count rule")
 
     def _program(self, plan: Plan, train: bool) -> Program:
         """The checked plan lowered, and dry-run once (every rank checks the whole program)."""
@@ -427,8 +442,10 @@ class PipelineExecutor:
                 if msg_steps is not None:  # the peer's step that posts this message's receive
                     keys.append((a.peer, msg_steps.get((a.peer, _MATCH[a.kind], c), -1)))
             else:
-                tokens = plan.chunks[c].num_tokens
-                shape = (1, tokens if self.sp is None else self.sp.tokens(tokens), self.hidden_size)
+                # this rank's tokens of the chunk: all, Ulysses' even share, or its placed pieces
+                tokens = plan.chunks[c].num_tokens if self.sp is None else rank_tokens(plan.chunks[c], self.sp.size,
+                                                                                       self.sp.rank)
+                shape = (1, tokens, self.hidden_size)
                 buf = received[(a.kind, c)] = torch.empty(shape, dtype=wire_dtype, device=self.device)
                 recvs.append(self.comm.recv_op(buf, a.peer, tag))
         self.comm.exchange(sends, recvs, keys if msg_steps is not None else None)
@@ -534,12 +551,17 @@ class _Step:
 
     def _forward(self, c: int, received: torch.Tensor | None) -> torch.Tensor | None:
         w, meter, train, slices = self.w, self.meter, self.train, self.slices[c]
-        ctx = ChunkAttentionContext(slices, self.store, self.device, requires_grad=train)
-        if self.sp is not None:
-            ctx = self.sp.context(ctx)
+        placed = self.sp is not None and bool(self.plan.chunks[c].placement)
+        if placed:  # whole-doc / per-doc: this rank's pieces of the chunk (.context_parallel)
+            ctx = ContextParallelContext(self.plan.chunks[c], slices, self.store, self.device, train, self.sp)
+        else:
+            ctx = ChunkAttentionContext(slices, self.store, self.device, requires_grad=train)
+            if self.sp is not None:
+                ctx = self.sp.context(ctx)
+        local = ctx.pieces if placed else slices  # (position, length) of this rank's tokens
         if w.is_first:
-            ids = torch.cat([self.ids[s.seq][s.start:s.start + s.length] for s in slices])
-            x = w.embed(ids if self.sp is None else self.sp.shard(ids, 0))
+            ids = torch.cat([self.ids[s.seq][s.start:s.start + s.length] for s in local])
+            x = w.embed(ids if self.sp is None or placed else self.sp.shard(ids, 0))
         else:
             x = received.requires_grad_(train)
             if train:
@@ -562,8 +584,8 @@ class _Step:
                         if earlier.end <= reach:
                             meter.release(("kv", s.seq, earlier.start))
         if w.is_last:
-            targets = torch.cat([_targets(self.labels[s.seq], s) for s in slices])
-            if self.sp is not None:
+            targets = torch.cat([_targets(self.labels[s.seq], s) for s in local])
+            if self.sp is not None and not placed:
                 targets = self.sp.shard(targets, -100)
             if self.on_logits is None:
                 chunk_loss = w.head_loss_sum(y, targets)
@@ -573,6 +595,8 @@ class _Step:
                 logits = logits.detach()
                 if self.sp is None:
                     self.on_logits(slices, logits)
+                elif placed:  # every sp rank: the whole chunk's logits, the pieces put back in token order
+                    self.on_logits(slices, ctx.gather_tokens(logits))
                 elif getattr(self.on_logits, "takes_sp_shards", False):  # the hook gathers what it keeps
                     self.on_logits(slices, logits, self.sp)
                 else:  # every sp rank: the whole chunk's logits, in token order
