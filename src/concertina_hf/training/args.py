@@ -168,6 +168,16 @@ class ConcertinaTrainingArguments(TrainingArguments):
         "gradients are all-reduced across replicas. None: the number of processes divided by "
         "concertina_pipeline_size (1 when neither is set).",
     )
+    concertina_layout: str = _option(
+        "manual",
+        "'manual': the sizes as given. 'auto': pipeline, sequence- and data-parallel sizes chosen at "
+        "construction from the number of processes, the model, the memory budget and the lengths of the "
+        "training data's first 8 steps (concertina_hf.training.auto_layout); concertina_pipeline_size / "
+        "concertina_data_parallel_size when set and concertina_sequence_parallel_size when not 1 are kept. A "
+        "step then takes per_device_train_batch_size x gradient_accumulation_steps x number of processes "
+        "sequences (Trainer's global batch at this many processes), shared over the chosen replicas. A checkpoint "
+        "given as resume_from_checkpoint keeps its recorded layout.",
+    )
     concertina_sequence_parallel_size: int = _option(
         1,
         "Processes per pipeline stage, sharing each chunk's tokens by Ulysses sequence parallelism "
@@ -368,6 +378,9 @@ class ConcertinaTrainingArguments(TrainingArguments):
         if world is not None:  # launched: check the sizes before any process group is set up
             resolve_parallel_sizes(int(world), self.concertina_pipeline_size, self.concertina_data_parallel_size,
                                    self.concertina_sequence_parallel_size)
+        if self.concertina_layout not in ("manual", "auto"):
+            raise ValueError(f"concertina_layout={self.concertina_layout!r}: choose 'manual' (the sizes as given) or "
+                             "'auto' (chosen from the model, the memory budget and the data's lengths)")
         if self.concertina_strategy not in PIPELINE_STRATEGIES:
             why = (" is a baseline on another layout that `concertina plan` simulates, not one the trainer runs"
                    if self.concertina_strategy in STRATEGIES else "")

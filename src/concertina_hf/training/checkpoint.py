@@ -300,6 +300,9 @@ class StageCheckpointer:
     :class:`~concertina_hf.runtime.stage.PipelineWrapper`; ``peft_model``: the ``PeftModel`` around
     its HF model, whose adapter is saved instead of the model, else ``None``)."""
 
+    #: concertina_layout="auto"'s choice (``LayoutChoice.to_dict()``), recorded in ``concertina.json``
+    layout_choice: dict | None = None
+
     def __init__(self, pipeline: Any, topology: Topology, shard_optimizer: bool = False,
                  peft_model: nn.Module | None = None) -> None:
         self.pipeline, self.topology, self.shard_optimizer = pipeline, topology, shard_optimizer
@@ -466,6 +469,7 @@ class StageCheckpointer:
             "layer_ranges": [list(r) for r in layout.layer_ranges],
             "shard_optimizer": self.shard_optimizer,
             "cost_model": planning_cost.to_dict(),
+            **({"layout_choice": self.layout_choice} if self.layout_choice is not None else {}),
         })
         # the cost model the stage layout was made from: concertina_cost_model_path for a rerun
         _write_json(os.path.join(output_dir, LAYOUT_COST_NAME), layout_cost.to_dict())

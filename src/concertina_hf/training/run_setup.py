@@ -68,13 +68,15 @@ class RunSetup:
     sp_mode: str = "ulysses"
 
 
-def build_topology(args: ConcertinaTrainingArguments) -> Topology:
+def build_topology(args: ConcertinaTrainingArguments, sizes: tuple[int, int, int] | None = None) -> Topology:
     """The ``dp x pp x sp`` mesh of the launched job, with the sizes the arguments ask for (a
-    missing one derived: :func:`~concertina_hf.training.args.resolve_parallel_sizes`) and
+    missing one derived: :func:`~concertina_hf.training.args.resolve_parallel_sizes`), or
+    ``sizes`` ``(pp, sp, dp)`` when given (``concertina_layout="auto"``'s choice), and
     ``ddp_timeout`` as every group's timeout. Collective: every rank calls it, once."""
     world = launched_world_size(args.world_size)
-    sp = args.concertina_sequence_parallel_size
-    pp, dp = resolve_parallel_sizes(world, args.concertina_pipeline_size, args.concertina_data_parallel_size, sp)
+    sp = args.concertina_sequence_parallel_size if sizes is None else sizes[1]
+    pp, dp = resolve_parallel_sizes(world, args.concertina_pipeline_size if sizes is None else sizes[0],
+                                    args.concertina_data_parallel_size if sizes is None else sizes[2], sp)
     return Topology.build(pp=pp, dp=dp, sp=sp, timeout=timedelta(seconds=args.ddp_timeout))
 
 

@@ -37,10 +37,11 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
 
 from .args import ConcertinaTrainingArguments
+from .auto_layout import choose_layout
 from .callbacks import StepStatsCallback, use_compact_console
 from .checkpoint import StageCheckpointer
 from .collator import LengthAwareCollator
-from ..runtime.distributed import fails_together, global_grad_norm, reduce_gradients
+from ..runtime.distributed import fails_together, global_grad_norm, launched_world_size, reduce_gradients
 from .evaluation import PipelinePredictor
 from ..integrations.peft import base_model_of
 from .run_setup import build_topology, check_trainer_arguments, pipeline_stage, resolve_run
@@ -125,7 +126,17 @@ class ConcertinaTrainer(Trainer):
         model = source.empty_model() if source is not None else model
         check_trainer_arguments(model, args, optimizers, model_init=model_init, compute_loss_func=compute_loss_func)
         _ = args.device  # the process group must exist before the model is split: the stage is the pipeline rank
-        self.topology = build_topology(args)
+        #: concertina_layout="auto": the sizes chosen from the model and the data (None: as given)
+        self.layout_choice = None
+        if args.concertina_layout == "auto":
+            collator = data_collator if data_collator is not None else self._default_data_collator()
+            self.layout_choice = choose_layout(args, base_model_of(model), launched_world_size(args.world_size),
+                                               train_dataset, collator)
+        self.topology = build_topology(args, None if self.layout_choice is None else self.layout_choice.sizes)
+        if self.layout_choice is not None:
+            self.layout_choice.check_same_everywhere(self.topology)
+            if self.topology.rank == 0:
+                logger.info(self.layout_choice.table_text())
         # DDP's: rank 0's weights everywhere (loaded by stage, every rank read the same files)
         self.weights_synced = self.topology.sync_weights_from_rank0(model) if source is None else []
         hf_model = base_model_of(model)  # a PeftModel's HF model; self.peft_model keeps the PeftModel
@@ -145,6 +156,8 @@ class ConcertinaTrainer(Trainer):
         self.pipeline.label_smoothing = args.label_smoothing_factor  # HF's LabelSmoother, in the pipeline's loss
         self.checkpointer = StageCheckpointer(self.pipeline, self.topology, args.concertina_shard_optimizer,
                                               peft_model=self.peft_model)
+        if self.layout_choice is not None:
+            self.checkpointer.layout_choice = self.layout_choice.to_dict()
         self.planner = StepPlanner(self.setup, self.topology, overlap=args.concertina_overlap_planning)
         ahead = args.gradient_accumulation_steps if args.concertina_overlap_planning else 0
         self.steps = StepReader(self.planner, self.topology, batches_ahead=ahead,
@@ -193,6 +206,8 @@ class ConcertinaTrainer(Trainer):
             dataset = self._remove_unused_columns(dataset, description=description)
         else:
             data_collator = self._get_collator_with_removed_columns(self.data_collator, description=description)
+        if is_training and self.layout_choice is not None:  # Trainer's global batch at this many processes
+            batch_size *= self.layout_choice.replica_batch_factor
         sampler = None
         if sampler_fn is not None and not isinstance(dataset, torch.utils.data.IterableDataset):
             sampler = sampler_fn(dataset)
@@ -247,8 +262,11 @@ class ConcertinaTrainer(Trainer):
         return float(total) / max(1, step.num_items_total)
 
     def get_total_train_batch_size(self, args) -> int:
-        """Sequences per optimizer step over all replicas (the pipeline ranks of a replica share theirs)."""
-        return self._train_batch_size * args.gradient_accumulation_steps * self.topology.data_parallel_size
+        """Sequences per optimizer step over all replicas (the pipeline ranks of a replica share theirs;
+        ``concertina_layout="auto"``: a replica reads ``pp x sp`` processes' share, so the step is
+        ``Trainer``'s at this many processes)."""
+        factor = 1 if self.layout_choice is None else self.layout_choice.replica_batch_factor
+        return self._train_batch_size * factor * args.gradient_accumulation_steps * self.topology.data_parallel_size
 
     def _stage_params(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
