@@ -38,6 +38,8 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str], str, str]] = {
                      "the paper's 32-GPU layout simulated, sp-only included", "~2-4 min"),
     "layout_auto": ("layout_auto.py", [], [], "concertina plan --layout auto on 32 GPUs at 64K and 128K (LLaMA-13B)",
                     "~1 min"),
+    "flashcp": ("flashcp.py", [], ["--batches", "1", "--quick", "--out", "benchmarks/results/flashcp_quick"],
+                "whole-doc / per-doc / Ulysses per chunk vs Ulysses-only vs sp-only, 32 GPUs simulated", "~5 min"),
     "planner_speed": ("planner_speed.py", [], ["--repeats", "1", "--out", "benchmarks/results/planner_speed_quick"],
                       "simulator and recompute solvers on a 512-sequence plan", "~30 s"),
     "planner_fuzz": ("planner_fuzz.py", ["--seconds", "120"],

@@ -196,3 +196,19 @@ def test_cli_sp_mode_shows_modes_and_lifts_the_head_rule(capsys):
     assert cli.main(base + ["--model-config", "llama-30b", "--pp", "4", "--sp", "8"]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("adaptive"))
     assert " 0/" in row  # no Ulysses chunk: sp=8 does not divide 52 heads
+
+
+def test_context_plans_fit_a_binding_budget_with_recompute():
+    """The recompute planner prices placed chunks: under a budget that binds, the plan's simulated
+    peaks stay within it (gathered K/V included) and some layers recompute."""
+    cost = _cost("small-llama", sp=4)
+    lens = [30000, 6000, 500, 400, 300, 200, 800, 700, 2500, 3000]
+    layout = StageLayout.even(16, 2)
+    free = plan_step(lens, cost, layout, 0, "adaptive", solver="greedy", sp_mode="context")
+    budget = int(0.7 * max(free.predicted.peak_memory_bytes))
+    plan = plan_step(lens, cost, layout, budget, "adaptive", solver="greedy", sp_mode="context")
+    plan.validate()
+    sim = simulate(plan, cost)
+    assert max(sim.peak_memory_bytes) <= budget
+    assert any(c.placement for c in plan.chunks)
+    assert sum(map(sum, plan.recompute)) > 0

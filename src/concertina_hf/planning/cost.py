@@ -79,6 +79,21 @@ leaving the node goes over the inter-node link and the slower part sets the time
 layer repeats its four forward all-to-alls. Backward is ``bwd_factor`` times the compute plus
 one ``a2a``, not ``bwd_factor`` times the all-to-alls.
 
+**Whole-doc / per-doc chunks** (a chunk with a ``placement``, :mod:`.sharding`; chosen per chunk
+by :mod:`.placement`): every GPU runs whole layers on its own pieces at one GPU's rates
+(:meth:`CostModel.rank_model`, the model at ``sp = 1``): its tokens and the causal pairs of its
+pieces (a per-doc piece's queries attend to every earlier token of the sequence, so the zig-zag
+pieces ``r`` and ``2 sp - 1 - r`` balance), and the stage takes its busiest GPU's time. Per layer,
+the per-doc slices' K/V are all-gathered forward and their gradients reduce-scattered backward
+(:meth:`CostModel.gather_kv_time`: each GPU sends ``(sp - 1) / sp`` of the slices' K/V bytes, one
+latency, the inter-node link for the share leaving the node; a recomputed layer gathers again);
+whole-doc slices move nothing. Memory, the busiest GPU's: its own tokens' activations plus the
+other GPUs' K/V of the per-doc slices, gathered, on every saved layer (every layer for a split
+chunk, whose later slices attend to them), and in a layer's backward their whole dK/dV before the
+reduce-scatter; a placed split sequence's K/V gradient buffers are whole on a GPU
+(:meth:`CostModel.kv_grad_scale`). So per-doc moves ``O(T)`` bytes a GPU where Ulysses moves
+``O(T / sp)``; whole-doc moves none but balances only when a chunk holds many sequences.
+
 **Sharded state** (``state_shards = dp x sp`` ranks hold one stage's state): the model is the
 pipeline's (FSDP2 with ``reshard_after_forward=False``, as torchtitan composes FSDP with
 pipelining): weights are gathered once per step and gradients accumulate whole over the step's
