@@ -212,3 +212,13 @@ def test_context_plans_fit_a_binding_budget_with_recompute():
     assert max(sim.peak_memory_bytes) <= budget
     assert any(c.placement for c in plan.chunks)
     assert sum(map(sum, plan.recompute)) > 0
+
+
+def test_plan_placement_refusal_names_an_inconsistent_split_sequence():
+    cost, plan = _plan("context")
+    split_seq = next(c for c in plan.chunks if c.kind is ChunkKind.SPLIT).slices[0].seq
+    chunks = list(plan.chunks)
+    first = next(i for i, c in enumerate(chunks) if any(s.seq == split_seq for s in c.slices))
+    chunks[first] = dataclasses.replace(chunks[first], placement=())
+    why = plan_placement_refusal(dataclasses.replace(plan, chunks=tuple(chunks)), 4)
+    assert why.startswith(f"sequence {split_seq} has slices run by Ulysses and slices placed whole-doc / per-doc")

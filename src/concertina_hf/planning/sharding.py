@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .types import Chunk, Plan
+from .types import Chunk, Plan, PlanError
 
 PER_DOC = -1
 MODES = ("ulysses", "whole-doc", "per-doc", "mixed")
@@ -101,10 +101,17 @@ def placement_refusal(chunk: Chunk, sp: int) -> str | None:
 
 def plan_placement_refusal(plan: Plan, sp: int) -> str | None:
     """Why ``plan``'s placements cannot run on stages of ``sp`` ranks, or ``None``: the first
-    chunk's :func:`placement_refusal` (:meth:`~.types.Plan.validate` checks the rest: split
-    sequences placed consistently)."""
+    chunk's :func:`placement_refusal`, or a split sequence placed inconsistently
+    (:meth:`~.types.Plan.validate_placements`: its carried K/V must be where the next slice
+    attends)."""
+    if not any(c.placement for c in plan.chunks):
+        return None
     for c in plan.chunks:
         why = placement_refusal(c, sp)
         if why is not None:
             return why
+    try:
+        plan.validate_placements()
+    except PlanError as e:
+        return str(e)
     return None

@@ -495,7 +495,7 @@ class Plan:
         if self.memory_budget_bytes and len(self.memory_budget_bytes) != p:
             raise PlanError("memory_budget_bytes must have one entry per stage")
         if any(c.placement for c in self.chunks):
-            self._validate_placements()
+            self.validate_placements()
         lanes = int(self.knob("data_parallel", 1))
         if lanes > 1:  # the groups are rounds run at once on `lanes` groups of GPUs (simulate.py)
             if p != 1:
@@ -505,7 +505,7 @@ class Plan:
                 raise PlanError(f"a round of {len(wide)} chunks {list(wide)} on data_parallel={lanes} groups of GPUs")
         return self
 
-    def _validate_placements(self) -> None:
+    def validate_placements(self) -> None:
         """Placements as data (:mod:`.sharding`; the ranks against ``sp``:
         :func:`~.sharding.plan_placement_refusal`): one entry per slice, each a rank or ``-1``
         (per-doc); a split sequence's slices all Ulysses or all placed, each per-doc slice after
