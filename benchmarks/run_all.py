@@ -59,6 +59,9 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str], str, str]] = {
     "stage_loading": ("stage_loading.py", [], ["--quick", "--no-self-check", "--out",
                                                "benchmarks/results/stage_loading_quick"],
                       "pp=4 peak RSS per rank loading and saving by stage vs a model object (1.2 GB)", "~1 min"),
+    "segments": ("segments.py", [], ["--quick", "--out", "benchmarks/results/segments_quick"],
+                 "one 32K-64K sequence per step: segment options vs full attention (CPU); 128K-1M simulated",
+                 "~5-8 min"),
 }
 #: on a CUDA GPU only (``--gpu``): the committed result is written to benchmarks/results/gpu/
 GPU = {"gpu_check": ("gpu_check.py", [], ["--only", "a,c", "--budget-s", "240", "--out", "benchmarks/results/gpu_quick"],

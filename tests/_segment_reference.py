@@ -3,7 +3,8 @@
 :func:`segment_logits` runs one sequence segment by segment through an HF causal LM with
 ``past_key_values`` (a :class:`~transformers.DynamicCache` built from the earlier segments' K/V, as
 HF's own cache keeps them: post-rotary), cut to the K/V tail (keys at positions ``>= start - W``) and
-detached beyond the immediately preceding segment under ``gradient="previous"``; positions are
+detached beyond the immediately preceding segment under ``gradient="previous"`` (all of it under
+``"none"``); positions are
 continued through ``position_ids`` and HF builds its mask from the cache (``cache_position``).
 
 With ``global_heads`` (query heads) the cache holds every earlier token, those before the tail
@@ -40,7 +41,7 @@ def segment_logits(model, ids: torch.Tensor, tokens: int, gradient: str = "full"
                 if a >= kk.shape[2]:
                     continue
                 kk, vv = kk[:, :, a:], vv[:, :, a:]
-                if gradient == "previous" and j < k - 1:
+                if gradient == "none" or (gradient == "previous" and j < k - 1):
                     kk, vv = kk.detach(), vv.detach()
                 if global_heads and s0 < tail_lo:  # before the tail: read detached (global heads only)
                     cut = min(tail_lo - s0, kk.shape[2])

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .cost import CostModel
-from .segments import segment_cuts
+from .segments import SegmentOptions, segment_cuts
 from .types import Chunk, ChunkKind, PlanError, Remedy, Slice, StageLayout
 
 __all__ = ["Chunking", "SequenceBatch", "balanced_split"]
@@ -169,6 +169,9 @@ class Chunking:
     token_cap: int
     chains: tuple[tuple[_ChunkInfo, ...], ...]
     packed: tuple[_ChunkInfo, ...]
+    #: segment-level training (:mod:`.segments`): the plans of this chunking carry its knobs, so the
+    #: strategies simulate them under the options (``None``: off)
+    segment: SegmentOptions | None = None
 
     @property
     def num_chunks(self) -> int:
@@ -361,10 +364,11 @@ class SequenceBatch:
     """A step's lengths prepared once (sorted, with their work) for chunking it many ways."""
 
     def __init__(self, seq_lens: Sequence[int], cost: CostModel, layout: StageLayout | None = None,
-                 segment_tokens: int | None = None):
-        #: segment-level training (:mod:`.segments`): every sequence longer than this is cut at
-        #: every multiple of it, whatever the chunking asks for (``None``: off)
-        self.segment_tokens = None if segment_tokens is None else int(segment_tokens)
+                 segment: SegmentOptions | None = None):
+        #: segment-level training (:mod:`.segments`): every sequence longer than ``segment.tokens``
+        #: is cut at every multiple of it, whatever the chunking asks for (``None``: off)
+        self.segment = segment
+        self.segment_tokens = None if segment is None else int(segment.tokens)
         lens = [int(x) for x in seq_lens]
         if not lens or max(lens) <= 0:
             raise PlanError("a step needs at least one non-empty sequence")
@@ -431,7 +435,7 @@ class SequenceBatch:
         if self.segment_tokens is not None:
             cuts = self._segment_cuts()
         chains, packed = self._pack(cuts, self.order[len(cuts):], target_work, token_cap, by_work=True)
-        return Chunking(tuple(lens), target_work + beta, int(token_cap), chains, packed)
+        return Chunking(tuple(lens), target_work + beta, int(token_cap), chains, packed, self.segment)
 
     def _segment_cuts(self) -> list[tuple[int, list[int]]]:
         """Segment-level training: the sequences longer than ``segment_tokens`` (longest first), cut
@@ -462,7 +466,7 @@ class SequenceBatch:
         if self.segment_tokens is not None:
             cuts = self._segment_cuts()
         chains, packed = self._pack(cuts, self.order[len(cuts):], math.inf, token_budget, by_work=False)
-        return Chunking(tuple(lens), math.inf, int(token_budget), chains, packed)
+        return Chunking(tuple(lens), math.inf, int(token_budget), chains, packed, self.segment)
 
     def tapered(self, ch: Chunking, fraction: float, group_cuts: Sequence[int] = ()) -> Chunking | None:
         """``ch`` with the first backward of each pipeline group made lighter: the last chunk of

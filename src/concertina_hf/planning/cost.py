@@ -130,6 +130,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
+from .segments import parse_heads
 from .sharding import PER_DOC, rank_pieces
 from .types import Chunk, ChunkKind, PlanError, Remedy, Slice, StageLayout
 
@@ -374,6 +375,9 @@ class CostModel:
     # by for_plan from its knobs (a slice attends to min(C, W) earlier keys); None: unbounded.
     # Not a fitted coefficient: to_dict leaves it out while None.
     segment_kv_tail: int | None = None
+    # segment-level training's global heads: the share of the query heads that attend to every
+    # earlier key despite the tail (set by for_plan; 0: none). Left out of to_dict while 0.
+    segment_global_fraction: float = 0.0
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -547,8 +551,10 @@ class CostModel:
         and sharding (knobs ``sp``, ``state_shards``, ``zero3``: the ``sp-only`` baseline's plans,
         which run the replica's GPUs as one stage)."""
         tail = plan.knob("segment_kv_tail") if plan.knob("segment_tokens") is not None else None
-        if tail != self.segment_kv_tail:
-            return dataclasses.replace(self, segment_kv_tail=tail).for_plan(plan)
+        heads = parse_heads(plan.knob("segment_global_heads")) if tail is not None else ()
+        glob = min(1.0, len(heads) / self.num_heads) if heads and self.num_heads else 0.0
+        if tail != self.segment_kv_tail or glob != self.segment_global_fraction:
+            return dataclasses.replace(self, segment_kv_tail=tail, segment_global_fraction=glob).for_plan(plan)
         sp = plan.knob("sp")
         if sp is None:
             return self
@@ -657,7 +663,11 @@ class CostModel:
     def layer_compute_time(self, slices: Sequence[Slice]) -> float:
         """Forward compute of one decoder layer on one GPU (no communication)."""
         tok = sum(s.length for s in slices)
-        return self.alpha_attn * attn_pairs(slices, self.segment_kv_tail) + self.alpha_tok * tok + self.beta
+        pairs = attn_pairs(slices, self.segment_kv_tail)
+        if self.segment_global_fraction:  # global heads attend to every earlier key
+            g = self.segment_global_fraction
+            pairs = (1.0 - g) * pairs + g * attn_pairs(slices)
+        return self.alpha_attn * pairs + self.alpha_tok * tok + self.beta
 
     def layer_fwd_time(self, slices: Sequence[Slice]) -> float:
         """Forward of one decoder layer: compute, the four all-to-alls (``sp > 1``), and with
@@ -826,6 +836,12 @@ class CostModel:
             ctx_tok = sum(self._attended(s.context) + (s.length if chunk.kind is ChunkKind.SPLIT else 0)
                           for s in chunk.slices if s.context > 0)
             mem += saved * self.context_bytes_per_token * ctx_tok
+        if saved and self.segment_global_fraction:
+            # segment-level training's global heads: per saved layer, their keys and values of every
+            # token before the tail, gathered per query head for the backward (the runtime's copy)
+            per_head = self.kv_bytes_per_token / max(1, self.num_kv_heads or self.num_heads)
+            beyond = sum(s.context - self._attended(s.context) for s in chunk.slices)
+            mem += saved * self.segment_global_fraction * self.num_heads * per_head * beyond
         return mem
 
     def kv_grad_memory(self, layout: StageLayout, stage: int, earlier_tokens: int) -> float:
@@ -924,6 +940,8 @@ class CostModel:
         d = dataclasses.asdict(self)
         if d["segment_kv_tail"] is None:  # a plan's setting, not a coefficient: files stay as they were
             del d["segment_kv_tail"]
+        if not d["segment_global_fraction"]:
+            del d["segment_global_fraction"]
         return d
 
     @classmethod

@@ -33,8 +33,12 @@ from .types import Action, ActionKind, Chunk
 __all__ = ["backward_order", "build_schedule"]
 
 
-def backward_order(chunks: Sequence[Chunk], group: Sequence[int]) -> list[int]:
-    """The group's chunks in backward order: forward order, each split chain reversed in place."""
+def backward_order(chunks: Sequence[Chunk], group: Sequence[int], chained: bool = True) -> list[int]:
+    """The group's chunks in backward order: forward order, each split chain reversed in place
+    (``chained=False``: forward order; segment-level training with ``gradient="none"``, whose
+    slices send no gradient to earlier slices)."""
+    if not chained:
+        return list(group)
     chain_of: dict[int, list[int]] = {}
     for ci in group:
         seq = chunks[ci].split_seq
@@ -50,15 +54,17 @@ def backward_order(chunks: Sequence[Chunk], group: Sequence[int]) -> list[int]:
 
 
 def build_schedule(chunks: Sequence[Chunk], groups: Sequence[Sequence[int]], num_stages: int,
-                   *, prefetch: bool = False, extra_warmup: int = 0) -> tuple[tuple[Action, ...], ...]:
-    """Per-stage action lists for groups run back to back (see the module docstring)."""
+                   *, prefetch: bool = False, extra_warmup: int = 0,
+                   chained: bool = True) -> tuple[tuple[Action, ...], ...]:
+    """Per-stage action lists for groups run back to back (see the module docstring);
+    ``chained=False``: split chains are not reversed (:func:`backward_order`), textbook 1F1B."""
     if extra_warmup < 0:
         raise ValueError(f"extra_warmup must be >= 0, got {extra_warmup}")
     p = num_stages
     stages: list[list[Action]] = [[] for _ in range(p)]
     for group in groups:
         fwd = list(group)
-        bwd = backward_order(chunks, group)
+        bwd = backward_order(chunks, group, chained)
         pos = {ci: k for k, ci in enumerate(fwd)}
         needs, need = [], -1
         for b in bwd:

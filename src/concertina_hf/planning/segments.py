@@ -10,7 +10,11 @@ objective from the one object every rank receives; :func:`segment_options` reads
 Semantics (what the runtime computes, and the plain-HF reference in the tests): segment ``k`` of a
 sequence attends causally to its own tokens and to the earlier tokens at positions ``>= start_k -
 W`` (``W = segment_kv_tail``, unbounded when ``None``); under ``segment_gradient="previous"`` only
-the K/V of segment ``k - 1`` receive gradient from segment ``k``, older K/V are read detached. The
+the K/V of segment ``k - 1`` receive gradient from segment ``k``, older K/V are read detached; under
+``"none"`` every earlier segment's K/V is read detached (Transformer-XL's truncation: no gradient
+crosses a segment boundary), so a segment's backward needs no later segment's and runs right after
+its forward (textbook 1F1B over segments: a stage holds a few segments' activations whatever the
+sequence length, plus the K/V tail). The
 *global heads* (query heads, the same on every layer; they need a tail W) also read every earlier key
 before ``start_k - W``, detached (no gradient reaches those K/V): their K/V is kept whole.
 """
@@ -25,7 +29,7 @@ from .types import Plan, PlanError
 __all__ = ["SEGMENT_GRADIENTS", "SegmentOptions", "check_segment_plan", "parse_heads", "segment_cuts",
            "segment_options"]
 
-SEGMENT_GRADIENTS = ("full", "previous")
+SEGMENT_GRADIENTS = ("full", "previous", "none")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +56,12 @@ class SegmentOptions:
             raise PlanError("segment_global_heads needs a K/V tail (segment_kv_tail): without one every head "
                             "already reads every earlier token")
         object.__setattr__(self, "global_heads", tuple(sorted(heads)))
+
+    @property
+    def chained(self) -> bool:
+        """Whether a slice's backward waits for the later slices' (they send its K/V gradient);
+        not under ``gradient="none"``."""
+        return self.gradient != "none"
 
     def knobs(self) -> tuple[tuple[str, Any], ...]:
         knobs = (("segment_tokens", self.tokens), ("segment_gradient", self.gradient),

@@ -167,6 +167,8 @@ def _kv_grad_plan(plan: Plan, split: frozenset[int],
             if s.seq in split:
                 chains.setdefault(s.seq, []).append((s.start, c.index, s.length))
     seg = segment_options(plan)
+    if seg is not None and seg.gradient == "none":  # no gradient crosses a segment boundary: no buffers
+        return alloc, free
     if seg is not None and (seg.gradient == "previous" or seg.kv_tail is not None):
         # segment-level training: a slice's buffer is allocated by the backward of the last slice
         # whose attention gives it gradient (the next one under "previous"; under a K/V tail W the

@@ -374,8 +374,9 @@ class Plan:
         two split sequences; groups partition the chunks in order and a split sequence stays in
         one group; each stage forwards and backwards every chunk exactly once (compute actions
         only), forward before backward, slices of a sequence forward in order and backward in
-        reverse order; neighbouring stages order the forwards (and the backwards) of the chunks
-        the same way; recompute is within each stage's layer count.
+        reverse order (any order under the knob ``segment_gradient="none"``); neighbouring stages
+        order the forwards (and the backwards) of the chunks the same way; recompute is within each
+        stage's layer count.
         """
         p = self.num_stages
         lay = self.layout
@@ -447,6 +448,8 @@ class Plan:
             raise PlanError(f"schedule has {len(self.schedule)} stages, layout has {p}")
         # position of each (sequence, chunk) in the sequence's chain of chunks
         chain_pos = {(seq, ci): k for seq, chain in enumerate(seq_chunks) for k, ci in enumerate(chain)}
+        # segment-level training with gradient "none": no gradient crosses a slice boundary
+        chained = self.knob("segment_gradient") != "none"
         for st, actions in enumerate(self.schedule):
             fdone: set[int] = set()
             bdone: set[int] = set()
@@ -468,7 +471,8 @@ class Plan:
                     k = chain_pos[(s.seq, a.chunk)]
                     if a.kind is ActionKind.FORWARD and k > 0 and chain[k - 1] not in fdone:
                         raise PlanError(f"action {a}: earlier slice (chunk {chain[k-1]}) not forwarded yet")
-                    if a.kind is ActionKind.BACKWARD and k + 1 < len(chain) and chain[k + 1] not in bdone:
+                    if (a.kind is ActionKind.BACKWARD and k + 1 < len(chain) and chain[k + 1] not in bdone
+                            and chained):
                         raise PlanError(f"action {a}: later slice (chunk {chain[k+1]}) not backwarded yet")
                 done.add(a.chunk)
             if len(fdone) != self.num_chunks or len(bdone) != self.num_chunks:

@@ -530,6 +530,7 @@ class _Step:
         self.labels = [t.to(dev) for t in labels] if w.is_last else None
         seg = check_segment_plan(plan)  # segment-level training: the objective is in the plan's knobs
         self.store = KVStore() if seg is None else KVStore(seg.gradient, seg.kv_tail, seg.global_heads)
+        self.backwarded: set[tuple[int, int]] = set()  # (seq, start) of slices run backward
         self.inputs: dict[int, torch.Tensor] = {}  # received activations, for their gradient
         self.outputs: dict[int, torch.Tensor] = {}  # stage outputs (last stage: loss), for backward
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
@@ -635,8 +636,10 @@ class _Step:
         if keep:
             torch.autograd.backward([tensors[i] for i in keep], [grads[i] for i in keep])
         del tensors, grads, out
+        if store.gradient == "none":  # segment-level training: free the K/V every reader has run backward with
+            self._free_read_kv(slices)
         for s in slices:
-            if not s.final:  # every later slice has run backward: this K/V is done
+            if not s.final and store.gradient != "none":  # every later slice has run backward: this K/V is done
                 store.free_slice(s.seq, s.start)
                 meter.release(("kv", s.seq, s.start))
                 meter.release(("kvgrad", s.seq, s.start))
@@ -654,6 +657,25 @@ class _Step:
                 self.sums.append((f"B{c}", result.sum(dtype=torch.float32)))
         meter.release(("grad", c))
         return result
+
+
+    def _free_read_kv(self, slices: Sequence[SliceSpec]) -> None:
+        """Segment gradient ``"none"``: slices backward in any order, so a slice's (detached) K/V
+        is freed once every slice that reads it (itself and the later ones its K/V tail reaches:
+        their forward, and the replay of checkpointed layers in their backward) has run backward;
+        the global heads' share of it once every slice of the sequence has."""
+        done = self.backwarded
+        tail = self.store.kv_tail
+        for s in slices:
+            done.add((s.seq, s.start))
+            chain = [sl for _, sl in self.plan.slices_of(s.seq)]
+            if all((s.seq, r.start) in done for r in chain):  # the global heads' K/V too
+                self.store.free_seq(s.seq)
+            for j, e in enumerate(chain[:-1]):
+                readers = [r for r in chain[j:] if r is e or tail is None or r.start - tail < e.end]
+                if all((s.seq, r.start) in done for r in readers):
+                    self.store.retire(s.seq, e.start)
+                    self.meter.release(("kv", s.seq, e.start))
 
 
 def _offsets(lengths: Sequence[int]) -> list[int]:

@@ -305,7 +305,9 @@ class ConcertinaTrainingArguments(TrainingArguments):
         "full",
         "With concertina_segment_tokens: 'full' (default): every earlier segment's K/V receives gradient from "
         "the later segments that attend to it; 'previous': only the K/V of the immediately preceding segment "
-        "does (truncated backpropagation), older K/V are read without gradient (no gradient buffers for them).",
+        "does (truncated backpropagation), older K/V are read without gradient (no gradient buffers for them); "
+        "'none': every earlier segment's K/V is read without gradient (Transformer-XL), so each segment's "
+        "backward runs right after its forward and activation memory stops growing with the sequence.",
     )
     concertina_segment_kv_tail: int | None = _option(
         None,
@@ -434,9 +436,9 @@ class ConcertinaTrainingArguments(TrainingArguments):
         tokens, tail = self.concertina_segment_tokens, self.concertina_segment_kv_tail
         if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1):
             raise ValueError(f"concertina_segment_tokens must be a positive number of tokens or None, got {tokens!r}")
-        if self.concertina_segment_gradient not in ("full", "previous"):
-            raise ValueError(f"concertina_segment_gradient={self.concertina_segment_gradient!r}: choose 'full' or "
-                             "'previous'")
+        if self.concertina_segment_gradient not in ("full", "previous", "none"):
+            raise ValueError(f"concertina_segment_gradient={self.concertina_segment_gradient!r}: choose 'full', "
+                             "'previous' or 'none'")
         if tail is not None and (not isinstance(tail, int) or isinstance(tail, bool) or tail < 0):
             raise ValueError(f"concertina_segment_kv_tail must be a number of tokens >= 0 or None, got {tail!r}")
         heads = self.concertina_segment_global_heads

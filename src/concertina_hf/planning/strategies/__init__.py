@@ -124,8 +124,9 @@ def plan_step(
     ``num_slices``, ``recompute_layers`` (see :data:`REGISTRY`). The chosen settings are in
     ``plan.knobs``. ``segment``: segment-level training (:mod:`~..segments`, opt-in): every
     sequence longer than ``segment.tokens`` is cut into its segments whatever the strategy, and
-    the options are recorded in ``plan.knobs`` for the executor (the prediction is the one of
-    ordinary training: an upper bound, the segment options only shorten what attention keeps).
+    the options are recorded in ``plan.knobs`` for the executor; the pipeline strategies plan and
+    predict under them (the K/V tail's time and memory, the gradient buffers, under
+    ``gradient="none"`` segments backwarded in forward order).
     ``sp_mode``: how a stage of ``cost.sp > 1`` GPUs shards each chunk (:mod:`~..placement`):
     ``"ulysses"`` (the default here: every chunk Ulysses, as plans were before), ``"context"``
     (whole-doc / per-doc only, no head-count limit) or ``"auto"`` (per chunk, the cheaper; the
@@ -162,10 +163,11 @@ def plan_step(
         check_sp_mode(sp_mode, cost)
     budgets = stage_budgets(memory_budget_bytes, layout.num_stages)
     token_cap = int(max_tokens_per_chunk) if max_tokens_per_chunk is not None else None
-    check_step(record, lens, cost, layout, budgets, token_cap)  # the refusals that need no search
+    check_step(record, lens, cost, layout, budgets, token_cap,  # the refusals that need no search
+               chained=segment is None or segment.chained)
     user_cap = token_cap
     token_cap = fitted_token_cap(record, lens, cost, layout, token_cap)  # no larger chunk than profiled
-    batch = SequenceBatch(lens, cost, layout, segment_tokens=None if segment is None else segment.tokens)
+    batch = SequenceBatch(lens, cost, layout, segment=segment)  # its plans simulate under the options
     plan = record.run(PlanRequest(lens=lens, batch=batch, cost=cost, layout=layout,
                                   budgets=budgets, token_cap=token_cap, solver=solver, time_limit_s=time_limit_s,
                                   knobs=knobs, user_capped=user_cap is not None and user_cap == token_cap,

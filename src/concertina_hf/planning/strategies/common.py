@@ -114,14 +114,17 @@ def plan_of(strategy: str, chunking: Chunking, layout: StageLayout, cuts: Sequen
     ``extra_warmup`` more forwards ahead on every stage but the last), no recompute, no prediction."""
     chunks, groups = chunking.assemble(cuts)
     p = layout.num_stages
+    seg = chunking.segment  # segment-level training: simulated under its options
     return Plan(
         strategy=strategy,
         seq_lens=chunking.seq_lens,
         layout=layout,
         chunks=chunks,
         groups=groups,
-        schedule=build_schedule(chunks, groups, p, prefetch=True, extra_warmup=extra_warmup),
+        schedule=build_schedule(chunks, groups, p, prefetch=True, extra_warmup=extra_warmup,
+                                chained=seg is None or seg.chained),
         recompute=tuple((0,) * len(chunks) for _ in range(p)),
+        knobs=() if seg is None else seg.knobs(),
     )
 
 
@@ -223,7 +226,7 @@ def min_chunks(lens: Sequence[int], token_cap: int, splits_sequences: bool = Tru
 
 
 def check_step(record: Any, lens: Sequence[int], cost: CostModel, layout: StageLayout,
-               budgets: Sequence[int], token_cap: int | None) -> None:
+               budgets: Sequence[int], token_cap: int | None, chained: bool = True) -> None:
     """The refusals that need no search, each in microseconds (``plan_step`` runs them first;
     ``record``: the strategy's :class:`~.Strategy`; the memory checks only for the strategies
     whose plans run on ``layout``):
@@ -233,7 +236,9 @@ def check_step(record: Any, lens: Sequence[int], cost: CostModel, layout: StageL
       tokens are in flight at once on every stage (its slices run forward in order and backward
       in reverse order, so the last slice's backward comes after every forward), each holding
       at least a recomputed layer's input per layer (or its saved activations, if smaller) and
-      its logits (last stage) or output (the others), as :meth:`CostModel.act_memory` counts them;
+      its logits (last stage) or output (the others), as :meth:`CostModel.act_memory` counts them
+      (not with ``chained=False``: segment-level training with ``gradient="none"``, whose slices
+      run backward in forward order);
     - a token cap that cuts the step into more than :func:`max_chunks` chunks
       (:func:`min_chunks` at least) or its longest sequence into more than :data:`MAX_SLICES`
       slices, naming the smallest cap that would do.
@@ -248,7 +253,7 @@ def check_step(record: Any, lens: Sequence[int], cost: CostModel, layout: StageL
                 "state)", MORE_MEMORY, MORE_STAGES)
     q = max(range(len(lens)), key=lambda i: (lens[i], -i))
     whole = Chunk(0, ChunkKind.PACKED, (Slice(q, 0, lens[q]),))
-    for s, b in enumerate(budgets if record.pipeline else ()):
+    for s, b in enumerate(budgets if record.pipeline and chained else ()):
         if not b:
             continue
         n = layout.num_stage_layers(s)

@@ -29,6 +29,8 @@ Cost: the earlier slices' K/V stay alive (in the store) until their own backward
 Segment-level training (opt-in, :mod:`concertina_hf.planning.segments`: slices are segments):
 ``KVStore(gradient="previous")`` hands later slices the immediately preceding slice's leaves and
 only detached aliases of older ones (no gradient, no gradient buffers for them);
+``KVStore(gradient="none")`` keeps detached K/V only (no gradient crosses a slice boundary), and the
+runtime then drops, in training too, what no later slice's tail reaches, not at a slice's backward;
 ``KVStore(kv_tail=W)`` makes a slice starting at ``start`` attend to earlier keys at positions
 ``>= start - W`` only (``prefix`` cuts, the varlen ``cu_seqlens_k`` shrink), and a forward-only
 step drops entries no later slice's tail reaches. ``KVStore(global_heads=...)`` (query heads): those
@@ -91,8 +93,8 @@ class KVStore:
         self.global_heads = tuple(sorted(int(h) for h in global_heads))
         self._groups: tuple[int, int, tuple[int, ...], tuple[int, ...]] | None = None
         self._old: dict[int, dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
-        if gradient not in ("full", "previous"):
-            raise ValueError(f"segment gradient must be 'full' or 'previous' (got {gradient!r})")
+        if gradient not in ("full", "previous", "none"):
+            raise ValueError(f"segment gradient must be 'full', 'previous' or 'none' (got {gradient!r})")
         if kv_tail is not None and int(kv_tail) < 0:
             raise ValueError(f"the K/V tail must be at least 0 tokens (got {kv_tail})")
         # segment-level training (opt-in; DESIGN.md 6d): under "previous" only the immediately
@@ -106,6 +108,9 @@ class KVStore:
         per_start = self._kv.setdefault(seq, {}).setdefault(layer, {})
         if start in per_start:  # the replay of a checkpointed layer: keep the originals
             return
+        if self.gradient == "none":  # read detached only: keep no graph (the entry outlives its backward)
+            k, v = k.detach(), v.detach()
+            requires_grad = False
         k_leaf = k.detach().requires_grad_(requires_grad)
         v_leaf = v.detach().requires_grad_(requires_grad)
         per_start[start] = KVEntry(k, v, k_leaf, v_leaf)
@@ -192,15 +197,21 @@ class KVStore:
         layers = self._kv.get(seq)
         if not layers:
             return
-        for layer, per_start in layers.items():
+        for per_start in layers.values():
             for s in [s for s, e in per_start.items() if s + e.k.shape[2] <= position]:
-                e = per_start.pop(s)
-                if self.global_heads and self._groups is not None:  # the global heads still read it
-                    kv = self._groups[2]
-                    self._old.setdefault(seq, {}).setdefault(layer, {})[s] = (e.k.detach()[:, kv].clone(),
-                                                                              e.v.detach()[:, kv].clone())
-        if all(not p for p in layers.values()):
+                self.retire(seq, s)
+        if seq in self._kv and all(not p for p in self._kv[seq].values()):
             del self._kv[seq]
+
+    def retire(self, seq: int, start: int) -> None:
+        """Free a slice's entries (every layer) that no later slice's tail reaches, keeping, with
+        global heads, their K/V heads (detached copies) for those heads' reads."""
+        for layer, per_start in self._kv.get(seq, {}).items():
+            e = per_start.pop(start, None)
+            if e is not None and self.global_heads and self._groups is not None:  # the global heads still read it
+                kv = self._groups[2]
+                self._old.setdefault(seq, {}).setdefault(layer, {})[start] = (e.k.detach()[:, kv].clone(),
+                                                                              e.v.detach()[:, kv].clone())
 
     def free_seq(self, seq: int) -> None:
         self._kv.pop(seq, None)
