@@ -1,5 +1,6 @@
 """ConcertinaTrainer with segment-level training (opt-in, issue 24): the options' refusals, and three
-steps equal to HF's Trainer whose loss is the plain-HF segment reference (:mod:`_segment_reference`)."""
+steps equal to HF's Trainer whose loss is the plain-HF segment reference (:mod:`_segment_reference`),
+under gradient "previous" and under "none" with a global head."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ CFG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layer
 COMMON = dict(per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=3, learning_rate=2e-3,
               logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, seed=3, max_grad_norm=0.5)
 SEG = dict(concertina_segment_tokens=16, concertina_segment_gradient="previous", concertina_segment_kv_tail=12)
+# gradient "none" (each segment backwarded after its forward) with a global head
+SEG_NONE = dict(concertina_segment_tokens=16, concertina_segment_gradient="none", concertina_segment_kv_tail=12,
+                concertina_segment_global_heads="1")
 
 
 def _dataset(n=18, seed=0):
@@ -36,13 +40,18 @@ def _model():
 class SegmentTrainer(Trainer):
     """HF's Trainer whose loss is the segment reference, sequence by sequence of the flattened batch."""
 
+    seg = SEG
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         ids, labels, pos = inputs["input_ids"][0], inputs["labels"][0], inputs["position_ids"][0]
         starts = (pos == 0).nonzero().flatten().tolist() + [ids.shape[0]]
         total = 0.0
         for a, b in zip(starts[:-1], starts[1:]):
-            logits = segment_logits(model, ids[a:b], SEG["concertina_segment_tokens"],
-                                    SEG["concertina_segment_gradient"], SEG["concertina_segment_kv_tail"])
+            seg = self.seg
+            heads = tuple(int(h) for h in seg.get("concertina_segment_global_heads", "").split(",") if h)
+            logits = segment_logits(model, ids[a:b], seg["concertina_segment_tokens"],
+                                    seg["concertina_segment_gradient"], seg["concertina_segment_kv_tail"],
+                                    global_heads=heads)
             total = total + F.cross_entropy(logits[:-1].float(), labels[a + 1:b], ignore_index=-100, reduction="sum")
         return total / num_items_in_batch
 
@@ -51,7 +60,9 @@ def _losses(trainer):
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-def test_three_steps_equal_the_segment_reference_trainer(tmp_path):
+@pytest.mark.parametrize("seg", [SEG, SEG_NONE], ids=["previous", "none-global-head"])
+def test_three_steps_equal_the_segment_reference_trainer(tmp_path, seg, monkeypatch):
+    monkeypatch.setattr(SegmentTrainer, "seg", seg)
     ref = SegmentTrainer(model=_model(), args=TrainingArguments(output_dir=str(tmp_path / "ref"), **COMMON),
                          train_dataset=_dataset(), data_collator=DataCollatorWithFlattening())
     ref.train()
@@ -59,10 +70,11 @@ def test_three_steps_equal_the_segment_reference_trainer(tmp_path):
                     train_dataset=_dataset(), data_collator=DataCollatorWithFlattening())
     plain.train()
     args = ConcertinaTrainingArguments(output_dir=str(tmp_path / "c"), concertina_max_tokens_per_chunk=32,
-                                       concertina_gantt_steps=-1, **SEG, **COMMON)
+                                       concertina_gantt_steps=-1, **seg, **COMMON)
     trainer = ConcertinaTrainer(model=_model(), args=args, train_dataset=_dataset())
     plan = trainer.planner.make_plan([70, 40, 5])  # the trainer's plans are cut at segments, options recorded
     assert plan.knob("segment_tokens") == 16 and plan.knob("segment_kv_tail") == 12
+    assert plan.knob("segment_gradient") == seg["concertina_segment_gradient"]
     assert [s.length for _, s in plan.slices_of(0)] == [16, 16, 16, 16, 6]
     trainer.train()
     losses, want = _losses(trainer), _losses(ref)
