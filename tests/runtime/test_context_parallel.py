@@ -102,3 +102,21 @@ def test_placement_outside_the_group_is_refused(one_rank_group):
     with pytest.raises(PlanError, match=r"placements cannot run on this stage's 1 sequence-parallel ranks: .*"
                                         r"placed on rank 1, not in 0..0"):
         ex.run_step(_placed("none", tail_rank=1), ids, labels)
+
+
+def test_segment_training_with_placements_is_refused(one_rank_group):
+    """Segment-level training (plan knob segment_tokens) carries no K/V tail or detached older K/V
+    across the stage's ranks: refused, naming the placements."""
+    from concertina_hf.planning import PlanError, StageLayout
+    from concertina_hf.planning.sharding import PER_DOC
+
+    spec = [[(0, 0, 20)], [(0, 20, 20)], [(0, 40, 6), (1, 0, 9), (2, 0, 7)]]
+    plan = make_plan(SEQ_LENS, spec, StageLayout.even(4, 1))
+    chunks = tuple(dataclasses.replace(c, placement=p)
+                   for c, p in zip(plan.chunks, [(PER_DOC,), (PER_DOC,), (0, 0, PER_DOC)]))
+    plan = dataclasses.replace(plan, chunks=chunks, knobs=(("segment_tokens", 20),)).validate()
+    ids, labels = batch(SEQ_LENS)
+    _, ex = _executor(tiny_model("llama", num_layers=4), one_rank_group)
+    with pytest.raises(PlanError, match="segment-level training .* sequence parallelism 1 only: neither Ulysses nor "
+                                        "the whole-doc / per-doc placements carry"):
+        ex.run_step(plan, ids, labels)
