@@ -40,3 +40,32 @@ def test_placed_chunks_match_hf(pp, sp, tmp_path, monkeypatch):
         assert len(r["cases"]) + len(r["refusals"]) + len(r["skipped"]) == models * r["plans"] + models, r
         assert len(r["refusals"]) == 1 and all(k.startswith("llama H=6") for k in r["skipped"])
         assert r["plans"] == len(_dist_context.PLANS) + 3
+
+
+def test_trainer_pp2_sp2_with_planner_modes(tmp_path):
+    """ConcertinaTrainer at pp=2 x sp=2 with the modes the planner chooses (whole-doc / per-doc
+    chunks among them) equals Trainer on one process after 3 steps: logged losses 1e-5, gradient
+    norms 1e-4, evaluation loss 1e-5, run_clm's accuracy and predict() (argmax ids; raw logits
+    1e-4) on every rank."""
+    import torch
+
+    from _context_trainer import STEPS
+    from _helpers import TESTS, torchrun
+    from test_trainer_pipeline import _reference
+
+    torchrun(4, TESTS / "_context_trainer.py", tmp_path)
+    ranks = [json.loads((tmp_path / f"info-rank{r}.json").read_text()) for r in range(4)]
+    print("modes run:", ranks[0]["train_modes"], ranks[0]["modes"])
+    assert {"whole-doc", "per-doc"} & set(ranks[0]["train_modes"]), ranks[0]["train_modes"]
+    ref_info, _ = _reference("llama", tmp_path / "ref", metrics=True, max_steps=STEPS)
+    want = torch.load(tmp_path / "ref" / "logits.pt")
+    for rank, r in enumerate(ranks):
+        assert len(r["losses"]) == len(ref_info["losses"]) == STEPS
+        assert max(abs(a - b) for a, b in zip(r["losses"], ref_info["losses"])) < 1e-5
+        assert max(abs(a - b) / b for a, b in zip(r["grad_norms"], ref_info["grad_norms"])) < 1e-4
+        assert abs(r["eval_loss"] - ref_info["eval_loss"]) < 1e-5
+        assert r["eval_accuracy"] == ref_info["eval_accuracy"]
+        assert r["predicted_ids"] == ref_info["predicted_ids"]
+        assert abs(r["test_loss"] - ref_info["test_loss"]) < 1e-5
+        got = torch.load(tmp_path / f"logits-rank{rank}.pt")
+        torch.testing.assert_close(got["logits"], want["logits"], atol=1e-4, rtol=1e-4)

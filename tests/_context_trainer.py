@@ -1,0 +1,55 @@
+"""Worker of ``tests/launch/test_context_launch.py::test_trainer_pp2_sp2_with_planner_modes``, run by
+torchrun on 4 CPU processes: ``ConcertinaTrainer`` at pp=2 x sp=2 with
+``concertina_sequence_parallel_mode='auto'`` (the planner chooses Ulysses / whole-doc / per-doc per
+chunk; ``args.PLACEMENTS_RUN`` switched on here while it is off by default) for 3 steps on
+``test_trainer_pipeline``'s model and data, then evaluation with run_clm's metrics and
+``predict()``; the modes of every chunk the executor ran are recorded. Each rank writes
+``<out>/info-rank<r>.json``; the reference is ``test_trainer_pipeline._reference``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+STEPS = 3
+
+
+def main(out: str) -> None:
+    from test_trainer_pipeline import COMMON, _dataset, _metrics_and_predictions, _model, _summary
+
+    import concertina_hf.training.args as args_module
+    from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
+    from concertina_hf.planning.sharding import chunk_mode
+
+    if hasattr(args_module, "PLACEMENTS_RUN"):
+        args_module.PLACEMENTS_RUN = True
+    args = ConcertinaTrainingArguments(output_dir=out, save_strategy="no", concertina_pipeline_size=2,
+                                       concertina_sequence_parallel_size=2, concertina_max_tokens_per_chunk=16,
+                                       concertina_sequence_parallel_mode="auto", **dict(COMMON, max_steps=STEPS))
+    trainer = ConcertinaTrainer(model=_model("llama"), args=args, train_dataset=_dataset(),
+                                eval_dataset=_dataset(8, seed=1))
+    modes: list[str] = []
+    run_step = trainer.executor.run_step
+
+    def recording(plan, *a, **kw):
+        modes.extend(chunk_mode(c) for c in plan.chunks)
+        return run_step(plan, *a, **kw)
+
+    trainer.executor.run_step = recording
+    trainer.train()
+    info = _summary(trainer)
+    info["train_modes"] = sorted(set(modes))
+    info["eval_loss"] = trainer.evaluate()["eval_loss"]
+    t = trainer.topology
+    info.update(_metrics_and_predictions(trainer, os.path.join(out, f"logits-rank{t.rank}.pt")))
+    info["modes"] = sorted(set(modes))
+    with open(os.path.join(out, f"info-rank{t.rank}.json"), "w") as f:
+        json.dump(info, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
