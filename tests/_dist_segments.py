@@ -19,7 +19,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "run
 from _helpers import gloo_rank  # noqa: E402
 
 # (gradient, tail, global heads)
-CASES = (("previous", 5, ()), ("previous", 12, ()), ("full", 12, ()), ("full", None, ()), ("previous", 5, (1, 2)))
+CASES = (("previous", 5, ()), ("previous", 12, ()), ("full", 12, ()), ("full", None, ()), ("previous", 5, (1, 2)),
+         ("none", 5, ()), ("none", 12, (1,)))
 
 
 def worker(rank: int, world: int, port: int, outdir: str) -> None:

@@ -25,4 +25,4 @@ def test_segment_training_matches_the_segment_reference(num_stages, tmp_path, mo
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(num_stages)]
     failures = [f for r in reports for f in r["failures"]]
     assert failures == []
-    assert all(r["cases"] == 2 * (5 * 4 + 2) for r in reports)
+    assert all(r["cases"] == 2 * (7 * 4 + 2) for r in reports)
