@@ -1,15 +1,16 @@
 """``concertina plan --layout auto`` at the paper's scale: the layout the planner picks for 32 GPUs.
 
-    python benchmarks/layout_auto.py                 # two CLI runs, under 30 s each on 2 cores
+    python benchmarks/layout_auto.py                 # six CLI runs, under 30 s each on 2 cores
 
 Runs, as a user would (a fresh process each, timed end to end, imports included)::
 
-    concertina plan --gpus 32 --layout auto --model-config llama-13b --memory-gb 80 \\
+    concertina plan --gpus 32 --layout auto --model-config {llama-7b,llama-13b,llama-30b} --memory-gb 80 \\
         --distribution github --max-len {65536,131072} --num-seqs 512 --json ...
 
-LLaMA-13B shapes, 32 GPUs of 80 GiB (``DeviceSpec.a800()`` rates, 8 GPUs a node: assumptions, not
-measurements), 512 sequences of the shipped long-tail ``github`` distribution (CONSTRUCTED from
-the paper's published statements, benchmarks/data/make_distributions.py) capped at 64K and 128K.
+LLaMA-7B/13B/30B shapes (the paper's three models), 32 GPUs of 80 GiB (``DeviceSpec.a800()``
+rates, 8 GPUs a node: assumptions, not measurements), 512 sequences of the shipped long-tail
+``github`` distribution (CONSTRUCTED from the paper's published statements,
+benchmarks/data/make_distributions.py) capped at 64K and 128K.
 Every pp x sp x dp layout the runtime can run is planned with ``adaptive`` (greedy recompute
 solver; dp > 1: the batch split over the replicas by LPT on estimated cost, the slowest replica
 sets the step) unless a lower bound of its step time is above the best found (pruned);
@@ -84,7 +85,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-lens", type=int, nargs="+", default=[65536, 131072])
     ap.add_argument("--num-seqs", type=int, default=512)
     ap.add_argument("--gpus", type=int, default=32)
-    ap.add_argument("--model-config", default="llama-13b")
+    ap.add_argument("--model-configs", nargs="+", default=["llama-7b", "llama-13b", "llama-30b"])
     ap.add_argument("--memory-gb", type=float, default=80)
     ap.add_argument("--device", default="a800")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "layout_auto"))
@@ -92,19 +93,23 @@ def main(argv=None) -> int:
     run_ = Run(__file__, argv)
     record = {"runs": []}
     lines = ["# `concertina plan --layout auto` at paper scale", "",
-             f"{args.model_config} shapes, {args.gpus} GPUs of {args.memory_gb:g} GiB (`--device {args.device}` rates, "
+             f"{', '.join(args.model_configs)} shapes, {args.gpus} GPUs of {args.memory_gb:g} GiB "
+             f"(`--device {args.device}` rates, "
              "assumed), 8 per node; the shipped `github` long-tail distribution (constructed, not measured). "
              "Each command in a fresh process, timed end to end (imports included) on this machine's 2 cores. "
              "`vs chosen`: step time over the chosen layout's. sp-only: planned as the runtime would hold its "
              "state (ZeRO-1), not runnable by the trainer (a reference, never chosen).", "",
-             "| cap | wall (s) | chosen | step (s) | pp4 x sp8 | pp4 x sp8 vs chosen | sp-only | sp-only vs chosen "
+             "| model | cap | wall (s) | chosen | step (s) | pp4 x sp8 | pp4 x sp8 vs chosen | sp-only "
+             "| sp-only vs chosen "
              "| sp-only peak GiB | planned / pruned / infeasible / refused |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for max_len in args.max_lens:
-        res = run_cli(max_len, args.num_seqs, args.gpus, args.model_config, args.memory_gb, args.device)
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for model, max_len in [(m, n) for m in args.model_configs for n in args.max_lens]:
+        res = run_cli(max_len, args.num_seqs, args.gpus, model, args.memory_gb, args.device)
         s = summary(res)
-        record["runs"].append({"max_len": max_len, "summary": s, "command": res["command"], "table": res["table"]})
-        lines.append(f"| {max_len // 1024}K | {s['wall_s']} | {s['chosen']} | {s['chosen_step_s']} | "
+        res["model"] = model
+        record["runs"].append({"model": model, "max_len": max_len, "summary": s, "command": res["command"],
+                               "table": res["table"]})
+        lines.append(f"| {model} | {max_len // 1024}K | {s['wall_s']} | {s['chosen']} | {s['chosen_step_s']} | "
                      f"{s['pp4_sp8_step_s'] if s['pp4_sp8_step_s'] else s['pp4_sp8_status']} | "
                      f"{s['pp4_sp8_over_chosen'] or '-'} | {s['sp_only_step_s'] or '-'} ({s['sp_only_layout']}) | "
                      f"{s['sp_only_over_chosen'] or '-'} | {s['sp_only_peak_gib'] or '-'} | "
@@ -112,8 +117,8 @@ def main(argv=None) -> int:
         res["summary"] = s
         record.setdefault("_outputs", []).append(res)
     for res in record.pop("_outputs"):
-        lines += ["", f"## {res['table']['longest'] // 1024}K cap", "", "```", f"$ time {res['command']}",
-                  res["stdout"].rstrip(), f"(wall {res['wall_s']} s)", "```"]
+        lines += ["", f"## {res['model']}, {res['table']['longest'] // 1024}K cap", "", "```",
+                  f"$ time {res['command']}", res["stdout"].rstrip(), f"(wall {res['wall_s']} s)", "```"]
     write_results(args.out, "\n".join(lines) + "\n", record, run_)
     return 0
 

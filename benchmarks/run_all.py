@@ -36,8 +36,11 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str], str, str]] = {
     "paper_layout": ("paper_layout.py", [],
                      ["--batches", "1", "--solver", "greedy", "--out", "benchmarks/results/paper_layout_quick"],
                      "the paper's 32-GPU layout simulated, sp-only included", "~2-4 min"),
-    "layout_auto": ("layout_auto.py", [], [], "concertina plan --layout auto on 32 GPUs at 64K and 128K (LLaMA-13B)",
-                    "~1 min"),
+    "layout_auto": ("layout_auto.py", [], [], "concertina plan --layout auto on 32 GPUs at 64K and 128K "
+                    "(LLaMA-7B/13B/30B)", "~3 min"),
+    "layout_measured": ("layout_measured.py", [], ["--quick", "--out", "benchmarks/results/layout_measured_quick"],
+                        "concertina_layout='auto' vs every fixed layout of 4 processes, two length distributions (CPU)",
+                        "~6-10 min"),
     "flashcp": ("flashcp.py", [], ["--batches", "1", "--quick", "--out", "benchmarks/results/flashcp_quick"],
                 "whole-doc / per-doc / Ulysses per chunk vs Ulysses-only vs sp-only, 32 GPUs simulated", "~5 min"),
     "planner_speed": ("planner_speed.py", [], ["--repeats", "1", "--out", "benchmarks/results/planner_speed_quick"],
