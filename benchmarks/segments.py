@@ -139,7 +139,7 @@ def table(measured: list[dict], sim: list[dict], grow: dict, args) -> str:
               "|---|---|---|---|---|---|"]
     for r in sim:
         a, b = r["no-recompute"], r["adaptive"]
-        cell = lambda d, k: d.get(k, d.get("infeasible", "-")) if k in d or "infeasible" in d else "-"  # noqa: E731
+        cell = lambda d, k: d[k] if k in d else "does not fit" if "infeasible" in d else "-"  # noqa: E731
         lines.append(f"| {r['tokens']} | {r['option']} | {cell(a, 'peak_gib')} | {cell(a, 'step_s')} | "
                      f"{cell(b, 'peak_gib')} | {cell(b, 'step_s')} |")
     return "\n".join(lines) + "\n"
