@@ -148,7 +148,9 @@ class ConcertinaTrainingArguments(TrainingArguments):
 
     Batch semantics are the Trainer's: an optimizer step consumes ``per_device_train_batch_size
     x gradient_accumulation_steps`` sequences per pipeline replica, so ``x
-    concertina_data_parallel_size`` in all. All the step's sequences of a replica are planned
+    concertina_data_parallel_size`` in all; with ``concertina_layout="auto"`` ``x`` the number of
+    processes in all (``Trainer``'s global batch at that many processes, whatever layout is chosen:
+    each replica reads ``pipeline_size x sequence_parallel_size`` processes' micro-batches). All the step's sequences of a replica are planned
     and run as one pipeline step (gradient accumulation is a batch size, not a loop).
 
     Precision as in ``Trainer``: ``bf16=True`` (or ``mixed_precision: bf16`` in the accelerate
