@@ -7,9 +7,9 @@ Issue 22 item 4: on this machine with 4 processes, two length distributions, aut
 every runnable fixed layout of 4 processes, tokens/s as ratios from one run with interleaved
 candidates. What runs (CPU, gloo, one thread per process, fp32, ``ConcertinaTrainer`` itself):
 
-1. **Model.** A Llama of ``measured.py``'s tiny shape family: hidden 64, 4 layers, 4 heads, 2 K/V
-   heads (so sp=4 replicates them, as Ulysses does), MLP 176, the bundled tokenizer's 8192-token
-   vocabulary. pp4 needs 4 layers; the width keeps a 16K-token step within seconds on 2 cores.
+1. **Model.** A tiny Llama: hidden 32, 4 layers, 4 heads (head size 8), 2 K/V heads (so sp=4
+   replicates them, as Ulysses does), MLP 88, the bundled tokenizer's 8192-token vocabulary. pp4
+   needs 4 layers; the width keeps a 16K-token step around ten seconds on 2 cores.
 2. **Data** (``measured.load_corpus``: the stdlib sources tokenized with the bundled tokenizer,
    shuffled with a fixed seed). ``short``: every sequence a file truncated at 512 tokens, 16 per
    step. ``longtail``: 8 sequences per step, 7 short ones (files truncated at 512 tokens) and one of
@@ -25,9 +25,10 @@ candidates. What runs (CPU, gloo, one thread per process, fp32, ``ConcertinaTrai
    the optimizer state not sharded, sequential sampling, no self-check).
 5. **Runs.** One ``torchrun`` of 4 processes builds every candidate's trainer (its own mesh over
    the same 4 processes), then runs rounds: in round ``r`` each candidate, in an order rotated by
-   ``r``, runs ``train()`` for ``--steps`` optimizer steps on the same first batches; the first step
-   of each call is a warm-up (its plan is not overlapped), the others are timed from one step's end
-   to the next (data read, plan wait, pipeline, gradient reduction, optimizer step).
+   ``r``, runs ``train()`` for a few optimizer steps on the same first batches (:data:`SCHEDULE`),
+   timed from one step's end to the next (data read, plan wait, pipeline, gradient reduction,
+   optimizer step); ``short``: 3 rounds of 3 steps, the first of each call a warm-up (its plan is
+   not overlapped); ``longtail``: 2 rounds of one step timed from ``train()``'s start.
 
 Figures per distribution: each candidate's tokens/s (median over rounds of the round's timed
 tokens over its timed seconds; min and max), its ratio to the fastest, and auto's pick with the
@@ -62,7 +63,11 @@ WORLD = 4
 SHORT, LONG = 512, 16384
 #: every pp x sp x dp layout of 4 processes for 4 heads / 2 K/V heads (layouts.runnable_layouts)
 FIXED = [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 4, 1), (1, 2, 2), (1, 1, 4)]
-SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, intermediate_size=176)
+SHAPE = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, intermediate_size=88)
+#: per distribution: rounds, optimizer steps per candidate and round, the first timed step (1: the
+#: first step of each train() call is a warm-up; 0: timed from train()'s start, for the 16K steps
+#: that take seconds each, so the per-call setup and unoverlapped first plan are included)
+SCHEDULE = {"short": dict(rounds=3, steps=3, timed_from=1), "longtail": dict(rounds=2, steps=1, timed_from=0)}
 PROFILE = dict(profile_max_tokens=1024, profile_repeats=2, profile_layers=2, profile_procs=2)
 
 __all__ = ["main"]
@@ -118,6 +123,7 @@ def worker(spec_path: str, out_path: str) -> None:
     for dist_name, d in spec["distributions"].items():
         data = datasets.Dataset.from_list([{"input_ids": r} for r in d["rows"]])
         per_device = d["rows_per_step"] // WORLD
+        sched = d["schedule"]
         cands = [("auto", {})] + [(_name(*s), dict(concertina_pipeline_size=s[0], concertina_data_parallel_size=s[2],
                                                    concertina_sequence_parallel_size=s[1])) for s in FIXED]
         trainers, clocks, built = {}, {}, {}
@@ -127,7 +133,7 @@ def worker(spec_path: str, out_path: str) -> None:
             model = AutoModelForCausalLM.from_config(config)
             args = ConcertinaTrainingArguments(
                 output_dir=os.path.join(spec["tmp"], dist_name, name.replace(" ", "")), report_to=[],
-                disable_tqdm=True, save_strategy="no", logging_steps=1000, max_steps=spec["steps"],
+                disable_tqdm=True, save_strategy="no", logging_steps=1000, max_steps=sched["steps"],
                 per_device_train_batch_size=per_device, gradient_accumulation_steps=1, learning_rate=1e-4,
                 train_sampling_strategy="sequential", seed=spec["seed"], concertina_layout="auto",
                 concertina_cost_model_path=spec["cost_path"], concertina_max_tokens_per_chunk=1024,
@@ -138,9 +144,10 @@ def worker(spec_path: str, out_path: str) -> None:
             clocks[name] = clock
         auto = trainers["auto"].layout_choice
         lens = [len(r) for r in d["rows"]]
-        step_tokens = [sum(lens[i * d["rows_per_step"]:(i + 1) * d["rows_per_step"]]) for i in range(spec["steps"])]
+        step_tokens = [sum(lens[i * d["rows_per_step"]:(i + 1) * d["rows_per_step"]]) for i in range(sched["steps"])]
         rounds = []
-        for r in range(spec["rounds"]):
+        first = sched["timed_from"]
+        for r in range(sched["rounds"]):
             order = cands[r % len(cands):] + cands[:r % len(cands)]
             for name, _ in order:
                 clock = clocks[name]
@@ -151,7 +158,7 @@ def worker(spec_path: str, out_path: str) -> None:
                 ends = [start] + clock.ends
                 dts = [b - a for a, b in zip(ends, ends[1:])]
                 rounds.append({"round": r, "candidate": name, "step_s": dts,
-                               "timed_tokens": sum(step_tokens[1:len(dts)]), "timed_s": sum(dts[1:])})
+                               "timed_tokens": sum(step_tokens[first:len(dts)]), "timed_s": sum(dts[first:])})
         report["distributions"][dist_name] = {
             "auto_pick": _name(*auto.sizes), "auto_table": list(auto.table), "construct_s": built,
             "rounds": rounds, "step_tokens": step_tokens, "per_device": per_device,
@@ -178,8 +185,9 @@ def summarize(d: dict) -> dict:
         v["spread"] = (v["max"] - v["min"]) / v["median"]
     pick = d["auto_pick"]
     fastest = min((n for n in rows if n != "auto"), key=lambda n: rows[n]["best_over_this"])
-    noise = max(v["spread"] for v in rows.values())
     same = rows["auto"]["median"] / rows[pick]["median"] if pick in rows else None
+    # run-to-run noise: a candidate's spread over rounds, or auto against its identical fixed layout
+    noise = max([v["spread"] for v in rows.values()] + ([abs(same - 1)] if same else []))
     return {"rows": rows, "pick": pick, "fastest_fixed": fastest,
             "pick_over_fastest": rows[pick]["median"] / rows[fastest]["median"],
             "auto_over_its_layout": same, "noise": noise,
@@ -200,10 +208,12 @@ def to_markdown(res: dict) -> str:
          "`ConcertinaTrainer` on gloo, one thread per process. Cost model profiled once (two processes) and given to "
          "every trainer (`concertina_cost_model_path`): auto decides on it. Every fixed candidate runs as "
          "`concertina_layout='auto'` with its three sizes set, so all take the same global batch. `auto`: nothing "
-         "fixed (the same layout as its pick: their ratio shows the run-to-run noise). "
-         f"{res['rounds']} rounds x {res['steps']} steps per candidate (the first step of each round untimed).", "",
+         "fixed (the same layout as its pick: their ratio shows the run-to-run noise). Rounds x steps per "
+         "candidate: " + "; ".join(f"{n}: {s['rounds']} x {s['steps']}" + (" (the first step of each round untimed)"
+                                   if s["timed_from"] else " (timed from train()'s start)")
+                                   for n, s in res["schedule"].items()) + ".", "",
          "| distribution | auto's pick | fastest fixed | pick / fastest (tokens/s) | auto / its fixed layout | "
-         "noise (largest max-min over median) | verdict |", "|---|---|---|---|---|---|---|"]
+         "noise (largest max-min over median, or auto vs its layout) | verdict |", "|---|---|---|---|---|---|---|"]
     for name, d in res["distributions"].items():
         s = d["summary"]
         L.append(f"| {name} | {s['pick']} | {s['fastest_fixed']} | {s['pick_over_fastest']:.3f} | "
@@ -225,31 +235,40 @@ def to_markdown(res: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="short distribution only, one round of 2 steps")
-    ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per candidate and round (first untimed)")
     ap.add_argument("--max-files", type=int, default=600)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(HERE / "results" / "layout_measured"))
+    ap.add_argument("--from-json", type=pathlib.Path, default=None,
+                    help="only recompute the summaries and the markdown of an earlier run's JSON (header kept)")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         worker(*args.worker)
         return 0
-    from _results import Run, write_results
+    from _results import Run, header_of, write_results
+
+    if args.from_json:
+        res = json.loads(args.from_json.read_text())
+        for d in res["distributions"].values():
+            d["summary"] = summarize(d)
+        write_results(args.from_json.with_suffix(""), to_markdown(res) + "\n", res, header_of(res))
+        return 0
     from measured import load_corpus, model_config, profile
 
     run_ = Run(__file__, argv)
-    rounds = args.rounds or (1 if args.quick else 3)
-    steps = args.steps or (2 if args.quick else 3)
+    schedule = {"short": dict(rounds=1, steps=2, timed_from=1)} if args.quick else dict(SCHEDULE)
     corpus = load_corpus(args.max_files)
-    dists = distributions(corpus, steps, args.seed, args.quick)
+    dists = distributions(corpus, max(s["steps"] for s in schedule.values()), args.seed, args.quick)
+    for name, d in dists.items():
+        d["schedule"] = schedule[name]
     config = model_config(SHAPE, LONG)
+    # profiled up to 4K-token shapes (a slice with 2K of context): the attention term without a 16K probe
     cost, _ = profile(config, args.seed, dict(PROFILE, profile_procs=1 if args.quick else 2),
-                      SHORT if args.quick else LONG, lambda m: print(f"[layout_measured] {m}", flush=True))
+                      SHORT if args.quick else 8 * SHORT, lambda m: print(f"[layout_measured] {m}", flush=True))
     with tempfile.TemporaryDirectory() as tmp:
         cost_path = os.path.join(tmp, "cost.json")
         pathlib.Path(cost_path).write_text(json.dumps(cost.to_dict()))
-        spec = {"config": config, "seed": args.seed, "steps": steps, "rounds": rounds, "cost_path": cost_path,
+        spec = {"config": config, "seed": args.seed, "cost_path": cost_path,
                 "tmp": tmp, "distributions": dists}
         spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
         pathlib.Path(spec_path).write_text(json.dumps(spec))
@@ -264,7 +283,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"workers failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
         report = json.loads(pathlib.Path(out_path).read_text())
         wall = time.perf_counter() - t0
-    res = {"config": config, "rounds": rounds, "steps": steps, "runs_wall_s": round(wall, 1),
+    res = {"config": config, "schedule": schedule, "runs_wall_s": round(wall, 1),
            "cost_model": cost.to_dict(), "distributions": {}}
     for name, d in report["distributions"].items():
         lens = [len(r) for r in dists[name]["rows"]]
