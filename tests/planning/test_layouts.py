@@ -116,18 +116,45 @@ def test_lower_bound_counts_forced_recompute():
     assert tight <= plan.predicted.step_time_s
 
 
-def test_sp_only_reference_holds_zero1_memory():
+def test_sp_only_reference_holds_zero3_memory():
+    """sp-only is scored with the memory the runtime holds on its layout with
+    concertina_shard_parameters=True (ZeRO-3 over all 8 GPUs), less than ZeRO-1's."""
     cost = CostModel.from_hf_config(MODEL_PRESETS["llama-7b"], DeviceSpec.a800())
     lens = [32768, 8192, 4096, 2048, 1024]
     rows = rank_layouts(lens, cost, 8, 80 * 2**30)
     ref = next(r for r in rows if r.status == "reference")
-    assert ref.knobs["zero3"] is False and ref.knobs["state_shards"] == 8
-    assert "not runnable by the trainer" in ref.reason
-    z3 = plan_step(lens, cost.with_parallel(sp=8), partition_layers(cost.with_parallel(sp=8), 1), 80 * 2**30,
-                   "sp-only", solver="greedy")
-    # weights and gradients whole on every GPU (ZeRO-1) hold more than ZeRO-3's shards
-    assert dict(z3.knobs)["zero3"] is True
-    assert ref.peak_memory_bytes > max(z3.predicted.peak_memory_bytes)
+    assert ref.knobs["zero3"] is True and ref.knobs["state_shards"] == 8 and ref.shard_parameters
+    assert "concertina_shard_parameters=True" in ref.reason and "ZeRO-3 over all GPUs" in ref.reason
+    z1 = plan_step(lens, cost.with_parallel(sp=8), partition_layers(cost.with_parallel(sp=8), 1), 80 * 2**30,
+                   "sp-only", solver="greedy", zero3=False)
+    assert ref.peak_memory_bytes < max(z1.predicted.peak_memory_bytes)
+
+
+def test_shard_parameters_ranks_pp1_layouts_as_the_runtime_holds_them(tiny_cost):
+    """--shard-parameters: pp=1 layouts with weights, gradients and optimizer state over dp x sp
+    plus the gathered layers, their per-layer gathers timed; pp > 1 layouts keep ZeRO-1."""
+    rows = rank_layouts(LENS, tiny_cost, 8, 0, prune=False, sp_only=False, shard_parameters=True)
+    plain = {r.layout: r for r in rank_layouts(LENS, tiny_cost, 8, 0, prune=False, sp_only=False)}
+    ok = [r for r in rows if r.status == "ok"]
+    assert {r.layout for r in ok} == {k for k, r in plain.items() if r.status == "ok"}
+    for r in ok:
+        assert r.shard_parameters == (r.layout.pp == 1 and r.layout.sp > 1), r.layout
+        c = layout_cost(tiny_cost, r.layout, shard_parameters=True)
+        assert c.zero3 == r.shard_parameters
+        if r.shard_parameters and r.layout.dp == 1:
+            stages = partition_layers(c, 1)
+            n = r.layout.sp
+            whole = tiny_cost.static_memory(stages, 0)  # one GPU's weights, gradients and Adam state
+            gathered = 2 * c.layer_params + max(c.embed_params, c.head_params)
+            assert c.sharded_state_memory(stages, 0) == pytest.approx(whole / n)
+            assert c.static_memory(stages, 0) == pytest.approx(whole / n + gathered * c.dtype_bytes)
+            plan = plan_step(LENS, c, stages, 0, "adaptive", solver="ilp")
+            assert r.step_time_s == pytest.approx(simulate(plan, c).step_time_s)
+            # the gathers per layer and chunk: never faster than without them
+            assert r.step_time_s >= plain[r.layout].step_time_s * (1 - 1e-9)
+            assert r.peak_memory_bytes < plain[r.layout].peak_memory_bytes
+        if not r.shard_parameters:
+            assert r.step_time_s == pytest.approx(plain[r.layout].step_time_s)
 
 
 # ------------------------------------------------------------------ CLI
@@ -141,7 +168,7 @@ def test_cli_layout_auto_prints_the_table_and_writes_json(tmp_path, capsys):
     assert rc == 0
     assert "tok/s/GPU" in text and "peak GiB/GPU" in text and "chosen: pp" in text
     assert "refused: sp=8 does not divide the 4 attention heads" in text
-    assert "not runnable yet" in text and "solver greedy" in text
+    assert "is a reference, never chosen" in text and "solver greedy" in text
     data = json.loads(out.read_text())
     assert data["gpus"] == 8 and data["rows"][0]["ratio_to_best"] == 1.0
     assert data["chosen"] == data["rows"][0]["layout"]
@@ -184,3 +211,17 @@ def test_cli_device_choices():
     for name in ("h100", "h200", "b200"):
         args = cli.build_parser().parse_args(["plan", "--distribution", "github", "--device", name])
         assert cli._device(args) == DeviceSpec.preset(name)
+
+
+def test_cli_shard_parameters_names_the_option(tmp_path, capsys):
+    lens = tmp_path / "lens.txt"
+    lens.write_text("\n".join(map(str, LENS)) + "\n")
+    out = tmp_path / "auto.json"
+    rc = cli.main(["plan", "--lengths", str(lens), "--model-config", "tiny-llama", "--device", "cpu", "--gpus", "4",
+                   "--layout", "auto", "--shard-parameters", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0 and "pp=1: weights and gradients sharded too (concertina_shard_parameters=True)" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert all(r["shard_parameters"] == (r["pp"] == 1 and r["sp"] > 1) for r in rows if r["status"] == "ok")
+    chosen = next(r for r in rows if r["status"] == "ok")
+    assert f"concertina_shard_{'parameters' if chosen['shard_parameters'] else 'optimizer'}=True" in text

@@ -23,12 +23,23 @@ step time of the replica's share of the work, or of the longest sequence alone);
 is above the best step time found so far cannot win and is skipped (``pruned``), which never
 drops the best (the bound is below every plan's simulated time).
 
-The ``sp-only`` baseline (:mod:`.strategies.sp_only`: no pipeline, the GPUs in Ulysses groups)
-is planned beside them as a **reference, never chosen**: the trainer refuses strategies whose
-plans do not use the pipeline's stages (``Strategy.pipeline=False``). It is scored as the runtime
-would hold its state (optimizer sharded, ZeRO-1: weights and gradients whole on every GPU), not
-with ZeRO-3 parameter sharding, which the runtime does not have. The closest runnable layouts
-are the ``pp=1`` ones (one stage of ``sp`` GPUs, ``dp`` replicas), which are ranked.
+``shard_parameters=True`` (``concertina plan --layout auto --shard-parameters``) plans the
+``pp=1`` layouts as the trainer runs them with ``concertina_shard_parameters=True`` (ZeRO-3,
+torch FSDP2, :mod:`concertina_hf.runtime.param_sharding`): weights, gradients and optimizer state
+over the stage's ``sp`` GPUs (the replicas run different chunks, so FSDP2's per-layer collectives
+stay inside a replica) plus the gathered layers (:meth:`~.cost.CostModel.static_memory` with
+``zero3``), each layer's weights all-gathered for its forward and again for its backward and its
+gradients reduce-scattered, per chunk (``layer_fwd_time`` / ``layer_bwd_time``: the larger of
+compute and those collectives, on the intra- or inter-node link as the ``sp`` GPUs lie). Not
+modelled: the replicas' all-reduce of the gradient shards once a step. The trainer shards
+parameters at ``pp=1`` only, so layouts with ``pp > 1`` keep ZeRO-1.
+
+The ``sp-only`` baseline (:mod:`.strategies.sp_only`: no pipeline, the GPUs in Ulysses groups,
+micro-batches in rounds) is planned beside them as a **reference, never chosen**: the trainer
+refuses strategies whose plans do not use the pipeline's stages (``Strategy.pipeline=False``).
+It is scored with DeepSpeed's ZeRO-3 over all its GPUs; the trainer runs its layout (``pp=1 x sp
+x dp``) with ``concertina_shard_parameters=True``, sharded over each replica's ``sp`` GPUs, ranked
+as such with ``shard_parameters=True``.
 
 Pure Python; no torch.
 """
@@ -93,6 +104,8 @@ class LayoutResult:
     lower_bound_s: float | None = None
     plan_time_s: float = 0.0
     reason: str = ""
+    #: planned with weights and gradients sharded (``concertina_shard_parameters=True``, ``pp=1``)
+    shard_parameters: bool = False
     knobs: dict = field(default_factory=dict)
     plans: tuple = ()  # the replicas' plans (not in to_dict)
     error: PlanError | None = None  # why it is infeasible (not in to_dict; a front end words it)
@@ -167,12 +180,16 @@ def runnable_layouts(model: CostModel | Mapping[str, Any], gpus: int,
     return ok, refused
 
 
-def layout_cost(cost: CostModel, layout: Layout, shard_optimizer: bool = True, ulysses: bool = True) -> CostModel:
+def layout_cost(cost: CostModel, layout: Layout, shard_optimizer: bool = True, ulysses: bool = True,
+                shard_parameters: bool = False) -> CostModel:
     """The per-GPU cost model of ``layout`` as the trainer builds it (``run_setup``): a stage of
-    ``sp`` GPUs, optimizer state over the stage's ``dp x sp`` ranks when ``shard_optimizer``."""
-    shards = layout.sp * layout.dp if shard_optimizer else 1
+    ``sp`` GPUs, optimizer state over the stage's ``dp x sp`` ranks when ``shard_optimizer``;
+    ``shard_parameters`` at ``pp=1``, ``sp > 1``: weights, gradients and optimizer state over the
+    stage's ``sp`` ranks, gathered per layer (``zero3``; the replicas all-reduce their shards once a step)."""
+    zero3 = shard_parameters and layout.pp == 1 and layout.sp > 1
+    shards = layout.sp if zero3 else layout.sp * layout.dp if shard_optimizer else 1
     if layout.sp > 1 or shards > 1:
-        return cost.with_parallel(sp=layout.sp, state_shards=shards, ulysses=ulysses)
+        return cost.with_parallel(sp=layout.sp, state_shards=shards, ulysses=ulysses, zero3=zero3)
     return cost
 
 
@@ -257,6 +274,7 @@ def rank_layouts(
     gpus_per_node: int | None = None,
     strategy: str = "adaptive",
     shard_optimizer: bool = True,
+    shard_parameters: bool = False,
     prune: bool = True,
     sp_only: bool = True,
     refine_rounds: int = 0,
@@ -302,11 +320,12 @@ def rank_layouts(
         row = LayoutResult(lay, strategy, "pending", memory_budget_bytes=budget)
         rows.append(row)
         try:
-            lcost = layout_cost(cost, lay, shard_optimizer, ulysses=uly)
+            lcost = layout_cost(cost, lay, shard_optimizer, ulysses=uly, shard_parameters=shard_parameters)
             stages = partition_layers(lcost, lay.pp)
         except PlanError as e:
             row.status, row.runnable, row.reason = "refused", False, e.reason
             continue
+        row.shard_parameters = lcost.zero3
         row.lower_bound_s = layout_lower_bound(lens, lcost, stages, lay.dp, budget)
         todo.append((row.lower_bound_s, lay, row, lcost, stages))
     best = float("inf")
@@ -340,8 +359,9 @@ def rank_layouts(
 
 
 def _sp_only_row(lens: list[int], cost: CostModel, gpus: int, budget: int, plan_kwargs: dict) -> LayoutResult:
-    """The ``sp-only`` reference on all ``gpus`` GPUs as one replica, optimizer state sharded over
-    them (ZeRO-1), weights and gradients whole: what the runtime's sharding would hold."""
+    """The ``sp-only`` reference on all ``gpus`` GPUs as one replica, weights, gradients and
+    optimizer state sharded over them (ZeRO-3): what the runtime holds on its layout with
+    ``concertina_shard_parameters=True``."""
     _, heads, _ = _model_shape(cost)
     # the replica's GPUs as stages of the largest Ulysses degree the heads allow (plan_sp_only
     # searches every degree dividing them); its stages only count the GPUs
@@ -352,11 +372,11 @@ def _sp_only_row(lens: list[int], cost: CostModel, gpus: int, budget: int, plan_
     try:
         lcost = cost.with_parallel(sp=u, state_shards=u)  # one replica: sp-only shards over its GPUs
         stages = StageLayout.even(cost.num_layers, gpus // u)
-        plan = plan_step(lens, lcost, stages, budget, "sp-only", zero3=False, **kwargs)
+        plan = plan_step(lens, lcost, stages, budget, "sp-only", zero3=True, **kwargs)
     except PlanError as e:
         row.plan_time_s = time.perf_counter() - t0
         row.error = e
-        row.reason = f"no plan fits ({e.reason}); not runnable by the trainer yet"
+        row.reason = f"no plan fits ({e.reason}); a reference, not a strategy the trainer runs"
         return row
     row.plan_time_s = time.perf_counter() - t0
     sim = simulate(plan, lcost)
@@ -364,6 +384,8 @@ def _sp_only_row(lens: list[int], cost: CostModel, gpus: int, budget: int, plan_
     row.status = "reference"
     knobs = dict(plan.knobs)
     row.layout = Layout(1, int(knobs["sp"]), gpus // int(knobs["sp"]))
-    row.reason = ("not runnable by the trainer yet (sp-only is not a pipeline strategy); ZeRO-1 memory as the "
-                  "runtime would hold it")
+    row.shard_parameters = True
+    row.reason = ("a reference (ZeRO-3 over all GPUs): the trainer runs this layout as pp=1 with "
+                  "concertina_shard_parameters=True (sharded over each replica's sp GPUs) and the adaptive strategy, "
+                  "not sp-only's rounds")
     return row

@@ -286,6 +286,16 @@ class Topology:
                 len(names), ", ".join(names[:3]))
         return names
 
+    def shard_mesh(self) -> Any:
+        """A 1-D :class:`DeviceMesh` over this stage's ``sp`` ranks (one replica's), on
+        :attr:`sp_group` (no new process group), for FSDP2's parameter sharding
+        (:mod:`~concertina_hf.runtime.param_sharding`); ``None`` at ``sp = 1``."""
+        if self.sp_group is None or self.sequence_parallel_size == 1:
+            return None
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh.from_group(self.sp_group, self.comm_device.type, mesh_dim_names=("shard",))
+
     def barrier(self) -> None:
         if self.world_size > 1 and dist.is_initialized():
             with self.waiting("every rank at a barrier"):
@@ -523,20 +533,24 @@ def p2p_channels(lanes: Sequence[Sequence[int]], timeout: timedelta | None = Non
     return mine
 
 
-def reduce_gradients(params: Sequence[nn.Parameter], topology: Topology, average: bool) -> None:
+def reduce_gradients(params: Sequence[nn.Parameter], topology: Topology, average: bool,
+                     shards: bool = False) -> None:
     """Sum each stage's gradients over its sequence-parallel ranks (each holds its tokens' share)
     and sum (``average=False``: token-averaged loss) or average them over the replicas, in one
     all-reduce over the stage's ``dp x sp`` ranks per flat bucket of at most
     :data:`BUCKET_ELEMENTS` elements per dtype. A missing gradient counts as zeros (another rank
-    may have one)."""
-    if topology.data_parallel_size * topology.sequence_parallel_size == 1:
+    may have one). ``shards``: the gradients are this rank's shards, already summed over its
+    ``sp`` ranks (``concertina_shard_parameters``): reduced over the replicas only."""
+    if topology.data_parallel_size * (1 if shards else topology.sequence_parallel_size) == 1:
         return
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
-        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        g = p.grad.to_local() if shards and hasattr(p.grad, "to_local") else p.grad
+        by_dtype.setdefault(g.dtype, []).append(g)
+    group = topology.dp_group if shards else topology.grad_group
     for grads in by_dtype.values():
         bucket: list[torch.Tensor] = []
         size = 0
@@ -545,14 +559,14 @@ def reduce_gradients(params: Sequence[nn.Parameter], topology: Topology, average
                 bucket.append(g)
                 size += g.numel()
                 continue
-            _all_reduce_bucket(bucket, topology, average)
+            _all_reduce_bucket(bucket, topology, average, group)
             bucket, size = ([g], g.numel()) if g is not None else ([], 0)
 
 
-def _all_reduce_bucket(grads: list[torch.Tensor], topology: Topology, average: bool) -> None:
+def _all_reduce_bucket(grads: list[torch.Tensor], topology: Topology, average: bool, group: Any) -> None:
     flat = torch.cat([g.reshape(-1) for g in grads]).to(topology.comm_device)
-    with topology.waiting(f"the gradients of the stage's ranks {list(topology.grad_ranks)}"):
-        dist.all_reduce(flat, group=topology.grad_group)
+    with topology.waiting(f"the gradients of the stage's ranks {list(dist.get_process_group_ranks(group))}"):
+        dist.all_reduce(flat, group=group)
     if average:
         flat /= topology.data_parallel_size
     offset = 0
@@ -562,11 +576,18 @@ def _all_reduce_bucket(grads: list[torch.Tensor], topology: Topology, average: b
         offset += n
 
 
-def global_grad_norm(grads: Sequence[torch.Tensor], topology: Topology, device: torch.device) -> torch.Tensor:
+def global_grad_norm(grads: Sequence[torch.Tensor], topology: Topology, device: torch.device,
+                     sharded: bool = False) -> torch.Tensor:
     """2-norm over the gradients of all stages: this stage's squared norm summed over the
-    pipeline (the caller leaves out a copy it must not count twice, e.g. a tied weight's)."""
+    pipeline (the caller leaves out a copy it must not count twice, e.g. a tied weight's).
+    ``sharded``: ``grads`` are this rank's shards of the stage's gradients
+    (``concertina_shard_parameters``), their squared norms summed over the stage's ``sp`` ranks first."""
     local = torch.nn.utils.get_total_norm(list(grads), 2.0) if grads else torch.zeros(())
     sq = local.float().reshape(1) ** 2
+    if sharded and topology.sp_group is not None and topology.sequence_parallel_size > 1:
+        sq = sq.to(topology.comm_device)
+        with topology.waiting(f"the gradient norms of the stage's ranks {list(topology.sp_ranks)}"):
+            dist.all_reduce(sq, group=topology.sp_group)
     if topology.pipeline_size > 1:
         sq = sq.to(topology.comm_device)
         with topology.waiting(f"the gradient norms of every stage (pipeline ranks {list(topology.pp_ranks)})"):

@@ -83,6 +83,7 @@ from ..planning.simulate import dry_run
 from ..planning.types import Action, ActionKind, Plan, PlanError, Program
 from .attention import ChunkAttentionContext, KVStore, SliceSpec, autocast_dtype
 from .memory import SavedTensorMeter
+from .param_sharding import local_tensor
 from .distributed import group_timeout, p2p_channels
 from .p2p import TIED_GRAD_TAG, StageComm, activation_tag, gradient_tag
 from .rng import StageRNG
@@ -212,7 +213,8 @@ class PipelineExecutor:
         self._checked_plan: Plan | None = None
         self._programs: dict[bool, Program] = {}  # of the checked plan, for training and evaluation
         self.rng = rng if rng is not None else StageRNG(0, self.stage, self.device)
-        excluded = [p for p in wrapper.parameters()] + [b for b in wrapper.buffers()]
+        # a sharded parameter (concertina_shard_parameters): this rank's shard
+        excluded = [local_tensor(p) for p in wrapper.parameters()] + [b for b in wrapper.buffers()]
         self.meter = SavedTensorMeter(exclude=excluded, device=self.device)
 
     def wire_dtype(self, amp: torch.dtype | None = None) -> torch.dtype:

@@ -52,6 +52,7 @@ from torch.utils.checkpoint import checkpoint
 from ..planning.types import StageLayout
 from .attention import ChunkAttentionContext, chunk_context, register_attention, step_active
 from .families import inspect_model
+from .param_sharding import full_state
 
 __all__ = ["EMBED_WEIGHT", "HEAD_WEIGHT", "PipelineWrapper"]
 
@@ -91,6 +92,8 @@ class PipelineWrapper(nn.Module):
     for saving the adapter (:func:`concertina_hf.training.run_setup.pipeline_stage`).
     """
 
+    #: parameters sharded over the stage's ``dp x sp`` ranks (:func:`~.param_sharding.shard_stage`)
+    sharded: bool = False
     #: ``TrainingArguments.label_smoothing_factor``: the loss is HF's ``LabelSmoother`` (with
     #: ``num_items_in_batch``): ``(1 - eps) * nll + eps * mean over the vocabulary of -log p``
     label_smoothing: float = 0.0
@@ -261,7 +264,8 @@ class PipelineWrapper(nn.Module):
         tensors; ``None`` on other ranks): a full HF state dict. Collective over ``pp_group``
         (``None``: the default group, or no group at all with one stage). Tied embeddings appear
         once, as ``model.embed_tokens.weight`` (HF's tied checkpoint format)."""
-        own = {k: v.detach() for k, v in self.model.state_dict().items()
+        # sharded parameters gathered whole: collective over the stage's dp x sp ranks (each calls it)
+        own = {k: v.detach() for k, v in full_state(self.model).items()
                if not (self.tied_embeddings and k == HEAD_WEIGHT)}
         if self.layout.num_stages == 1:
             return {k: v.cpu().clone() for k, v in own.items()}

@@ -186,7 +186,9 @@ def run_plan(args) -> list[dict[str, Any]]:
         cost = CostModel.from_hf_config(cfg, dev)
     if sp > 1 or args.dp > 1:
         try:
-            cost = cost.with_parallel(sp=sp, state_shards=args.dp * sp, ulysses=args.sp_mode == "ulysses")
+            zero3 = bool(getattr(args, "shard_parameters", False)) and args.pp == 1 and sp > 1
+            cost = cost.with_parallel(sp=sp, state_shards=sp if zero3 else args.dp * sp,
+                                      ulysses=args.sp_mode == "ulysses", zero3=zero3)
         except PlanError as e:
             raise SystemExit(f"--sp {sp}: {e.worded(FLAGS)}") from None
     args._sp = sp
@@ -366,6 +368,7 @@ def run_layout_auto(args) -> list[Any]:
     try:
         mode = getattr(args, "sp_mode", None)
         return rank_layouts(lens, cost, args.gpus, budget, gpus_per_node=dev.gpus_per_node, solver=args.solver,
+                            shard_parameters=bool(getattr(args, "shard_parameters", False)),
                             time_limit_s=args.time_limit, max_tokens_per_chunk=args.max_tokens_per_chunk,
                             **({"sp_mode": mode} if mode else {}))
     except PlanError as e:
@@ -411,19 +414,24 @@ def _cmd_layout_auto(args) -> int:
     print(f"model: {args.model_config}, {args.gpus} GPUs ({args._cost.gpus_per_node} per node), --device {args.device}, "
           f"budget {args._budget / _GIB:.1f} GiB per GPU, cost model {args._cost.source}, strategy adaptive, "
           f"solver {args.solver}; optimizer state sharded over each stage's dp x sp ranks "
-          "(concertina_shard_optimizer=True), weights and gradients whole")
+          "(concertina_shard_optimizer=True), weights and gradients whole"
+          + ("; pp=1: weights and gradients sharded too (concertina_shard_parameters=True)"
+             if getattr(args, "shard_parameters", False) else ""))
     print(_layout_table(rows))
     best = next((r for r in rows if r.status == "ok"), None)
-    print("* sp-only (no pipeline, the GPUs in Ulysses groups, micro-batches in rounds) is planned as the runtime "
-          "would hold it (ZeRO-1: optimizer state sharded, weights and gradients whole), but the trainer refuses "
-          "strategies that do not run on the pipeline's stages: not runnable yet, never chosen.")
+    print("* sp-only (no pipeline, the GPUs in Ulysses groups, micro-batches in rounds) is a reference, never "
+          "chosen: its memory and traffic are ZeRO-3's, as the trainer holds its layout with "
+          "concertina_shard_parameters=True (over each replica's sp GPUs), but the trainer runs that layout (pp=1) "
+          "with the adaptive strategy"
+          + ("" if getattr(args, "shard_parameters", False) else " (ranked so with --shard-parameters)") + ".")
     counts = {k: sum(r.status == k for r in rows) for k in ("ok", "pruned", "infeasible", "refused")}
     print(f"{counts['ok']} planned, {counts['pruned']} pruned (a lower bound of their step time above the best "
           f"found), {counts['infeasible']} do not fit, {counts['refused']} the runtime cannot run; {wall:.1f} s")
     if best is not None:
         print(f"chosen: {best.layout.name}: concertina_pipeline_size={best.layout.pp} "
               f"concertina_sequence_parallel_size={best.layout.sp} concertina_data_parallel_size={best.layout.dp} "
-              f"concertina_shard_optimizer=True, {best.step_time_s:.4g} s per step")
+              f"concertina_shard_{'parameters' if best.shard_parameters else 'optimizer'}=True, "
+              f"{best.step_time_s:.4g} s per step")
     if args.json:
         out = {"gpus": args.gpus, "gpus_per_node": args._cost.gpus_per_node, "model": args.model_config,
                "device": args.device, "memory_budget_bytes": args._budget, "solver": args.solver,
@@ -516,6 +524,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: rank every pp x sp x dp layout of --gpus GPUs the runtime can run, each planned with "
                         "adaptive (--pp/--sp/--dp/--strategy ignored); fixed: --pp x --sp x --dp (default: fixed)")
     s.add_argument("--gpus", type=int, default=None, help="GPUs in all, with --layout auto")
+    s.add_argument("--shard-parameters", action="store_true",
+                   help="pp=1 layouts as the trainer runs them with concertina_shard_parameters=True (ZeRO-3, FSDP2: "
+                        "weights, gradients and optimizer state over the sp GPUs, each layer gathered per chunk)")
     s.add_argument("--time-limit", type=float, default=1.0, help="ILP time limit per call, seconds")
     s.add_argument("--max-tokens-per-chunk", type=int, default=None,
                    help="token cap of one chunk (default: none, the planner chooses)")

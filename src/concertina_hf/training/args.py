@@ -195,6 +195,17 @@ class ConcertinaTrainingArguments(TrainingArguments):
         "its own share, with torch.distributed.checkpoint (optimizer.stage{s}-of-{p}.dcp/), read back "
         "at any dp x sp of the same pipeline size. No effect with one rank per stage.",
     )
+    concertina_shard_parameters: bool = _option(
+        False,
+        "ZeRO-3: shard each stage's parameters, gradients and optimizer state over the stage's "
+        "data-parallel x sequence-parallel ranks with torch's FSDP2 (fully_shard per decoder layer, "
+        "and the embedding / final norm / LM head as one more unit): each layer gathered for its "
+        "forward and again for its backward, freed after each, its gradients reduce-scattered after "
+        "every chunk's backward, the optimizer stepping on the shards. save_model writes full HF "
+        "weights; checkpoints hold the optimizer state with torch.distributed.checkpoint. Implies a "
+        "sharded optimizer state (concertina_shard_optimizer adds nothing). No effect with one rank "
+        "per stage.",
+    )
     concertina_memory_budget: str = _option(
         "auto",
         "Memory per pipeline stage the plan must fit (static + activations): 'auto' (device "

@@ -80,6 +80,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..runtime.distributed import Topology
+from ..runtime.param_sharding import full_state, load_full
 from .sharded_optimizer import is_sharded, load_optimizer_shards, save_optimizer_shards
 from .stage_loading import write_index, write_stage_shard
 from ..integrations.peft import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, load_stage_adapter, save_adapter
@@ -304,8 +305,11 @@ class StageCheckpointer:
     layout_choice: dict | None = None
 
     def __init__(self, pipeline: Any, topology: Topology, shard_optimizer: bool = False,
-                 peft_model: nn.Module | None = None) -> None:
+                 peft_model: nn.Module | None = None, shard_parameters: bool = False) -> None:
         self.pipeline, self.topology, self.shard_optimizer = pipeline, topology, shard_optimizer
+        #: the stage's parameters are sharded (``concertina_shard_parameters``): saving gathers them
+        #: on every rank of the stage, the optimizer state is written with torch.distributed.checkpoint
+        self.shard_parameters = shard_parameters
         self.peft_model = peft_model
         self._optimizer_shards = 0  # files per stage of the sharded optimizer state last saved
         # the checkpoint being written, and the digests of its files this rank started taking
@@ -436,6 +440,8 @@ class StageCheckpointer:
                 shard = write_stage_shard(self.pipeline, output_dir)
                 self._hash_in_background(output_dir, [shard[0]])
                 shards = self.topology.gather_in_pipeline(shard)  # names and sizes only
+            elif self.shard_parameters:  # the stage's other ranks join the gathers of its weights
+                full_state(self.pipeline.model)
             if not is_main:
                 return
             logger.info(f"Saving the model ({self.topology.pipeline_size} stage shards) to {output_dir}")
@@ -445,6 +451,8 @@ class StageCheckpointer:
             state_dict = None
             if self.topology.writes_stage:
                 state_dict = self.pipeline.full_state_dict(self.topology.pp_group)
+            elif self.shard_parameters:  # the stage's other ranks join the gathers of its weights
+                full_state(self.pipeline.model)
             if not is_main:
                 return
             os.makedirs(output_dir, exist_ok=True)
@@ -468,6 +476,7 @@ class StageCheckpointer:
             "sequence_parallel_size": self.topology.sequence_parallel_size,
             "layer_ranges": [list(r) for r in layout.layer_ranges],
             "shard_optimizer": self.shard_optimizer,
+            "shard_parameters": self.shard_parameters,
             "cost_model": planning_cost.to_dict(),
             **({"layout_choice": self.layout_choice} if self.layout_choice is not None else {}),
         })
@@ -574,7 +583,7 @@ class StageCheckpointer:
         if missing:
             raise ValueError(f"{checkpoint_dir} lacks {len(missing)} parameters of stage {self.topology.stage}, "
                              f"e.g. {missing[:3]}")
-        model.load_state_dict(loaded, strict=False)
+        model.load_state_dict(load_full(model, loaded), strict=False)  # sharded ones: this rank's rows
 
     # ------------------------------------------------------------------ optimizer and scheduler
     def save_optimizer(self, output_dir: str, optimizer: Any, scheduler: Any, is_main: bool,
@@ -585,7 +594,7 @@ class StageCheckpointer:
         (collective over the stage's ``dp x sp`` ranks; ``model``: the stage's module, whose
         parameter names key the state)."""
         os.makedirs(output_dir, exist_ok=True)
-        if is_sharded(optimizer):
+        if is_sharded(optimizer) or self.shard_parameters:
             if model is None:
                 raise ValueError("save_optimizer of a sharded optimizer needs the stage's model (its parameter names)")
             name = sharded_optimizer_name(self.topology.stage, self.topology.pipeline_size)

@@ -109,14 +109,21 @@ def resolve_run(args: ConcertinaTrainingArguments, model: nn.Module, topology: T
     if topology.pipeline_size > 1 and ties_embeddings(model):
         cost = count_head_copy(cost)
     sp = topology.sequence_parallel_size
-    # optimizer state over the stage's dp x sp ranks (concertina_shard_optimizer), else whole on each
-    shards = sp * topology.data_parallel_size if args.concertina_shard_optimizer else 1
+    # optimizer state over the stage's dp x sp ranks (concertina_shard_optimizer), else whole on each;
+    # concertina_shard_parameters: weights and gradients too, gathered per layer (zero3)
+    zero3 = args.concertina_shard_parameters and sp > 1
+    if zero3 and topology.pipeline_size > 1:
+        raise ValueError(f"concertina_shard_parameters=True runs at concertina_pipeline_size=1 only (got "
+                         f"{topology.pipeline_size}): set concertina_pipeline_size=1 or "
+                         "concertina_shard_parameters=False (concertina_shard_optimizer=True shards the optimizer "
+                         "state at any pipeline size)")
+    shards = sp if zero3 else sp * topology.data_parallel_size if args.concertina_shard_optimizer else 1
     sp_mode = args.sequence_parallel_mode
     if sp > 1 and sp_mode == "ulysses":  # whole-doc / per-doc have no head-count rule
         heads = int(model.config.num_attention_heads)
         check_heads(heads, int(getattr(model.config, "num_key_value_heads", None) or heads), sp)
     if sp > 1 or shards > 1:  # per GPU: compute and activations over sp
-        cost = cost.with_parallel(sp=sp, state_shards=shards, ulysses=sp_mode == "ulysses")
+        cost = cost.with_parallel(sp=sp, state_shards=shards, zero3=zero3, ulysses=sp_mode == "ulysses")
     try:
         layout = partition_layers(cost, topology.pipeline_size)
     except PlanError as e:

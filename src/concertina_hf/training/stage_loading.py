@@ -40,6 +40,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..runtime.param_sharding import full_state
+
 __all__ = ["ModelSource", "SAFE_INDEX", "SAFE_SINGLE", "model_source", "read_safetensors_header", "shard_name",
            "write_index", "write_safetensors", "write_stage_shard"]
 
@@ -305,7 +307,8 @@ def write_stage_shard(pipeline: Any, output_dir: str) -> tuple[str, dict[str, in
     """This stage's parameters and persistent buffers under their HF names into its shard file
     (:func:`shard_name`); tied embeddings only from the first stage. Returns the file's name and
     ``{tensor: bytes}``."""
-    tensors = {k: v for k, v in pipeline.model.state_dict().items()
+    # sharded parameters gathered whole: collective over the stage's dp x sp ranks (each calls it)
+    tensors = {k: v for k, v in full_state(pipeline.model).items()
                if not (pipeline.tied_embeddings and k == HEAD_WEIGHT)}
     fname = shard_name(pipeline.stage, pipeline.layout.num_stages)
     write_safetensors(os.path.join(output_dir, fname), tensors)

@@ -49,6 +49,7 @@ import torch
 
 from .args import NONFINITE_MODES
 from ..runtime.distributed import Topology
+from ..runtime.param_sharding import local_tensor
 from ..planning import Plan
 
 __all__ = ["NONFINITE_MODES", "NonFiniteStepError", "StepGuard"]
@@ -99,7 +100,7 @@ class StepGuard:
             code |= _BACKWARD
         if is_last_stage and not math.isfinite(float(result.loss_sum)):
             code |= _LOSS
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in params if p.grad is not None]  # a rank's own shards
         if grads and not bool(torch.isfinite(torch.nn.utils.get_total_norm(grads, 2.0))):
             code |= _GRADS
         codes = self.topology.numbers_of_every_rank(code)

@@ -42,6 +42,7 @@ from .callbacks import StepStatsCallback, use_compact_console
 from .checkpoint import StageCheckpointer
 from .collator import LengthAwareCollator
 from ..runtime.distributed import fails_together, global_grad_norm, launched_world_size, reduce_gradients
+from ..runtime.param_sharding import local_tensor, shard_stage
 from .evaluation import PipelinePredictor
 from ..integrations.peft import base_model_of
 from .run_setup import build_topology, check_trainer_arguments, pipeline_stage, resolve_run
@@ -154,8 +155,11 @@ class ConcertinaTrainer(Trainer):
         if source is not None:
             source.load_stage(self.pipeline)
         self.pipeline.label_smoothing = args.label_smoothing_factor  # HF's LabelSmoother, in the pipeline's loss
+        if args.concertina_shard_parameters:  # ZeRO-3 (FSDP2), before Trainer builds the optimizer over the shards
+            shard_stage(self.pipeline, self.topology)
         self.checkpointer = StageCheckpointer(self.pipeline, self.topology, args.concertina_shard_optimizer,
-                                              peft_model=self.peft_model)
+                                              peft_model=self.peft_model,
+                                              shard_parameters=self.pipeline.sharded)
         if self.layout_choice is not None:
             self.checkpointer.layout_choice = self.layout_choice.to_dict()
         self.planner = StepPlanner(self.setup, self.topology, overlap=args.concertina_overlap_planning)
@@ -242,7 +246,9 @@ class ConcertinaTrainer(Trainer):
         # non-finite values or no target: raise on every rank, or drop the step (grads discarded)
         if not self.guard.check(self.state.global_step + 1, plan, result, self._stage_params(),
                                 step.num_items_total, self.pipeline.is_last):
-            reduce_gradients(self._stage_params(), self.topology, average=not self.args.average_tokens_across_devices)
+            # sharded: FSDP2 reduce-scattered them over sp after each backward; the replicas' here
+            reduce_gradients(self._stage_params(), self.topology, average=not self.args.average_tokens_across_devices,
+                             shards=self.pipeline.sharded)
             # after the replicas' reduction: both copies of tied embeddings then get the same bits
             self.executor.sync_tied_gradients()
         self.replan.record(plan, result)
@@ -275,7 +281,10 @@ class ConcertinaTrainer(Trainer):
         """Clip to ``max_grad_norm`` with the norm over all stages (``clip_grad_norm_``'s formula)."""
         total = self._get_grad_norm(model)
         params = [p for p in self._stage_params() if p.grad is not None]
-        if params:
+        if params and self.pipeline.sharded:  # clip_grads_with_norm_'s factor on each rank's shards
+            coef = torch.clamp(self.args.max_grad_norm / (total + 1e-6), max=1.0)
+            torch._foreach_mul_([local_tensor(p.grad) for p in params], coef.to(params[0].device))
+        elif params:
             torch.nn.utils.clip_grads_with_norm_(params, self.args.max_grad_norm, total)
         return total
 
@@ -285,8 +294,8 @@ class ConcertinaTrainer(Trainer):
         if self.guard.dropped:  # a dropped step has no gradient
             return torch.tensor(float("nan"), device=self.args.device)
         copy = self.pipeline.tied_weight if self.pipeline.is_last else None  # counted on the first stage
-        grads = [p.grad for p in self._stage_params() if p.grad is not None and p is not copy]
-        return global_grad_norm(grads, self.topology, self.args.device)
+        grads = [local_tensor(p.grad) for p in self._stage_params() if p.grad is not None and p is not copy]
+        return global_grad_norm(grads, self.topology, self.args.device, sharded=self.pipeline.sharded)
 
     def _track_num_input_tokens(self, inputs):
         if self.args.include_num_input_tokens_seen == "no":
@@ -313,7 +322,7 @@ class ConcertinaTrainer(Trainer):
         """Trainer's optimizer over the stage's parameters; ``concertina_shard_optimizer``: sharded
         over the stage's ``dp x sp`` ranks (:func:`~concertina_hf.training.sharded_optimizer.shard_optimizer`)."""
         optimizer = super().create_optimizer(model)
-        if self.args.concertina_shard_optimizer:
+        if self.args.concertina_shard_optimizer and not self.pipeline.sharded:  # sharded parameters: state too
             self.optimizer = optimizer = shard_optimizer(optimizer, self.topology)
         return optimizer
 
