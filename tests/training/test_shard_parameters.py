@@ -56,6 +56,20 @@ def test_static_memory_under_parameter_sharding(tmp_path):
         16 * sum(p.numel() for p in _model("llama").parameters()) / 2)
 
 
+def test_parameter_sharding_refused_on_a_pipeline(tmp_path):
+    from test_trainer_pipeline import _model
+
+    from concertina_hf import ConcertinaTrainingArguments
+    from concertina_hf.runtime.distributed import Topology
+    from concertina_hf.training.run_setup import resolve_run
+
+    topo = Topology(4, 0, 2, 1, 0, 0, sequence_parallel_size=2)  # pp=2 x sp=2
+    args = ConcertinaTrainingArguments(output_dir=str(tmp_path), concertina_pipeline_size=2,
+                                       concertina_shard_parameters=True, report_to=[])
+    with pytest.raises(ValueError, match=r"concertina_shard_parameters=True runs at concertina_pipeline_size=1 only"):
+        resolve_run(args, _model("llama"), topo)
+
+
 def _worker(out: str) -> None:
     from test_trainer_pipeline import COMMON, _dataset, _model, _summary
 
