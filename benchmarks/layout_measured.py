@@ -219,6 +219,12 @@ def to_markdown(res: dict) -> str:
         s = d["summary"]
         L.append(f"| {name} | {s['pick']} | {s['fastest_fixed']} | {s['pick_over_fastest']:.3f} | "
                  f"{s['auto_over_its_layout']:.3f} | {s['noise']:.3f} | {s['verdict']} |")
+    L += ["", "Reading: `pick / fastest` below 1 means a fixed layout measured faster than auto's pick; the verdict "
+          "compares the gap with the noise of the same run (a candidate's spread over rounds, or `auto` against its "
+          "identical fixed layout). On 4 ranks over 2 cores the simulator (which prices every rank on a core of its "
+          "own) and the measurement disagree most where ranks idle: a replica or stage that waits gives its core to "
+          "a busy rank, which favours dp and pp layouts here over what a GPU per rank would show; the load average "
+          "in the header shows how busy the machine was."]
     for name, d in res["distributions"].items():
         s = d["summary"]
         lens = d["describe"]
