@@ -144,9 +144,10 @@ def run_profile(rank: int, world: int, port: int, spec_path: str, out_path: str)
 def _p2p_probe(rank: int, hidden: int, tokens: list[int], repeats: int = 20) -> list[tuple[int, float]]:
     """``(bytes, one-way seconds)`` of a ``[1, T, hidden]`` fp32 message between rank 0 and 1:
     half the median round trip (a send and a receive of the same size each way)."""
+    from concertina_hf.runtime.distributed import p2p_channels
     from concertina_hf.runtime.p2p import StageComm
 
-    comm = StageComm(None, rank, 2)
+    comm = StageComm(None, rank, 2, p2p_channels([[0, 1]], timeout=timedelta(minutes=5)))
     out = []
     for t in tokens:
         buf = torch.zeros(1, t, hidden)
