@@ -112,3 +112,12 @@ def test_segment_options_off_by_default(tmp_path):
                                         **SEG)
     assert heads.segment_options.global_heads == (0, 3)
     assert heads.segment_options.knobs()[-1] == ("segment_global_heads", "0,3")
+
+
+def test_global_head_beyond_the_model_refused_at_construction(tmp_path):
+    """The model has 4 query heads: head 4 is refused when the trainer is built, before any step."""
+    args = ConcertinaTrainingArguments(output_dir=str(tmp_path), report_to=[], concertina_gantt_steps=-1,
+                                       concertina_segment_tokens=16, concertina_segment_kv_tail=12,
+                                       concertina_segment_global_heads="1,4")
+    with pytest.raises(ValueError, match=r"concertina_segment_global_heads \[1, 4\]: the model has 4 query heads"):
+        ConcertinaTrainer(model=_model(), args=args, train_dataset=_dataset())

@@ -122,6 +122,13 @@ def resolve_run(args: ConcertinaTrainingArguments, model: nn.Module, topology: T
     if sp > 1 and sp_mode == "ulysses":  # whole-doc / per-doc have no head-count rule
         heads = int(model.config.num_attention_heads)
         check_heads(heads, int(getattr(model.config, "num_key_value_heads", None) or heads), sp)
+    segment = args.segment_options
+    if segment is not None and segment.global_heads:
+        heads = int(model.config.num_attention_heads)
+        if max(segment.global_heads) >= heads:
+            raise ValueError(f"concertina_segment_global_heads {list(segment.global_heads)}: the model has {heads} "
+                             f"query heads (indices 0..{heads - 1}): set concertina_segment_global_heads to indices "
+                             "below that")
     if sp > 1 or shards > 1:  # per GPU: compute and activations over sp
         cost = cost.with_parallel(sp=sp, state_shards=shards, zero3=zero3, ulysses=sp_mode == "ulysses")
     try:
@@ -136,7 +143,7 @@ def resolve_run(args: ConcertinaTrainingArguments, model: nn.Module, topology: T
         solver_time_limit_s=args.concertina_solver_time_limit,
         max_tokens_per_chunk=args.concertina_max_tokens_per_chunk,
         budget_source=budget_source(args, device_memory, args.device),
-        segment=args.segment_options,
+        segment=segment,
         sp_mode=sp_mode,
     )
 
