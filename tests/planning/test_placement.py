@@ -153,12 +153,19 @@ def test_sp1_and_ulysses_unchanged():
     assert place_plan(a, cost, "auto") is a
 
 
-def test_validate_refuses_inconsistent_placements():
+def _unplaced_first_slice():
+    """A context plan, its split sequence, its chunks with that sequence's first chunk unplaced
+    (Ulysses) and that chunk's index."""
     cost, plan = _plan("context")
     split_seq = next(c for c in plan.chunks if c.kind is ChunkKind.SPLIT).slices[0].seq
     chunks = list(plan.chunks)
     first = next(i for i, c in enumerate(chunks) if any(s.seq == split_seq for s in c.slices))
     chunks[first] = dataclasses.replace(chunks[first], placement=())
+    return plan, split_seq, chunks, first
+
+
+def test_validate_refuses_inconsistent_placements():
+    plan, split_seq, chunks, first = _unplaced_first_slice()
     with pytest.raises(PlanError, match=f"sequence {split_seq} has slices run by Ulysses and slices placed"):
         dataclasses.replace(plan, chunks=tuple(chunks)).validate()
     chunks[first] = dataclasses.replace(chunks[first], placement=(1,))
@@ -215,10 +222,6 @@ def test_context_plans_fit_a_binding_budget_with_recompute():
 
 
 def test_plan_placement_refusal_names_an_inconsistent_split_sequence():
-    cost, plan = _plan("context")
-    split_seq = next(c for c in plan.chunks if c.kind is ChunkKind.SPLIT).slices[0].seq
-    chunks = list(plan.chunks)
-    first = next(i for i, c in enumerate(chunks) if any(s.seq == split_seq for s in c.slices))
-    chunks[first] = dataclasses.replace(chunks[first], placement=())
+    plan, split_seq, chunks, first = _unplaced_first_slice()
     why = plan_placement_refusal(dataclasses.replace(plan, chunks=tuple(chunks)), 4)
     assert why.startswith(f"sequence {split_seq} has slices run by Ulysses and slices placed whole-doc / per-doc")
