@@ -10,7 +10,7 @@ refuses, with the reason, those the runtime cannot run:
 - ``sp`` not dividing the attention heads (Ulysses gives each GPU whole heads), or neither
   dividing nor divided by the K/V heads (K/V heads are split over the ranks, or replicated when
   there are fewer than ``sp``): :func:`ulysses_heads_refusal`, the rule of the runtime's
-  ``runtime.ulysses.check_heads`` (kept here, in the pure planner; a test holds the two equal).
+  ``runtime.ulysses.check_heads`` (kept in the pure planner, :mod:`.sharding`; a test holds the two equal).
 
 :func:`rank_layouts` plans each runnable layout with a pipeline strategy (``adaptive``) as the
 trainer holds it: the cost model per GPU of a stage of ``sp``
@@ -54,6 +54,7 @@ from typing import Any, Mapping, Sequence
 from .cost import CostModel
 from .partition import partition_layers
 from .replicas import balance_replicas
+from .sharding import ulysses_heads_refusal
 from .simulate import simulate
 from .strategies import PIPELINE_STRATEGIES, ideal_step_time, plan_step
 from .types import Plan, PlanError, StageLayout
@@ -116,27 +117,6 @@ class LayoutResult:
         d["knobs"] = dict(self.knobs)
         d.update(pp=self.layout.pp, sp=self.layout.sp, dp=self.layout.dp, layout=self.layout.name)
         return d
-
-
-def ulysses_heads_refusal(num_heads: int, num_kv_heads: int, sp: int) -> str | None:
-    """Why the runtime's Ulysses attention cannot split ``num_heads`` query and ``num_kv_heads``
-    K/V heads over ``sp`` GPUs, or ``None`` when it can (the rule of ``runtime.ulysses.check_heads``:
-    ``sp`` divides the heads, and divides the K/V heads or is a multiple of them).
-
-    >>> ulysses_heads_refusal(40, 40, 8) is None, ulysses_heads_refusal(32, 8, 16) is None
-    (True, True)
-    >>> ulysses_heads_refusal(40, 40, 16)
-    'sp=16 does not divide the 40 attention heads (Ulysses gives each GPU whole heads)'
-    """
-    if sp <= 1 or not num_heads:
-        return None
-    if num_heads % sp:
-        return f"sp={sp} does not divide the {num_heads} attention heads (Ulysses gives each GPU whole heads)"
-    kv = num_kv_heads or num_heads
-    if kv % sp and sp % kv:
-        return (f"sp={sp} and the {kv} K/V heads: neither divides the other (K/V heads are split over the GPUs, "
-                "or replicated when fewer)")
-    return None
 
 
 def _model_shape(model: CostModel | Mapping[str, Any]) -> tuple[int, int, int]:

@@ -35,7 +35,7 @@ import heapq
 from typing import Sequence
 
 from .cost import CostModel
-from .sharding import PER_DOC, placement_refusal, rank_pieces
+from .sharding import PER_DOC, placement_refusal, rank_pieces, ulysses_heads_refusal
 from .types import Chunk, Plan, PlanError, Remedy, Slice
 
 __all__ = ["IMBALANCE", "SP_MODES", "choose_placement", "lpt_ranks", "place_plan", "ulysses_allowed"]
@@ -48,14 +48,8 @@ IMBALANCE = 0.1
 
 
 def ulysses_allowed(cost: CostModel) -> bool:
-    """Whether a stage of ``cost.sp`` GPUs can run Ulysses: ``sp`` divides the attention heads
-    (the runtime gives each GPU whole heads) and divides the K/V heads or is a multiple of them
-    (split, or replicated when fewer): ``layouts.ulysses_heads_refusal``'s rule."""
-    sp, heads = cost.sp, cost.num_heads
-    if sp <= 1 or not heads:
-        return True
-    kv = cost.num_kv_heads or heads
-    return heads % sp == 0 and (kv % sp == 0 or sp % kv == 0)
+    """Whether a stage of ``cost.sp`` GPUs can run Ulysses (:func:`~.sharding.ulysses_heads_refusal`)."""
+    return ulysses_heads_refusal(cost.num_heads, cost.num_kv_heads, cost.sp) is None
 
 
 def check_sp_mode(mode: str, cost: CostModel) -> None:

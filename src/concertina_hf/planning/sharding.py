@@ -115,3 +115,24 @@ def plan_placement_refusal(plan: Plan, sp: int) -> str | None:
     except PlanError as e:
         return str(e)
     return None
+
+
+def ulysses_heads_refusal(num_heads: int, num_kv_heads: int, sp: int) -> str | None:
+    """Why the runtime's Ulysses attention cannot split ``num_heads`` query and ``num_kv_heads``
+    K/V heads over ``sp`` GPUs, or ``None`` when it can (the rule of ``runtime.ulysses.check_heads``:
+    ``sp`` divides the heads, and divides the K/V heads or is a multiple of them).
+
+    >>> ulysses_heads_refusal(40, 40, 8) is None, ulysses_heads_refusal(32, 8, 16) is None
+    (True, True)
+    >>> ulysses_heads_refusal(40, 40, 16)
+    'sp=16 does not divide the 40 attention heads (Ulysses gives each GPU whole heads)'
+    """
+    if sp <= 1 or not num_heads:
+        return None
+    if num_heads % sp:
+        return f"sp={sp} does not divide the {num_heads} attention heads (Ulysses gives each GPU whole heads)"
+    kv = num_kv_heads or num_heads
+    if kv % sp and sp % kv:
+        return (f"sp={sp} and the {kv} K/V heads: neither divides the other (K/V heads are split over the GPUs, "
+                "or replicated when fewer)")
+    return None

@@ -660,7 +660,6 @@ class _Step:
         meter.release(("grad", c))
         return result
 
-
     def _free_read_kv(self, slices: Sequence[SliceSpec]) -> None:
         """Segment gradient ``"none"``: slices backward in any order, so a slice's (detached) K/V
         is freed once every slice that reads it (itself and the later ones its K/V tail reaches:
