@@ -56,7 +56,7 @@ from ..planning.layouts import Layout, rank_layouts
 from .args import ConcertinaTrainingArguments
 from .checkpoint import PLAN_META_NAME
 from .collator import split_sequences
-from .run_setup import count_frozen_parameters, device_memory_bytes, initial_cost_model
+from .run_setup import budget_setting, count_frozen_parameters, device_memory_bytes, initial_cost_model
 
 __all__ = ["LAYOUT_MODES", "SAMPLE_STEPS", "LayoutChoice", "choose_layout", "recorded_layout", "sample_steps"]
 
@@ -183,11 +183,9 @@ def _fixed_sizes(args: ConcertinaTrainingArguments) -> dict[str, int]:
 
 
 def _budget(args: ConcertinaTrainingArguments, device_memory: int) -> int:
-    budget = args.memory_budget
-    if budget == "auto":
-        return int(device_memory * args.concertina_memory_fraction)
-    if budget is None:
-        return 0
+    budget = budget_setting(args, device_memory)
+    if isinstance(budget, int):
+        return budget
     if len(budget) > 1 and args.concertina_pipeline_size is None:
         raise ValueError(f"concertina_memory_budget={args.concertina_memory_budget!r} gives one size per stage, "
                          "but concertina_layout='auto' chooses the number of stages: give one size, or set "

@@ -39,7 +39,7 @@ from ..planning import CostModel, DeviceSpec, PlanError, StageLayout, partition_
 from ..planning.segments import SegmentOptions
 from ..runtime.ulysses import check_heads
 
-__all__ = ["RunSetup", "budget_source", "build_topology", "check_static_memory", "check_trainer_arguments",
+__all__ = ["RunSetup", "budget_setting", "budget_source", "build_topology", "check_static_memory", "check_trainer_arguments",
            "count_frozen_parameters", "pipeline_stage", "resolve_run"]
 
 logger = logging.getLogger(__name__)
@@ -194,15 +194,19 @@ def check_model_family(model: nn.Module) -> None:
 def memory_budgets(args: ConcertinaTrainingArguments, device_memory: int, num_stages: int) -> tuple[int, ...]:
     """``concertina_memory_budget`` in bytes per stage: ``auto`` is the device's memory times
     ``concertina_memory_fraction``; ``none`` is 0 (unconstrained)."""
-    budget = args.memory_budget
-    if budget == "auto":
-        budget = int(device_memory * args.concertina_memory_fraction)
-    elif budget is None:
-        budget = 0
     try:
-        return stage_budgets(budget, num_stages)
+        return stage_budgets(budget_setting(args, device_memory), num_stages)
     except PlanError as e:
         raise in_trainer_terms(e) from None
+
+
+def budget_setting(args: ConcertinaTrainingArguments, device_memory: int) -> int | tuple[int, ...]:
+    """``concertina_memory_budget`` resolved to bytes (``auto``: the device's memory times
+    ``concertina_memory_fraction``; ``none``: 0), or the sizes per stage as given."""
+    budget = args.memory_budget
+    if budget == "auto":
+        return int(device_memory * args.concertina_memory_fraction)
+    return 0 if budget is None else budget
 
 
 def budget_source(args: ConcertinaTrainingArguments, device_memory: int, device) -> str:
