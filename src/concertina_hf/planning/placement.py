@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import heapq
 from typing import Sequence
 
 from .cost import CostModel
+from .lpt import lpt_ranks
 from .sharding import PER_DOC, placement_refusal, rank_pieces, ulysses_heads_refusal
 from .types import Chunk, Plan, PlanError, Remedy, Slice
 
@@ -63,23 +63,6 @@ def check_sp_mode(mode: str, cost: CostModel) -> None:
                         Remedy("sequence_parallel_mode", "set", value="'auto' or 'context' (whole-doc / per-doc "
                                "sharding, no head-count limit)"),
                         Remedy("sequence_parallel_size", "set", value=f"a divisor of {cost.num_heads}"))
-
-
-def lpt_ranks(work: Sequence[float], sp: int, load: Sequence[float] | None = None) -> list[int]:
-    """Longest processing time first: each item (largest ``work`` first, the first of equals
-    first) to the least loaded of ``sp`` ranks (the lowest of equals), starting from ``load``.
-
-    >>> lpt_ranks([5, 1, 4, 3], 2)
-    [0, 0, 1, 1]
-    """
-    heap = [(float(load[r]) if load else 0.0, r) for r in range(sp)]
-    heapq.heapify(heap)
-    out = [0] * len(work)
-    for i in sorted(range(len(work)), key=lambda i: (-work[i], i)):
-        t, r = heapq.heappop(heap)
-        out[i] = r
-        heapq.heappush(heap, (t + work[i], r))
-    return out
 
 
 def _layer_work(cost: CostModel, sl: Slice) -> float:
