@@ -1,6 +1,6 @@
 """Safety of a step on two processes (pp = 2, gloo), one launch of
 ``tests/training/test_step_safety.py`` as plain processes: a wrong model refused on both ranks
-with rank 0's verdict, each stage's own dropout stream, resume with dropout, a NaN on stage 1
+with rank 0's verdict (caught, the ranks go on), each stage's own dropout stream, resume with dropout, a NaN on stage 1
 skipped, then raised on both ranks.
 """
 

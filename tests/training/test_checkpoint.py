@@ -99,6 +99,28 @@ def test_the_manifest_is_written_in_the_staging_folder_then_renamed(tmp_path, mo
     assert not os.path.exists(tmp_path / "tmp-checkpoint-2")
 
 
+def test_save_model_hashes_only_the_files_it_wrote(tmp_path, monkeypatch):
+    """Other processes write their RNG states and optimizer files into the checkpoint while the
+    main process saves the model: the main process hashes only what save_model wrote (a CI run at
+    pp=2 x sp=2 sealed a half-written rng_state_1.pth, refused at resume as damaged)."""
+    import inspect
+
+    from concertina_hf.training.checkpoint import StageCheckpointer
+
+    hashed_by = []
+    real = StageCheckpointer._hash_in_background
+
+    def spy(self, directory, names):
+        hashed_by.append((inspect.stack()[1].function, list(names)))
+        return real(self, directory, names)
+
+    monkeypatch.setattr(StageCheckpointer, "_hash_in_background", spy)
+    _trainer(tmp_path, max_steps=2).train()
+    by_save_model = [n for caller, names in hashed_by if caller == "save_model" for n in names]
+    assert "model.safetensors" in by_save_model and "concertina.json" in by_save_model, hashed_by
+    assert not [n for n in by_save_model if n.startswith(("rng_state", "concertina_rng", "optimizer"))], hashed_by
+
+
 def test_a_manifest_of_sha256_digests_still_verifies(run_copy):
     """Checkpoints sealed before the XXH3 manifest (SHA-256 per file) verify, and still catch damage."""
     import hashlib

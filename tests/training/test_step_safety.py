@@ -38,6 +38,7 @@ import logging
 import math
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -482,6 +483,11 @@ def _worker(out: str) -> None:
         info["refused"] = None
     except SelfCheckError as exc:
         info["refused"] = str(exc)
+    # raised alike on every rank, the refusal raised no abort flag: caught, the ranks go on past
+    # the grace a caught one-rank failure gets before its rank ends
+    from concertina_hf.runtime.distributed import ABORT_GRACE_S, ABORT_POLL_S
+
+    time.sleep(ABORT_GRACE_S + 2 * ABORT_POLL_S)
 
     # 1. each stage's layer draws from its own stream: the first numbers drawn inside layer i
     trainer = ConcertinaTrainer(model=model(), args=args("streams", max_steps=1), train_dataset=_dataset())

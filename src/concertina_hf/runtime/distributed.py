@@ -40,7 +40,9 @@ with its message; a daemon thread on every rank polls the flag every :data:`ABOR
 seconds and ends its process with status 1 after printing that message, so no rank waits for a
 peer that gave up, even when the user catches the exception on the failing rank (that rank ends
 too, :data:`ABORT_GRACE_S` seconds later, if it has not exited by itself). The cost: one store
-lookup per rank every :data:`ABORT_POLL_S` seconds.
+lookup per rank every :data:`ABORT_POLL_S` seconds. A refusal that every rank raises alike, at the
+same point (a verdict broadcast from rank 0, marked with :func:`on_every_rank`), raises no flag: no
+rank is left waiting, so a user who catches it on every rank may go on.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["ABORT_GRACE_S", "ABORT_POLL_S", "BUCKET_ELEMENTS", "MESH_DIMS", "Topology", "fails_together",
-           "global_grad_norm", "launched_world_size", "reduce_gradients"]
+           "global_grad_norm", "launched_world_size", "on_every_rank", "reduce_gradients"]
 
 logger = logging.getLogger(__name__)
 
@@ -309,7 +311,7 @@ class Topology:
             yield
         except Exception as exc:
             watch = _AbortWatch.current
-            if watch is not None and self.world_size > 1:
+            if watch is not None and self.world_size > 1 and not getattr(exc, "on_every_rank", False):
                 watch.raise_flag(f"rank {self.rank} (pipeline stage {self.stage}, replica {self.replica}) failed in "
                                  f"{what}: {type(exc).__name__}: {exc}")
             raise
@@ -363,9 +365,16 @@ def _failing_alone(what: str):
         yield
     except Exception as exc:
         watch = _AbortWatch.current
-        if watch is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if watch is not None and not getattr(exc, "on_every_rank", False) and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             watch.raise_flag(f"rank {watch.rank} failed in {what}: {type(exc).__name__}: {exc}")
         raise
+
+
+def on_every_rank(exc: Exception) -> Exception:
+    """``exc``, marked as raised alike by every rank at the same point (a verdict broadcast from
+    rank 0): leaving :meth:`Topology.failing_together` it raises no abort flag."""
+    exc.on_every_rank = True
+    return exc
 
 
 def launched_world_size(expected: int | None = None) -> int:

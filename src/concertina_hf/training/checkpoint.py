@@ -465,7 +465,7 @@ class StageCheckpointer:
             finally:
                 config._attn_implementation = runtime_attn
         # the weights, while the rest is written
-        self._hash_in_background(output_dir, [n for n in _files(output_dir) if n not in hashed])
+        self._hash_in_background(output_dir, _written_here(output_dir, hashed))
         if processing_class is not None:
             processing_class.save_pretrained(output_dir)
         for name, obj in extra_files.items():
@@ -482,8 +482,7 @@ class StageCheckpointer:
         })
         # the cost model the stage layout was made from: concertina_cost_model_path for a rerun
         _write_json(os.path.join(output_dir, LAYOUT_COST_NAME), layout_cost.to_dict())
-        self._hash_in_background(output_dir, [n for n in _files(output_dir)
-                                              if n not in self._hashing and n not in hashed])
+        self._hash_in_background(output_dir, _written_here(output_dir, hashed | set(self._hashing)))
 
     def check_layout(self, checkpoint: str, layout: StageLayout) -> CostModel | None:
         """Refuse a checkpoint written at another pipeline size, or whose layers were split
@@ -679,6 +678,18 @@ def _save_config(model: nn.Module, output_dir: str, attn_implementation: str) ->
 
 def _files(directory: str) -> list[str]:
     return sorted(n for n in os.listdir(directory) if os.path.isfile(os.path.join(directory, n)))
+
+
+#: the files other processes write into a checkpoint while the main process saves the model (each
+#: RNG state, each stage's optimizer state): the main process must not hash them, one may be half
+#: written; the writer hashes its optimizer file, the manifest the RNG states after the barrier
+_OTHER_PROCESSES_FILES = re.compile(r"^(rng_state(_\d+)?\.pth|concertina_rng(_\d+)?\.pt|optimizer\.stage\d+-of-\d+\.pt)$")
+
+
+def _written_here(directory: str, skip: set[str]) -> list[str]:
+    """The files of ``directory`` that :meth:`StageCheckpointer.save_model` wrote on this process,
+    less ``skip`` (hashed already)."""
+    return [n for n in _files(directory) if n not in skip and not _OTHER_PROCESSES_FILES.match(n)]
 
 
 def _write_json(path: str, obj: Any) -> None:

@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..runtime.distributed import Topology
+from ..runtime.distributed import Topology, on_every_rank
 from ..planning import Chunk, ChunkKind, Plan, Slice, StageLayout, build_schedule
 
 __all__ = ["PROBE_CHUNKS", "PROBE_LENGTHS", "SelfCheckError", "check_model", "probe_layers", "self_check"]
@@ -111,7 +111,7 @@ def self_check(model: nn.Module, topology: Topology, device: torch.device | str 
                     time.perf_counter() - t0)
     verdict = topology.broadcast_from_rank0(verdict)
     if verdict:
-        raise SelfCheckError(verdict)
+        raise on_every_rank(SelfCheckError(verdict))
 
 
 def check_model(model: nn.Module, device: torch.device | str | None = None) -> None:
