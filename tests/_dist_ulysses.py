@@ -273,25 +273,37 @@ def a2a_worker(rank: int, world: int, port: int, outdir: str) -> None:
                             timeout=timedelta(seconds=300))
     try:
         from concertina_hf.planning import CostModel
-        from concertina_hf.runtime.ulysses import measure_all_to_all, profile_all_to_all
+        from concertina_hf.runtime.ulysses import (measure_all_gather, measure_all_to_all, profile_all_gather,
+                                                   profile_all_to_all)
 
         cost = CostModel.from_hf_config(tiny_config("llama", NUM_LAYERS), dtype_bytes=4)
         group = dist.new_group(list(range(world)))
         fitted = profile_all_to_all(cost, group, [512, 2048, 8192, 32768], repeats=5)
         (_, measured), = measure_all_to_all(cost, group, [16384], repeats=5)
         predicted = fitted.with_parallel(sp=world).a2a_time(16384)
+        # the per-doc K/V collectives (issue 23): all-gather and reduce-scatter fitted apart
+        gathered = profile_all_gather(cost, group, [512, 2048, 8192, 32768], repeats=5)
+        (moved, _, _), = measure_all_gather(cost, group, [16384], repeats=1)
+        placed = gathered.with_parallel(sp=world)
+        gather_fit = {"all_gather": [gathered.all_gather_latency_s, gathered.all_gather_bandwidth],
+                      "reduce_scatter": [gathered.reduce_scatter_latency_s, gathered.reduce_scatter_bandwidth],
+                      "moved": moved, "kv_bytes": placed.rank_model().kv_bytes_per_token * 16384 * (world - 1) / world,
+                      "predicted": [placed.gather_kv_time(16384), placed.gather_kv_time(16384, backward=True)]}
         # the trainer's path: run_setup fits on the mesh's sp group and rewrites cost_model.json
         from concertina_hf.runtime.distributed import Topology
         from concertina_hf.training.run_setup import _profile_all_to_all
 
         topo = Topology.build(pp=1, dp=1, sp=world, timeout=timedelta(seconds=300))
-        trainer_cost = _profile_all_to_all(SimpleNamespace(output_dir=outdir, concertina_max_tokens_per_chunk=4096),
-                                           cost, topo)
+        trainer_cost = _profile_all_to_all(SimpleNamespace(output_dir=outdir, concertina_max_tokens_per_chunk=4096,
+                                                           sequence_parallel_mode="auto"), cost, topo)
         if rank == 0:
             with open(os.path.join(outdir, "a2a.json"), "w") as f:
                 json.dump({"latency": fitted.intra_node_latency_s, "bandwidth": fitted.intra_node_bandwidth,
-                           "measured": measured, "predicted": predicted,
-                           "trainer": [trainer_cost.intra_node_latency_s, trainer_cost.intra_node_bandwidth]}, f)
+                           "measured": measured, "predicted": predicted, "gather": gather_fit,
+                           "trainer": [trainer_cost.intra_node_latency_s, trainer_cost.intra_node_bandwidth],
+                           "trainer_gather": [trainer_cost.all_gather_latency_s, trainer_cost.all_gather_bandwidth,
+                                              trainer_cost.reduce_scatter_latency_s,
+                                              trainer_cost.reduce_scatter_bandwidth]}, f)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -163,8 +163,9 @@ def test_profiler_fits_the_all_to_all_on_a_real_group(tmp_path):
     """The profiler's all-to-all (``profile_all_to_all``) on a 2-process gloo sp group: the fitted
     bandwidth positive, the latency >= 0, and the cost model's prediction for a held-out chunk
     size within a factor 3 of its measured time (one layer's four all-to-alls); run_setup's profile
-    path on the mesh's sp group writes the fitted fields into ``cost_model.json``. ~20 s (slow:
-    timings under shared-core load)."""
+    path on the mesh's sp group writes the fitted fields into ``cost_model.json``; the per-doc K/V
+    all-gather and reduce-scatter (``profile_all_gather``) fitted and saved likewise, their bytes
+    those the cost model counts. ~25 s (slow: timings under shared-core load)."""
     import torch.multiprocessing as mp
 
     import _dist_ulysses
@@ -179,3 +180,15 @@ def test_profiler_fits_the_all_to_all_on_a_real_group(tmp_path):
     lat, bw = r["trainer"]
     assert bw > 0 and lat >= 0 and bw != 150e9
     assert (saved["intra_node_latency_s"], saved["intra_node_bandwidth"]) == (lat, bw)
+    # the per-doc K/V all-gather and reduce-scatter (issue 23): fitted apart, the bytes measured
+    # those gather_kv_time counts, its forward / backward the two fits; the trainer's path saves them
+    g = r["gather"]
+    for name in ("all_gather", "reduce_scatter"):
+        assert g[name][0] >= 0 and g[name][1] > 0, g
+    assert g["moved"] == g["kv_bytes"], g
+    for (glat, gbw), predicted in zip((g["all_gather"], g["reduce_scatter"]), g["predicted"]):
+        assert predicted == glat + g["kv_bytes"] / gbw, g
+    ag_lat, ag_bw, rs_lat, rs_bw = r["trainer_gather"]
+    assert ag_bw > 0 and rs_bw > 0 and ag_lat >= 0 and rs_lat >= 0
+    assert [saved[k] for k in ("all_gather_latency_s", "all_gather_bandwidth", "reduce_scatter_latency_s",
+                               "reduce_scatter_bandwidth")] == r["trainer_gather"]

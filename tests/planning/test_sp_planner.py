@@ -15,6 +15,7 @@ from concertina_hf.planning import (
 from concertina_hf.planning.lpt import lpt_assign, sequence_cost
 from concertina_hf.planning.replicas import split_by_count
 from concertina_hf.planning.strategies.sp_only import ulysses_degrees
+from concertina_hf.planning.sharding import PER_DOC
 from concertina_hf.planning.types import Chunk, ChunkKind, Slice
 
 GIB = 2**30
@@ -120,6 +121,37 @@ def test_all_to_all_time_formula():
     with pytest.raises(PlanError, match="does not divide the model's 40 attention heads.*"
                                         "set sequence_parallel_size to a divisor of 40"):
         one.with_parallel(sp=16)
+
+
+def test_fitted_all_gather_and_reduce_scatter_time_per_doc_chunks():
+    """A per-doc chunk's K/V all-gather (forward, recomputed layers) and dK/dV reduce-scatter
+    (backward) at their own fitted latency and bandwidth (issue 23: gloo's reduce-scatter costs
+    several all-gathers); unfitted (0), both the intra-node link's, as before."""
+    dev = DeviceSpec(intra_node_bandwidth=100e9, intra_node_latency_s=1e-5, gpus_per_node=8)
+    analytic = CostModel.from_hf_config(SMALL, dev).with_parallel(sp=4)
+    fitted = dataclasses.replace(analytic, all_gather_latency_s=1e-3, all_gather_bandwidth=2e9,
+                                 reduce_scatter_latency_s=8e-3, reduce_scatter_bandwidth=5e8)
+    chunk = dataclasses.replace(_chunk((0, 0, 4096), (1, 0, 2048)), placement=(PER_DOC, PER_DOC))
+    moved = analytic.rank_model().kv_bytes_per_token * 6144 * 3 / 4  # (sp - 1) / sp of the K/V
+    assert analytic.gather_kv_time(6144) == analytic.gather_kv_time(6144, backward=True) == pytest.approx(
+        1e-5 + moved / 100e9, rel=1e-12)
+    ag, rs = 1e-3 + moved / 2e9, 8e-3 + moved / 5e8
+    assert (fitted.gather_kv_time(6144), fitted.gather_kv_time(6144, backward=True)) == pytest.approx((ag, rs))
+    assert fitted.placed_layer_time(chunk) - analytic.placed_layer_time(chunk) == pytest.approx(
+        ag + rs - 2 * analytic.gather_kv_time(6144), rel=1e-9)
+    layout = StageLayout.even(8, 2)  # 4 layers a stage; 2 recomputed: their forward gathers again
+    assert fitted.comm_time(layout, 1, chunk, False) == pytest.approx(4 * ag)
+    assert fitted.comm_time(layout, 1, chunk, True, 2) == pytest.approx(4 * rs + 2 * ag)
+    assert (fitted.bwd_time(layout, 1, chunk, 2) - analytic.bwd_time(layout, 1, chunk, 2)) == pytest.approx(
+        4 * rs + 2 * ag - 6 * analytic.gather_kv_time(6144), rel=1e-9)
+    # a slow reduce-scatter makes per-doc dearer than Ulysses, which the analytic link prefers
+    ulysses = _chunk((0, 0, 4096), (1, 0, 2048))
+    assert analytic.placed_layer_time(chunk) < analytic.placed_layer_time(ulysses)
+    assert fitted.placed_layer_time(chunk) > fitted.placed_layer_time(ulysses)
+    # a stage spanning nodes keeps the links (the fit describes one node's group)
+    wide = dataclasses.replace(fitted, gpus_per_node=2)
+    assert wide.gather_kv_time(6144, backward=True) == wide._collective_time(moved, 1)
+    assert CostModel.from_dict(fitted.to_dict()) == fitted
 
 
 def test_static_memory_follows_the_sharding():

@@ -86,7 +86,9 @@ pieces (a per-doc piece's queries attend to every earlier token of the sequence,
 pieces ``r`` and ``2 sp - 1 - r`` balance), and the stage takes its busiest GPU's time. Per layer,
 the per-doc slices' K/V are all-gathered forward and their gradients reduce-scattered backward
 (:meth:`CostModel.gather_kv_time`: each GPU sends ``(sp - 1) / sp`` of the slices' K/V bytes, one
-latency, the inter-node link for the share leaving the node; a recomputed layer gathers again);
+latency, the inter-node link for the share leaving the node; a recomputed layer gathers again;
+a profiled model times the two collectives apart on the stage's own group, ``all_gather_*`` and
+``reduce_scatter_*``, since gloo's reduce-scatter costs several all-gathers);
 whole-doc slices move nothing. Memory, the busiest GPU's: its own tokens' activations plus the
 other GPUs' K/V of the per-doc slices, gathered, on every saved layer (every layer for a split
 chunk, whose later slices attend to them), and in a layer's backward their whole dK/dV before the
@@ -365,6 +367,15 @@ class CostModel:
     inter_node_bandwidth: float = 20e9
     inter_node_latency_s: float = 2e-5
     gpus_per_node: int = 8
+    # per-doc K/V collectives fitted on the stage's own group (runtime.ulysses.profile_all_gather):
+    # ``seconds = latency + bytes / bandwidth`` per collective, bytes as gather_kv_time counts them;
+    # the all-gather forward, the reduce-scatter of dK/dV backward (on gloo, CPU, several times
+    # the all-gather: 5-21 ms against 1.5-9 ms a layer at sp=4). 0: the intra-node link's (the
+    # all-to-all's latency and bandwidth). Within a node only (a stage spanning nodes: the links)
+    all_gather_latency_s: float = 0.0
+    all_gather_bandwidth: float = 0.0
+    reduce_scatter_latency_s: float = 0.0
+    reduce_scatter_bandwidth: float = 0.0
     # the largest chunk (tokens, per GPU's sp = 1 equivalent: scaled by sp in with_parallel) the
     # time coefficients were fitted on; the planner builds no larger chunk (plan_step). 0: no cap
     # (analytic models, models saved before the field). Beyond it the per-token time can grow:
@@ -580,18 +591,26 @@ class CostModel:
         info = _placed(chunk, self.sp)
         base = self.rank_model()
         comp = max(base.layer_compute_time(sl) for sl in info.time_slices)
-        return (1.0 + self.bwd_factor) * comp + 2.0 * self.gather_kv_time(info.gathered)
+        return ((1.0 + self.bwd_factor) * comp + self.gather_kv_time(info.gathered)
+                + self.gather_kv_time(info.gathered, backward=True))
 
-    def gather_kv_time(self, tokens: int) -> float:
+    def gather_kv_time(self, tokens: int, backward: bool = False) -> float:
         """The all-gather of the K/V of ``tokens`` per-doc tokens over the stage's ``sp`` GPUs for
-        one decoder layer (the reduce-scatter of their gradients in backward costs the same): each
-        GPU sends its ``1/sp`` share to the others, ``(sp - 1) / sp`` of the slices' K/V bytes at
-        one GPU's width (all K/V heads), one latency per collective as the all-to-alls; the share
-        crossing nodes on the inter-node link when the stage spans nodes. 0 without tokens."""
+        one decoder layer (``backward``: the reduce-scatter of their gradients): each GPU sends its
+        ``1/sp`` share to the others, ``(sp - 1) / sp`` of the slices' K/V bytes at one GPU's width
+        (all K/V heads), at the fitted latency and bandwidth of that collective
+        (``all_gather_*`` / ``reduce_scatter_*``), else one latency of the intra-node link as the
+        all-to-alls; the share crossing nodes on the inter-node link when the stage spans nodes.
+        0 without tokens."""
         sp = self.sp
         if sp <= 1 or tokens <= 0:
             return 0.0
-        return self._collective_time(self.rank_model().kv_bytes_per_token * tokens * (sp - 1) / sp, 1)
+        moved = self.rank_model().kv_bytes_per_token * tokens * (sp - 1) / sp
+        lat, bw = ((self.reduce_scatter_latency_s, self.reduce_scatter_bandwidth) if backward
+                   else (self.all_gather_latency_s, self.all_gather_bandwidth))
+        if bw > 0 and sp <= self.gpus_per_node:
+            return lat + moved / bw
+        return self._collective_time(moved, 1)
 
     def _collective_time(self, moved: float, count: int) -> float:
         """``count`` collectives over the stage's ``sp`` GPUs in which each GPU sends ``moved``
@@ -635,7 +654,8 @@ class CostModel:
     def _placed_bwd(self, layout: StageLayout, stage: int, chunk: Chunk, recompute_layers: int) -> float:
         info, base = _placed(chunk, self.sp), self.rank_model()
         comp = max(base.bwd_time(layout, stage, rc, recompute_layers) for rc in info.time_chunks(chunk))
-        return comp + (layout.num_stage_layers(stage) + recompute_layers) * self.gather_kv_time(info.gathered)
+        return (comp + layout.num_stage_layers(stage) * self.gather_kv_time(info.gathered, backward=True)
+                + recompute_layers * self.gather_kv_time(info.gathered))
 
     def _placed_act(self, layout: StageLayout, stage: int, chunk: Chunk, recompute_layers: int) -> float:
         """The busiest rank's :meth:`act_memory` of its own tokens, plus the other ranks' K/V of
@@ -792,8 +812,11 @@ class CostModel:
         ``chunk`` on ``stage``: what the Gantt chart draws as communication (a placed chunk:
         its per-doc slices' K/V all-gathers and dK/dV reduce-scatters)."""
         if chunk.placement and self.sp > 1:
-            g = self.gather_kv_time(_placed(chunk, self.sp).gathered)
-            return g * (layout.num_stage_layers(stage) + (recompute_layers if backward else 0))
+            g = _placed(chunk, self.sp).gathered
+            if not backward:
+                return layout.num_stage_layers(stage) * self.gather_kv_time(g)
+            return (layout.num_stage_layers(stage) * self.gather_kv_time(g, backward=True)
+                    + recompute_layers * self.gather_kv_time(g))
         a = self.a2a_time(chunk.num_tokens)
         return a * (layout.num_stage_layers(stage) + (recompute_layers if backward else 0))
 

@@ -66,7 +66,9 @@ __all__ = [
     "all_to_all",
     "default_a2a_token_counts",
     "fit_all_to_all",
+    "measure_all_gather",
     "measure_all_to_all",
+    "profile_all_gather",
     "profile_all_to_all",
     "check_heads",
     "heads_to_tokens_recv",
@@ -315,23 +317,77 @@ def measure_all_to_all(cost: Any, group: Any, token_counts: Sequence[int], *, re
         numels = _a2a_numels(cost, int(tokens), sp)
         send = [torch.ones(n, device=device) for n in numels]
         recv = [torch.empty_like(x) for x in send]
-        times = []
-        for i in range(repeats + 1):  # the first: warm-up
-            dist.barrier(group=group)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
+
+        def a2a() -> None:
             for x, y in zip(send, recv):
                 dist.all_to_all_single(y, x, group=group)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-            if i:
-                times.append(float(elapsed))
+
         moved = 4.0 * sum(numels) * (sp - 1) / sp  # float32: 4 bytes an element
-        out.append((moved, min(times)))
+        out.append((moved, _fastest(a2a, group, repeats, device)))
     return out
+
+
+def _fastest(run: Callable[[], None], group: Any, repeats: int, device: torch.device) -> float:
+    """The fastest of ``repeats`` timings (after one warm-up) of the collective ``run`` on the
+    slowest rank of ``group`` (see :func:`measure_all_to_all`)."""
+    times = []
+    for i in range(repeats + 1):  # the first: warm-up
+        dist.barrier(group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+        if i:
+            times.append(float(elapsed))
+    return min(times)
+
+
+def measure_all_gather(cost: Any, group: Any, token_counts: Sequence[int], *, repeats: int = 5,
+                       device: torch.device | str = "cpu") -> list[tuple[float, float, float]]:
+    """Time the per-doc K/V collectives of one decoder layer on the real ``group``
+    (:mod:`.context_parallel`: an all-gather of every rank's ``[rows, w]`` K/V rows forward, a
+    reduce-scatter of their gradients backward, ``w`` one token's K and V at one GPU's width,
+    ``cost.rank_model().kv_bytes_per_token``) for chunks of each of ``token_counts`` per-doc
+    tokens (``ceil(tokens / sp)`` rows a rank). Collective over ``group``. Returns ``(bytes,
+    all-gather seconds, reduce-scatter seconds)`` per token count: bytes as
+    :meth:`~concertina_hf.planning.CostModel.gather_kv_time` counts them (``(sp - 1) / sp`` of the
+    chunk's K/V), seconds as :func:`measure_all_to_all` takes them."""
+    sp = dist.get_world_size(group)
+    device = torch.device(device)
+    width = max(1, -(-int(round(cost.rank_model().kv_bytes_per_token)) // 4))  # float32 elements
+    out: list[tuple[float, float, float]] = []
+    for tokens in token_counts:
+        rows = shard_length(int(tokens), sp)
+        x = torch.ones(rows, width, device=device)
+        parts = [torch.empty_like(x) for _ in range(sp)]
+        moved = 4.0 * rows * width * (sp - 1)  # each rank's rows to the sp - 1 others
+        gather = _fastest(lambda: dist.all_gather(parts, x, group=group), group, repeats, device)
+        scatter = _fastest(lambda: dist.reduce_scatter(x, parts, group=group), group, repeats, device)
+        out.append((moved, gather, scatter))
+    return out
+
+
+def profile_all_gather(cost: Any, group: Any, token_counts: Sequence[int], *, device: torch.device | str = "cpu",
+                       repeats: int = 5) -> Any:
+    """``cost`` with ``all_gather_latency_s`` / ``all_gather_bandwidth`` and
+    ``reduce_scatter_latency_s`` / ``reduce_scatter_bandwidth`` fitted (one latency per
+    collective, :func:`fit_all_to_all` with ``calls=1``) to the per-doc K/V collectives measured
+    on ``group`` (:func:`measure_all_gather`); collective over the default group (the slowest
+    group's times), unchanged when the group spans nodes, as :func:`profile_all_to_all`."""
+    sp = dist.get_world_size(group)
+    samples = measure_all_gather(cost, group, token_counts, repeats=repeats, device=device)
+    secs = torch.tensor([[g, s] for _, g, s in samples], dtype=torch.float64, device=torch.device(device))
+    dist.all_reduce(secs, op=dist.ReduceOp.MAX)
+    if sp > int(cost.gpus_per_node):
+        return cost
+    ag = _fit_latency_bound([(b, float(t)) for (b, _, _), t in zip(samples, secs[:, 0])])
+    rs = _fit_latency_bound([(b, float(t)) for (b, _, _), t in zip(samples, secs[:, 1])])
+    return dataclasses.replace(cost, all_gather_latency_s=ag[0], all_gather_bandwidth=ag[1],
+                               reduce_scatter_latency_s=rs[0], reduce_scatter_bandwidth=rs[1])
 
 
 def fit_all_to_all(samples: Sequence[tuple[float, float]], calls: int = 4) -> tuple[float, float]:
@@ -350,6 +406,22 @@ def fit_all_to_all(samples: Sequence[tuple[float, float]], calls: int = 4) -> tu
     if slope <= 0:
         raise ValueError(f"the all-to-all times {ys} do not grow with the sizes {xs}: no bandwidth to fit")
     return intercept / calls, 1.0 / slope
+
+
+#: the bandwidth :func:`profile_all_gather` records for a collective whose times do not grow with
+#: its size over the sizes measured (latency-bound: gloo's all-gather of a few hundred KiB)
+LATENCY_BOUND_BANDWIDTH = 1e15
+
+
+def _fit_latency_bound(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """:func:`fit_all_to_all` of one collective; when its times do not grow with the size, their
+    mean as the latency and :data:`LATENCY_BOUND_BANDWIDTH`."""
+    try:
+        return fit_all_to_all(samples, calls=1)
+    except ValueError:
+        if len({b for b, _ in samples}) < 2:
+            raise
+        return sum(s for _, s in samples) / len(samples), LATENCY_BOUND_BANDWIDTH
 
 
 def default_a2a_token_counts(max_tokens: int | None, sp: int) -> list[int]:

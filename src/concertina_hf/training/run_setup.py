@@ -281,15 +281,21 @@ def _profile_on_rank0(model: nn.Module, args: ConcertinaTrainingArguments, base:
 def _profile_all_to_all(args: ConcertinaTrainingArguments, cost: CostModel, topology: Topology) -> CostModel:
     """The all-to-alls of one decoder layer timed on every stage's real sequence-parallel group
     and fitted into the cost model's intra-node latency and bandwidth (the slowest group's times:
-    the same model on every rank); rank 0 rewrites ``cost_model.json``. Collective."""
-    from ..runtime.ulysses import default_a2a_token_counts, profile_all_to_all
+    the same model on every rank), and, unless ``concertina_sequence_parallel_mode="ulysses"``,
+    the per-doc K/V all-gather and reduce-scatter likewise (``all_gather_*``,
+    ``reduce_scatter_*``); rank 0 rewrites ``cost_model.json``. Collective."""
+    from ..runtime.ulysses import default_a2a_token_counts, profile_all_gather, profile_all_to_all
 
     t0 = time.perf_counter()
     tokens = default_a2a_token_counts(args.concertina_max_tokens_per_chunk, topology.sequence_parallel_size)
     cost = profile_all_to_all(cost, topology.sp_group, tokens, device=topology.comm_device)
+    if args.sequence_parallel_mode != "ulysses":
+        cost = profile_all_gather(cost, topology.sp_group, tokens, device=topology.comm_device)
     if topology.rank == 0:
-        logger.info("profiled the all-to-all in %.1fs: latency %.1f us, bandwidth %.2f GB/s",
-                    time.perf_counter() - t0, cost.intra_node_latency_s * 1e6, cost.intra_node_bandwidth / 1e9)
+        logger.info("profiled the all-to-all in %.1fs: latency %.1f us, bandwidth %.2f GB/s; all-gather %.1f us, "
+                    "reduce-scatter %.1f us", time.perf_counter() - t0, cost.intra_node_latency_s * 1e6,
+                    cost.intra_node_bandwidth / 1e9, cost.all_gather_latency_s * 1e6,
+                    cost.reduce_scatter_latency_s * 1e6)
         with open(os.path.join(args.output_dir, "cost_model.json"), "w") as fh:
             fh.write(json.dumps(cost.to_dict()))
     return cost
