@@ -27,6 +27,14 @@ Chunking (:meth:`SequenceBatch.balanced`):
    under ``T`` and the cap, else open a new bucket. Buckets with a tail become *hybrid* chunks
    (tail listed first), the others *packed* chunks; a chunk never holds two cut sequences.
 
+Whole-doc packing (``balanced(whole_doc=(sp, L))``, for a stage of ``sp`` GPUs that runs packed
+chunks whole-doc, each sequence on one GPU at one GPU's rates): the uncut sequences of at most
+``L`` tokens leave step 3 and are packed into chunks of ``sp`` per-GPU bins instead, longest first,
+each to the least loaded bin of the chunk while it fits the bin capacity (the time target's
+``1/sp`` share, or the chunk's first sequence when longer): every chunk's GPUs carry about equal
+work. Step 3 packs for Ulysses, by total work, and leaves chunks of 4 or 5 sequences that no
+placement balances over 8 GPUs.
+
 Order: cut sequences longest first, each as its *split* chunks followed by its hybrid chunk,
 with the packed chunks (largest first) spread evenly behind the chains. Two chains back to back
 make 1F1B stall: a stage finishing one chain's backward needs the whole next chain forwarded
@@ -52,6 +60,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import heapq
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -390,13 +399,19 @@ class SequenceBatch:
         self.order = sorted((i for i, n in enumerate(lens) if n > 0), key=lambda i: (-lens[i], i))
         self.longest = lens[self.order[0]]
 
+    def tokens_of_work(self, work: float) -> int:
+        """The longest sequence whose work (per layer, ``beta`` excluded) is at most ``work``."""
+        return int(_inverse_work(work * (1 + _TOL), self.a, self.b))
+
     def balanced(self, *, num_slices_longest: float, token_cap: int, time_target: float | None = None,
-                 split_threshold: int | None = None) -> Chunking:
+                 split_threshold: int | None = None, whole_doc: tuple[int, int] | None = None) -> Chunking:
         """Workload-balanced chunking of the step (the module docstring), before grouping.
         ``num_slices_longest`` below 1 means a time target of
         ``W(longest) / num_slices_longest``: chunks up to that many times the longest
         sequence's work, none cut (fewer, larger chunks where bubbles are cheap, e.g. one
-        stage)."""
+        stage). ``whole_doc=(sp, max_len)``: the uncut sequences of at most ``max_len`` tokens
+        are packed into chunks of ``sp`` balanced per-GPU bins instead (:meth:`_pack_ranks`), for a
+        stage of ``sp`` GPUs running them whole-doc."""
         if token_cap < 1:
             raise PlanError(f"the token cap per chunk must be at least 1 (got {token_cap})",
                             Remedy("max_tokens_per_chunk", "raise", 1, "tokens"))
@@ -434,8 +449,57 @@ class SequenceBatch:
                 cuts.append((i, _target_split(n, target_work, token_cap, a, b)))
         if self.segment_tokens is not None:
             cuts = self._segment_cuts()
-        chains, packed = self._pack(cuts, self.order[len(cuts):], target_work, token_cap, by_work=True)
+        short = self.order[len(cuts):]
+        ranked: list[int] = []
+        if whole_doc is not None and whole_doc[0] > 1:
+            ranked = [i for i in short if lens[i] <= whole_doc[1]]
+            short = [i for i in short if lens[i] > whole_doc[1]]
+        chains, packed = self._pack(cuts, short, target_work, token_cap, by_work=True)
+        if ranked:
+            # largest sequence first, as _pack orders its packed chunks (a stable sort)
+            packed = tuple(sorted(packed + self._pack_ranks(ranked, whole_doc[0], target_work, token_cap),
+                                  key=lambda ci: -max(q[2] for q in ci.parts)))
         return Chunking(tuple(lens), target_work + beta, int(token_cap), chains, packed, self.segment)
+
+    def _pack_ranks(self, seqs: list[int], sp: int, target_work: float, token_cap: int) -> tuple[_ChunkInfo, ...]:
+        """Packed chunks of whole sequences ``seqs`` (longest first) for a stage of ``sp`` GPUs
+        running them whole-doc, each GPU its own sequences at one GPU's rates (``sp`` times the
+        per-GPU coefficients here): per chunk, ``sp`` bins filled longest processing time first
+        (each sequence to the least loaded bin, the lowest of equals, as
+        :func:`~.lpt.lpt_ranks` places them) up to a bin capacity of the time target's share,
+        ``target_work / sp``, or the chunk's first sequence's work when larger; a sequence that
+        fits no bin of the chunk waits for the next chunk, smaller ones after it still fill the
+        gaps; the chunk's tokens within ``token_cap``. So every chunk's GPUs carry about equal
+        work (the short sequences fill what the longer ones leave), and a chunk takes about the
+        time of its largest bin. ``O(n x chunks)`` at worst, ``n`` the sequences."""
+        lens, work, x, beta = self.lens, self.work, self.extra, self.beta
+        rest = list(seqs)
+        out: list[_ChunkInfo] = []
+        while rest:
+            cap = max(target_work / sp, work[rest[0]]) * (1 + _TOL)
+            heap = [(0.0, r) for r in range(sp)]
+            load, own = [0.0] * sp, [0.0] * sp
+            members: list[int] = []
+            left: list[int] = []
+            tokens = 0
+            for k, i in enumerate(rest):  # the first always fits (an uncut sequence is within the cap)
+                t, r = heap[0]
+                if t + work[rest[-1]] > cap:  # not even the smallest fits: the chunk is full
+                    left.extend(rest[k:])
+                    break
+                if t + work[i] > cap or tokens + lens[i] > token_cap:
+                    left.append(i)
+                    continue
+                heapq.heapreplace(heap, (t + work[i], r))
+                load[r] += work[i]
+                own[r] += work[i] - x * lens[i]
+                tokens += lens[i]
+                members.append(i)
+            busiest = max(range(sp), key=lambda r: (load[r], -r))
+            out.append(_ChunkInfo(ChunkKind.PACKED, tuple((q, 0, lens[q]) for q in sorted(members)), tokens,
+                                  sp * own[busiest] + beta, 0))
+            rest = left
+        return tuple(out)
 
     def _segment_cuts(self) -> list[tuple[int, list[int]]]:
         """Segment-level training: the sequences longer than ``segment_tokens`` (longest first), cut

@@ -120,7 +120,10 @@ def plan_step(
     ``time_target``, ``num_finalists``, ``extra_warmup`` (forwards ahead beyond 1F1B; default: one more at a
     time, up to 3, while it simulates faster), ``taper`` (the work fraction the first backward's tail
     slice keeps, cut off in a chunk of its own; default: 0.5 on small steps when it simulates faster,
-    0 = none); packed ``token_budget``, ``recompute_layers``; split
+    0 = none), ``whole_doc_tokens`` (at ``sp > 1`` outside ``ulysses`` mode, the uncut sequences of
+    at most that many tokens packed into chunks of ``sp`` balanced per-GPU bins for whole-doc;
+    default: a few lengths tried, kept when it simulates faster, 0 = none); packed
+    ``token_budget``, ``recompute_layers``; split
     ``num_slices``, ``recompute_layers`` (see :data:`REGISTRY`). The chosen settings are in
     ``plan.knobs``. ``segment``: segment-level training (:mod:`~..segments`, opt-in): every
     sequence longer than ``segment.tokens`` is cut into its segments whatever the strategy, and

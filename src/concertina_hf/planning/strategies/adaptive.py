@@ -3,13 +3,15 @@
 ``adaptive``: the chunking search of :mod:`.search`, each candidate evaluated with a greedy
 recompute assignment (:func:`~..recompute.assign_recompute`) and a simulation, within a
 budget of simulated chunk-stages (600, or 1200 with the ILP; 2400 on small steps). The winner
-then runs forwards further ahead (``extra_warmup``) and, on small steps, gets its first backward
-made lighter (:meth:`~..chunking.SequenceBatch.tapered`), each kept when it simulates faster. When
-the plan recomputes anything and ``solver="ilp"``, the ILP re-solves its recompute (kept if it
-simulates faster). When no balanced chunking fits, or one the proxy deemed to fit does not (its
-memory view misjudged the step), the baselines' chunkings are tried too (a split sequence keeps
-every slice in flight, plus its K/V, so packing whole sequences can fit where no balanced
-chunking does). Cost for 512 sequences on 4 stages with roomy memory: about ten
+then runs forwards further ahead (``extra_warmup``); on a stage of ``sp > 1`` GPUs that may run
+chunks whole-doc, its short sequences are packed into per-GPU bins instead
+(:func:`_whole_doc_packing`: a few lengths, about 7 more simulations); on small steps it gets its
+first backward made lighter (:meth:`~..chunking.SequenceBatch.tapered`); each kept when it
+simulates faster. When the plan recomputes anything and ``solver="ilp"``, the ILP re-solves its
+recompute (kept if it simulates faster). When no balanced chunking fits, or one the proxy deemed
+to fit does not (its memory view misjudged the step), the baselines' chunkings are tried too (a
+split sequence keeps every slice in flight, plus its K/V, so packing whole sequences can fit where
+no balanced chunking does). Cost for 512 sequences on 4 stages with roomy memory: about ten
 chunkings (0.5 ms each), their proxies (0.1 ms each) and one or two simulations (4 ms per 150
 chunks): 15-30 ms; when memory binds, the recompute assignment adds tens of ms, the ILP up to
 ``time_limit_s``.
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..budgets import within_budgets
 from ..cost import CostModel
@@ -40,12 +42,15 @@ __all__ = ["ADAPTIVE_KNOBS", "CHUNKING_KNOBS", "plan_adaptive", "plan_full_recom
 #: settings of the chunking search (searched unless given)
 CHUNKING_KNOBS = ("num_slices_longest", "k_candidates", "max_groups", "split_threshold", "time_target")
 #: adaptive's settings: the chunking search's, and how many finalists it simulates
-ADAPTIVE_KNOBS = CHUNKING_KNOBS + ("num_finalists", "extra_warmup", "taper")
+ADAPTIVE_KNOBS = CHUNKING_KNOBS + ("num_finalists", "extra_warmup", "taper", "whole_doc_tokens")
 #: the most forwards ``adaptive`` runs ahead of 1F1B on a stage (it stops at the first that is not faster)
 MAX_EXTRA_WARMUP = 3
 #: plans of more chunk-stages keep the greedy recompute assignment with ``solver="ilp"`` (at 1600
 #: chunk-stages building and solving the ILP takes about 0.2 s on a free core, and grows faster)
 ILP_MAX_CHUNK_STAGES = 2048
+#: whole-doc packing (_whole_doc_packing): the longest short sequence packed into per-GPU bins
+#: takes up to this many times a chunk's time target on one GPU
+WHOLE_DOC_BINS = (1, 1.5, 2, 3)
 #: work fractions of the tapered chunk's lighter piece (SequenceBatch.tapered)
 TAPER_FRACTIONS = (0.5,)
 #: plans of more chunk-stages are not tapered (one chunk's wait is then a small part of the step)
@@ -86,13 +91,13 @@ def plan_adaptive(req: PlanRequest) -> Plan:
     errors: list[InfeasiblePlanError] = []
     misjudged = False  # a candidate the proxy deemed feasible did not fit
 
-    def evaluate(c: Candidate) -> Plan | None:
+    def evaluate(c: Candidate, warmup: int = 0) -> Plan | None:
         nonlocal misjudged
         likely_fits = proxy is None or (not c.cuts and not math.isinf(c.est)
                                         and not c.chunking.needs_recompute(cost, layout, proxy))
         try:
-            return _with_recompute(placed(plan_of("adaptive", c.chunking, layout, c.cuts), req), cost, budgets,
-                                   likely_fits)
+            return _with_recompute(placed(plan_of("adaptive", c.chunking, layout, c.cuts, warmup), req), cost,
+                                   budgets, likely_fits)
         except InfeasiblePlanError as e:
             errors.append(e)  # candidates the proxy rejects come smallest chunks first
             misjudged = misjudged or not math.isinf(c.est)
@@ -125,6 +130,7 @@ def plan_adaptive(req: PlanRequest) -> Plan:
         ) from closest
     cand, best = found
     best, warmup = _deeper_warmup(cand.chunking, cand.cuts, best, 0, req)
+    cand, best, warmup, whole_doc = _whole_doc_packing(search, cand, best, warmup, req, evaluate)
     # the first backward of each group lighter (SequenceBatch.tapered): the wait of the stages
     # before the slowest one for it shrinks; on small steps (one chunk is a sizeable part of the
     # step), with its own warm-up climb from 1F1B (a shorter wait needs fewer forwards ahead to
@@ -158,7 +164,68 @@ def plan_adaptive(req: PlanRequest) -> Plan:
         except InfeasiblePlanError:  # pragma: no cover - greedy found a plan, so one exists
             pass
     return finish(best, best.predicted, budgets, candidate_knobs(cand, {"recompute_solver": used,
-                                                                         "extra_warmup": warmup, "taper": taper}))
+                                                                         "extra_warmup": warmup, "taper": taper,
+                                                                         "whole_doc_tokens": whole_doc}))
+
+
+def _whole_doc_packing(search: ChunkingSearch, cand: Candidate, best: Plan, warmup: int, req: PlanRequest,
+                       evaluate: Callable[[Candidate, int], Plan | None]) -> tuple[Candidate, Plan, int, int]:
+    """On a stage of ``sp > 1`` GPUs that may run chunks whole-doc (``sp_mode`` ``auto`` or
+    ``context``): the search's chunking with its short sequences packed into chunks of ``sp``
+    balanced per-GPU bins instead (:meth:`~..chunking.SequenceBatch.balanced`'s ``whole_doc``).
+    The search packs for Ulysses (chunks of equal total work), and such chunks often cannot balance
+    over ``sp`` GPUs (4 or 5 sequences for 8 GPUs), so they ran Ulysses.
+
+    Packed are the uncut sequences of at most ``L`` tokens, ``L`` such that one sequence alone takes
+    ``m`` times a chunk's time target on one GPU, ``m`` in :data:`WHOLE_DOC_BINS` (larger: more
+    sequences whole-doc, in larger chunks; up the ladder until one is not faster), at the search's
+    ``K`` and the next smaller one (a larger time target: longer sequences fit a bin). Each is
+    simulated one forward further ahead than ``best`` (its larger chunks leave the next stage
+    waiting longer); the fastest climbs on (:func:`_deeper_warmup`) and is kept when then faster
+    than ``best`` (the search's pick at its own ``warmup``): never slower, ties keep ``best``. Knob
+    ``whole_doc_tokens``: that ``L`` at the search's ``K``, kept whatever its time (0: none).
+    Returns the candidate, its plan, its warm-up and ``L`` (0: unchanged)."""
+    cost, batch, sp = req.cost, search.batch, req.cost.sp
+    if sp <= 1 or req.sp_mode == "ulysses" or cand.slicing != "work" or batch.segment_tokens is not None \
+            or "whole_doc_tokens" in req.knobs and not req.knobs["whole_doc_tokens"]:
+        return cand, best, warmup, 0
+    k, cap, _ = cand.key
+    fixed = req.knobs.get("whole_doc_tokens")
+    ks = [k]
+    if fixed is None and k in search.ks and search.ks.index(k) > 0 and search.knobs.get("time_target") is None:
+        ks.append(search.ks[search.ks.index(k) - 1])  # larger chunks: longer sequences fit a bin
+    # each packing simulated with a forward further ahead than the search's pick (their larger chunks
+    # leave the next stage waiting longer), the fastest then climbing on (_deeper_warmup)
+    ahead = min(MAX_EXTRA_WARMUP, warmup + 1) if search.layout.num_stages > 1 and "extra_warmup" not in req.knobs \
+        else int(req.knobs.get("extra_warmup", 0))
+    lead: tuple[float, Candidate, Plan, int] | None = None  # the fastest packing before its own climb
+    for kk in ks:
+        ch0 = cand.chunking if kk == k else search.get(kk, cap).chunking
+        target = ch0.time_target - batch.beta
+        lengths = [int(fixed)] if fixed is not None else \
+            sorted({batch.tokens_of_work(m * target / sp) for m in WHOLE_DOC_BINS})
+        last = math.inf
+        for length in lengths:
+            ch = batch.balanced(num_slices_longest=kk, token_cap=cap, time_target=search.knobs.get("time_target"),
+                                split_threshold=search.knobs.get("split_threshold"), whole_doc=(sp, length))
+            if ch.packed == ch0.packed:
+                continue  # no short sequence to re-pack
+            c = Candidate((kk, cap, "work"), ch.estimate(cost, search.layout, search.proxy), ch,
+                          cand.cuts if kk == k else ())
+            plan = evaluate(c, ahead)
+            t = math.inf if plan is None else plan.predicted.step_time_s
+            if plan is not None and (lead is None or t < lead[0]):
+                lead = (t, c, plan, length)
+            if t >= last:
+                break  # longer sequences whole-doc make larger chunks: slower from here on
+            last = t
+    if lead is None:
+        return cand, best, warmup, 0
+    _, c, plan, length = lead
+    plan, w = _deeper_warmup(c.chunking, c.cuts, plan, ahead, req)
+    if fixed is not None or plan.predicted.step_time_s < best.predicted.step_time_s:
+        return c, plan, w, length
+    return cand, best, warmup, 0
 
 
 def _deeper_warmup(chunking, cuts: tuple[int, ...], best: Plan, warmup: int, req: PlanRequest) -> tuple[Plan, int]:
