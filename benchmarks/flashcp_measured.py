@@ -10,10 +10,18 @@ ratios to Ulysses-only and the absolute figures say little about GPUs. What runs
   ``--quick``: hidden 64, 2 layers); 8 heads divide by 4, so Ulysses runs too.
 - **Batches** (seeded): *long-tail*, one 1536-token sequence and 40 sequences of 16-128 tokens;
   *all-short*, 64 sequences of 16-96 tokens (``--quick``: a quarter of the tokens).
-- **Plans** (the adaptive strategy, the analytic cost model of the model at sp=4, chunk cap
-  ``--cap``): **modes** (``sp_mode="auto"``: Ulysses / whole-doc / per-doc per chunk, chosen by
-  the planner), **Ulysses-only** (``sp_mode="ulysses"``), **per-doc-only** (the Ulysses-only plan's
-  chunks with every slice per-doc).
+- **Cost model fitted here**, as ``concertina_cost_model="profiled"`` fits it (run_setup): rank 0
+  profiles the model's decoder layers, head and embedding on one process
+  (:func:`~concertina_hf.runtime.profiler.profile_cost_model`, chunks up to ``--cap`` tokens),
+  then the 4 processes time one layer's all-to-alls (:func:`~concertina_hf.runtime.ulysses.profile_all_to_all`)
+  and the per-doc K/V all-gather and reduce-scatter (:func:`~concertina_hf.runtime.ulysses.profile_all_gather`)
+  on their group; the analytic model (``DeviceSpec.cpu()``) beside it. The profile runs while the
+  other 3 processes wait, so its compute rates are one process's alone; the collectives are timed
+  with all 4 running.
+- **Plans** (the adaptive strategy at sp=4, chunk cap ``--cap``): **modes** (``sp_mode="auto"``:
+  Ulysses / whole-doc / per-doc per chunk, chosen by the planner with the fitted model),
+  **modes (analytic)** (the same with the analytic model), **Ulysses-only** (``sp_mode="ulysses"``),
+  **per-doc-only** (the Ulysses-only plan's chunks with every slice per-doc).
 - **Runs**: each plan's step (forward and backward, :class:`PipelineExecutor` at sp=4 over the
   4 processes) ``--steps`` times after one warm-up, plans interleaved round by round; the step
   time is the slowest rank's; tokens/s from the median. **Bytes moved inside the stage**: what
@@ -21,7 +29,8 @@ ratios to Ulysses-only and the absolute figures say little about GPUs. What runs
   ``all_to_all_single``, ``all_gather``, ``reduce_scatter``: an all-to-all sends ``(sp - 1) / sp``
   of its input, an all-gather its (padded) input to each of the ``sp - 1`` others, a
   reduce-scatter ``sp - 1`` output-sized blocks), beside the planner's prediction
-  (``SimResult.stage_comm_bytes``).
+  (``SimResult.stage_comm_bytes``); each plan's predicted step time relative to Ulysses-only's
+  under both models (``simulate``).
 
 Writes benchmarks/results/flashcp_measured.{md,json}.
 """
@@ -60,15 +69,34 @@ def _config(quick: bool):
                        max_position_embeddings=4096, tie_word_embeddings=False)
 
 
-def _plans(lens: list[int], cost, layout, cap: int) -> dict:
+def _plans(lens: list[int], cost, analytic, layout, cap: int) -> dict:
     from concertina_hf.planning import plan_step
     from concertina_hf.planning.sharding import PER_DOC
 
     modes = plan_step(lens, cost, layout, 0, "adaptive", sp_mode="auto", max_tokens_per_chunk=cap)
+    modes_a = plan_step(lens, analytic, layout, 0, "adaptive", sp_mode="auto", max_tokens_per_chunk=cap)
     ulysses = plan_step(lens, cost, layout, 0, "adaptive", sp_mode="ulysses", max_tokens_per_chunk=cap)
     per_doc = dataclasses.replace(ulysses, chunks=tuple(dataclasses.replace(c, placement=(PER_DOC,) * len(c.slices))
                                                         for c in ulysses.chunks), strategy="per-doc-only")
-    return {"modes": modes, "Ulysses-only": ulysses, "per-doc-only": per_doc.validate()}
+    return {"modes": modes, "modes (analytic)": modes_a, "Ulysses-only": ulysses, "per-doc-only": per_doc.validate()}
+
+
+def _fitted_cost(model, base, group, rank: int, cap: int):
+    """``base`` fitted on this machine as run_setup's profiled path fits it (module docstring):
+    rank 0 profiles the layers (chunks up to ``cap``), every rank the collectives. Collective."""
+    import torch.distributed as dist
+
+    from concertina_hf.planning import CostModel
+    from concertina_hf.runtime.profiler import profile_cost_model
+    from concertina_hf.runtime.ulysses import default_a2a_token_counts, profile_all_gather, profile_all_to_all
+
+    payload = [None]
+    if rank == 0:
+        payload = [profile_cost_model(model, base=base, num_layers=base.num_layers, max_tokens=max(32, cap)).to_dict()]
+    dist.broadcast_object_list(payload, src=0)
+    tokens = default_a2a_token_counts(cap, SP)
+    cost = profile_all_to_all(CostModel.from_dict(payload[0]), group, tokens)
+    return profile_all_gather(cost, group, tokens)
 
 
 class _Bytes:
@@ -106,7 +134,7 @@ def _worker(rank: int, port: int, quick: bool, steps: int, cap: int, outdir: str
                             timeout=timedelta(seconds=600))
     from transformers import AutoModelForCausalLM
 
-    from concertina_hf.planning import CostModel, StageLayout
+    from concertina_hf.planning import CostModel, DeviceSpec, StageLayout
     from concertina_hf.planning.simulate import simulate
     from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
 
@@ -115,13 +143,16 @@ def _worker(rank: int, port: int, quick: bool, steps: int, cap: int, outdir: str
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float()
     layout = StageLayout.even(cfg.num_hidden_layers, 1)
-    cost = CostModel.from_hf_config(cfg, dtype_bytes=4).with_parallel(sp=SP, state_shards=1)
+    base = CostModel.from_hf_config(cfg, DeviceSpec.cpu(), dtype_bytes=4)
+    analytic = base.with_parallel(sp=SP, state_shards=1)
+    fitted = _fitted_cost(model, base, dist.group.WORLD, rank, cap)
+    cost = fitted.with_parallel(sp=SP, state_shards=1)
     ex = PipelineExecutor(PipelineWrapper(model, layout, 0), sp_group=dist.group.WORLD, measure_memory=False)
     rows = []
     for batch, lens in _batches(quick).items():
         g = torch.Generator().manual_seed(1)
         ids = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lens]
-        plans = _plans(lens, cost, layout, cap)
+        plans = _plans(lens, cost, analytic, layout, cap)
         times: dict[str, list[float]] = {name: [] for name in plans}
         sent: dict[str, int] = {}
         for step in range(steps + 1):
@@ -146,11 +177,25 @@ def _worker(rank: int, port: int, quick: bool, steps: int, cap: int, outdir: str
             rows.append(dict(batch=batch, plan=name, tokens=sum(lens), sequences=len(lens), chunks=len(plan.chunks),
                              modes=modes, step_s=statistics.median(times[name]), times=times[name],
                              bytes_measured=sent[name], bytes_predicted=simulate(plan, cost).stage_comm_bytes,
-                             predicted_step_s=simulate(plan, cost).step_time_s))
+                             predicted_step_s=simulate(plan, cost).step_time_s,
+                             analytic_step_s=simulate(plan, analytic).step_time_s))
     if rank == 0:
-        pathlib.Path(outdir, "rows.json").write_text(json.dumps(rows))
+        keep = ("alpha_attn", "alpha_tok", "beta", "bwd_factor", "intra_node_latency_s", "intra_node_bandwidth",
+                "all_gather_latency_s", "all_gather_bandwidth", "reduce_scatter_latency_s", "reduce_scatter_bandwidth")
+        pathlib.Path(outdir, "rows.json").write_text(json.dumps(
+            {"rows": rows, "fitted": {k: getattr(fitted, k) for k in keep},
+             "analytic": {k: getattr(base, k) for k in keep}}))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _link(fit: dict, name: str) -> str:
+    """A fitted collective as ``latency + bytes / bandwidth`` in words."""
+    from concertina_hf.runtime.ulysses import LATENCY_BOUND_BANDWIDTH
+
+    lat, bw = fit[f"{name}_latency_s"], fit[f"{name}_bandwidth"]
+    size = "(latency-bound: no size term)" if bw >= LATENCY_BOUND_BANDWIDTH else f"+ bytes at {bw / 1e6:.0f} MB/s"
+    return f"{lat * 1e3:.2f} ms {size}"
 
 
 def main(argv=None) -> None:
@@ -170,14 +215,18 @@ def main(argv=None) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(free_port(), args.quick, steps, cap, tmp), nprocs=SP, join=True)
-        rows = json.loads(pathlib.Path(tmp, "rows.json").read_text())
+        got = json.loads(pathlib.Path(tmp, "rows.json").read_text())
+    rows, fit = got["rows"], got["fitted"]
     base = {r["batch"]: r for r in rows if r["plan"] == "Ulysses-only"}
     lines = ["# Whole-doc / per-doc / Ulysses inside a stage, measured (pp=1 x sp=4, 4 CPU processes)", "",
              f"{SP} processes share this machine's cores: tokens/s as ratios to Ulysses-only. Chunk cap {cap}, "
-             f"{steps} timed steps per plan (median), the analytic cost model.", "",
+             f"{steps} timed steps per plan (median). Plans use the cost model fitted here (profiled compute; "
+             f"collectives on the {SP} processes, a call: all-to-all {_link(fit, 'intra_node')}, all-gather "
+             f"{_link(fit, 'all_gather')}, reduce-scatter {_link(fit, 'reduce_scatter')}), except *modes (analytic)*; "
+             "predicted steps under both.", "",
              "| batch | plan | chunks (modes) | tokens/s | x Ulysses-only | bytes in stage / step (measured) | "
-             "x Ulysses-only | predicted bytes | predicted step x Ulysses-only |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+             "x Ulysses-only | predicted bytes | predicted step x Ulysses-only (fitted) | (analytic) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         b = base[r["batch"]]
         tps = r["tokens"] / r["step_s"]
@@ -185,8 +234,10 @@ def main(argv=None) -> None:
         lines.append(f"| {r['batch']} ({r['sequences']} seq, {r['tokens']} tok) | {r['plan']} | {r['chunks']} ({modes}) "
                      f"| {tps:.0f} | {b['step_s'] / r['step_s']:.2f} | {r['bytes_measured'] / 2**20:.1f} MiB "
                      f"| {r['bytes_measured'] / max(b['bytes_measured'], 1):.2f} | {r['bytes_predicted'] / 2**20:.1f} MiB "
-                     f"| {b['predicted_step_s'] / r['predicted_step_s']:.2f} |")
-    write_results(args.out, "\n".join(lines), {"rows": rows, "cap": cap, "steps": steps, "quick": args.quick}, run_)
+                     f"| {b['predicted_step_s'] / r['predicted_step_s']:.2f} "
+                     f"| {b['analytic_step_s'] / r['analytic_step_s']:.2f} |")
+    write_results(args.out, "\n".join(lines), {"rows": rows, "cap": cap, "steps": steps, "quick": args.quick,
+                                                "fitted": fit, "analytic": got["analytic"]}, run_)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,7 @@ __all__ = [
     "all_to_all",
     "default_a2a_token_counts",
     "fit_all_to_all",
+    "fit_latency_bound",
     "measure_all_gather",
     "measure_all_to_all",
     "profile_all_gather",
@@ -375,7 +376,7 @@ def profile_all_gather(cost: Any, group: Any, token_counts: Sequence[int], *, de
                        repeats: int = 5) -> Any:
     """``cost`` with ``all_gather_latency_s`` / ``all_gather_bandwidth`` and
     ``reduce_scatter_latency_s`` / ``reduce_scatter_bandwidth`` fitted (one latency per
-    collective, :func:`fit_all_to_all` with ``calls=1``) to the per-doc K/V collectives measured
+    collective, :func:`fit_latency_bound` with ``calls=1``) to the per-doc K/V collectives measured
     on ``group`` (:func:`measure_all_gather`); collective over the default group (the slowest
     group's times), unchanged when the group spans nodes, as :func:`profile_all_to_all`."""
     sp = dist.get_world_size(group)
@@ -384,8 +385,8 @@ def profile_all_gather(cost: Any, group: Any, token_counts: Sequence[int], *, de
     dist.all_reduce(secs, op=dist.ReduceOp.MAX)
     if sp > int(cost.gpus_per_node):
         return cost
-    ag = _fit_latency_bound([(b, float(t)) for (b, _, _), t in zip(samples, secs[:, 0])])
-    rs = _fit_latency_bound([(b, float(t)) for (b, _, _), t in zip(samples, secs[:, 1])])
+    ag = fit_latency_bound([(b, float(t)) for (b, _, _), t in zip(samples, secs[:, 0])])
+    rs = fit_latency_bound([(b, float(t)) for (b, _, _), t in zip(samples, secs[:, 1])])
     return dataclasses.replace(cost, all_gather_latency_s=ag[0], all_gather_bandwidth=ag[1],
                                reduce_scatter_latency_s=rs[0], reduce_scatter_bandwidth=rs[1])
 
@@ -408,20 +409,22 @@ def fit_all_to_all(samples: Sequence[tuple[float, float]], calls: int = 4) -> tu
     return intercept / calls, 1.0 / slope
 
 
-#: the bandwidth :func:`profile_all_gather` records for a collective whose times do not grow with
-#: its size over the sizes measured (latency-bound: gloo's all-gather of a few hundred KiB)
+#: the bandwidth :func:`profile_all_to_all` / :func:`profile_all_gather` record for collectives
+#: whose times do not grow with their size over the sizes measured (latency-bound: gloo on 4
+#: processes sharing 2 cores, a layer's all-to-alls of up to 36 KiB took 4.6, 5.1, 7.6, 4.8 ms)
 LATENCY_BOUND_BANDWIDTH = 1e15
 
 
-def _fit_latency_bound(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """:func:`fit_all_to_all` of one collective; when its times do not grow with the size, their
-    mean as the latency and :data:`LATENCY_BOUND_BANDWIDTH`."""
+def fit_latency_bound(samples: Sequence[tuple[float, float]], calls: int = 1) -> tuple[float, float]:
+    """:func:`fit_all_to_all`; when the times do not grow with the size, their mean over
+    ``calls`` as the latency and :data:`LATENCY_BOUND_BANDWIDTH` (a profiled run does not stop
+    on a latency-bound link)."""
     try:
-        return fit_all_to_all(samples, calls=1)
+        return fit_all_to_all(samples, calls=calls)
     except ValueError:
         if len({b for b, _ in samples}) < 2:
             raise
-        return sum(s for _, s in samples) / len(samples), LATENCY_BOUND_BANDWIDTH
+        return sum(s for _, s in samples) / len(samples) / calls, LATENCY_BOUND_BANDWIDTH
 
 
 def default_a2a_token_counts(max_tokens: int | None, sp: int) -> list[int]:
@@ -434,7 +437,7 @@ def profile_all_to_all(cost: Any, group: Any, token_counts: Sequence[int], *, de
                        repeats: int = 5) -> Any:
     """``cost`` (a :class:`~concertina_hf.planning.CostModel`) with ``intra_node_latency_s`` and
     ``intra_node_bandwidth`` fitted to the all-to-alls measured on ``group`` (:func:`measure_all_to_all`,
-    :func:`fit_all_to_all`); collective over the default group (the slowest group's times, so
+    :func:`fit_latency_bound`); collective over the default group (the slowest group's times, so
     every rank gets the same model). Unchanged when the group spans nodes (``sp > gpus_per_node``:
     those fields do not describe it alone)."""
     sp = dist.get_world_size(group)
@@ -443,5 +446,5 @@ def profile_all_to_all(cost: Any, group: Any, token_counts: Sequence[int], *, de
     dist.all_reduce(secs, op=dist.ReduceOp.MAX)
     if sp > int(cost.gpus_per_node):
         return cost
-    lat, bw = fit_all_to_all([(b, float(s)) for (b, _), s in zip(samples, secs)])
+    lat, bw = fit_latency_bound([(b, float(s)) for (b, _), s in zip(samples, secs)], calls=4)
     return dataclasses.replace(cost, intra_node_latency_s=lat, intra_node_bandwidth=bw)
