@@ -6,8 +6,11 @@ reference, then runs hand-built plans whose chunks carry a :attr:`Chunk.placemen
 (:data:`PLACED`, ranks written for sp=4 and taken modulo sp): a packed chunk of documents of very
 different lengths whole-doc (one of them split over two chunks on one rank), a sequence split
 per-doc over three slices carrying K/V, mixed chunks (a per-doc tail beside whole-doc short
-sequences, a whole-doc slice after per-doc ones, two per-doc slices in one chunk), and one plan
-mixing Ulysses chunks with placed ones; recompute none / partial / full. Models: Llama (K = H =
+sequences, a whole-doc slice after per-doc ones, two per-doc slices in one chunk), one plan
+mixing Ulysses chunks with placed ones, and one whose chunks leave ranks empty (a sequence shorter
+than 2 x sp alone, fewer sequences than ranks, a split sequence on one rank, a whole-doc tail after
+its per-doc slice); the planner's plans (``auto`` mode, and ``context`` mode at a cap of 12 tokens:
+empty ranks); recompute none / partial / full. Models: Llama (K = H =
 4), Qwen2 with one K/V head, Llama with 6 heads and 3 K/V heads (Ulysses refuses it at sp = 2 and
 4), DeepSeek-V3 (MLA, MoE) and gpt-oss (attention sinks, sliding window 16, MoE). Per case: the
 loss (1e-5) and every gradient of the stage after the sum over sp (1e-4); a forward-only step's
@@ -39,7 +42,7 @@ LOGIT_TOL = 1e-4
 NUM_LAYERS = 4
 SEQ_LENS = (46, 9, 7, 5, 12, 20, 3, 28)
 P = "P"  # per-doc
-#: chunks of (seq, start, length, rank written for sp=4 or P); every chunk has tokens on every rank
+#: chunks of (seq, start, length, rank written for sp=4 or P)
 PLACED = {
     # eight documents of very different lengths (3 to 46 tokens) in one packed chunk, whole-doc
     "whole-doc": [[(0, 0, 46, 0), (1, 0, 9, 1), (2, 0, 7, 2), (3, 0, 5, 3), (4, 0, 12, 1), (5, 0, 20, 2),
@@ -55,9 +58,17 @@ PLACED = {
     # Ulysses chunks (no placement) beside a placed one, over different sequences
     "with-ulysses": [[(0, 0, 46, None), (6, 0, 3, None)], [(7, 0, 28, P), (1, 0, 9, 1)],
                      [(2, 0, 7, None), (3, 0, 5, None), (4, 0, 12, None), (5, 0, 20, None)]],
+    # ranks holding no token of a chunk: one sequence shorter than 2 x sp alone; two sequences on
+    # one rank (sp=2) or two of four; a split sequence whole-doc on one rank (its K/V carried
+    # there); a whole-doc tail alone after its per-doc slice (reading the gathered K/V); three
+    # sequences on one rank
+    "empty-ranks": [[(6, 0, 3, 1)], [(1, 0, 9, 0), (2, 0, 7, 2)], [(0, 0, 20, 3)], [(7, 0, 16, P)],
+                    [(0, 20, 26, 3)], [(7, 16, 12, 1)], [(3, 0, 5, 1), (4, 0, 12, 1), (5, 0, 20, 1)]],
 }
 PLANS = (("whole-doc", "none"), ("per-doc", "partial"), ("mixed", "full"), ("mixed", "partial"),
-         ("with-ulysses", "partial"))
+         ("with-ulysses", "partial"), ("empty-ranks", "partial"))
+#: plans also run forward only (loss, logits gathered in token order)
+EVAL_PLANS = ("mixed/full", "empty-ranks/partial")
 
 
 def _rel(a: float, b: float) -> float:
@@ -87,7 +98,8 @@ def _cost(sp: int):
 def planner_plans(layout, cost) -> dict:
     """The adaptive planner's plans with ``sp_mode="auto"`` (modes chosen per chunk; the tiny
     Llama's cost model) at chunk caps 24 and 32, and at 24 under a budget of 60% of the way from
-    the static memory to the unconstrained peak (recompute on some chunks)."""
+    the static memory to the unconstrained peak (recompute on some chunks); and with
+    ``sp_mode="context"`` at a cap of 12 (chunks of short slices whole-doc, ranks left empty)."""
     from concertina_hf.planning import plan_step
     from concertina_hf.planning.simulate import simulate
 
@@ -100,6 +112,8 @@ def planner_plans(layout, cost) -> dict:
     budget = [int(st + 0.6 * (pk - st)) for st, pk in zip(static, simulate(free, cost).peak_memory_bytes)]
     out["planner-auto/24-tight"] = plan_step(list(SEQ_LENS), cost, layout, budget, "adaptive", sp_mode="auto",
                                              max_tokens_per_chunk=24)
+    out["planner-context/12"] = plan_step(list(SEQ_LENS), cost, layout, 0, "adaptive", sp_mode="context",
+                                          max_tokens_per_chunk=12)
     return out
 
 
@@ -180,7 +194,8 @@ def _run(rank: int, pp: int, sp: int, report: dict) -> None:
                 fail.append(f"{kind} {name}: loss {res.loss} vs {ref_loss}")
             fail.extend(f"{kind} {name} rank {rank}: {b}" for b in compare_grads(w, ref_grads, GRAD_TOL))
         # forward only: the loss, and the logits every last-stage rank gets, in token order
-        _eval(kind, model, ex, plans["mixed/full"], ids, labels, ref_loss, report)
+        for name in EVAL_PLANS:
+            _eval(f"{kind} {name}", model, ex, plans[name], ids, labels, ref_loss, report)
 
 
 def _eval(kind, model, ex, plan, ids, labels, ref_loss, report) -> None:

@@ -89,3 +89,57 @@ def test_the_rendezvous_dry_run_waits_for_every_send_at_the_step_end():
     cut = Program(plan, (program.steps[0], tuple(steps[:last_recv])), True)
     with pytest.raises(PlanError, match="no matching"):
         dry_run(cut, rendezvous=True)
+
+
+def test_placed_plans_run_under_nccl_semantics_on_every_sp_rank():
+    """Stages of sp GPUs with whole-doc / per-doc chunks: rank ``r`` of each stage exchanges with
+    rank ``r`` of its neighbours and drops the messages of the chunks it holds no token of
+    (:func:`~concertina_hf.planning.lower.rank_program`); every rank's program runs under NCCL's
+    semantics, training and evaluation. Batches of a few short sequences leave ranks empty."""
+    from concertina_hf.planning.lower import rank_program
+    from concertina_hf.planning.sharding import rank_tokens
+
+    rng = random.Random(23)
+    base = CostModel.from_hf_config(MODEL_PRESETS["tiny-llama"], DeviceSpec.cpu())
+    failures, dropped, planned = [], 0, 0
+    for _ in range(40):
+        sp = rng.choice([2, 4])
+        cost = base.with_parallel(sp=sp, state_shards=sp)
+        p = rng.choice([2, 3, 4])
+        lens = [rng.choice([1, 3, 5, 9, 30, 120]) for _ in range(rng.randint(1, 6))]
+        mode = rng.choice(["context", "auto"])
+        cap = rng.choice([None, 24, 64])
+        plan = plan_step(lens, cost, partition_layers(cost, p), 0, rng.choice(PIPELINE_STRATEGIES), sp_mode=mode,
+                         max_tokens_per_chunk=cap, solver="greedy")
+        planned += 1
+        for train in (True, False):
+            program = lower(plan, train=train)
+            for r in range(sp):
+                mine = rank_program(program, sp, r)
+                empty = {c.index for c in plan.chunks if c.placement and rank_tokens(c, sp, r) == 0}
+                assert mine.silent == empty
+                dropped += len(empty)
+                try:
+                    dry_run(mine, rendezvous=True)
+                except PlanError as e:
+                    failures.append(f"sp={sp} rank {r} pp={p} {mode} cap={cap} train={train} {lens}: {e}")
+    assert not failures, f"{len(failures)} of {planned} plans:\n" + "\n".join(failures[:5])
+    assert dropped > 20  # ranks were left empty, their messages dropped
+
+
+def test_a_rank_program_that_keeps_one_end_of_a_dropped_message_fails():
+    """The dry run bites: rank 1's program of a chunk it holds nothing of, with stage 0 still
+    sending it, has a send without its receive."""
+    from concertina_hf.planning.lower import rank_program
+    from concertina_hf.planning.types import Program
+
+    cost = CostModel.from_hf_config(MODEL_PRESETS["tiny-llama"], DeviceSpec.cpu()).with_parallel(sp=2, state_shards=2)
+    plan = plan_step([5], cost, partition_layers(cost, 2), 0, "adaptive", sp_mode="context")
+    holder = plan.chunks[0].placement[0]
+    program = lower(plan)
+    mine = rank_program(program, 2, 1 - holder)
+    assert mine.silent == {0} and all(a.kind.is_compute for st in mine.steps for step in st for a in step)
+    dry_run(mine, rendezvous=True)
+    half = Program(plan, (program.steps[0], mine.steps[1]), True, mine.silent)
+    with pytest.raises(PlanError, match="no matching"):
+        dry_run(half, rendezvous=True)

@@ -180,12 +180,73 @@ def test_validate_refuses_inconsistent_placements():
             7 for _ in plan.chunks[0].slices)),) + plan.chunks[1:]), 4)
 
 
-def test_context_mode_refuses_a_chunk_it_cannot_spread():
+def test_context_mode_leaves_ranks_empty_for_short_chunks():
+    """Was a refusal ("cannot fill the 4 GPUs of a stage"): a chunk of fewer or shorter sequences
+    than ranks runs whole-doc with some ranks empty; their messages are dropped on both ends."""
+    from concertina_hf.planning import lower
+    from concertina_hf.planning.lower import rank_program
+    from concertina_hf.planning.sharding import placement_refusal
+
     cost = _cost("small-llama", sp=4)
-    with pytest.raises(PlanError) as e:
-        plan_step([5, 6], cost, StageLayout.even(16, 1), 0, "packed", sp_mode="context")
-    assert "cannot fill the 4 GPUs of a stage whole-doc / per-doc" in str(e.value)
-    assert "set sequence_parallel_mode to 'auto'" in str(e.value)
+    for lens, strategy, pp in (([5], "adaptive", 1), ([5], "adaptive", 2), ([5, 6], "packed", 1), ([3, 7], "adaptive", 2)):
+        plan = plan_step(lens, cost, StageLayout.even(16, pp), 0, strategy, sp_mode="context")
+        assert plan_placement_refusal(plan, 4) is None
+        for c in plan.chunks:
+            assert chunk_mode(c) == "whole-doc"
+            toks = [rank_tokens(c, 4, r) for r in range(4)]
+            assert sorted(toks) == [0] * (4 - len(c.slices)) + sorted(s.length for s in c.slices), toks
+        assert simulate(plan, cost).step_time_s > 0
+        program = lower(plan)
+        for r in range(4):
+            mine = rank_program(program, 4, r)
+            holds = {c.index for c in plan.chunks if rank_tokens(c, 4, r)}
+            messages = [a for steps in mine.steps for step in steps for a in step if not a.kind.is_compute]
+            assert {a.chunk for a in messages} == (holds if pp > 1 else set())
+            assert [a for steps in mine.steps for step in steps for a in step if a.kind.is_compute] == \
+                   [a for steps in program.steps for step in steps for a in step if a.kind.is_compute]
+            if pp > 1 and not holds:
+                assert all(len(st) == 1 and st[0].kind.is_compute for steps in mine.steps for st in steps)
+    # the placement of an empty rank is valid; a per-doc slice still needs 2 x sp tokens
+    assert placement_refusal(dataclasses.replace(_packed([5]), placement=(2,)), 4) is None
+    assert placement_refusal(dataclasses.replace(_packed([5]), placement=(PER_DOC,)), 4) == \
+        "chunk 0: per-doc slice of sequence 0 has 5 tokens, fewer than 2 x sp = 8"
+
+
+def test_one_five_token_sequence_at_sp4_plans_in_context_mode():
+    cost = _cost("small-llama", sp=4)
+    plan = plan_step([5], cost, StageLayout.even(16, 1), 0, "adaptive", sp_mode="context")
+    (chunk,) = plan.chunks
+    assert chunk.slices == (Slice(0, 0, 5),) and len(chunk.placement) == 1 and 0 <= chunk.placement[0] < 4
+    assert plan.predicted.step_time_s > 0
+
+
+def test_a_chunk_of_fewer_sequences_than_ranks_is_scored_by_its_busiest_rank():
+    """An empty rank costs nothing: a whole-doc chunk's score is its busiest rank's compute, on
+    whichever rank; and the choice is the cheapest of whole-doc (ranks left empty), per-doc and
+    Ulysses, each of which wins somewhere (per-doc of every sequence is a candidate of the
+    ladder for one sequence; for several the ladder stops at the first balanced step)."""
+    cost = _cost(sp=4)
+    base = cost.rank_model()
+    one = _packed([3000])
+    t = [cost.placed_layer_time(dataclasses.replace(one, placement=(r,))) for r in range(4)]
+    assert t[0] == t[1] == t[2] == t[3] == pytest.approx((1 + cost.bwd_factor) * base.layer_compute_time(one.slices))
+    two = _packed([3000, 1000])
+    assert cost.placed_layer_time(dataclasses.replace(two, placement=(0, 3))) == pytest.approx(t[0])
+    assert cost.placed_layer_time(dataclasses.replace(two, placement=(1, 1))) > t[0]
+    chosen = {}
+    for lens in ([5], [5, 6, 7], [200], [200, 300], [8192], [65536], [32768, 700]):
+        chunk = _packed(lens)
+        for mode in ("auto", "context"):
+            where = choose_placement(chunk, cost, mode)
+            options = [dataclasses.replace(chunk, placement=w) for w in
+                       [tuple(range(len(lens))), (PER_DOC,) if lens[0] >= 8 and len(lens) == 1 else None,
+                        () if mode == "auto" else None] if w is not None]
+            best = min(cost.placed_layer_time(o) for o in options)
+            assert cost.placed_layer_time(dataclasses.replace(chunk, placement=where)) <= best * (1 + 1e-9), (lens, mode)
+            chosen.setdefault(chunk_mode(dataclasses.replace(chunk, placement=where)), []).append((lens, mode))
+    assert {"whole-doc", "per-doc", "ulysses"} <= set(chosen), chosen
+    assert ([5], "context") in chosen["whole-doc"] and ([5, 6, 7], "context") in chosen["whole-doc"], chosen
+    assert sorted(choose_placement(_packed([5, 6, 7]), cost, "context")) == [0, 1, 2]  # LPT: one a rank, one empty
 
 
 def test_cli_sp_mode_shows_modes_and_lifts_the_head_rule(capsys):

@@ -10,14 +10,21 @@ right after it (so two neighbours never both block on a receive from each other,
 1F1B deadlock); a stage's last sends form a batch of their own. Nothing else is decided here:
 the order of everything follows the plan's schedule, and the runtime interprets the result.
 
+Stages of ``sp`` GPUs: sequence-parallel rank ``r`` of a stage exchanges with rank ``r`` of its
+neighbours, so each rank runs its own copy of the program. :func:`rank_program` drops from it the
+messages of the placed chunks in which rank ``r`` holds no token (a whole-doc chunk of fewer
+sequences than ranks): both ends are rank ``r`` of the same chunk, so both drop the message, and
+each channel keeps its order (a subset of a program that runs under NCCL's rendezvous runs too).
+
 Cost: one pass over the schedule, ``O(actions)``.
 """
 
 from __future__ import annotations
 
+from .sharding import rank_tokens
 from .types import Action, ActionKind, Plan, Program
 
-__all__ = ["lower"]
+__all__ = ["lower", "rank_program"]
 
 
 def lower(plan: Plan, *, train: bool = True) -> Program:
@@ -63,3 +70,17 @@ def lower(plan: Plan, *, train: bool = True) -> Program:
             steps.append(tuple(sends))
         stages.append(tuple(steps))
     return Program(plan, tuple(stages), train)
+
+
+def rank_program(program: Program, sp: int, rank: int) -> Program:
+    """The program sequence-parallel rank ``rank`` of every stage runs (module docstring):
+    ``program`` without the messages of the placed chunks of which that rank holds no token,
+    and without the batches left empty; ``program`` itself when there are none."""
+    empty = {c.index for c in program.plan.chunks if c.placement and rank_tokens(c, sp, rank) == 0}
+    if not empty:
+        return program
+    stages = []
+    for steps in program.steps:
+        kept = (tuple(a for a in step if a.kind.is_compute or a.chunk not in empty) for step in steps)
+        stages.append(tuple(step for step in kept if step))
+    return Program(program.plan, tuple(stages), program.train, frozenset(empty))

@@ -13,14 +13,17 @@ busiest GPU as the score (:meth:`~.cost.CostModel.placed_layer_time`):
 2. **per-doc for the sequences that unbalance it**: while the busiest rank's predicted time
    exceeds the mean by more than :data:`IMBALANCE` (a long sequence dominates), the longest
    whole-doc sequence becomes per-doc (at least ``2 sp`` tokens) and the rest are placed again;
-   every step of that ladder is scored and the fastest kept (an empty rank is not allowed, so a
-   chunk of fewer sequences than ranks needs per-doc ones);
+   every step of that ladder is scored and the fastest kept. A rank may be left empty (a chunk
+   of fewer sequences than ranks, or one sequence shorter than ``2 sp``): it costs nothing in the
+   score, which is the busiest GPU's, so a chunk of a few sequences runs whole-doc on as many
+   ranks when that beats cutting one per-doc (gather) or Ulysses (all-to-alls);
 3. **Ulysses where cheaper** (``auto``, when ``sp`` divides the heads: :func:`ulysses_allowed`).
 
 A split sequence's slices are all placed the same way (their K/V are carried from slice to slice
 on each rank), decided once per sequence before the chunks (:func:`place_plan`): per-doc in
-``context`` mode, in ``auto`` the cheaper of per-doc and Ulysses over its slices alone. A chunk
-holding a slice of a sequence left to Ulysses runs Ulysses whole.
+``context`` mode, in ``auto`` the cheaper of per-doc and Ulysses over its slices alone (whole-doc
+on rank 0 when a slice is too short to cut). A chunk holding a slice of a sequence left to
+Ulysses runs Ulysses whole. ``context`` mode places every chunk (whole-doc is always possible).
 
 Cost: per chunk about ``k + 1`` LPT passes (``k``: sequences moved to per-doc, mostly 0-2) of
 ``O(n log sp)`` and as many per-rank cost evaluations; results are cached by chunk, since the
@@ -35,7 +38,7 @@ from typing import Sequence
 
 from .cost import CostModel
 from .lpt import lpt_ranks
-from .sharding import PER_DOC, placement_refusal, rank_pieces, ulysses_heads_refusal
+from .sharding import PER_DOC, rank_pieces, ulysses_heads_refusal
 from .types import Chunk, Plan, PlanError, Remedy, Slice
 
 __all__ = ["IMBALANCE", "SP_MODES", "choose_placement", "lpt_ranks", "place_plan", "ulysses_allowed"]
@@ -72,11 +75,10 @@ def _layer_work(cost: CostModel, sl: Slice) -> float:
 
 @functools.lru_cache(maxsize=8192)
 def choose_placement(chunk: Chunk, cost: CostModel, mode: str, fixed: tuple[tuple[int, int], ...] = ()
-                     ) -> tuple[int, ...] | None:
+                     ) -> tuple[int, ...]:
     """The placement of ``chunk`` on a stage of ``cost.sp`` GPUs (module docstring): a tuple for
-    :attr:`Chunk.placement` (``()``: Ulysses), or ``None`` when ``context`` mode finds none
-    (fewer ranks filled than ``sp``: every sequence too short to cut into ``2 sp`` pieces).
-    ``fixed``: ``(slice index, entry)`` pairs decided per split sequence."""
+    :attr:`Chunk.placement` (``()``: Ulysses; ranks may be left empty). ``fixed``: ``(slice
+    index, entry)`` pairs decided per split sequence."""
     sp = cost.sp
     if sp <= 1 or mode == "ulysses":
         return ()
@@ -106,20 +108,17 @@ def choose_placement(chunk: Chunk, cost: CostModel, mode: str, fixed: tuple[tupl
         ranks = lpt_ranks([work[i] for i in rest], sp, load)
         entries.update(zip(rest, ranks))
         placed = dataclasses.replace(placed, placement=tuple(entries[i] for i in range(len(chunk.slices))))
-        balanced = True
-        if placement_refusal(placed, sp) is None:
-            t = cost.placed_layer_time(placed)
-            if best is None or t < best[0]:
-                best = (t, placed.placement)
-            busy = _rank_work(placed, base, sp)
-            balanced = max(busy) <= (1.0 + IMBALANCE) * sum(busy) / sp
-        if balanced and best is not None:
+        t = cost.placed_layer_time(placed)  # every step is a valid placement (empty ranks allowed)
+        if best is None or t < best[0]:
+            best = (t, placed.placement)
+        busy = _rank_work(placed, base, sp)
+        if max(busy) <= (1.0 + IMBALANCE) * sum(busy) / sp:
             break
     if mode == "auto" and ulysses_allowed(cost) and not any(w == PER_DOC for w in pinned.values()):
         t = cost.placed_layer_time(dataclasses.replace(chunk, placement=()))
         if best is None or t <= best[0]:
             return ()
-    return None if best is None else best[1]
+    return () if best is None else best[1]
 
 
 def _rank_work(chunk: Chunk, base: CostModel, sp: int) -> list[float]:
@@ -146,8 +145,7 @@ def _split_choice(plan: Plan, cost: CostModel, mode: str, seq: int) -> int | Non
 
 def place_plan(plan: Plan, cost: CostModel, mode: str) -> Plan:
     """``plan`` with each chunk's placement chosen for a stage of ``cost.sp`` GPUs under
-    ``mode`` (module docstring); unchanged at ``sp = 1`` or in ``ulysses`` mode. Raises
-    :class:`~.types.PlanError` when ``context`` mode cannot fill every rank of a chunk."""
+    ``mode`` (module docstring); unchanged at ``sp = 1`` or in ``ulysses`` mode."""
     if cost.sp <= 1 or mode == "ulysses":
         return plan
     counts: dict[int, int] = {}
@@ -162,11 +160,5 @@ def place_plan(plan: Plan, cost: CostModel, mode: str) -> Plan:
             chunks.append(c)  # a slice of a sequence left to Ulysses: the chunk runs Ulysses
             continue
         where = choose_placement(dataclasses.replace(c, placement=()), cost, mode, tuple(pins))
-        if where is None:
-            raise PlanError(
-                f"chunk {c.index} ({len(c.slices)} sequences of {c.num_tokens} tokens) cannot fill the {cost.sp} GPUs "
-                f"of a stage whole-doc / per-doc (a per-doc sequence needs at least 2 x sp = {2 * cost.sp} tokens)",
-                Remedy("sequence_parallel_mode", "set", value="'auto' (Ulysses where needed)"),
-                Remedy("sequence_parallel_size", "lower"))
         chunks.append(dataclasses.replace(c, placement=where))
     return dataclasses.replace(plan, chunks=tuple(chunks))

@@ -12,8 +12,11 @@ Three modes, recorded per chunk in :attr:`~.types.Chunk.placement` (one entry pe
   balances); its K/V are all-gathered within the stage for attention.
 
 Every rank's local tokens are the pieces :func:`rank_pieces` lists, in that order (the chunk's
-slice order; a per-doc slice's two pieces in position order). Pure Python; planner, lowering and
-runtime all read the layout from here.
+slice order; a per-doc slice's two pieces in position order). A rank may hold none (a whole-doc
+chunk of fewer sequences than ranks, e.g. one sequence shorter than ``2 sp``): the runtime runs
+the chunk's layers there on a pad token, taking part in the stage's collectives, and exchanges no
+message for it with the neighbouring stages (:func:`~.lower.rank_program`). Pure Python; planner,
+lowering and runtime all read the layout from here.
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ def placement_refusal(chunk: Chunk, sp: int) -> str | None:
     """Why ``chunk.placement`` cannot run on a stage of ``sp`` ranks, or ``None``.
 
     One entry per slice, each a rank or :data:`PER_DOC`; a per-doc slice has at least ``2 sp``
-    tokens (no empty piece); every rank holds at least one token.
+    tokens (no empty piece). A rank may hold no token (module docstring).
     """
     if not chunk.placement:
         return None
@@ -93,9 +96,6 @@ def placement_refusal(chunk: Chunk, sp: int) -> str | None:
         if where == PER_DOC and sl.length < 2 * sp:
             return (f"chunk {chunk.index}: per-doc slice of sequence {sl.seq} has {sl.length} tokens, "
                     f"fewer than 2 x sp = {2 * sp}")
-    empty = [r for r in range(sp) if rank_tokens(chunk, sp, r) == 0]
-    if empty:
-        return f"chunk {chunk.index}: ranks {empty} of the stage hold no token"
     return None
 
 

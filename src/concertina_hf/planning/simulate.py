@@ -306,7 +306,7 @@ def _compile(program: Program, rendezvous: bool = False):
             if kind is F or kind is B:
                 c = a.chunk
                 inbox = (trf if s > 0 else None) if kind is F else (trb if s < last else None)
-                if inbox is not None and inbox[s].get(c, k) >= k:
+                if inbox is not None and c not in program.silent and inbox[s].get(c, k) >= k:
                     need = RF if kind is F else RB
                     raise PlanError(f"{a} runs before its input is received ({s}{need.value}{c} earlier on stage {s})")
                 rows.append((_FWD if kind is F else _BWD, c))

@@ -630,12 +630,16 @@ class Program:
     ``batch_isend_irecv`` (sends first, then receives, in the listed order). A step of messages
     is done when its receives have landed and, conservatively (NCCL runs a batch as one group),
     its sends have been received; :func:`~concertina_hf.planning.simulate.dry_run` checks that
-    every step can complete. ``train=False``: forwards only (evaluation).
+    every step can complete. ``train=False``: forwards only (evaluation). ``silent``: chunks
+    whose messages this program leaves out on every stage (one sequence-parallel rank's copy,
+    holding no token of them: :func:`~concertina_hf.planning.lower.rank_program`); their compute
+    actions run on nothing received.
     """
 
     plan: Plan
     steps: tuple[tuple[tuple[Action, ...], ...], ...]
     train: bool = True
+    silent: frozenset[int] = frozenset()
 
     def actions(self, stage: int) -> list[Action]:
         """Stage ``stage``'s actions, flat, in program order."""

@@ -31,6 +31,15 @@ that slice's K/V per rank until its backward. A whole-doc slice's successor must
 the same rank (its K/V exist nowhere else) and no per-doc slice may follow a whole-doc one
 (:meth:`Plan.validate <concertina_hf.planning.types.Plan.validate>` refuses both).
 
+A rank holding no token of a chunk (a whole-doc chunk of fewer sequences than ranks; a chunk with
+a per-doc slice has tokens on every rank) runs the chunk's layers on one pad token
+(:data:`EMPTY_RANK_TOKENS`: position 0, no target, a zero attention output), since HF's layers
+cannot run on none and the rank takes part in whatever collectives its layers and the step run
+(FSDP's weight gathers under ``concertina_shard_parameters``, the logits gather, the loss and
+gradient reductions); its gradients are zeros. It exchanges no message for that chunk with the
+neighbouring stages (:func:`~concertina_hf.planning.lower.rank_program`, from the plan on both
+ends); a later stage's rank starts the chunk from zeros.
+
 Collective order: every rank runs one all-gather per layer and chunk with per-doc slices (same
 layers, same order; recompute replays the first ``r`` layers of the stage on every rank alike), and
 the backward's reduce-scatters are each layer's single gather node, ordered by the layers.
@@ -52,7 +61,10 @@ from ..planning.sharding import PER_DOC, Piece, rank_pieces
 from ..planning.types import Chunk
 from .attention import ChunkAttentionContext, KVStore, SliceSpec, autocast_dtype
 
-__all__ = ["ContextParallelContext", "gather_rows", "piece_order"]
+__all__ = ["EMPTY_RANK_TOKENS", "ContextParallelContext", "gather_rows", "piece_order"]
+
+#: the pad tokens a rank holding no token of a placed chunk runs the chunk's layers on
+EMPTY_RANK_TOKENS = 1
 
 
 # ---------------------------------------------------------------------- the collective
@@ -162,8 +174,12 @@ class ContextParallelContext:
             off += p.length
         self.pieces = tuple(specs)
         self.inner = _PieceContext(specs, info, store, device, requires_grad)
-        self.num_tokens = self.local_tokens = off
-        self.position_ids = self.inner.position_ids
+        # a rank holding no token of the chunk runs its layers on one pad token (HF's layers cannot
+        # run on none), which attends to nothing, has no target and is sent nowhere
+        self.pad = 0 if off else EMPTY_RANK_TOKENS
+        self.num_tokens = self.local_tokens = off + self.pad
+        self.position_ids = self.inner.position_ids if off else torch.zeros((1, self.pad), dtype=torch.long,
+                                                                             device=device)
         self.per_doc = [i for i, w in enumerate(chunk.placement) if w == PER_DOC]
         # rows each rank contributes to the per-layer gather (its per-doc pieces' tokens)
         self.gather_rows = [sum(p.length for p in ps if chunk.placement[p.slice_index] == PER_DOC)
@@ -183,6 +199,8 @@ class ContextParallelContext:
             query, key, value = (_cast(t, amp) for t in (query, key, value))
         if self.per_doc:
             self.inner.gathered[layer] = self._gather(key, value)
+        if self.pad:  # an empty rank's pad token: nothing to attend to
+            return _pad_attention(query, key, value, sink), None
         return forward(module, query, key, value, concertina_ctx=self.inner, s_aux=sink, **kwargs)
 
     def _gather(self, key: torch.Tensor, value: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -194,7 +212,7 @@ class ContextParallelContext:
         rows_v = value[0].transpose(0, 1).reshape(value.shape[2], kh * dv)
         own = [torch.cat([rows_k[s.offset:s.offset + s.length], rows_v[s.offset:s.offset + s.length]], dim=1)
                for s, (_, _, per_doc) in zip(self.pieces, self.inner.info) if per_doc]
-        x = own[0] if len(own) == 1 else torch.cat(own)
+        x = own[0] if len(own) == 1 else torch.cat(own) if own else rows_k.new_zeros((0, kh * (dk + dv)))
         blocks = gather_rows(x, self.gather_rows, rank, self.sp.group)  # [sp, max rows, w]
         # where each rank's pieces of each per-doc slice lie in its block
         at: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (rank, slice) -> [(row, length)] in order
@@ -238,6 +256,17 @@ class ContextParallelContext:
                 out[:, at:at + p.length] = parts[r][:, row:row + p.length]
                 row += p.length
         return out
+
+
+def _pad_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sink: Any) -> torch.Tensor:
+    """The attention output ``[1, t, H, Dv]`` (zeros) of a rank's pad tokens, still a function of
+    query, key, value and the sinks, so that every parameter gets a gradient (zeros: the pad
+    token has no target) on every rank, as FSDP's reduce-scatter needs."""
+    out = value.new_zeros((1, query.shape[2], query.shape[1], value.shape[3]))
+    for t in (query, key, value, sink if isinstance(sink, torch.Tensor) else None):
+        if t is not None:
+            out = out + t.sum().to(out.dtype) * 0
+    return out
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -38,7 +38,11 @@ Sequence parallelism (``sp_group``, :mod:`.ulysses`): each rank of the stage run
 every chunk's tokens (padded to a multiple of the group size) and the attention exchanges heads
 for tokens with the group; received messages are ``[1, ceil(tokens / sp), hidden]``, the loss is
 summed over the group, and each rank's gradients cover its tokens only until
-:func:`~concertina_hf.runtime.distributed.reduce_gradients` sums them over the stage's ranks.
+:func:`~concertina_hf.runtime.distributed.reduce_gradients` sums them over the stage's ranks. A
+placed chunk (:mod:`.context_parallel`) gives each rank its pieces instead: messages of
+:func:`~concertina_hf.planning.sharding.rank_tokens` tokens, none at all for a chunk the rank
+holds no token of (its program is :func:`~concertina_hf.planning.lower.rank_program`'s; it runs
+the chunk on a pad token).
 
 Tied input/output embeddings over several stages: each copy gets its own share of the gradient
 here; :meth:`PipelineExecutor.sync_tied_gradients` sums them once per optimizer step.
@@ -76,7 +80,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..planning.lower import lower
+from ..planning.lower import lower, rank_program
 from ..planning.segments import check_segment_plan
 from ..planning.sharding import plan_placement_refusal, rank_tokens
 from ..planning.simulate import dry_run
@@ -88,7 +92,7 @@ from .distributed import group_timeout, p2p_channels
 from .p2p import TIED_GRAD_TAG, StageComm, activation_tag, gradient_tag
 from .rng import StageRNG
 from .stage import PipelineWrapper
-from .context_parallel import ContextParallelContext
+from .context_parallel import EMPTY_RANK_TOKENS, ContextParallelContext
 from .ulysses import SequenceParallel
 
 __all__ = ["PipelineExecutor", "StepResult"]
@@ -290,10 +294,15 @@ class PipelineExecutor:
                                 "(concertina_sequence_parallel_mode='context'), which has no head-count rule")
 
     def _program(self, plan: Plan, train: bool) -> Program:
-        """The checked plan lowered, and dry-run once (every rank checks the whole program)."""
+        """The checked plan lowered (this sequence-parallel rank's copy: without the messages of
+        the placed chunks it holds no token of, :func:`~concertina_hf.planning.lower.rank_program`),
+        and dry-run once (every rank checks the whole program)."""
         program = self._programs.get(train)
         if program is None:
-            program = self._programs[train] = lower(plan, train=train)
+            program = lower(plan, train=train)
+            if self.sp is not None:
+                program = rank_program(program, self.sp.size, self.sp.rank)
+            program = self._programs[train] = program
             dry_run(program)
         return program
 
@@ -350,6 +359,9 @@ class PipelineExecutor:
                         c = action.chunk
                         fwd = action.kind is ActionKind.FORWARD
                         buf = received.pop((ActionKind.RECV_F if fwd else ActionKind.RECV_B, c), None)
+                        empty = self._holds_nothing(plan, c)  # no message either way (rank_program)
+                        if empty and (st > 0 if fwd else st < self.num_stages - 1):  # the pad token's
+                            buf = torch.zeros((1, EMPTY_RANK_TOKENS, self.hidden_size), dtype=wire_dtype, device=dev)
                         t_start = clock.mark()
                         if fwd:
                             out = step.forward(c, buf)
@@ -358,7 +370,7 @@ class PipelineExecutor:
                         else:
                             with torch.autocast(dev.type, enabled=False):
                                 out = step.backward(c, buf)
-                        if out is not None:
+                        if out is not None and not empty:
                             to_send[(ActionKind.SEND_F if fwd else ActionKind.SEND_B, c)] = out
                         times.append((action, t_start, clock.mark()))
                     else:
@@ -411,6 +423,14 @@ class PipelineExecutor:
             breakdown={"compute": compute_s, "comm_wait": comm_s,
                        "other": max(0.0, wall - compute_s - comm_s) if clock.cuda else wall - compute_s - comm_s},
         )
+
+    def _holds_nothing(self, plan: Plan, c: int) -> bool:
+        """Whether this sequence-parallel rank holds no token of placed chunk ``c`` (a whole-doc
+        chunk of fewer sequences than ranks): it runs the chunk on a pad token
+        (:data:`~.context_parallel.EMPTY_RANK_TOKENS`, zeros received from no one), taking part in
+        the stage's collectives, and exchanges no message for it."""
+        chunk = plan.chunks[c]
+        return self.sp is not None and bool(chunk.placement) and rank_tokens(chunk, self.sp.size, self.sp.rank) == 0
 
     def _where(self) -> str:
         rank = self.comm.rank_of(self.stage) if self.comm is not None else 0
@@ -563,7 +583,8 @@ class _Step:
                 ctx = self.sp.context(ctx)
         local = ctx.pieces if placed else slices  # (position, length) of this rank's tokens
         if w.is_first:
-            ids = torch.cat([self.ids[s.seq][s.start:s.start + s.length] for s in local])
+            ids = torch.cat([self.ids[s.seq][s.start:s.start + s.length] for s in local]
+                            or [self.ids[0][:EMPTY_RANK_TOKENS]])  # an empty rank's pad token (.context_parallel)
             x = w.embed(ids if self.sp is None or placed else self.sp.shard(ids, 0))
         else:
             x = received.requires_grad_(train)
@@ -587,7 +608,8 @@ class _Step:
                         if earlier.end <= reach:
                             meter.release(("kv", s.seq, earlier.start))
         if w.is_last:
-            targets = torch.cat([_targets(self.labels[s.seq], s) for s in local])
+            targets = torch.cat([_targets(self.labels[s.seq], s) for s in local]
+                                or [self.labels[0].new_full((EMPTY_RANK_TOKENS,), -100)])  # the pad has no target
             if self.sp is not None and not placed:
                 targets = self.sp.shard(targets, -100)
             if self.on_logits is None:

@@ -299,15 +299,15 @@ class ChunkAttentionContext:
         self.requires_grad = requires_grad
         self.device = torch.device(device)
         self.num_tokens = sum(s.length for s in self.slices)
-        pos = [torch.arange(s.start, s.start + s.length) for s in self.slices]
-        self.position_ids = torch.cat(pos).to(self.device).unsqueeze(0)
+        pos = [torch.arange(s.start, s.start + s.length) for s in self.slices] or [torch.zeros(0, dtype=torch.long)]
+        self.position_ids = torch.cat(pos).to(self.device).unsqueeze(0)  # [1, 0]: no slice (a placed chunk's empty rank)
         self.has_context = any(s.start > 0 for s in self.slices)
         self.cu_seqlens_q = torch.tensor([0] + _cumsum([s.length for s in self.slices]), dtype=torch.int32,
                                          device=self.device)
         keys = [s.start - _tail_lo(s.start, store.kv_tail) + s.length for s in self.slices]
         self.cu_seqlens_k = torch.tensor([0] + _cumsum(keys), dtype=torch.int32, device=self.device)
-        self.max_seqlen_q = max(s.length for s in self.slices)
-        self.max_seqlen_k = max(keys)
+        self.max_seqlen_q = max((s.length for s in self.slices), default=0)
+        self.max_seqlen_k = max(keys, default=0)
 
     def store_own(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Keep this chunk's non-final slices' K/V (set-if-absent) for their later slices."""
