@@ -33,8 +33,10 @@ benchmarks/results/flashcp.{md,json}. The measured CPU comparison (4 processes) 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pathlib
+import statistics
 import sys
 import time
 
@@ -43,8 +45,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from _results import Run, write_results  # noqa: E402
 from concertina_hf.tools import data  # noqa: E402
 from concertina_hf.planning import CostModel, DeviceSpec, PlanError, partition_layers, plan_step, simulate  # noqa: E402
+from concertina_hf.planning.lpt import lpt_ranks  # noqa: E402
 from concertina_hf.planning.presets import MODEL_PRESETS  # noqa: E402
-from concertina_hf.planning.sharding import MODES, chunk_mode  # noqa: E402
+from concertina_hf.planning.types import ChunkKind  # noqa: E402
+from concertina_hf.planning.sharding import MODES, PER_DOC, chunk_mode  # noqa: E402
 
 GIB = 2**30
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -66,14 +70,18 @@ def _plan(lens, model: str, pp: int, sp: int, mode: str, budget: int, solver: st
         plan = plan_step(lens, cost, layout, budget, strategy, solver=solver, sp_mode=mode)
     except PlanError as e:
         return {"fits": False, "reason": str(e)[:300], "plan_s": round(time.perf_counter() - t0, 2)}
+    plan_s = round(time.perf_counter() - t0, 2)
     sim = simulate(plan, cost)
     modes = {m: 0 for m in MODES}
+    whole = 0  # tokens of whole-doc slices (no attention traffic)
     for c in plan.chunks:
         modes[chunk_mode(c)] += 1
+        whole += sum(sl.length for sl, w in zip(c.slices, c.placement) if w != PER_DOC)
     return {"fits": True, "layout": f"pp{pp} x sp{sp}" if strategy != "sp-only" else "sp-only",
             "step_s": sim.step_time_s, "stage_gib": sim.stage_comm_bytes / GIB, "comm_s": sim.comm_time_s,
             "peak_gib": max(sim.peak_memory_bytes) / GIB, "chunks": plan.num_chunks, "modes": modes,
-            "plan_s": round(time.perf_counter() - t0, 2)}
+            "whole_doc_share": whole / sum(lens), "whole_doc_tokens": plan.knob("whole_doc_tokens", 0),
+            "plan_s": plan_s}
 
 
 def run(batches: int, caps, solver: str, memory_gb: float, sp_only: bool) -> dict:
@@ -94,8 +102,60 @@ def run(batches: int, caps, solver: str, memory_gb: float, sp_only: bool) -> dic
                                            strategy="sp-only")
                 rows.append(row)
                 print(_line(row), flush=True)
+    diag = {}
+    if 65536 in caps:
+        diag = {"packing": _diagnose_packing("llama-13b", 4, 8, 65536, 0, int(memory_gb * GIB), solver),
+                "memory_30b": _memory_terms("llama-30b", 4, 8, 65536)}
     return {"rows": rows, "memory_gb": memory_gb, "solver": solver, "batches": batches, "caps": list(caps),
-            "targets": _targets(rows)}
+            "targets": _targets(rows), "diagnosis": diag}
+
+
+def _diagnose_packing(model: str, pp: int, sp: int, cap: int, seed: int, budget: int, solver: str) -> dict:
+    """Why whole-doc rarely won before whole-doc packing: the packed chunks of the chunking made for
+    Ulysses (``whole_doc_tokens=0``), each placed whole-doc by LPT over the ``sp`` GPUs (one GPU's
+    layer time), against Ulysses' compute plus all-to-alls; and the tokens the sequences short
+    enough for whole-doc hold."""
+    lens = data.sample_lengths("github", 512, cap, seed)
+    cost = CostModel.from_hf_config(MODEL_PRESETS[model], DeviceSpec.a800()).with_parallel(sp=sp, state_shards=sp)
+    layout = partition_layers(cost, pp)
+    plan = plan_step(lens, cost, layout, budget, "adaptive", solver=solver, sp_mode="auto", whole_doc_tokens=0)
+    base = cost.rank_model()
+    rows = []
+    for c in plan.chunks:
+        if c.kind is not ChunkKind.PACKED:
+            continue
+        work = [base.layer_compute_time((sl,)) - base.beta for sl in c.slices]
+        ranks = lpt_ranks(work, sp)
+        load = [sum(w for w, r in zip(work, ranks) if r == k) for k in range(sp)]
+        uly = dataclasses.replace(c, placement=())
+        t_u = cost.placed_layer_time(uly)
+        a2a = 2 * cost.a2a_time(c.num_tokens)
+        t_w = cost.placed_layer_time(dataclasses.replace(c, placement=tuple(ranks)))
+        rows.append({"sequences": len(c.slices), "imbalance": max(load) / (sum(load) / sp), "a2a_share": a2a / t_u,
+                     "whole_over_ulysses": t_w / t_u})
+    total = sum(lens)
+    return {"model": model, "layout": f"pp{pp} x sp{sp}", "cap": cap, "seed": seed, "chunks": plan.num_chunks,
+            "packed": len(rows), "fewer_than_sp": sum(r["sequences"] < sp for r in rows),
+            "median_sequences": statistics.median(r["sequences"] for r in rows) if rows else 0,
+            "median_imbalance": statistics.median(r["imbalance"] for r in rows) if rows else 0,
+            "a2a_share": statistics.median(r["a2a_share"] for r in rows) if rows else 0,
+            "whole_faster": sum(r["whole_over_ulysses"] < 1 for r in rows),
+            "token_share_up_to": {n: sum(x for x in lens if x <= n) / total for n in (2048, 4096, 8192, 16384)}}
+
+
+def _memory_terms(model: str, pp: int, sp: int, seq: int) -> dict:
+    """The memory one GPU of stage 0 holds for one ``seq``-token sequence run per-doc (split into
+    slices, all in flight, planning/cost.py's model), beside the stage's static memory, in GiB."""
+    cost = CostModel.from_hf_config(MODEL_PRESETS[model], DeviceSpec.a800()).with_parallel(
+        sp=sp, state_shards=sp, ulysses=False)
+    layout = partition_layers(cost, pp)
+    n, kv = layout.num_stage_layers(0), cost.rank_model().kv_bytes_per_token
+    return {"model": model, "layout": f"pp{pp} x sp{sp}", "tokens": seq, "stage0_layers": n,
+            "static_gib": cost.static_memory(layout, 0) / GIB,
+            "gathered_kv_gib": n * kv * seq * (sp - 1) / sp / GIB,  # the other GPUs' K/V, every layer
+            "kv_grad_buffers_gib": n * kv * seq / GIB,  # whole on every GPU (Ulysses: 1/sp of it)
+            "ulysses_kv_grad_buffers_gib": n * kv * seq / sp / GIB,
+            "own_kv_gib": n * kv * seq / sp / GIB}
 
 
 def _cell(r: dict) -> str:
@@ -137,10 +197,12 @@ def _md(res: dict) -> str:
            f"{res['solver']} recompute solver. Per cell: predicted step time, bytes the GPUs of each stage send one "
            "another per step. modes = `sp_mode='auto'`; Ulysses-only = `'ulysses'` (the 30B: pp8 x sp4, Ulysses "
            "cannot split 52 heads over 8); context = `'context'`; chunk modes as u/w/d/m (Ulysses, whole-doc, "
-           "per-doc, mixed).", "",
-           "| model | layout | GiB/GPU | cap | seed | modes | u/w/d/m | Ulysses-only | context | u/w/d/m | sp-only | "
-           "modes / Ulysses time | bytes cut |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "per-doc, mixed); whole-doc: the share of the step's tokens in whole-doc slices (no attention traffic) "
+           "and, after the slash, `whole_doc_tokens` (the longest sequence packed into per-GPU bins, 0: none; "
+           "planning/chunking.py).", "",
+           "| model | layout | GiB/GPU | cap | seed | modes | u/w/d/m | whole-doc | Ulysses-only | context | u/w/d/m | "
+           "sp-only | modes / Ulysses time | bytes cut |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         m, u, c = r["modes"], r["ulysses"], r["context"]
 
@@ -151,8 +213,9 @@ def _md(res: dict) -> str:
         cut = f"{1 - m['stage_gib'] / u['stage_gib']:.1%}" if m["fits"] and u["fits"] and u["stage_gib"] else "-"
         sp_only = _cell(r["sp_only"]) if "sp_only" in r else "-"
         uly = _cell(u) + (f" ({u['layout']})" if u["fits"] and u["layout"] != f"pp{r['pp']} x sp{r['sp']}" else "")
-        out.append(f"| {r['model']} | pp{r['pp']} x sp{r['sp']} | {r['memory_gb']:g} | {r['cap'] // 1024}K | {r['seed']} | {_cell(m)} | "
-                   f"{mix(m)} | {uly} | {_cell(c)} | {mix(c)} | {sp_only} | {ratio} | {cut} |")
+        wd = f"{m['whole_doc_share']:.0%} / {m['whole_doc_tokens']}" if m["fits"] else "-"
+        out.append(f"| {r['model']} | pp{r['pp']} x sp{r['sp']} | {r['memory_gb']:g} | {r['cap'] // 1024}K | {r['seed']} | "
+                   f"{_cell(m)} | {mix(m)} | {wd} | {uly} | {_cell(c)} | {mix(c)} | {sp_only} | {ratio} | {cut} |")
     t = res["targets"]
     out += ["", "## Targets", "",
             f"- modes never slower than Ulysses-only (same layout): {'met' if t['never_slower_than_ulysses'] else 'MISSED'}"
@@ -161,12 +224,43 @@ def _md(res: dict) -> str:
             f"{'met' if t['bytes_target_met'] else 'MISSED'} (cuts {t['bytes_cut_64k']})",
             f"- the 52-head 30B planned as pp=4 x sp=8: {'met' if t['llama30b_target_met'] else 'MISSED'} "
             f"({t['llama30b_pp4_sp8_planned']})", ""]
+    out += _md_diagnosis(res.get("diagnosis") or {})
     for r in res["rows"]:
         for k in ("modes", "context", "ulysses", "sp_only"):
             if k in r and not r[k]["fits"]:
                 out.append(f"- {r['model']} {r['memory_gb']:g} GiB {r['cap'] // 1024}K seed {r['seed']} {k}: "
                            f"{r[k]['reason']}")
     return "\n".join(out) + "\n"
+
+
+def _md_diagnosis(d: dict) -> list[str]:
+    if not d:
+        return []
+    p, m = d["packing"], d["memory_30b"]
+    share = ", ".join(f"{n // 1024}K {v:.0%}" for n, v in p["token_share_up_to"].items())
+    return [
+        "## Where each mode wins", "",
+        f"- Before whole-doc packing ({p['model']} {p['layout']}, {p['cap'] // 1024}K cap, seed {p['seed']}, "
+        f"`whole_doc_tokens=0`): {p['packed']} of {p['chunks']} chunks packed, {p['fewer_than_sp']} of them holding "
+        f"fewer sequences than GPUs (median {p['median_sequences']:g}); placed whole-doc by LPT their busiest GPU "
+        f"carries a median {p['median_imbalance']:.2f}x the mean, while Ulysses' all-to-alls are only "
+        f"{p['a2a_share']:.1%} of a packed chunk's layer time (NVLink): whole-doc was faster for "
+        f"{p['whole_faster']} of them. Token packing formed the chunks for Ulysses (by total work); packing the short "
+        "sequences into per-GPU bins balances them (busiest GPU within 1-2% of the mean, tests/planning/"
+        "test_whole_doc_packing.py).",
+        f"- Whole-doc can carry only the tokens of sequences short enough to sit on one GPU without making "
+        f"their chunk much longer than the others (a sequence alone on a GPU takes sp times its Ulysses time; "
+        f"larger chunks stall 1F1B): sequences of at most {share} of the tokens. The rest are long sequences "
+        "that stay Ulysses: per-doc moves sp/2 times Ulysses' bytes per token for MHA (the K/V of every token to "
+        "every GPU against q, k, v and output over sp), and is rarely chosen where Ulysses can run.",
+        f"- {m['model']} {m['layout']} at 80 GiB: one {m['tokens'] // 1024}K sequence per-doc holds on every GPU of "
+        f"stage 0 ({m['stage0_layers']} layers), besides {m['static_gib']:.1f} GiB static (weights and gradients "
+        f"whole, optimizer state over 8): the other GPUs' gathered K/V {m['gathered_kv_gib']:.1f} GiB (kept for "
+        f"backward on every layer of a split chunk, recomputed or not) and the K/V gradient buffers of its earlier "
+        f"slices, whole on every GPU, up to {m['kv_grad_buffers_gib']:.1f} GiB (Ulysses: "
+        f"{m['ulysses_kv_grad_buffers_gib']:.1f} GiB), against {m['own_kv_gib']:.1f} GiB of its own K/V: those two "
+        "terms, constants no recompute removes, put it over 80 GiB; sharding the carried K/V (not done here) is "
+        "what would fit it.", ""]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -179,17 +179,24 @@ def _whole_doc_packing(search: ChunkingSearch, cand: Candidate, best: Plan, warm
     Packed are the uncut sequences of at most ``L`` tokens, ``L`` such that one sequence alone takes
     ``m`` times a chunk's time target on one GPU, ``m`` in :data:`WHOLE_DOC_BINS` (larger: more
     sequences whole-doc, in larger chunks; up the ladder until one is not faster), at the search's
-    ``K`` and the next smaller one (a larger time target: longer sequences fit a bin). Each is
+    ``K`` and the next smaller one (a larger time target: longer sequences fit a bin; when a
+    baseline's chunking won, the ``K`` of the proxy's best balanced chunking). Each is
     simulated one forward further ahead than ``best`` (its larger chunks leave the next stage
     waiting longer); the fastest climbs on (:func:`_deeper_warmup`) and is kept when then faster
     than ``best`` (the search's pick at its own ``warmup``): never slower, ties keep ``best``. Knob
     ``whole_doc_tokens``: that ``L`` at the search's ``K``, kept whatever its time (0: none).
     Returns the candidate, its plan, its warm-up and ``L`` (0: unchanged)."""
     cost, batch, sp = req.cost, search.batch, req.cost.sp
-    if sp <= 1 or req.sp_mode == "ulysses" or cand.slicing != "work" or batch.segment_tokens is not None \
+    if sp <= 1 or req.sp_mode == "ulysses" or batch.segment_tokens is not None \
             or "whole_doc_tokens" in req.knobs and not req.knobs["whole_doc_tokens"]:
         return cand, best, warmup, 0
-    k, cap, _ = cand.key
+    base = cand
+    if cand.slicing != "work":  # a baseline's chunking won (a small step): the proxy's best balanced one
+        balanced = [c for c in search.cands.values() if c.slicing == "work" and not math.isinf(c.est)]
+        if not balanced:
+            return cand, best, warmup, 0
+        base = min(balanced, key=Candidate.order)
+    k, cap, _ = base.key
     fixed = req.knobs.get("whole_doc_tokens")
     ks = [k]
     if fixed is None and k in search.ks and search.ks.index(k) > 0 and search.knobs.get("time_target") is None:
@@ -200,7 +207,7 @@ def _whole_doc_packing(search: ChunkingSearch, cand: Candidate, best: Plan, warm
         else int(req.knobs.get("extra_warmup", 0))
     lead: tuple[float, Candidate, Plan, int] | None = None  # the fastest packing before its own climb
     for kk in ks:
-        ch0 = cand.chunking if kk == k else search.get(kk, cap).chunking
+        ch0 = base.chunking if kk == k else search.get(kk, cap).chunking
         target = ch0.time_target - batch.beta
         lengths = [int(fixed)] if fixed is not None else \
             sorted({batch.tokens_of_work(m * target / sp) for m in WHOLE_DOC_BINS})
@@ -211,7 +218,7 @@ def _whole_doc_packing(search: ChunkingSearch, cand: Candidate, best: Plan, warm
             if ch.packed == ch0.packed:
                 continue  # no short sequence to re-pack
             c = Candidate((kk, cap, "work"), ch.estimate(cost, search.layout, search.proxy), ch,
-                          cand.cuts if kk == k else ())
+                          base.cuts if kk == k else ())
             plan = evaluate(c, ahead)
             t = math.inf if plan is None else plan.predicted.step_time_s
             if plan is not None and (lead is None or t < lead[0]):
