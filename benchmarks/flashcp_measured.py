@@ -100,25 +100,33 @@ def _fitted_cost(model, base, group, rank: int, cap: int):
 
 
 class _Bytes:
-    """Counts what this rank sends in the attention's collectives (see the module docstring)."""
+    """Counts what this rank sends in the attention's collectives (see the module docstring) and
+    the seconds it spends in them (waiting for the other ranks included)."""
 
     def __init__(self, sp: int) -> None:
         import torch.distributed as dist
 
-        self.sent, self.sp = 0, sp
+        self.sent, self.sp, self.seconds = 0, sp, 0.0
         a2a, ag, rs = dist.all_to_all_single, dist.all_gather, dist.reduce_scatter
+
+        def timed(fn, *a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.seconds += time.perf_counter() - t0
 
         def all_to_all_single(out, x, *a, **kw):
             self.sent += x.numel() * x.element_size() * (self.sp - 1) // self.sp
-            return a2a(out, x, *a, **kw)
+            return timed(a2a, out, x, *a, **kw)
 
         def all_gather(parts, x, *a, **kw):
             self.sent += x.numel() * x.element_size() * (self.sp - 1)
-            return ag(parts, x, *a, **kw)
+            return timed(ag, parts, x, *a, **kw)
 
         def reduce_scatter(out, parts, *a, **kw):
             self.sent += out.numel() * out.element_size() * (self.sp - 1)
-            return rs(out, parts, *a, **kw)
+            return timed(rs, out, parts, *a, **kw)
 
         dist.all_to_all_single, dist.all_gather, dist.reduce_scatter = all_to_all_single, all_gather, reduce_scatter
 
@@ -154,17 +162,19 @@ def _worker(rank: int, port: int, quick: bool, steps: int, cap: int, outdir: str
         ids = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lens]
         plans = _plans(lens, cost, analytic, layout, cap)
         times: dict[str, list[float]] = {name: [] for name in plans}
+        in_comm: dict[str, list[float]] = {name: [] for name in plans}
         sent: dict[str, int] = {}
         for step in range(steps + 1):
             for name, plan in plans.items():
                 model.zero_grad(set_to_none=True)
                 dist.barrier()
-                before, t0 = counter.sent, time.perf_counter()
+                before, comm0, t0 = counter.sent, counter.seconds, time.perf_counter()
                 ex.run_step(plan, ids)
-                took = torch.tensor([time.perf_counter() - t0])
+                took = torch.tensor([time.perf_counter() - t0, counter.seconds - comm0])
                 dist.all_reduce(took, op=dist.ReduceOp.MAX)
                 if step:
-                    times[name].append(float(took))
+                    times[name].append(float(took[0]))
+                    in_comm[name].append(float(took[1]))
                 total = torch.tensor([counter.sent - before], dtype=torch.float64)
                 dist.all_reduce(total)
                 sent[name] = int(total)
@@ -176,6 +186,8 @@ def _worker(rank: int, port: int, quick: bool, steps: int, cap: int, outdir: str
                 modes[chunk_mode(c)] = modes.get(chunk_mode(c), 0) + 1
             rows.append(dict(batch=batch, plan=name, tokens=sum(lens), sequences=len(lens), chunks=len(plan.chunks),
                              modes=modes, step_s=statistics.median(times[name]), times=times[name],
+                             comm_s=statistics.median(in_comm[name]),
+                             predicted_comm_s=simulate(plan, cost).comm_time_s,
                              bytes_measured=sent[name], bytes_predicted=simulate(plan, cost).stage_comm_bytes,
                              predicted_step_s=simulate(plan, cost).step_time_s,
                              analytic_step_s=simulate(plan, analytic).step_time_s))
@@ -224,15 +236,20 @@ def main(argv=None) -> None:
              f"collectives on the {SP} processes, a call: all-to-all {_link(fit, 'intra_node')}, all-gather "
              f"{_link(fit, 'all_gather')}, reduce-scatter {_link(fit, 'reduce_scatter')}), except *modes (analytic)*; "
              "predicted steps under both.", "",
-             "| batch | plan | chunks (modes) | tokens/s | x Ulysses-only | bytes in stage / step (measured) | "
-             "x Ulysses-only | predicted bytes | predicted step x Ulysses-only (fitted) | (analytic) |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "*in collectives*: seconds a step the slowest rank spends inside the attention's collectives "
+             "(waiting for the others included), beside the fitted model's (`SimResult.comm_time_s`); the "
+             "rest of the step is compute (the fitted model's compute is one process's alone).", "",
+             "| batch | plan | chunks (modes) | tokens/s | x Ulysses-only | step s | in collectives s (predicted) "
+             "| bytes in stage / step (measured) | x Ulysses-only | predicted bytes "
+             "| predicted step x Ulysses-only (fitted) | (analytic) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         b = base[r["batch"]]
         tps = r["tokens"] / r["step_s"]
         modes = ", ".join(f"{k} {v}" for k, v in sorted(r["modes"].items()))
         lines.append(f"| {r['batch']} ({r['sequences']} seq, {r['tokens']} tok) | {r['plan']} | {r['chunks']} ({modes}) "
-                     f"| {tps:.0f} | {b['step_s'] / r['step_s']:.2f} | {r['bytes_measured'] / 2**20:.1f} MiB "
+                     f"| {tps:.0f} | {b['step_s'] / r['step_s']:.2f} | {r['step_s']:.2f} "
+                     f"| {r['comm_s']:.2f} ({r['predicted_comm_s']:.2f}) | {r['bytes_measured'] / 2**20:.1f} MiB "
                      f"| {r['bytes_measured'] / max(b['bytes_measured'], 1):.2f} | {r['bytes_predicted'] / 2**20:.1f} MiB "
                      f"| {b['predicted_step_s'] / r['predicted_step_s']:.2f} "
                      f"| {b['analytic_step_s'] / r['analytic_step_s']:.2f} |")
