@@ -194,6 +194,40 @@ def test_refit_at_sequence_parallel_size_2_recovers_the_compute_around_the_all_t
         zero3, layout, [], [])[1]) and "zero3" in fit_module.bounded_refit(zero3, layout, [], [])[1]
 
 
+def test_refit_of_per_doc_chunks_takes_their_gathers_not_all_to_alls():
+    """Issue 23: a per-doc chunk's measured times include its K/V all-gather forward and its
+    reduce-scatter backward (fitted on the group: on gloo the reduce-scatter is several
+    all-gathers), not all-to-alls. The refit subtracts those and recovers the compute (per-doc
+    slices of multiples of 2 sp tokens: each GPU's share of pairs and tokens is exactly 1/sp)."""
+    from concertina_hf.planning.sharding import PER_DOC
+
+    rng = random.Random(0)
+    start = dataclasses.replace(CostModel.from_hf_config(HF_CFG, DeviceSpec.cpu(), dtype_bytes=4),
+                                intra_node_latency_s=5e-5, intra_node_bandwidth=1e8, all_gather_latency_s=2e-3,
+                                all_gather_bandwidth=3e8, reduce_scatter_latency_s=1e-2,
+                                reduce_scatter_bandwidth=7e7).with_parallel(sp=2)
+    truth = dataclasses.replace(start, alpha_attn=start.alpha_attn * 3.0, alpha_tok=start.alpha_tok * 0.4,
+                                beta=2e-4, bwd_factor=2.3)
+    layout = StageLayout(6, ((0, 2), (2, 4), (4, 6)))
+
+    def per_doc(rng, n):
+        return [Chunk(0, ChunkKind.PACKED, tuple(Slice(10 * i + j, 0, 4 * rng.randrange(4, 256))
+                                                 for j in range(rng.randrange(1, 4))),
+                      ) for i in range(n)]
+    samples = []
+    for ch in per_doc(rng, 60):
+        ch = dataclasses.replace(ch, placement=(PER_DOC,) * len(ch.slices))
+        st, r = rng.randrange(3), rng.randrange(0, 3)
+        samples.append(ActionSample(st, ch, r, truth.fwd_time(layout, st, ch), truth.bwd_time(layout, st, ch, r)))
+    assert truth.comm_time(layout, 1, samples[0].chunk, True) > truth.comm_time(layout, 1, samples[0].chunk, False)
+    fitted = refit_cost_model(start, layout, samples, floor_fraction=0)
+    assert fitted is not None
+    assert fitted.bwd_factor == pytest.approx(2.3, rel=0.01)
+    assert fitted.beta == pytest.approx(2e-4, rel=0.01)
+    assert fitted.alpha_tok == pytest.approx(truth.alpha_tok, rel=0.01)
+    assert (fitted.reduce_scatter_latency_s, fitted.reduce_scatter_bandwidth) == (1e-2, 7e7)  # the fits are kept
+
+
 def test_action_samples_pair_forward_and_backward_of_each_chunk():
     cost = CostModel.from_hf_config(HF_CFG, DeviceSpec.cpu(), dtype_bytes=4)
     layout = StageLayout(6, ((0, 3), (3, 6)))

@@ -180,7 +180,10 @@ def refit_cost_model(cost: CostModel, layout: StageLayout, samples: Sequence[Act
     all-to-alls, whose per-call and per-token parts cannot be told apart from ``beta`` and
     ``alpha_tok`` by a fit; they are taken from ``cost`` (its link fields: analytic, or timed on
     the real group by a profiled run) and subtracted, forward and backward, before the compute
-    coefficients are fitted (per GPU, like the model's). ``zero3`` models (each layer's time the
+    coefficients are fitted (per GPU, like the model's); a whole-doc / per-doc chunk's are its
+    per-doc K/V all-gathers forward and reduce-scatters backward (:meth:`CostModel.comm_time`,
+    fitted on the group by a profiled run), its compute the busiest GPU's (the same formula for a
+    balanced placement: ``1/sp`` of the pairs and tokens at one GPU's rates). ``zero3`` models (each layer's time the
     larger of its compute and its weight gather) are not refitted (``None``).
     """
     import numpy as np
@@ -188,8 +191,10 @@ def refit_cost_model(cost: CostModel, layout: StageLayout, samples: Sequence[Act
     if len({(x.stage, x.chunk.slices) for x in samples}) < 4 or cost.zero3:
         return None
 
-    def comm(x: ActionSample) -> float:  # one direction's all-to-alls of the sample's layers (0 at sp = 1)
-        return layout.num_stage_layers(x.stage) * cost.a2a_time(x.chunk.num_tokens)
+    def comm(x: ActionSample, backward: bool = False) -> float:
+        """The sample's collectives in one direction (0 at sp = 1): its layers' all-to-alls, or a
+        placed chunk's K/V gathers; backward with its recomputed layers' own."""
+        return cost.comm_time(layout, x.stage, x.chunk, backward, x.recompute if backward else 0)
     e0, h0 = cost.embed_time_per_token, cost.head_time_per_token
     if e0 + h0 <= 0:
         e0 = h0 = 1e-9
@@ -229,7 +234,8 @@ def refit_cost_model(cost: CostModel, layout: StageLayout, samples: Sequence[Act
     # the compute the backward factor multiplies: forward without its all-to-alls; the backward
     # without its own all-to-alls and the recomputed layers' forwards (all-to-alls included)
     fwd_pred = sum(new.fwd_time(layout, x.stage, x.chunk) - comm(x) for x in samples)
-    bwd_rest = sum(max(0.0, x.bwd_s - comm(x) - x.recompute * new.layer_fwd_time(x.chunk.slices)) for x in samples)
+    bwd_rest = sum(max(0.0, x.bwd_s - comm(x, True) - x.recompute * new.layer_compute_time(x.chunk.slices))
+                   for x in samples)
     if fwd_pred <= 0 or bwd_rest <= 0:
         return None
     bwd_factor = max(bwd_rest / fwd_pred, f * floors.bwd_factor)
