@@ -359,8 +359,10 @@ class PipelineExecutor:
                         c = action.chunk
                         fwd = action.kind is ActionKind.FORWARD
                         buf = received.pop((ActionKind.RECV_F if fwd else ActionKind.RECV_B, c), None)
-                        empty = self._holds_nothing(plan, c)  # no message either way (rank_program)
-                        if empty and (st > 0 if fwd else st < self.num_stages - 1):  # the pad token's
+                        # a placed chunk this sp rank holds no token of: run on a pad token
+                        # (.context_parallel), zeros in, nothing out (rank_program: no message)
+                        empty = c in program.silent
+                        if empty and (st > 0 if fwd else st < self.num_stages - 1):
                             buf = torch.zeros((1, EMPTY_RANK_TOKENS, self.hidden_size), dtype=wire_dtype, device=dev)
                         t_start = clock.mark()
                         if fwd:
@@ -423,14 +425,6 @@ class PipelineExecutor:
             breakdown={"compute": compute_s, "comm_wait": comm_s,
                        "other": max(0.0, wall - compute_s - comm_s) if clock.cuda else wall - compute_s - comm_s},
         )
-
-    def _holds_nothing(self, plan: Plan, c: int) -> bool:
-        """Whether this sequence-parallel rank holds no token of placed chunk ``c`` (a whole-doc
-        chunk of fewer sequences than ranks): it runs the chunk on a pad token
-        (:data:`~.context_parallel.EMPTY_RANK_TOKENS`, zeros received from no one), taking part in
-        the stage's collectives, and exchanges no message for it."""
-        chunk = plan.chunks[c]
-        return self.sp is not None and bool(chunk.placement) and rank_tokens(chunk, self.sp.size, self.sp.rank) == 0
 
     def _where(self) -> str:
         rank = self.comm.rank_of(self.stage) if self.comm is not None else 0
