@@ -215,8 +215,8 @@ def _whole_doc_packing(search: ChunkingSearch, cand: Candidate, best: Plan, warm
         for length in lengths:
             ch = batch.balanced(num_slices_longest=kk, token_cap=cap, time_target=search.knobs.get("time_target"),
                                 split_threshold=search.knobs.get("split_threshold"), whole_doc=(sp, length))
-            if ch.packed == ch0.packed:
-                continue  # no short sequence to re-pack
+            if ch.packed == ch0.packed or ch.num_chunks > search.max_chunks:
+                continue  # no short sequence to re-pack (or more chunks than a plan may have)
             c = Candidate((kk, cap, "work"), ch.estimate(cost, search.layout, search.proxy), ch,
                           base.cuts if kk == k else ())
             plan = evaluate(c, ahead)
