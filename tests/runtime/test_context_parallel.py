@@ -5,7 +5,8 @@ zig-zag pieces on the one rank, its K/V go through the gather (one rank's rows) 
 position order, and the second piece attends to the first through them; equal to the
 single-process HF model (loss 1e-5, gradients 1e-4) with K/V carried over per-doc slices, a
 whole-doc tail after them, recompute, and gpt-oss's sinks under a sliding window; the
-evaluation hook's logits come back in token order. The multi-rank launches are in
+evaluation hook's logits come back in token order; a rank holding no token of a chunk runs one
+pad token with zero gradients. The multi-rank launches are in
 ``tests/launch/test_context_launch.py``.
 """
 
@@ -120,3 +121,28 @@ def test_segment_training_with_placements_is_refused(one_rank_group):
     with pytest.raises(PlanError, match="segment-level training .* sequence parallelism 1 only: neither Ulysses nor "
                                         "the whole-doc / per-doc placements carry"):
         ex.run_step(plan, ids, labels)
+
+
+def test_an_empty_rank_runs_a_pad_token_with_zero_gradients():
+    """Rank 1 of two holds nothing of a chunk placed whole-doc on rank 0: its context is one pad
+    token at position 0, whose attention output is zeros, yet a function of query, key, value and
+    the sinks (each gets a zero gradient, as FSDP's reduce-scatter needs on every rank)."""
+    from types import SimpleNamespace
+
+    from concertina_hf.runtime.attention import KVStore, SliceSpec
+    from concertina_hf.runtime.context_parallel import EMPTY_RANK_TOKENS, ContextParallelContext
+
+    plan = make_plan((5,), [[(0, 0, 5)]], _placed("none").layout)
+    chunk = dataclasses.replace(plan.chunks[0], placement=(0,))
+    slices = [SliceSpec(0, 0, 5, 0, True)]
+    ctxs = [ContextParallelContext(chunk, slices, KVStore(), torch.device("cpu"), True,
+                                   SimpleNamespace(size=2, rank=r, group=None)) for r in (0, 1)]
+    assert (ctxs[0].pad, ctxs[0].local_tokens, ctxs[0].position_ids.tolist()) == (0, 5, [[0, 1, 2, 3, 4]])
+    empty = ctxs[1]
+    assert (empty.pad, empty.local_tokens, empty.pieces, empty.position_ids.tolist()) == (EMPTY_RANK_TOKENS, 1, (), [[0]])
+    q, k, v = (torch.randn(1, h, 1, 8, requires_grad=True) for h in (4, 2, 2))
+    sink = torch.randn(4, requires_grad=True)
+    out, _ = empty.sequence_parallel_attention(None, SimpleNamespace(layer_idx=0), q, k, v, sink=sink)
+    assert out.shape == (1, 1, 4, 8) and not out.any()
+    out.sum().backward()
+    assert all(t.grad is not None and not t.grad.any() for t in (q, k, v, sink))
