@@ -151,6 +151,12 @@ def test_trainer_pp2_sp2_matches_trainer(tmp_path):
     assert all(r["peft"] == info["peft"] for r in ranks)
     refits, rejected, sp = info["peft_refits"]  # the planner rank: one refit tried each step, at sp=2
     assert refits + rejected == 3 and sp == 2, info["peft_refits"]
+    # the online run timed the all-to-alls on its sp group at the start (not DeviceSpec.cpu()'s link)
+    from concertina_hf.planning import DeviceSpec
+
+    cpu = DeviceSpec.cpu()
+    assert info["peft_link"] != [cpu.intra_node_latency_s, cpu.intra_node_bandwidth], info["peft_link"]
+    assert info["peft_link"][1] > 0 and info["peft_link"][0] >= 0
     ref = Trainer(model=test_peft._peft_model("embed-head"), train_dataset=test_peft._dataset(),
                   data_collator=DataCollatorWithFlattening(),
                   args=TrainingArguments(output_dir=str(tmp_path / "ref-peft"), save_strategy="no",

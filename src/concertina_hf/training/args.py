@@ -256,7 +256,8 @@ class ConcertinaTrainingArguments(TrainingArguments):
         "architecture at the device's rates), 'profiled' (measured on the real layers on this "
         "device at startup by rank 0, a few seconds; or loaded from concertina_cost_model_path), "
         "or 'online' (start analytic or from the file, then refit from measured stage times "
-        "every concertina_replan_interval steps).",
+        "every concertina_replan_interval steps; at sequence parallel size > 1 without a file, the "
+        "stage's collectives are timed at start-up as 'profiled' times them).",
     )
     concertina_cost_model_path: str | None = _option(
         None,

@@ -103,8 +103,11 @@ def resolve_run(args: ConcertinaTrainingArguments, model: nn.Module, topology: T
         cost = initial_cost_model(args, model.config, args.device, dtype_bytes, device_memory)
         if args.concertina_cost_model == "profiled" and not args.concertina_cost_model_path:
             cost = _profile_on_rank0(model, args, cost, topology)
-            if topology.sequence_parallel_size > 1:
-                cost = _profile_all_to_all(args, cost, topology)
+        # the stage's collectives, timed on its group: an online refit takes them from the model
+        # (it cannot tell them from compute), so an online run times them at the start too
+        if (args.concertina_cost_model in ("profiled", "online") and not args.concertina_cost_model_path
+                and topology.sequence_parallel_size > 1):
+            cost = _profile_all_to_all(args, cost, topology)
         cost = count_frozen_parameters(cost, model)
     if topology.pipeline_size > 1 and ties_embeddings(model):
         cost = count_head_copy(cost)
@@ -296,6 +299,7 @@ def _profile_all_to_all(args: ConcertinaTrainingArguments, cost: CostModel, topo
                     "reduce-scatter %.1f us", time.perf_counter() - t0, cost.intra_node_latency_s * 1e6,
                     cost.intra_node_bandwidth / 1e9, cost.all_gather_latency_s * 1e6,
                     cost.reduce_scatter_latency_s * 1e6)
+        os.makedirs(args.output_dir, exist_ok=True)
         with open(os.path.join(args.output_dir, "cost_model.json"), "w") as fh:
             fh.write(json.dumps(cost.to_dict()))
     return cost
