@@ -89,11 +89,13 @@ the per-doc slices' K/V are all-gathered forward and their gradients reduce-scat
 latency, the inter-node link for the share leaving the node; a recomputed layer gathers again;
 a profiled model times the two collectives apart on the stage's own group, ``all_gather_*`` and
 ``reduce_scatter_*``, since gloo's reduce-scatter costs several all-gathers);
-whole-doc slices move nothing. Memory, the busiest GPU's: its own tokens' activations plus the
-other GPUs' K/V of the per-doc slices, gathered, on every saved layer (every layer for a split
-chunk, whose later slices attend to them), and in a layer's backward their whole dK/dV before the
-reduce-scatter; a placed split sequence's K/V gradient buffers are whole on a GPU
-(:meth:`CostModel.kv_grad_scale`). So per-doc moves ``O(T)`` bytes a GPU where Ulysses moves
+whole-doc slices move nothing. Memory, the busiest GPU's per chunk (or one GPU's,
+:meth:`CostModel.at_rank`): its own tokens' activations plus the per-doc slices' K/V gathered
+(one tensor of every GPU's rows, its own included) on every saved layer (the other GPUs' rows on
+every layer for a split chunk, whose later slices attend to them), and in a layer's backward their
+whole dK/dV before the reduce-scatter, the keys each piece attends to (its position in the
+sequence) and, when every layer recomputes, the replay's gathered K/V; a placed split sequence's
+K/V gradient buffers are whole on a GPU (:meth:`CostModel.kv_grad_scale`). So per-doc moves ``O(T)`` bytes a GPU where Ulysses moves
 ``O(T / sp)``; whole-doc moves none but balances only when a chunk holds many sequences.
 
 **Sharded state** (``state_shards = dp x sp`` ranks hold one stage's state): the model is the
@@ -389,6 +391,10 @@ class CostModel:
     # segment-level training's global heads: the share of the query heads that attend to every
     # earlier key despite the tail (set by for_plan; 0: none). Left out of to_dict while 0.
     segment_global_fraction: float = 0.0
+    # the memory of placed (whole-doc / per-doc) chunks seen from this rank of the stage's sp
+    # GPUs (:meth:`at_rank`: a per-rank prediction); None, the planner's: each chunk's busiest
+    # rank. Not a fitted coefficient: to_dict leaves it out while None.
+    sp_rank: int | None = None
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -582,6 +588,18 @@ class CostModel:
         per-doc (:mod:`.sharding`). ``self`` at ``sp = 1``."""
         return self if self.sp == 1 else _rank_model(self)
 
+    def at_rank(self, sp_rank: int | None) -> "CostModel":
+        """This model with the memory of placed chunks taken on GPU ``sp_rank`` of the stage
+        (what that GPU holds of each chunk), not on each chunk's busiest GPU: the per-rank
+        prediction ``simulate(plan, cost.at_rank(r))`` of rank ``r``'s peak. ``None``: the
+        planner's view (an upper bound of every rank's)."""
+        return self if sp_rank == self.sp_rank else dataclasses.replace(self, sp_rank=sp_rank)
+
+    def _over_ranks(self, per_rank: Iterable[float]) -> float:
+        """A placed chunk's per-rank memory term on :attr:`sp_rank`, or the largest over ranks."""
+        values = list(per_rank)
+        return max(values) if self.sp_rank is None else values[self.sp_rank]
+
     def placed_layer_time(self, chunk: Chunk) -> float:
         """Forward plus backward of one decoder layer on ``chunk`` (no recompute), on the busiest
         GPU of the stage, communication included: the per-layer time the placement search
@@ -658,26 +676,38 @@ class CostModel:
                 + recompute_layers * self.gather_kv_time(info.gathered))
 
     def _placed_act(self, layout: StageLayout, stage: int, chunk: Chunk, recompute_layers: int) -> float:
-        """The busiest rank's :meth:`act_memory` of its own tokens, plus the other ranks' K/V of
-        its per-doc slices it holds gathered: on every saved layer (attention saves them for
-        backward), and on recomputed layers too for a split chunk (later slices attend to them),
-        plus the whole chunk's token ids / targets (every GPU of the first / last stage)."""
+        """The busiest rank's :meth:`act_memory` of its own tokens (on :attr:`sp_rank`, that
+        rank's), plus the K/V of its per-doc slices gathered: on every saved layer the whole
+        slices' (the gather's output is one tensor of every rank's rows, the rank's own
+        included, and attention saves views of it for backward, beside the own K/V the layer
+        saves anyway); on the recomputed layers of a split chunk the other ranks' rows (the store
+        keeps that tensor for later slices; its own rows are the split chunk's K/V the rank's
+        model counts already); plus the whole chunk's token ids / targets (every GPU of the
+        first / last stage)."""
         info, base = _placed(chunk, self.sp), self.rank_model()
-        n = layout.num_stage_layers(stage)
-        keep = n if chunk.kind is ChunkKind.SPLIT else n - recompute_layers
+        saved = layout.num_stage_layers(stage) - recompute_layers
+        replayed = recompute_layers if chunk.kind is ChunkKind.SPLIT else 0
         ends = layout.has_embedding(stage) + layout.has_head(stage)
-        return max(base.act_memory(layout, stage, rc, recompute_layers)
-                   + keep * base.kv_bytes_per_token * (info.gathered - own)
-                   + self.ids_bytes_per_token * (chunk.num_tokens - rc.num_tokens) * ends
-                   for rc, own in zip(info.mem_chunks(chunk), info.own_gathered))
+        return self._over_ranks(base.act_memory(layout, stage, rc, recompute_layers)
+                                + base.kv_bytes_per_token * (saved * info.gathered + replayed * (info.gathered - own))
+                                + self.ids_bytes_per_token * (chunk.num_tokens - rc.num_tokens) * ends
+                                for rc, own in zip(info.mem_chunks(chunk), info.own_gathered))
 
     def _placed_transient(self, layout: StageLayout, stage: int, chunk: Chunk, recompute_layers: int) -> float:
-        """The busiest rank's :meth:`transient_memory`, plus during a layer's backward the whole
-        dK/dV of the per-doc slices before their reduce-scatter."""
+        """The busiest rank's :meth:`transient_memory` (on :attr:`sp_rank`, that rank's) with
+        each of its pieces a slice of its own whose context is its position (the keys its
+        attention's backward takes gradients of: a per-doc piece attends to every earlier token
+        of its sequence, the gathered ones included), plus during a layer's backward the whole
+        dK/dV of the per-doc slices before their reduce-scatter and, when every layer of the
+        stage recomputes, the replayed layer's gathered K/V (a saved layer's are counted in
+        :meth:`_placed_act`; with saved layers, the recomputed ones run backward after those
+        freed theirs)."""
         info, base = _placed(chunk, self.sp), self.rank_model()
-        grads = base.kv_bytes_per_token * info.gathered if layout.num_stage_layers(stage) else 0.0
-        return max(base.transient_memory(layout, stage, rc, recompute_layers)
-                   for rc in info.mem_chunks(chunk)) + grads
+        n = layout.num_stage_layers(stage)
+        gathered = base.kv_bytes_per_token * info.gathered if n else 0.0
+        replay = gathered if n and recompute_layers >= n else 0.0
+        return self._over_ranks(base.transient_memory(layout, stage, rc, recompute_layers)
+                                for rc in info.time_chunks(chunk)) + gathered + replay
 
     # ------------------------------------------------------------------ time
     def layer_compute_time(self, slices: Sequence[Slice]) -> float:
@@ -965,6 +995,8 @@ class CostModel:
             del d["segment_kv_tail"]
         if not d["segment_global_fraction"]:
             del d["segment_global_fraction"]
+        if d["sp_rank"] is None:
+            del d["sp_rank"]
         return d
 
     @classmethod

@@ -52,6 +52,7 @@ order (:meth:`ContextParallelContext.gather_tokens`).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -116,7 +117,9 @@ class _PieceStore:
     everything else is the store's."""
 
     def __init__(self, store: KVStore, ctx: "_PieceContext") -> None:
-        self._store, self._ctx = store, ctx
+        # a weak reference: the context holds this store, and a cycle would keep the context
+        # (and what it references) alive after the chunk's backward until a garbage collection
+        self._store, self._ctx = store, weakref.proxy(ctx)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
@@ -199,9 +202,15 @@ class ContextParallelContext:
             query, key, value = (_cast(t, amp) for t in (query, key, value))
         if self.per_doc:
             self.inner.gathered[layer] = self._gather(key, value)
-        if self.pad:  # an empty rank's pad token: nothing to attend to
-            return _pad_attention(query, key, value, sink), None
-        return forward(module, query, key, value, concertina_ctx=self.inner, s_aux=sink, **kwargs)
+        try:
+            if self.pad:  # an empty rank's pad token: nothing to attend to
+                return _pad_attention(query, key, value, sink), None
+            return forward(module, query, key, value, concertina_ctx=self.inner, s_aux=sink, **kwargs)
+        finally:
+            # read only inside this call (the pieces' prefixes, the store of non-final slices, which
+            # keeps its own reference); kept past it, the gathered K/V and, through their autograd
+            # history, a recomputed layer's replay would live as long as the chunk's context
+            self.inner.gathered.pop(layer, None)
 
     def _gather(self, key: torch.Tensor, value: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """The per-doc slices' keys and values ``[1, K, length, D]`` in position order, from the
