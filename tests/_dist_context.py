@@ -15,7 +15,9 @@ empty ranks); recompute none / partial / full. Models: Llama (K = H =
 4), DeepSeek-V3 (MLA, MoE) and gpt-oss (attention sinks, sliding window 16, MoE). Per case: the
 loss (1e-5) and every gradient of the stage after the sum over sp (1e-4); a forward-only step's
 loss and the logits the last stage's ``on_logits`` gets (gathered in token order); the measured
-activation peak per rank (``peaks``). Results to ``<outdir>/rank<r>.json``.
+activation peak per rank (``peaks``: the executor's saved-tensor meter and, for the Llama, the
+allocated peak, every allocation as the benchmarks count it, beside the profiled model's prediction
+of that rank, ``CostModel.at_rank``). Results to ``<outdir>/rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import torch  # noqa: E402
 
 from _helpers import gloo_rank  # noqa: E402
-from _runtime_cases import batch, compare_grads, make_plan, reference, tiny_config  # noqa: E402
+from _runtime_cases import (  # noqa: E402
+    allocated_activation_peak, batch, compare_grads, make_plan, reference, tiny_config,
+)
 
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-4
@@ -152,6 +156,7 @@ def _run(rank: int, pp: int, sp: int, report: dict) -> None:
     from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
     from concertina_hf.planning.simulate import simulate
     from concertina_hf.runtime.distributed import Topology, reduce_gradients
+    from concertina_hf.runtime.profiler import profile_cost_model
 
     fail = report["failures"]
     topo = Topology.build(pp=pp, dp=1, sp=sp, timeout=timedelta(seconds=300))
@@ -163,6 +168,9 @@ def _run(rank: int, pp: int, sp: int, report: dict) -> None:
     report["plans"] = len(plans)
     for kind, model in _models():
         ref_loss, ref_grads = reference(model, ids, labels)
+        if kind == "llama K=4":  # its memory as run_setup profiles it (one process), per GPU at sp
+            prof = profile_cost_model(model, repeats=1, warmup=0, num_layers=NUM_LAYERS, max_tokens=64
+                                      ).with_parallel(sp=sp, state_shards=1)
         w = PipelineWrapper(copy.deepcopy(model), layout, topo.stage)
         ex = PipelineExecutor(w, pp_group=topo.pp_group, sp_group=topo.sp_group, channels=topo.p2p_channels)
         params = [p for p in w.parameters() if p.requires_grad]
@@ -181,15 +189,17 @@ def _run(rank: int, pp: int, sp: int, report: dict) -> None:
                     if "concertina_sequence_parallel_mode='context'" not in str(exc):
                         fail.append(f"{kind} {name}: refusal {exc}")
                 continue
+            allocated = predicted = None
+            if kind == "llama K=4":  # this rank's allocated activation peak and the profiled model's of this rank
+                allocated = allocated_activation_peak(ex, plan, ids, labels, runs=2)
+                predicted = (simulate(plan, prof.at_rank(topo.sp_rank)).peak_memory_bytes[topo.stage]
+                             - prof.static_memory(layout, topo.stage))
             w.zero_grad(set_to_none=True)
             res = ex.run_step(plan, ids, labels)
             reduce_gradients(params, topo, average=False)
             ex.sync_tied_gradients()
             report["cases"].append(f"{kind} {name}")
-            predicted = None
-            if kind == "llama K=4":  # the planner's cost model of this model: its activation peak of the stage
-                predicted = simulate(plan, cost).peak_memory_bytes[topo.stage] - cost.static_memory(layout, topo.stage)
-            report["peaks"].append([kind, name, topo.stage, rank, res.peak_activation_bytes, predicted])
+            report["peaks"].append([kind, name, topo.stage, rank, res.peak_activation_bytes, allocated, predicted])
             if not _rel(res.loss, ref_loss) < LOSS_TOL:
                 fail.append(f"{kind} {name}: loss {res.loss} vs {ref_loss}")
             fail.extend(f"{kind} {name} rank {rank}: {b}" for b in compare_grads(w, ref_grads, GRAD_TOL))

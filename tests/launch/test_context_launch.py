@@ -8,7 +8,9 @@ ranks holding no token of a chunk (they run a pad token and exchange no message 
 them; pp=2 x sp=2 runs under the emulation of NCCL's message semantics
 (``CONCERTINA_EMULATE_NCCL=direction``, :mod:`concertina_hf.runtime.p2p`), so both ends of a
 stage-to-stage message, rank ``r`` to rank ``r``, must derive the same messages from the plan.
-Prints each rank's measured activation peak per plan.
+Prints each rank's measured activation peak per plan; the Llama's allocated peak on each rank
+within 10% of the profiled model's prediction of that rank (:data:`MEMORY_WITHIN_10`), never more
+than 10% over it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,18 @@ import json
 import pytest
 
 from _helpers import free_port
+
+
+#: plans whose every rank's allocated activation peak lies within 10% of the profiled model's
+#: prediction of that rank (:meth:`CostModel.at_rank`); on every other plan the peak is at most
+#: 10% over it. Measured over the three launches, allocated / predicted: whole-doc x0.979-1.003,
+#: Ulysses beside placed x0.965-1.032, the planner's under a budget x0.950-0.988; the others
+#: over-predicted, per-doc x0.891-1.050, mixed x0.879-1.024, empty ranks x0.831-1.020, the
+#: planner's x0.871-1.004: a split sequence's K/V gradient buffers are counted whole from the
+#: start of its last slice's backward (``simulate``), where the runtime makes each layer's in that
+#: layer's backward, and a placed slice's buffers are whole (``kv_grad_scale``, sp times a
+#: Ulysses GPU's), so what that conservative count adds shows
+MEMORY_WITHIN_10 = ("whole-doc/none", "with-ulysses/partial", "planner-auto/24-tight")
 
 
 @pytest.mark.parametrize("pp,sp", [(1, 2), (2, 2), (1, 4)])
@@ -35,13 +49,23 @@ def test_placed_chunks_match_hf(pp, sp, tmp_path, monkeypatch):
     mp.spawn(_dist_context.worker, args=(world, free_port(), str(tmp_path), pp, sp), nprocs=world, join=True)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     for r in reports:
-        print(f"rank {r['rank']}: {len(r['cases'])} cases; activation peak per plan (bytes; llama: the planner's "
-              "prediction of the stage):")
-        for kind, name, stage, _, peak, predicted in r["peaks"]:
-            vs = "" if predicted is None else f"  predicted {predicted:>9.0f}  measured/predicted x{peak / predicted:.2f}"
+        print(f"rank {r['rank']}: {len(r['cases'])} cases; activation peak per plan (bytes: saved-tensor meter; llama: "
+              "allocated, and the profiled model's prediction of this rank):")
+        for kind, name, stage, _, peak, allocated, predicted in r["peaks"]:
+            vs = "" if predicted is None else \
+                f"  allocated {allocated:>9}  predicted {predicted:>9.0f}  x{allocated / predicted:.3f}"
             print(f"  {kind:<22} {name:<24} stage {stage} {peak:>9}{vs}")
     failures = [f for r in reports for f in r["failures"]]
     assert failures == []
+    # memory (issue 23): each rank's allocated activation peak of every plan against the profiled
+    # model's prediction of that rank; see MEMORY_WITHIN_10
+    rows = [(name, r["rank"], allocated, predicted) for r in reports
+            for kind, name, _, _, _, allocated, predicted in r["peaks"] if kind == "llama K=4"]
+    assert len(rows) == sum(r["plans"] for r in reports)
+    for name, rank, allocated, predicted in rows:
+        assert allocated <= 1.10 * predicted, (name, rank, allocated, predicted)
+        if name in MEMORY_WITHIN_10:
+            assert allocated >= 0.90 * predicted, (name, rank, allocated, predicted)
     models = 5
     for r in reports:  # every model x plan ran, was refused (Ulysses chunks, 6 heads) or skipped (the same), + evals
         assert len(r["cases"]) + len(r["refusals"]) + len(r["skipped"]) == \
