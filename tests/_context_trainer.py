@@ -1,7 +1,7 @@
 """Worker of ``tests/launch/test_context_launch.py::test_trainer_pp2_sp2_with_planner_modes``, run by
 torchrun on 4 CPU processes: ``ConcertinaTrainer`` at pp=2 x sp=2 with
 ``concertina_sequence_parallel_mode='auto'`` (the planner chooses Ulysses / whole-doc / per-doc per
-chunk; ``args.PLACEMENTS_RUN`` switched on here while it is off by default) for 3 steps on
+chunk, from a measured cost model loaded from a file) for 3 steps on
 ``test_trainer_pipeline``'s model and data, then evaluation with run_clm's metrics and
 ``predict()``; the modes of every chunk the executor ran are recorded. Each rank writes
 ``<out>/info-rank<r>.json``; the reference is ``test_trainer_pipeline._reference``.
@@ -9,6 +9,7 @@ chunk; ``args.PLACEMENTS_RUN`` switched on here while it is off by default) for 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -21,16 +22,24 @@ STEPS = 3
 def main(out: str) -> None:
     from test_trainer_pipeline import COMMON, _dataset, _metrics_and_predictions, _model, _summary
 
-    import concertina_hf.training.args as args_module
     from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
+    from concertina_hf.planning import CostModel, DeviceSpec
     from concertina_hf.planning.sharding import chunk_mode
 
-    if hasattr(args_module, "PLACEMENTS_RUN"):
-        args_module.PLACEMENTS_RUN = True
+    model = _model("llama")
+    # a measured cost model, loaded ('profiled' with a file: the same plans on every run): CPU rates
+    # with the collective times this machine's gloo fit gave (benchmarks/results/flashcp_measured.md)
+    cost = dataclasses.replace(CostModel.from_hf_config(model.config, DeviceSpec.cpu(), dtype_bytes=4),
+                               intra_node_latency_s=1e-3, all_gather_latency_s=2.3e-3,
+                               reduce_scatter_latency_s=1.1e-2)
+    path = os.path.join(out, "cost_model.json")
+    with open(path, "w") as fh:
+        json.dump(cost.to_dict(), fh)
     args = ConcertinaTrainingArguments(output_dir=out, save_strategy="no", concertina_pipeline_size=2,
                                        concertina_sequence_parallel_size=2, concertina_max_tokens_per_chunk=16,
-                                       concertina_sequence_parallel_mode="auto", **dict(COMMON, max_steps=STEPS))
-    trainer = ConcertinaTrainer(model=_model("llama"), args=args, train_dataset=_dataset(),
+                                       concertina_sequence_parallel_mode="auto", concertina_cost_model="profiled",
+                                       concertina_cost_model_path=path, **dict(COMMON, max_steps=STEPS))
+    trainer = ConcertinaTrainer(model=model, args=args, train_dataset=_dataset(),
                                 eval_dataset=_dataset(8, seed=1))
     modes: list[str] = []
     run_step = trainer.executor.run_step

@@ -60,10 +60,11 @@ PLANNER_FIELDS = {
     "strategy": "concertina_strategy", "solver": "concertina_solver",
     "sequence_parallel_mode": "concertina_sequence_parallel_mode",
 }
-#: Whether the runtime executes whole-doc / per-doc placements (issue 23). While False the trainer
-#: plans every chunk Ulysses: concertina_sequence_parallel_mode='auto' resolves to 'ulysses' and
-#: 'context' is refused. The one switch to flip once the runtime runs placed chunks.
-PLACEMENTS_RUN = False
+#: the cost-model sources whose collective times are measured on the stage's own group: with them,
+#: concertina_sequence_parallel_mode='auto' lets the planner choose whole-doc / per-doc per chunk
+#: (the analytic model guesses those times: on CPU its choice measured 0.83x Ulysses-only,
+#: benchmarks/results/flashcp_measured.md)
+MEASURED_COST_MODELS = ("profiled", "online")
 #: concertina_nonfinite: stop every rank, or drop the step (see concertina_hf.training.step_guard)
 NONFINITE_MODES = ("raise", "skip")
 
@@ -223,8 +224,8 @@ class ConcertinaTrainingArguments(TrainingArguments):
         "cheapest of Ulysses, whole-doc: each sequence entirely on one process, no attention traffic, "
         "and per-doc: a long sequence cut into 2 x sp zig-zag pieces with its K/V all-gathered), "
         "'ulysses' (every chunk Ulysses), or 'context' (whole-doc and per-doc only, never an "
-        "all-to-all; no head-count limit). Until the runtime executes placements, 'auto' runs Ulysses "
-        "and 'context' is refused.",
+        "all-to-all; no head-count limit). 'auto' chooses by measured collective times, so it needs "
+        "concertina_cost_model='profiled' or 'online'; with 'analytic' it runs Ulysses.",
     )
     concertina_strategy: str = _option(
         "adaptive",
@@ -407,10 +408,6 @@ class ConcertinaTrainingArguments(TrainingArguments):
         if self.concertina_sequence_parallel_mode not in SP_MODES:
             raise ValueError(f"concertina_sequence_parallel_mode={self.concertina_sequence_parallel_mode!r}: choose "
                              f"one of {', '.join(SP_MODES)}")
-        if self.concertina_sequence_parallel_mode == "context" and not PLACEMENTS_RUN:
-            raise ValueError("concertina_sequence_parallel_mode='context' needs whole-doc / per-doc execution in the "
-                             "runtime, which this version does not have yet; set it to 'auto' (Ulysses for now) or "
-                             "'ulysses'")
         if not self.concertina_solver_time_limit > 0:
             raise ValueError(f"concertina_solver_time_limit must be positive, got {self.concertina_solver_time_limit}")
         if self.concertina_cost_model not in COST_MODEL_SOURCES:
@@ -492,9 +489,10 @@ class ConcertinaTrainingArguments(TrainingArguments):
     @property
     def sequence_parallel_mode(self) -> str:
         """The mode the planner gets: ``concertina_sequence_parallel_mode``, with ``'auto'`` as
-        ``'ulysses'`` while the runtime cannot run placements (:data:`PLACEMENTS_RUN`)."""
+        ``'ulysses'`` under a cost model whose collective times are not measured
+        (:data:`MEASURED_COST_MODELS`)."""
         mode = self.concertina_sequence_parallel_mode
-        return mode if PLACEMENTS_RUN or mode != "auto" else "ulysses"
+        return "ulysses" if mode == "auto" and self.concertina_cost_model not in MEASURED_COST_MODELS else mode
 
     @property
     def memory_budget(self) -> str | tuple[int, ...] | None:
