@@ -95,8 +95,9 @@ whole-doc slices move nothing. Memory, the busiest GPU's per chunk (or one GPU's
 every layer for a split chunk, whose later slices attend to them), and in a layer's backward their
 whole dK/dV before the reduce-scatter, the keys each piece attends to (its position in the
 sequence) and, when every layer recomputes, the replay's gathered K/V; a placed split sequence's
-K/V gradient buffers are whole on a GPU (:meth:`CostModel.kv_grad_scale`). So per-doc moves ``O(T)`` bytes a GPU where Ulysses moves
-``O(T / sp)``; whole-doc moves none but balances only when a chunk holds many sequences.
+K/V gradient buffers are whole on a GPU (:meth:`CostModel.kv_grad_scale`). So per-doc moves
+``O(T)`` bytes a GPU where Ulysses moves ``O(T / sp)``; whole-doc moves none but balances only
+when a chunk holds many sequences.
 
 **Sharded state** (``state_shards = dp x sp`` ranks hold one stage's state): the model is the
 pipeline's (FSDP2 with ``reshard_after_forward=False``, as torchtitan composes FSDP with
@@ -655,13 +656,18 @@ class CostModel:
             return calls * self._a2a_bytes(sp) * chunk.num_tokens * (sp - 1) / sp
         return calls * self.rank_model().kv_bytes_per_token * _placed(chunk, sp).gathered * (sp - 1)
 
-    def kv_grad_scale(self, chunk: Chunk) -> float:
+    def kv_grad_scale(self, chunk: Chunk, slice_index: int | None = None) -> float:
         """How many times this model's per-GPU K/V bytes the K/V gradient buffers of ``chunk``'s
         split slice take on a GPU: 1 for Ulysses (each GPU its heads' share), ``sp`` (about) for a
         placed chunk, whose ranks accumulate whole K/V gradients (per-doc: every rank for all of
-        the slice's tokens before the reduce-scatter; whole-doc: the rank holding it)."""
+        the slice's tokens before the reduce-scatter; whole-doc: the rank holding it). With
+        :attr:`sp_rank` and the slice's index: 0 for a whole-doc slice on another GPU (its K/V
+        and their gradients exist only on the GPU holding it)."""
         if not chunk.placement or self.sp <= 1 or not self.kv_bytes_per_token:
             return 1.0
+        where = chunk.placement[slice_index] if slice_index is not None else PER_DOC
+        if self.sp_rank is not None and where not in (PER_DOC, self.sp_rank):
+            return 0.0
         return self.rank_model().kv_bytes_per_token / self.kv_bytes_per_token
 
     def _placed_fwd(self, layout: StageLayout, stage: int, chunk: Chunk) -> float:

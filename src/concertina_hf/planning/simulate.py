@@ -154,18 +154,18 @@ def _kv_grad_plan(plan: Plan, split: frozenset[int],
     Returns ``(alloc, free)``: ``alloc[chunk]`` = token counts of the buffers allocated when
     that chunk's backward starts; ``free[chunk]`` = tokens freed when its backward ends. With
     ``cost``, a placed slice's tokens count ``cost.kv_grad_scale`` times (whole K/V gradients on
-    a GPU, not its heads' share).
+    a GPU, not its heads' share; none on a GPU not holding a whole-doc slice, ``cost.at_rank``).
     """
     alloc: dict[int, list[float]] = {}
     free: dict[int, float] = {}
     chains: dict[int, list[tuple[int, int, int]]] = {}
-    scale: dict[int, float] = {}  # placed chunks only: the others count their tokens as they are
+    scale: dict[tuple[int, int], float] = {}  # (chunk, start) of placed slices: the others count as they are
     for c in plan.chunks:
-        if cost is not None and c.placement:
-            scale[c.index] = cost.kv_grad_scale(c)
-        for s in c.slices:
+        for i, s in enumerate(c.slices):
             if s.seq in split:
                 chains.setdefault(s.seq, []).append((s.start, c.index, s.length))
+                if cost is not None and c.placement:
+                    scale[(c.index, s.start)] = cost.kv_grad_scale(c, i)
     seg = segment_options(plan)
     if seg is not None and seg.gradient == "none":  # no gradient crosses a segment boundary: no buffers
         return alloc, free
@@ -179,15 +179,15 @@ def _kv_grad_plan(plan: Plan, split: frozenset[int],
                 later = chain[j + 1:j + 2] if seg.gradient == "previous" else chain[j + 1:]
                 reach = [c for s0, c, _ in later if seg.kv_tail is None or s0 - seg.kv_tail < start + length]
                 if reach:
-                    alloc.setdefault(reach[-1], []).append(length * scale.get(ci, 1))
-                    free[ci] = free.get(ci, 0) + length * scale.get(ci, 1)
+                    alloc.setdefault(reach[-1], []).append(length * scale.get((ci, start), 1))
+                    free[ci] = free.get(ci, 0) + length * scale.get((ci, start), 1)
         return alloc, free
     for seq in sorted(chains):
         chain = sorted(chains[seq])
         *earlier, (_, last_chunk, _) = chain
-        alloc.setdefault(last_chunk, []).extend(length * scale.get(ci, 1) for _, ci, length in earlier)
-        for _, ci, length in earlier:
-            free[ci] = free.get(ci, 0) + length * scale.get(ci, 1)
+        alloc.setdefault(last_chunk, []).extend(length * scale.get((ci, start), 1) for start, ci, length in earlier)
+        for start, ci, length in earlier:
+            free[ci] = free.get(ci, 0) + length * scale.get((ci, start), 1)
     return alloc, free
 
 
