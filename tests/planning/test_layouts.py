@@ -14,7 +14,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from concertina_hf.planning import CostModel, DeviceSpec, partition_layers, plan_step  # noqa: E402
 from concertina_hf.planning.cost import DEVICE_PRESETS  # noqa: E402
 from concertina_hf.planning.layouts import (  # noqa: E402
-    Layout, layout_cost, layout_lower_bound, rank_layouts, runnable_layouts, ulysses_heads_refusal,
+    Layout, layout_cost, layout_lower_bound, rank_layouts, runnable_layouts, shard_parameters_refusal,
+    ulysses_heads_refusal,
 )
 from concertina_hf.planning.presets import MODEL_PRESETS  # noqa: E402
 from concertina_hf.planning.simulate import simulate  # noqa: E402
@@ -132,11 +133,20 @@ def test_sp_only_reference_holds_zero3_memory():
 
 def test_shard_parameters_ranks_pp1_layouts_as_the_runtime_holds_them(tiny_cost):
     """--shard-parameters: pp=1 layouts with weights, gradients and optimizer state over dp x sp
-    plus the gathered layers, their per-layer gathers timed; pp > 1 layouts keep ZeRO-1."""
+    plus the gathered layers, their per-layer gathers timed; pp > 1 layouts refused, naming the
+    setting (the trainer shards parameters at pp=1 only), so the best is a pp=1 layout."""
     rows = rank_layouts(LENS, tiny_cost, 8, 0, prune=False, sp_only=False, shard_parameters=True)
     plain = {r.layout: r for r in rank_layouts(LENS, tiny_cost, 8, 0, prune=False, sp_only=False)}
     ok = [r for r in rows if r.status == "ok"]
-    assert {r.layout for r in ok} == {k for k, r in plain.items() if r.status == "ok"}
+    assert {r.layout for r in ok} == {k for k, r in plain.items() if r.status == "ok" and k.pp == 1}
+    assert rows[0].status == "ok" and rows[0].layout.pp == 1
+    piped = [r for r in rows if r.layout.pp > 1]
+    assert {r.layout for r in piped} == {k for k, r in plain.items() if r.status == "ok" and k.pp > 1}
+    for r in piped:
+        assert r.status == "refused" and not r.runnable and r.step_time_s is None, r
+        assert r.reason == shard_parameters_refusal(r.layout)
+        assert f"pp={r.layout.pp}: concertina_shard_parameters=True runs at concertina_pipeline_size=1 only" in r.reason
+    assert shard_parameters_refusal(Layout(1, 4, 2)) is None
     for r in ok:
         assert r.shard_parameters == (r.layout.pp == 1 and r.layout.sp > 1), r.layout
         c = layout_cost(tiny_cost, r.layout, shard_parameters=True)
@@ -225,3 +235,30 @@ def test_cli_shard_parameters_names_the_option(tmp_path, capsys):
     assert all(r["shard_parameters"] == (r["pp"] == 1 and r["sp"] > 1) for r in rows if r["status"] == "ok")
     chosen = next(r for r in rows if r["status"] == "ok")
     assert f"concertina_shard_{'parameters' if chosen['shard_parameters'] else 'optimizer'}=True" in text
+    # the pick runs with parameter sharding: pp=1; pp > 1 refused, the reason in the table and the JSON
+    assert chosen["pp"] == 1 and json.loads(out.read_text())["shard_parameters"] is True
+    assert "pp > 1 refused (the trainer shards parameters at concertina_pipeline_size=1 only)" in text
+    piped = [r for r in rows if r["pp"] > 1]
+    assert {(r["pp"], r["sp"], r["dp"]) for r in piped} == {(2, 1, 2), (2, 2, 1), (4, 1, 1)}
+    for r in piped:
+        assert r["status"] == "refused" and "concertina_shard_parameters=True runs at concertina_pipeline_size=1 " \
+            "only; set concertina_shard_parameters=False" in r["reason"], r
+        assert any(f" {r['layout']} " in ln and f"refused: pp={r['pp']}: concertina_shard_parameters=True" in ln
+                   for ln in text.splitlines()), r
+
+
+@pytest.mark.parametrize("mode", [None, "ulysses", "context", "auto"])
+def test_cli_chosen_line_names_the_sequence_parallel_mode(tmp_path, capsys, mode):
+    """The chosen line names the mode the stages run (--sp-mode; Ulysses when unset) where sp > 1."""
+    lens = tmp_path / "lens.txt"
+    lens.write_text("\n".join(map(str, LENS)) + "\n")
+    out = tmp_path / "auto.json"
+    rc = cli.main(["plan", "--lengths", str(lens), "--model-config", "tiny-llama", "--device", "cpu", "--gpus", "2",
+                   "--layout", "auto", "--json", str(out)] + (["--sp-mode", mode] if mode else []))
+    text = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    chosen = next(r for r in data["rows"] if r["status"] == "ok")
+    line = next(ln for ln in text.splitlines() if ln.startswith("chosen: "))
+    assert rc == 0 and chosen["layout"] == data["chosen"] and chosen["sp"] == 2  # the 3000-token sequence
+    assert f"concertina_sequence_parallel_mode={mode or 'ulysses'} " in line
+    assert data["sequence_parallel_mode"] == (mode or "ulysses")

@@ -74,3 +74,70 @@ def test_auto_needs_training_data_and_a_known_mode(tmp_path):
         choose_layout(_args(tmp_path), _model("llama"), 2, None, None)
     with pytest.raises(ValueError, match="concertina_layout='sometimes': choose 'manual'"):
         _args(tmp_path, concertina_layout="sometimes")
+
+
+def test_shard_parameters_chooses_among_pp1_layouts_and_says_why_not_pp2(tmp_path):
+    """concertina_shard_parameters=True: the layouts ranked as the runtime holds them (ZeRO-3 at
+    pp=1), pp > 1 refused with the setting named in the table and in concertina.json's record;
+    with tied embeddings pp=1 x sp > 1 too (FSDP2 cannot shard them on one stage)."""
+    from concertina_hf.training.auto_layout import choose_layout
+    from concertina_hf.training.collator import LengthAwareCollator
+
+    data, collate = _rows(200, long_every=8), LengthAwareCollator()
+    plain = choose_layout(_args(tmp_path), _model("llama"), 4, data, collate)
+    assert any(r["layout"].startswith("pp2 ") and r["step_time_s"] is not None for r in plain.table)
+    a = choose_layout(_args(tmp_path, concertina_shard_parameters=True), _model("llama"), 4, data, collate)
+    assert a.pp == 1 and a.pp * a.sp * a.dp == 4
+    rows = {r["layout"]: r for r in a.to_dict()["table"]}
+    assert {"pp1 x sp1 x dp4", "pp1 x sp2 x dp2", "pp1 x sp4 x dp1"} <= {n for n, r in rows.items() if r["step_time_s"]}
+    piped = [r for n, r in rows.items() if not n.startswith("pp1 ")]
+    assert {r["layout"] for r in piped} == {"pp2 x sp1 x dp2", "pp2 x sp2 x dp1", "pp4 x sp1 x dp1"}
+    for r in piped:
+        assert r["step_time_s"] is None
+        assert "refused: pp=" in r["reason"] and "concertina_shard_parameters=True runs at concertina_pipeline_size=1" \
+            " only; set concertina_shard_parameters=False" in r["reason"], r
+    assert "concertina_pipeline_size=1 only" in a.table_text()
+    tied = choose_layout(_args(tmp_path, concertina_shard_parameters=True), _model("llama-tied"), 4, data, collate)
+    assert tied.sizes == (1, 1, 4), tied.table
+    why = {r["layout"]: r.get("reason") for r in tied.table}
+    assert "cannot shard tied input/output embeddings on one stage" in why["pp1 x sp2 x dp2"]
+    assert "set model.config.tie_word_embeddings=False" in why["pp1 x sp4 x dp1"]
+
+
+@pytest.mark.parametrize("mode,cost_model,runs", [("auto", "analytic", "ulysses"), ("context", "analytic", "context"),
+                                                  ("ulysses", "analytic", "ulysses")])
+def test_chosen_line_names_the_sequence_parallel_mode(tmp_path, mode, cost_model, runs):
+    """sp > 1: the chosen line and the record name the mode the stages run (concertina_sequence_
+    parallel_mode as args.sequence_parallel_mode resolves it: auto is Ulysses under analytic)."""
+    from concertina_hf.training.auto_layout import choose_layout
+
+    data = _rows(64, long_every=8)
+    args = _args(tmp_path, concertina_sequence_parallel_size=2, concertina_sequence_parallel_mode=mode,
+                 concertina_cost_model=cost_model)
+    a = choose_layout(args, _model("llama"), 4, data, None)
+    assert a.sp == 2 and a.sp_mode == runs and a.to_dict()["sequence_parallel_mode"] == runs
+    assert a.table_text().splitlines()[0].startswith(
+        f"concertina_layout='auto' chose pp={a.pp} x sp=2 x dp={a.dp}, sequence-parallel mode {runs} (auto; ")
+    one = choose_layout(_args(tmp_path, concertina_sequence_parallel_mode=mode, concertina_pipeline_size=4),
+                        _model("llama"), 4, data, None)
+    assert one.sp == 1 and one.sp_mode is None and "sequence-parallel mode" not in one.table_text()
+
+
+@pytest.mark.parametrize("kw,want", [
+    (dict(), dict(shard_optimizer=False, shard_parameters=False, sp_mode="ulysses")),
+    (dict(concertina_shard_optimizer=True), dict(shard_optimizer=True, shard_parameters=False)),
+    (dict(concertina_shard_parameters=True),  # pp=1 x sp=1 then holds the optimizer whole, as run_setup does
+     dict(shard_optimizer=False, shard_parameters=True)),
+    (dict(concertina_sequence_parallel_mode="context"), dict(sp_mode="context")),
+    (dict(concertina_cost_model="online"), dict(sp_mode="auto")),
+])
+def test_the_runtime_settings_reach_rank_layouts(tmp_path, monkeypatch, kw, want):
+    """The settings that change a layout's cost or whether it runs go to rank_layouts as the
+    runtime (run_setup.resolve_run) applies them."""
+    from concertina_hf.training import auto_layout
+
+    seen = []
+    real = auto_layout.rank_layouts
+    monkeypatch.setattr(auto_layout, "rank_layouts", lambda *a, **k: seen.append(k) or real(*a, **k))
+    auto_layout.choose_layout(_args(tmp_path, **kw), _model("llama"), 2, _rows(16), None)
+    assert seen and all({k: s[k] for k in want} == want for s in seen), seen[0]

@@ -32,7 +32,9 @@ stay inside a replica) plus the gathered layers (:meth:`~.cost.CostModel.static_
 gradients reduce-scattered, per chunk (``layer_fwd_time`` / ``layer_bwd_time``: the larger of
 compute and those collectives, on the intra- or inter-node link as the ``sp`` GPUs lie). Not
 modelled: the replicas' all-reduce of the gradient shards once a step. The trainer shards
-parameters at ``pp=1`` only, so layouts with ``pp > 1`` keep ZeRO-1.
+parameters at ``pp=1`` only (it refuses ``pp > 1`` with the setting), so layouts with ``pp > 1``
+are ``refused`` with that reason (:func:`shard_parameters_refusal`); ``pp=1 x sp=1`` layouts
+hold their weights whole (nothing to shard over), as the trainer does.
 
 The ``sp-only`` baseline (:mod:`.strategies.sp_only`: no pipeline, the GPUs in Ulysses groups,
 micro-batches in rounds) is planned beside them as a **reference, never chosen**: the trainer
@@ -60,7 +62,7 @@ from .strategies import PIPELINE_STRATEGIES, ideal_step_time, plan_step
 from .types import Plan, PlanError, StageLayout
 
 __all__ = ["Layout", "LayoutResult", "layout_lower_bound", "rank_layouts", "runnable_layouts",
-           "ulysses_heads_refusal"]
+           "shard_parameters_refusal", "ulysses_heads_refusal"]
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -158,6 +160,18 @@ def runnable_layouts(model: CostModel | Mapping[str, Any], gpus: int,
                 continue
             ok.append(lay)
     return ok, refused
+
+
+def shard_parameters_refusal(layout: Layout) -> str | None:
+    """Why the trainer cannot run ``layout`` with ``concertina_shard_parameters=True`` (``None``:
+    it can): parameters are sharded at ``pp=1`` only (``run_setup.resolve_run`` refuses ``pp > 1``
+    at ``sp > 1``; at ``sp = 1`` the setting would shard nothing, so such a layout is no choice
+    for a run that asks for it either)."""
+    if layout.pp == 1:
+        return None
+    return (f"pp={layout.pp}: concertina_shard_parameters=True runs at concertina_pipeline_size=1 only; set "
+            "concertina_shard_parameters=False for pipeline layouts (concertina_shard_optimizer=True shards the "
+            "optimizer state at any pipeline size)")
 
 
 def layout_cost(cost: CostModel, layout: Layout, shard_optimizer: bool = True, ulysses: bool = True,
@@ -293,6 +307,9 @@ def rank_layouts(
     uly = plan_kwargs.get("sp_mode", "ulysses") == "ulysses"
     prune = prune and uly
     ok, refused = runnable_layouts(cost, gpus, cost.gpus_per_node, ulysses=uly)
+    if shard_parameters:  # the trainer shards parameters at pp=1 only (run_setup refuses pp > 1)
+        refused = sorted(refused + [(lay, shard_parameters_refusal(lay)) for lay in ok if lay.pp > 1])
+        ok = [lay for lay in ok if lay.pp == 1]
     rows: list[LayoutResult] = [LayoutResult(lay, strategy, "refused", runnable=False, reason=why,
                                              memory_budget_bytes=budget) for lay, why in refused]
     todo = []

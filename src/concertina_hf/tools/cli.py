@@ -415,7 +415,8 @@ def _cmd_layout_auto(args) -> int:
           f"budget {args._budget / _GIB:.1f} GiB per GPU, cost model {args._cost.source}, strategy adaptive, "
           f"solver {args.solver}; optimizer state sharded over each stage's dp x sp ranks "
           "(concertina_shard_optimizer=True), weights and gradients whole"
-          + ("; pp=1: weights and gradients sharded too (concertina_shard_parameters=True)"
+          + ("; pp=1: weights and gradients sharded too (concertina_shard_parameters=True), pp > 1 refused (the "
+             "trainer shards parameters at concertina_pipeline_size=1 only)"
              if getattr(args, "shard_parameters", False) else ""))
     print(_layout_table(rows))
     best = next((r for r in rows if r.status == "ok"), None)
@@ -427,16 +428,21 @@ def _cmd_layout_auto(args) -> int:
     counts = {k: sum(r.status == k for r in rows) for k in ("ok", "pruned", "infeasible", "refused")}
     print(f"{counts['ok']} planned, {counts['pruned']} pruned (a lower bound of their step time above the best "
           f"found), {counts['infeasible']} do not fit, {counts['refused']} the runtime cannot run; {wall:.1f} s")
+    # the mode the stages run: --sp-mode, else Ulysses (rank_layouts' default, as the trainer runs it)
+    mode = (getattr(args, "sp_mode", None) or "ulysses") if best is not None and best.layout.sp > 1 else None
     if best is not None:
         print(f"chosen: {best.layout.name}: concertina_pipeline_size={best.layout.pp} "
               f"concertina_sequence_parallel_size={best.layout.sp} concertina_data_parallel_size={best.layout.dp} "
-              f"concertina_shard_{'parameters' if best.shard_parameters else 'optimizer'}=True, "
+              + (f"concertina_sequence_parallel_mode={mode} " if mode else "")
+              + f"concertina_shard_{'parameters' if best.shard_parameters else 'optimizer'}=True, "
               f"{best.step_time_s:.4g} s per step")
     if args.json:
         out = {"gpus": args.gpus, "gpus_per_node": args._cost.gpus_per_node, "model": args.model_config,
                "device": args.device, "memory_budget_bytes": args._budget, "solver": args.solver,
                "num_seqs": len(lens), "tokens": sum(lens), "longest": max(lens), "source": args._source,
-               "wall_s": wall, "chosen": best.layout.name if best else None, "rows": [r.to_dict() for r in rows]}
+               "wall_s": wall, "chosen": best.layout.name if best else None, "sequence_parallel_mode": mode,
+               "shard_parameters": bool(getattr(args, "shard_parameters", False)),
+               "rows": [r.to_dict() for r in rows]}
         pathlib.Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
         print(f"wrote {args.json}")
     return 0 if best is not None else 1

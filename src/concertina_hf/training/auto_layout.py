@@ -23,8 +23,11 @@ a mismatch. What it takes:
   recompute; a layout's score is its summed simulated step time over the steps (infeasible on one:
   out). Sizes set explicitly win: ``concertina_pipeline_size`` / ``concertina_data_parallel_size``
   when not ``None`` and ``concertina_sequence_parallel_size`` when not 1 are fixed, the rest chosen;
-  segment-level training fixes ``sp=1`` and ``concertina_shard_parameters`` fixes ``pp=1`` (what
-  the runtime runs there).
+  segment-level training fixes ``sp=1``. The layouts are costed with the state as the runtime
+  holds it (``concertina_shard_optimizer``; ``concertina_shard_parameters``: ZeRO-3 at ``pp=1``,
+  ``pp > 1`` refused, the reason in the table) and ``concertina_sequence_parallel_mode`` as it
+  runs (:attr:`~.args.ConcertinaTrainingArguments.sequence_parallel_mode`: ``auto`` is Ulysses
+  under an analytic cost model), which the chosen line names.
 
 The choice never changes the model trained: a step takes ``per_device_train_batch_size x
 gradient_accumulation_steps x world size`` sequences, ``Trainer``'s global batch with this many
@@ -56,7 +59,7 @@ from ..planning.layouts import Layout, rank_layouts
 from .args import ConcertinaTrainingArguments
 from .checkpoint import PLAN_META_NAME
 from .collator import split_sequences
-from .run_setup import budget_setting, count_frozen_parameters, device_memory_bytes, initial_cost_model
+from .run_setup import budget_setting, count_frozen_parameters, device_memory_bytes, initial_cost_model, ties_embeddings
 
 __all__ = ["LAYOUT_MODES", "SAMPLE_STEPS", "LayoutChoice", "choose_layout", "recorded_layout", "sample_steps"]
 
@@ -80,6 +83,9 @@ class LayoutChoice:
     source: str
     table: tuple = field(default=(), compare=False)
     steps_sampled: int = 0
+    #: how a stage of ``sp > 1`` shards each chunk (``ulysses`` / ``auto`` / ``context``: the
+    #: effective ``concertina_sequence_parallel_mode``, ``args.sequence_parallel_mode``); None at ``sp = 1``
+    sp_mode: str | None = None
 
     @property
     def sizes(self) -> tuple[int, int, int]:
@@ -93,7 +99,8 @@ class LayoutChoice:
 
     def to_dict(self) -> dict[str, Any]:
         return {"mode": "auto", "source": self.source, "pipeline_size": self.pp, "sequence_parallel_size": self.sp,
-                "data_parallel_size": self.dp, "steps_sampled": self.steps_sampled, "table": list(self.table)}
+                "data_parallel_size": self.dp, "sequence_parallel_mode": self.sp_mode,
+                "steps_sampled": self.steps_sampled, "table": list(self.table)}
 
     def check_same_everywhere(self, topology: Any) -> None:
         """Refuse a choice that differs from rank 0's (collective)."""
@@ -106,7 +113,8 @@ class LayoutChoice:
 
     def table_text(self) -> str:
         """The ranked table, one line per layout (logged by rank 0)."""
-        lines = [f"concertina_layout='auto' chose pp={self.pp} x sp={self.sp} x dp={self.dp} ({self.source}; "
+        mode = f", sequence-parallel mode {self.sp_mode}" if self.sp > 1 and self.sp_mode else ""
+        lines = [f"concertina_layout='auto' chose pp={self.pp} x sp={self.sp} x dp={self.dp}{mode} ({self.source}; "
                  f"{self.steps_sampled} sampled steps); layouts by summed simulated step time:"]
         for row in self.table:
             t = row.get("step_time_s")
@@ -177,9 +185,20 @@ def _fixed_sizes(args: ConcertinaTrainingArguments) -> dict[str, int]:
         fixed["dp"] = args.concertina_data_parallel_size
     if args.concertina_sequence_parallel_size != 1 or args.concertina_segment_tokens is not None:
         fixed["sp"] = args.concertina_sequence_parallel_size
-    if getattr(args, "concertina_shard_parameters", False):  # (issue 22 item 2: runs at pp=1)
-        fixed["pp"] = fixed.get("pp", 1)
     return fixed
+
+
+def _runtime_refusals(args: ConcertinaTrainingArguments, model: torch.nn.Module, world: int) -> dict[Layout, str]:
+    """Layouts the runtime refuses for reasons the planner cannot see (the model's modules):
+    ``concertina_shard_parameters=True`` with tied embeddings on one stage (``pp=1``, ``sp > 1``:
+    :func:`~concertina_hf.runtime.param_sharding.shard_stage`). ``pp > 1`` under parameter
+    sharding is the planner's refusal (``rank_layouts(shard_parameters=True)``)."""
+    if not args.concertina_shard_parameters or not ties_embeddings(model):
+        return {}
+    return {Layout(1, sp, world // sp): (
+        "refused: concertina_shard_parameters=True cannot shard tied input/output embeddings on one stage: "
+        "set model.config.tie_word_embeddings=False or concertina_shard_parameters=False")
+        for sp in range(2, world + 1) if world % sp == 0}
 
 
 def _budget(args: ConcertinaTrainingArguments, device_memory: int) -> int:
@@ -205,7 +224,7 @@ def choose_layout(args: ConcertinaTrainingArguments, model: torch.nn.Module, wor
                 f"{args.resume_from_checkpoint} was written by {pp * sp * dp} processes (pp={pp} x sp={sp} x dp={dp}), "
                 f"this run has {world}: concertina_layout='auto' resumes the checkpoint's recorded layout, and its "
                 f"RNG states and optimizer shards are per process; resume with {pp * sp * dp} processes")
-        return LayoutChoice(pp, sp, dp, "checkpoint")
+        return LayoutChoice(pp, sp, dp, "checkpoint", sp_mode=args.sequence_parallel_mode if sp > 1 else None)
     if train_dataset is None:
         raise ValueError("concertina_layout='auto' chooses the layout from the training data's lengths: pass "
                          "train_dataset, or set concertina_layout='manual' with the sizes")
@@ -218,8 +237,9 @@ def choose_layout(args: ConcertinaTrainingArguments, model: torch.nn.Module, wor
     cost = count_frozen_parameters(cost, model)
     budget = _budget(args, device_memory)
     fixed = _fixed_sizes(args)
-    shard = args.concertina_shard_optimizer or getattr(args, "concertina_shard_parameters", False)
-    kwargs = dict(shard_optimizer=shard,
+    refusals = _runtime_refusals(args, model, world)
+    # the state as run_setup.resolve_run holds it: ZeRO-3 (pp=1 only, pp > 1 refused) or ZeRO-1 or whole
+    kwargs = dict(shard_optimizer=args.concertina_shard_optimizer, shard_parameters=args.concertina_shard_parameters,
                   strategy=args.concertina_strategy, sp_only=False, solver="greedy",
                   max_tokens_per_chunk=args.concertina_max_tokens_per_chunk, sp_mode=args.sequence_parallel_mode)
     if args.segment_options is not None:
@@ -231,7 +251,7 @@ def choose_layout(args: ConcertinaTrainingArguments, model: torch.nn.Module, wor
         # a layout pruned on a step (its lower bound above that step's best) could still win on the sum:
         # those steps are planned again unpruned for every layout until the best has only real times
         while True:
-            _sum(per_step, fixed, totals, reasons)
+            _sum(per_step, fixed, totals, reasons, refusals)
             best = _best(totals)
             pruned = [i for i, rows in enumerate(per_step)
                       if best is not None and any(r.layout == best and r.status == "pruned" for r in rows)]
@@ -249,20 +269,25 @@ def choose_layout(args: ConcertinaTrainingArguments, model: torch.nn.Module, wor
     table = [{"layout": lay.name, "step_time_s": t, "ratio": t / top}
              for lay, t in sorted(((l, t) for l, t in totals.items() if t is not None), key=lambda x: (x[1], x[0]))]
     table += [{"layout": lay.name, "step_time_s": None, "reason": r} for lay, r in sorted(reasons.items())]
-    return LayoutChoice(best.pp, best.sp, best.dp, "auto", tuple(table), len(steps))
+    return LayoutChoice(best.pp, best.sp, best.dp, "auto", tuple(table), len(steps),
+                        args.sequence_parallel_mode if best.sp > 1 else None)
 
 
-def _sum(per_step: list, fixed: dict[str, int], totals: dict, reasons: dict) -> None:
+def _sum(per_step: list, fixed: dict[str, int], totals: dict, reasons: dict, refusals: dict) -> None:
     totals.clear()
     reasons.clear()
+    reasons.update((lay, why) for lay, why in refusals.items()
+                   if all(getattr(lay, k) == v for k, v in fixed.items()))
     for rows in per_step:
         for r in rows:
             lay = r.layout
             if r.status == "reference" or any(getattr(lay, k) != v for k, v in fixed.items()):
                 continue
-            if r.status == "ok" and lay not in reasons:
+            if lay in reasons:  # out on an earlier step (or refused): keep its first reason
+                continue
+            if r.status == "ok":
                 totals[lay] = totals.get(lay, 0.0) + r.step_time_s
-            elif r.status == "pruned" and lay not in reasons:
+            elif r.status == "pruned":
                 totals[lay] = totals.get(lay, 0.0) + r.lower_bound_s  # never above its real time
             else:
                 reasons[lay] = f"{r.status}: {r.reason}"
