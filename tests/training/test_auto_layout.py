@@ -141,3 +141,24 @@ def test_the_runtime_settings_reach_rank_layouts(tmp_path, monkeypatch, kw, want
     monkeypatch.setattr(auto_layout, "rank_layouts", lambda *a, **k: seen.append(k) or real(*a, **k))
     auto_layout.choose_layout(_args(tmp_path, **kw), _model("llama"), 2, _rows(16), None)
     assert seen and all({k: s[k] for k in want} == want for s in seen), seen[0]
+
+
+def test_a_layout_out_on_one_step_keeps_its_reason():
+    """The sum over the sampled steps: a layout infeasible on one step is out with that step's
+    reason, whatever later steps say; a refusal the planner cannot see comes first."""
+    from concertina_hf.planning.layouts import Layout, LayoutResult
+    from concertina_hf.training.auto_layout import _sum
+
+    a, b, c = Layout(1, 2, 1), Layout(2, 1, 1), Layout(1, 1, 2)
+    steps = [[LayoutResult(a, "adaptive", "ok", step_time_s=1.0),
+              LayoutResult(b, "adaptive", "infeasible", reason="no plan fits 1 MB"),
+              LayoutResult(c, "adaptive", "ok", step_time_s=1.5)],
+             [LayoutResult(a, "adaptive", "pruned", lower_bound_s=2.0),
+              LayoutResult(b, "adaptive", "ok", step_time_s=0.5),
+              LayoutResult(c, "adaptive", "ok", step_time_s=1.5)]]
+    totals, reasons = {}, {}
+    _sum(steps, {}, totals, reasons, {c: "refused: tied"})
+    assert totals == {a: 3.0}
+    assert reasons == {b: "infeasible: no plan fits 1 MB", c: "refused: tied"}
+    _sum(steps, {"pp": 2}, totals, reasons, {c: "refused: tied"})  # fixed sizes: the others are not listed
+    assert totals == {} and reasons == {b: "infeasible: no plan fits 1 MB"}
