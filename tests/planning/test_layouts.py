@@ -167,6 +167,26 @@ def test_shard_parameters_ranks_pp1_layouts_as_the_runtime_holds_them(tiny_cost)
             assert r.step_time_s == pytest.approx(plain[r.layout].step_time_s)
 
 
+def test_tied_embeddings_cost_the_last_stage_a_copy_at_pp_above_1():
+    """tied_embeddings: the last of several stages holds its own copy of the embedding (weight,
+    gradient, optimizer state), as run_setup counts it; one stage holds the one weight."""
+    tied = CostModel.from_hf_config(dict(TINY, tie_word_embeddings=True), DeviceSpec.cpu())
+    assert tied.head_params < tied.embed_params
+    rows = {r.layout: r for r in rank_layouts(LENS, tied, 4, 0, prune=False, sp_only=False, tied_embeddings=True)}
+    plain = {r.layout: r for r in rank_layouts(LENS, tied, 4, 0, prune=False, sp_only=False)}
+    for lay, r in rows.items():
+        c = layout_cost(tied, lay, tied_embeddings=True)
+        if lay.pp == 1:
+            assert c.head_params == tied.head_params and r.peak_memory_bytes == plain[lay].peak_memory_bytes, lay
+        else:
+            assert c.head_params == tied.head_params + tied.embed_params, lay
+            stages = partition_layers(c, lay.pp)
+            last = stages.num_stages - 1
+            before = layout_cost(tied, lay).static_memory(partition_layers(layout_cost(tied, lay), lay.pp), last)
+            assert c.static_memory(stages, last) > before
+            assert r.peak_memory_bytes > plain[lay].peak_memory_bytes, lay
+
+
 # ------------------------------------------------------------------ CLI
 def test_cli_layout_auto_prints_the_table_and_writes_json(tmp_path, capsys):
     lens = tmp_path / "lens.txt"

@@ -124,12 +124,13 @@ def test_chosen_line_names_the_sequence_parallel_mode(tmp_path, mode, cost_model
 
 
 @pytest.mark.parametrize("kw,want", [
-    (dict(), dict(shard_optimizer=False, shard_parameters=False, sp_mode="ulysses")),
+    (dict(), dict(shard_optimizer=False, shard_parameters=False, sp_mode="ulysses", tied_embeddings=False)),
     (dict(concertina_shard_optimizer=True), dict(shard_optimizer=True, shard_parameters=False)),
     (dict(concertina_shard_parameters=True),  # pp=1 x sp=1 then holds the optimizer whole, as run_setup does
      dict(shard_optimizer=False, shard_parameters=True)),
     (dict(concertina_sequence_parallel_mode="context"), dict(sp_mode="context")),
     (dict(concertina_cost_model="online"), dict(sp_mode="auto")),
+    (dict(model="llama-tied"), dict(tied_embeddings=True)),  # the last of several stages holds a copy
 ])
 def test_the_runtime_settings_reach_rank_layouts(tmp_path, monkeypatch, kw, want):
     """The settings that change a layout's cost or whether it runs go to rank_layouts as the
@@ -139,7 +140,9 @@ def test_the_runtime_settings_reach_rank_layouts(tmp_path, monkeypatch, kw, want
     seen = []
     real = auto_layout.rank_layouts
     monkeypatch.setattr(auto_layout, "rank_layouts", lambda *a, **k: seen.append(k) or real(*a, **k))
-    auto_layout.choose_layout(_args(tmp_path, **kw), _model("llama"), 2, _rows(16), None)
+    kw = dict(kw)
+    model = _model(kw.pop("model", "llama"))
+    auto_layout.choose_layout(_args(tmp_path, **kw), model, 2, _rows(16), None)
     assert seen and all({k: s[k] for k in want} == want for s in seen), seen[0]
 
 

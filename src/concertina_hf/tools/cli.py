@@ -369,6 +369,7 @@ def run_layout_auto(args) -> list[Any]:
         mode = getattr(args, "sp_mode", None)
         return rank_layouts(lens, cost, args.gpus, budget, gpus_per_node=dev.gpus_per_node, solver=args.solver,
                             shard_parameters=bool(getattr(args, "shard_parameters", False)),
+                            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                             time_limit_s=args.time_limit, max_tokens_per_chunk=args.max_tokens_per_chunk,
                             **({"sp_mode": mode} if mode else {}))
     except PlanError as e:

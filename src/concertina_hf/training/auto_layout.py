@@ -240,6 +240,7 @@ def choose_layout(args: ConcertinaTrainingArguments, model: torch.nn.Module, wor
     refusals = _runtime_refusals(args, model, world)
     # the state as run_setup.resolve_run holds it: ZeRO-3 (pp=1 only, pp > 1 refused) or ZeRO-1 or whole
     kwargs = dict(shard_optimizer=args.concertina_shard_optimizer, shard_parameters=args.concertina_shard_parameters,
+                  tied_embeddings=ties_embeddings(model),  # the last of several stages holds a copy (run_setup)
                   strategy=args.concertina_strategy, sp_only=False, solver="greedy",
                   max_tokens_per_chunk=args.concertina_max_tokens_per_chunk, sp_mode=args.sequence_parallel_mode)
     if args.segment_options is not None:

@@ -36,6 +36,7 @@ from ..integrations.peft import base_model_of, check_peft_model, is_peft_model
 from ..runtime.distributed import Topology, launched_world_size
 from ..runtime.stage import PipelineWrapper
 from ..planning import CostModel, DeviceSpec, PlanError, StageLayout, partition_layers, stage_budgets
+from ..planning.layouts import count_head_copy
 from ..planning.segments import SegmentOptions
 from ..runtime.ulysses import check_heads
 
@@ -343,11 +344,3 @@ def count_frozen_parameters(cost: CostModel, model: nn.Module) -> CostModel:
     return replace(cost, static_bytes_per_param=min(cost.static_bytes_per_param, per_param))
 
 
-def count_head_copy(cost: CostModel) -> CostModel:
-    """The cost model with the last stage's copy of tied embeddings in its static memory: the
-    analytic and profiled models count the shared weight once, on the embedding's stage, which
-    is right for one stage; with several, the last stage holds its own copy (weight, gradient,
-    optimizer state)."""
-    if cost.head_params >= cost.embed_params:  # already counted (e.g. a checkpoint's layout model)
-        return cost
-    return replace(cost, head_params=cost.head_params + cost.embed_params)
