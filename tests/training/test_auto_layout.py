@@ -97,6 +97,10 @@ def test_shard_parameters_chooses_among_pp1_layouts_and_says_why_not_pp2(tmp_pat
         assert "refused: pp=" in r["reason"] and "concertina_shard_parameters=True runs at concertina_pipeline_size=1" \
             " only; set concertina_shard_parameters=False" in r["reason"], r
     assert "concertina_pipeline_size=1 only" in a.table_text()
+    with pytest.raises(ValueError, match=r"found no layout of 4 processes that fits \(pp2 x sp1 x dp2: refused: pp=2: "
+                                         r"concertina_shard_parameters=True runs at concertina_pipeline_size=1 only"):
+        choose_layout(_args(tmp_path, concertina_shard_parameters=True, concertina_pipeline_size=2), _model("llama"),
+                      4, data, collate)
     tied = choose_layout(_args(tmp_path, concertina_shard_parameters=True), _model("llama-tied"), 4, data, collate)
     assert tied.sizes == (1, 1, 4), tied.table
     why = {r["layout"]: r.get("reason") for r in tied.table}
