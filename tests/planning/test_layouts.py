@@ -282,3 +282,30 @@ def test_cli_chosen_line_names_the_sequence_parallel_mode(tmp_path, capsys, mode
     assert rc == 0 and chosen["layout"] == data["chosen"] and chosen["sp"] == 2  # the 3000-token sequence
     assert f"concertina_sequence_parallel_mode={mode or 'ulysses'} " in line
     assert data["sequence_parallel_mode"] == (mode or "ulysses")
+
+
+def test_cli_fixed_layout_refuses_shard_parameters_at_pp_above_1(tmp_path):
+    lens = tmp_path / "lens.txt"
+    lens.write_text("100\n200\n")
+    with pytest.raises(SystemExit, match=r"--shard-parameters with --pp 2: pp=2: concertina_shard_parameters=True runs "
+                                         r"at concertina_pipeline_size=1 only; set concertina_shard_parameters=False"):
+        cli.main(["plan", "--lengths", str(lens), "--model-config", "tiny-llama", "--pp", "2", "--sp", "2",
+                  "--shard-parameters"])
+
+
+def test_cli_fixed_layout_counts_the_last_stages_copy_of_tied_embeddings(tmp_path, capsys):
+    """--pp 2 with tied embeddings: the last stage holds its own copy (as the trainer does), so its
+    peak equals the untied model's (same shapes); one stage holds the one weight."""
+    peaks = {}
+    for tied in (False, True):
+        cfg, out = tmp_path / f"cfg{tied}.json", tmp_path / f"out{tied}.json"
+        cfg.write_text(json.dumps(dict(TINY, tie_word_embeddings=tied)))
+        (tmp_path / "lens.txt").write_text("\n".join(map(str, LENS)) + "\n")
+        for pp in (1, 2):
+            assert cli.main(["plan", "--lengths", str(tmp_path / "lens.txt"), "--model-config", str(cfg), "--device",
+                             "cpu", "--pp", str(pp), "--strategy", "adaptive", "--solver", "greedy",
+                             "--json", str(out)]) == 0
+            peaks[tied, pp] = json.loads(out.read_text())[0]["peak_memory_bytes"]
+    capsys.readouterr()
+    assert peaks[True, 2] == peaks[False, 2]
+    assert peaks[True, 1][0] < peaks[False, 1][0]  # one stage: the shared weight once

@@ -184,6 +184,14 @@ def run_plan(args) -> list[dict[str, Any]]:
         cost = CostModel.from_dict(json.loads(pathlib.Path(args.cost_model).read_text()))
     else:
         cost = CostModel.from_hf_config(cfg, dev)
+    if getattr(args, "shard_parameters", False) and args.pp > 1 and sp > 1:  # as the trainer refuses it
+        from ..planning.layouts import Layout, shard_parameters_refusal
+
+        raise SystemExit(f"--shard-parameters with --pp {args.pp}: {shard_parameters_refusal(Layout(args.pp, sp, args.dp))}")
+    if args.pp > 1 and cfg.get("tie_word_embeddings"):  # the last stage's copy of the embedding, as the trainer holds it
+        from ..planning.layouts import count_head_copy
+
+        cost = count_head_copy(cost)
     if sp > 1 or args.dp > 1:
         try:
             zero3 = bool(getattr(args, "shard_parameters", False)) and args.pp == 1 and sp > 1
