@@ -673,13 +673,12 @@ class CostModel:
     def _placed_fwd(self, layout: StageLayout, stage: int, chunk: Chunk) -> float:
         info, base = _placed(chunk, self.sp), self.rank_model()
         comp = max(base.fwd_time(layout, stage, rc) for rc in info.time_chunks(chunk))
-        return comp + layout.num_stage_layers(stage) * self.gather_kv_time(info.gathered)
+        return comp + self.comm_time(layout, stage, chunk, False)
 
     def _placed_bwd(self, layout: StageLayout, stage: int, chunk: Chunk, recompute_layers: int) -> float:
         info, base = _placed(chunk, self.sp), self.rank_model()
         comp = max(base.bwd_time(layout, stage, rc, recompute_layers) for rc in info.time_chunks(chunk))
-        return (comp + layout.num_stage_layers(stage) * self.gather_kv_time(info.gathered, backward=True)
-                + recompute_layers * self.gather_kv_time(info.gathered))
+        return comp + self.comm_time(layout, stage, chunk, True, recompute_layers)
 
     def _placed_act(self, layout: StageLayout, stage: int, chunk: Chunk, recompute_layers: int) -> float:
         """The busiest rank's :meth:`act_memory` of its own tokens (on :attr:`sp_rank`, that
