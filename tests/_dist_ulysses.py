@@ -291,10 +291,10 @@ def a2a_worker(rank: int, world: int, port: int, outdir: str) -> None:
                       "predicted": [placed.gather_kv_time(16384), placed.gather_kv_time(16384, backward=True)]}
         # the trainer's path: run_setup fits on the mesh's sp group and rewrites cost_model.json
         from concertina_hf.runtime.distributed import Topology
-        from concertina_hf.training.run_setup import _profile_all_to_all
+        from concertina_hf.training.run_setup import _profile_collectives
 
         topo = Topology.build(pp=1, dp=1, sp=world, timeout=timedelta(seconds=300))
-        trainer_cost = _profile_all_to_all(SimpleNamespace(output_dir=outdir, concertina_max_tokens_per_chunk=4096,
+        trainer_cost = _profile_collectives(SimpleNamespace(output_dir=outdir, concertina_max_tokens_per_chunk=4096,
                                                            sequence_parallel_mode="auto"), cost, topo)
         if rank == 0:
             with open(os.path.join(outdir, "a2a.json"), "w") as f:

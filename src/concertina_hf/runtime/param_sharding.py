@@ -38,7 +38,14 @@ from torch import nn
 
 from .distributed import Topology
 
-__all__ = ["full_state", "is_sharded_module", "load_full", "local_tensor", "shard_stage"]
+__all__ = ["TIED_EMBEDDINGS_REFUSAL", "full_state", "is_sharded_module", "load_full", "local_tensor", "shard_stage"]
+
+
+#: why tied embeddings on one stage cannot be sharded (:func:`shard_stage`; auto layout's table)
+TIED_EMBEDDINGS_REFUSAL = ("concertina_shard_parameters=True cannot shard tied input/output embeddings on one stage "
+                           "yet (the embedding and the LM head share one weight, and FSDP2 cannot run a unit of "
+                           "two modules called apart): set model.config.tie_word_embeddings=False (untie them) or "
+                           "concertina_shard_parameters=False")
 
 
 def shard_stage(wrapper: Any, topology: Topology) -> bool:
@@ -51,10 +58,7 @@ def shard_stage(wrapper: Any, topology: Topology) -> bool:
     if mesh is None:
         return False
     if wrapper.tied_embeddings and wrapper.is_first and wrapper.is_last:
-        raise ValueError("concertina_shard_parameters=True cannot shard tied input/output embeddings on one stage "
-                         "yet (the embedding and the LM head share one weight, and FSDP2 cannot run a unit of "
-                         "two modules called apart): set model.config.tie_word_embeddings=False (untie them) or "
-                         "concertina_shard_parameters=False")
+        raise ValueError(TIED_EMBEDDINGS_REFUSAL)
     hf = wrapper.model
     # the executor calls the embedding, each layer, the norm and the head itself: each is its own
     # FSDP2 root (a unit of several modules cannot be a root)

@@ -56,6 +56,7 @@ import torch
 
 from ..planning import PlanError
 from ..planning.layouts import Layout, rank_layouts
+from ..runtime.param_sharding import TIED_EMBEDDINGS_REFUSAL
 from .args import ConcertinaTrainingArguments
 from .checkpoint import PLAN_META_NAME
 from .collator import split_sequences
@@ -195,10 +196,8 @@ def _runtime_refusals(args: ConcertinaTrainingArguments, model: torch.nn.Module,
     sharding is the planner's refusal (``rank_layouts(shard_parameters=True)``)."""
     if not args.concertina_shard_parameters or not ties_embeddings(model):
         return {}
-    return {Layout(1, sp, world // sp): (
-        "refused: concertina_shard_parameters=True cannot shard tied input/output embeddings on one stage: "
-        "set model.config.tie_word_embeddings=False or concertina_shard_parameters=False")
-        for sp in range(2, world + 1) if world % sp == 0}
+    return {Layout(1, sp, world // sp): f"refused: {TIED_EMBEDDINGS_REFUSAL}"
+            for sp in range(2, world + 1) if world % sp == 0}
 
 
 def _budget(args: ConcertinaTrainingArguments, device_memory: int) -> int:

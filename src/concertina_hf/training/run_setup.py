@@ -108,7 +108,7 @@ def resolve_run(args: ConcertinaTrainingArguments, model: nn.Module, topology: T
         # (it cannot tell them from compute), so an online run times them at the start too
         if (args.concertina_cost_model in ("profiled", "online") and not args.concertina_cost_model_path
                 and topology.sequence_parallel_size > 1):
-            cost = _profile_all_to_all(args, cost, topology)
+            cost = _profile_collectives(args, cost, topology)
         cost = count_frozen_parameters(cost, model)
     if topology.pipeline_size > 1 and ties_embeddings(model):
         cost = count_head_copy(cost)
@@ -282,7 +282,7 @@ def _profile_on_rank0(model: nn.Module, args: ConcertinaTrainingArguments, base:
     return CostModel.from_dict(json.loads(topology.broadcast_from_rank0(payload)))
 
 
-def _profile_all_to_all(args: ConcertinaTrainingArguments, cost: CostModel, topology: Topology) -> CostModel:
+def _profile_collectives(args: ConcertinaTrainingArguments, cost: CostModel, topology: Topology) -> CostModel:
     """The all-to-alls of one decoder layer timed on every stage's real sequence-parallel group
     and fitted into the cost model's intra-node latency and bandwidth (the slowest group's times:
     the same model on every rank), and, unless ``concertina_sequence_parallel_mode="ulysses"``,
