@@ -70,3 +70,22 @@ def test_a_per_doc_saved_layer_keeps_the_whole_gathered_slice():
         got = cost.at_rank(r).act_memory(lay, 0, chunk, 0)
         assert got == base.act_memory(lay, 0, own, 0) + 2 * base.kv_bytes_per_token * 64 + ids
         assert cost.at_rank(r).act_memory(lay, 0, chunk, 2) == base.act_memory(lay, 0, own, 2) + ids
+
+
+def test_a_per_doc_split_sequence_keeps_its_shard_and_gathers_it_again():
+    """A non-final per-doc slice keeps only each rank's two pieces of its K/V and their gradient
+    buffers (a quarter of the slice at sp=4, whole heads): recomputed, the chunk holds nothing
+    beyond the rank's own tokens; the later slice's per-layer gather moves the earlier slice's
+    K/V again, so its bytes count both slices."""
+    cost = _cost()
+    base = cost.rank_model()
+    lay = StageLayout.even(2, 1)
+    plan = _plan([64], [[(0, 0, 32, PER_DOC)], [(0, 32, 32, PER_DOC)]], [2, 0])
+    first, second = plan.chunks
+    whole = base.kv_bytes_per_token / cost.kv_bytes_per_token
+    assert [cost.at_rank(r).kv_grad_scale(first, 0) for r in range(SP)] == [whole / SP] * SP
+    own = Chunk(0, first.kind, (Slice(0, 0, 8),))
+    ids = 2 * cost.ids_bytes_per_token * (32 - 8)
+    for r in range(SP):
+        assert cost.at_rank(r).act_memory(lay, 0, first, 2) == base.act_memory(lay, 0, own, 2) + ids
+    assert cost.stage_comm_bytes(lay, 0, second) == 2 * cost.stage_comm_bytes(lay, 0, first) > 0

@@ -136,7 +136,7 @@ def test_an_empty_rank_runs_a_pad_token_with_zero_gradients():
     chunk = dataclasses.replace(plan.chunks[0], placement=(0,))
     slices = [SliceSpec(0, 0, 5, 0, True)]
     ctxs = [ContextParallelContext(chunk, slices, KVStore(), torch.device("cpu"), True,
-                                   SimpleNamespace(size=2, rank=r, group=None)) for r in (0, 1)]
+                                   SimpleNamespace(size=2, rank=r, group=None), {}) for r in (0, 1)]
     assert (ctxs[0].pad, ctxs[0].local_tokens, ctxs[0].position_ids.tolist()) == (0, 5, [[0, 1, 2, 3, 4]])
     empty = ctxs[1]
     assert (empty.pad, empty.local_tokens, empty.pieces, empty.position_ids.tolist()) == (EMPTY_RANK_TOKENS, 1, (), [[0]])

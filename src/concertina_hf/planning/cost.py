@@ -89,13 +89,16 @@ the per-doc slices' K/V are all-gathered forward and their gradients reduce-scat
 latency, the inter-node link for the share leaving the node; a recomputed layer gathers again;
 a profiled model times the two collectives apart on the stage's own group, ``all_gather_*`` and
 ``reduce_scatter_*``, since gloo's reduce-scatter costs several all-gathers);
-whole-doc slices move nothing. Memory, the busiest GPU's per chunk (or one GPU's,
-:meth:`CostModel.at_rank`): its own tokens' activations plus the per-doc slices' K/V gathered
-(one tensor of every GPU's rows, its own included) on every saved layer (the other GPUs' rows on
-every layer for a split chunk, whose later slices attend to them), and in a layer's backward their
-whole dK/dV before the reduce-scatter, the keys each piece attends to (its position in the
-sequence) and, when every layer recomputes, the replay's gathered K/V; a placed split sequence's
-K/V gradient buffers are whole on a GPU (:meth:`CostModel.kv_grad_scale`). So per-doc moves
+whole-doc slices move nothing. A per-doc slice's earlier slices (per-doc too) left their K/V
+sharded over the GPUs (each its own pieces'), so its gather moves them again: ``tokens`` is the
+slices' ends, not their lengths (and a whole-doc slice after per-doc ones, which the planner
+never makes, gathers theirs, :attr:`CostModel.whole_doc_carried`). Memory, the busiest GPU's per
+chunk (or one GPU's, :meth:`CostModel.at_rank`): its own tokens' activations (an empty GPU's pad
+token's) plus, on every saved layer, the gathered K/V its pieces attend to, and in a layer's
+backward the whole dK/dV of what it gathered before the reduce-scatter, the keys each piece
+attends to (its position in the sequence) and, when every layer recomputes, the replay's gathered
+K/V; a placed split slice keeps, and takes gradients into, its GPU's own tokens' K/V (a per-doc
+slice's shard, :meth:`CostModel.kv_grad_scale`). So per-doc moves
 ``O(T)`` bytes a GPU where Ulysses moves ``O(T / sp)``; whole-doc moves none but balances only
 when a chunk holds many sequences.
 
@@ -136,7 +139,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 from .segments import parse_heads
-from .sharding import PER_DOC, rank_pieces
+from .sharding import EMPTY_RANK_TOKENS, PER_DOC, rank_pieces, shard_rows
 from .types import Chunk, ChunkKind, PlanError, Remedy, Slice, StageLayout
 
 __all__ = ["DEVICE_PRESETS", "ChunkShape", "CostModel", "DeviceSpec", "ProfileSample", "attn_pairs"]
@@ -396,6 +399,11 @@ class CostModel:
     # GPUs (:meth:`at_rank`: a per-rank prediction); None, the planner's: each chunk's busiest
     # rank. Not a fitted coefficient: to_dict leaves it out while None.
     sp_rank: int | None = None
+    # whole-doc slices whose sequence's earlier slices ran per-doc (Plan.validate_placements allows
+    # it; the planner makes none): ``(seq, start, tokens)``, those tokens' K/V, sharded over the
+    # stage, gathered again per layer on every GPU for the slice. Set by for_plan from the plan;
+    # to_dict leaves it out while empty.
+    whole_doc_carried: tuple[tuple[int, int, int], ...] = ()
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -573,6 +581,9 @@ class CostModel:
         glob = min(1.0, len(heads) / self.num_heads) if heads and self.num_heads else 0.0
         if tail != self.segment_kv_tail or glob != self.segment_global_fraction:
             return dataclasses.replace(self, segment_kv_tail=tail, segment_global_fraction=glob).for_plan(plan)
+        carried = _whole_doc_carried(plan)
+        if carried != self.whole_doc_carried:
+            return dataclasses.replace(self, whole_doc_carried=carried).for_plan(plan)
         sp = plan.knob("sp")
         if sp is None:
             return self
@@ -596,6 +607,11 @@ class CostModel:
         planner's view (an upper bound of every rank's)."""
         return self if sp_rank == self.sp_rank else dataclasses.replace(self, sp_rank=sp_rank)
 
+    def _placement(self, chunk: Chunk) -> "_Placement":
+        carried = tuple((i, n) for q, start, n in self.whole_doc_carried
+                        for i, sl in enumerate(chunk.slices) if (sl.seq, sl.start) == (q, start))
+        return _placed(chunk, self.sp, carried)
+
     def _over_ranks(self, per_rank: Iterable[float]) -> float:
         """A placed chunk's per-rank memory term on :attr:`sp_rank`, or the largest over ranks."""
         values = list(per_rank)
@@ -607,7 +623,7 @@ class CostModel:
         compares (``layer_fwd_time + layer_bwd_time`` for a Ulysses chunk)."""
         if not chunk.placement or self.sp <= 1:
             return self.layer_fwd_time(chunk.slices) + self.layer_bwd_time(chunk.slices)
-        info = _placed(chunk, self.sp)
+        info = self._placement(chunk)
         base = self.rank_model()
         comp = max(base.layer_compute_time(sl) for sl in info.time_slices)
         return ((1.0 + self.bwd_factor) * comp + self.gather_kv_time(info.gathered)
@@ -654,65 +670,65 @@ class CostModel:
         calls = 2 * layout.num_stage_layers(stage) + recompute_layers
         if not chunk.placement:
             return calls * self._a2a_bytes(sp) * chunk.num_tokens * (sp - 1) / sp
-        return calls * self.rank_model().kv_bytes_per_token * _placed(chunk, sp).gathered * (sp - 1)
+        return calls * self.rank_model().kv_bytes_per_token * self._placement(chunk).gathered * (sp - 1)
 
-    def kv_grad_scale(self, chunk: Chunk, slice_index: int | None = None) -> float:
+    def kv_grad_scale(self, chunk: Chunk, slice_index: int) -> float:
         """How many times this model's per-GPU K/V bytes the K/V gradient buffers of ``chunk``'s
-        split slice take on a GPU: 1 for Ulysses (each GPU its heads' share), ``sp`` (about) for a
-        placed chunk, whose ranks accumulate whole K/V gradients (per-doc: every rank for all of
-        the slice's tokens before the reduce-scatter; whole-doc: the rank holding it). With
-        :attr:`sp_rank` and the slice's index: 0 for a whole-doc slice on another GPU (its K/V
-        and their gradients exist only on the GPU holding it)."""
+        split slice ``slice_index`` take on a GPU: 1 for Ulysses (each GPU its heads' share); for
+        a placed chunk one GPU's whole-head bytes (:meth:`rank_model`) of the tokens the GPU keeps
+        of the slice: a whole-doc slice's on the GPU holding it (0 on the others, with
+        :attr:`sp_rank`), a per-doc slice's shard (its two pieces; the busiest GPU's without
+        :attr:`sp_rank`), into which the later slices' gathers reduce-scatter their gradients."""
         if not chunk.placement or self.sp <= 1 or not self.kv_bytes_per_token:
             return 1.0
-        where = chunk.placement[slice_index] if slice_index is not None else PER_DOC
-        if self.sp_rank is not None and where not in (PER_DOC, self.sp_rank):
-            return 0.0
-        return self.rank_model().kv_bytes_per_token / self.kv_bytes_per_token
+        where, sl = chunk.placement[slice_index], chunk.slices[slice_index]
+        whole = self.rank_model().kv_bytes_per_token / self.kv_bytes_per_token
+        if where != PER_DOC:
+            return 0.0 if self.sp_rank not in (None, where) else whole
+        rows = [shard_rows(sl.length, self.sp, r) for r in range(self.sp)]
+        return whole * self._over_ranks(rows) / sl.length
 
     def _placed_fwd(self, layout: StageLayout, stage: int, chunk: Chunk) -> float:
-        info, base = _placed(chunk, self.sp), self.rank_model()
+        info, base = self._placement(chunk), self.rank_model()
         comp = max(base.fwd_time(layout, stage, rc) for rc in info.time_chunks(chunk))
         return comp + self.comm_time(layout, stage, chunk, False)
 
     def _placed_bwd(self, layout: StageLayout, stage: int, chunk: Chunk, recompute_layers: int) -> float:
-        info, base = _placed(chunk, self.sp), self.rank_model()
+        info, base = self._placement(chunk), self.rank_model()
         comp = max(base.bwd_time(layout, stage, rc, recompute_layers) for rc in info.time_chunks(chunk))
         return comp + self.comm_time(layout, stage, chunk, True, recompute_layers)
 
     def _placed_act(self, layout: StageLayout, stage: int, chunk: Chunk, recompute_layers: int) -> float:
         """The busiest rank's :meth:`act_memory` of its own tokens (on :attr:`sp_rank`, that
-        rank's), plus the K/V of its per-doc slices gathered: on every saved layer the whole
-        slices' (the gather's output is one tensor of every rank's rows, the rank's own
-        included, and attention saves views of it for backward, beside the own K/V the layer
-        saves anyway); on the recomputed layers of a split chunk the other ranks' rows (the store
-        keeps that tensor for later slices; its own rows are the split chunk's K/V the rank's
-        model counts already); plus the whole chunk's token ids / targets (every GPU of the
-        first / last stage)."""
-        info, base = _placed(chunk, self.sp), self.rank_model()
+        rank's; a non-final slice's K/V it keeps for later slices are its own tokens' too, a
+        per-doc slice's its shard), plus, on every saved layer, the keys its per-doc pieces attend
+        to beyond what that counts: the slices' gathered K/V and a second copy of their carried
+        prefix (each of the rank's two pieces of a slice attends to all of it); plus the whole
+        chunk's token ids / targets (every GPU of the first / last stage)."""
+        info, base = self._placement(chunk), self.rank_model()
         saved = layout.num_stage_layers(stage) - recompute_layers
-        replayed = recompute_layers if chunk.kind is ChunkKind.SPLIT else 0
         ends = layout.has_embedding(stage) + layout.has_head(stage)
         return self._over_ranks(base.act_memory(layout, stage, rc, recompute_layers)
-                                + base.kv_bytes_per_token * (saved * info.gathered + replayed * (info.gathered - own))
+                                + base.kv_bytes_per_token * saved * info.saved_gathered
                                 + self.ids_bytes_per_token * (chunk.num_tokens - rc.num_tokens) * ends
-                                for rc, own in zip(info.mem_chunks(chunk), info.own_gathered))
+                                for rc in info.mem_chunks(chunk))
 
     def _placed_transient(self, layout: StageLayout, stage: int, chunk: Chunk, recompute_layers: int) -> float:
         """The busiest rank's :meth:`transient_memory` (on :attr:`sp_rank`, that rank's) with
         each of its pieces a slice of its own whose context is its position (the keys its
         attention's backward takes gradients of: a per-doc piece attends to every earlier token
-        of its sequence, the gathered ones included), plus during a layer's backward the whole
-        dK/dV of the per-doc slices before their reduce-scatter and, when every layer of the
-        stage recomputes, the replayed layer's gathered K/V (a saved layer's are counted in
-        :meth:`_placed_act`; with saved layers, the recomputed ones run backward after those
-        freed theirs)."""
-        info, base = _placed(chunk, self.sp), self.rank_model()
+        of its sequence, the gathered ones included), its layers' backward holding besides the
+        whole dK/dV of what the layer gathered (:attr:`_Placement.gathered`) before their
+        reduce-scatter and, when every layer of the stage recomputes, the replayed layer's
+        gathered K/V (a saved layer's are counted in :meth:`_placed_act`; with saved layers, the
+        recomputed ones run backward after those freed theirs); not the LM head's backward, which
+        runs before any layer's."""
+        info, base = self._placement(chunk), self.rank_model()
         n = layout.num_stage_layers(stage)
         gathered = base.kv_bytes_per_token * info.gathered if n else 0.0
         replay = gathered if n and recompute_layers >= n else 0.0
-        return self._over_ranks(base.transient_memory(layout, stage, rc, recompute_layers)
-                                for rc in info.time_chunks(chunk)) + gathered + replay
+        return self._over_ranks(base.transient_memory(layout, stage, rc, recompute_layers, gathered + replay)
+                                for rc in info.time_chunks(chunk))
 
     # ------------------------------------------------------------------ time
     def layer_compute_time(self, slices: Sequence[Slice]) -> float:
@@ -833,7 +849,7 @@ class CostModel:
         chunk: its busiest GPU's and the K/V all-gathers)."""
         if chunk.placement and self.sp > 1:
             base = self.rank_model()
-            info = _placed(chunk, self.sp)
+            info = self._placement(chunk)
             return (max(base.recompute_time(rc, recompute_layers) for rc in info.time_chunks(chunk))
                     + recompute_layers * self.gather_kv_time(info.gathered))
         if self.sp == 1 and not self.zero3:
@@ -847,7 +863,7 @@ class CostModel:
         ``chunk`` on ``stage``: what the Gantt chart draws as communication (a placed chunk:
         its per-doc slices' K/V all-gathers and dK/dV reduce-scatters)."""
         if chunk.placement and self.sp > 1:
-            g = _placed(chunk, self.sp).gathered
+            g = self._placement(chunk).gathered
             if not backward:
                 return layout.num_stage_layers(stage) * self.gather_kv_time(g)
             return (layout.num_stage_layers(stage) * self.gather_kv_time(g, backward=True)
@@ -860,7 +876,7 @@ class CostModel:
         rank to the same sp rank: a placed chunk's busiest rank's tokens)."""
         if chunk.placement and self.sp > 1:
             return self.p2p_latency_s + (self.rank_model().hidden_bytes_per_token
-                                         * max(_placed(chunk, self.sp).rank_tokens) / self.p2p_bandwidth)
+                                         * max(self._placement(chunk).rank_tokens) / self.p2p_bandwidth)
         return self.p2p_latency_s + self.hidden_bytes_per_token * chunk.num_tokens / self.p2p_bandwidth
 
     # ------------------------------------------------------------------ memory
@@ -907,7 +923,8 @@ class CostModel:
         while a split sequence's later slices run backward."""
         return layout.num_stage_layers(stage) * self.kv_bytes_per_token * earlier_tokens
 
-    def transient_memory(self, layout: StageLayout, stage: int, chunk: Chunk, recompute_layers: int = 0) -> float:
+    def transient_memory(self, layout: StageLayout, stage: int, chunk: Chunk, recompute_layers: int = 0,
+                         layer_extra: float = 0.0) -> float:
         """Extra bytes during the chunk's backward: the incoming/outgoing hidden-state gradients
         (or the measured peak of a layer's or the head's backward, when larger), plus a
         recomputed layer's activations when every layer of the stage recomputes (see the module
@@ -916,7 +933,8 @@ class CostModel:
         it into ``.grad`` (``bwd_transient_bytes``, ``head_bwd_transient_bytes``: a short chunk
         on a large vocabulary can hold more in the LM head's weight gradient than in its
         activations). The embedding's backward is a moment of its own
-        (:meth:`embed_bwd_memory`)."""
+        (:meth:`embed_bwd_memory`). ``layer_extra``: bytes a layer's backward holds besides (a
+        placed chunk's gathered dK/dV, :meth:`_placed_transient`)."""
         if chunk.placement and self.sp > 1:
             return self._placed_transient(layout, stage, chunk, recompute_layers)
         tok = chunk.num_tokens
@@ -938,6 +956,8 @@ class CostModel:
                 layer = max(layer, self.recompute_bwd_transient_bytes_per_token * tok)
             else:
                 layer += self.act_bytes_per_token * tok
+        if n:
+            layer += layer_extra
         head = 0.0
         if layout.has_head(stage):
             if self.head_bwd_transient_bytes_per_token:
@@ -1002,6 +1022,8 @@ class CostModel:
             del d["segment_global_fraction"]
         if d["sp_rank"] is None:
             del d["sp_rank"]
+        if not d["whole_doc_carried"]:
+            del d["whole_doc_carried"]
         return d
 
     @classmethod
@@ -1017,6 +1039,8 @@ class CostModel:
                              "no backend is now; profile the model again")
         if "head_time_points" in d:  # JSON gives lists
             d["head_time_points"] = tuple((float(t), float(s)) for t, s in d["head_time_points"])
+        if "whole_doc_carried" in d:
+            d["whole_doc_carried"] = tuple(tuple(int(x) for x in e) for e in d["whole_doc_carried"])
         return cls(**d)
 
 
@@ -1032,12 +1056,16 @@ class _Placement(NamedTuple):
     #: per rank, its pieces as slices whose context is the piece's position (attention pairs:
     #: a per-doc piece's queries attend to every earlier token of its sequence)
     time_slices: tuple[tuple[Slice, ...], ...]
-    #: per rank, its tokens of each slice as one slice with the slice's own context (memory)
+    #: per rank, its tokens of each slice as one slice with the slice's own context (memory; an
+    #: empty rank's pad tokens)
     mem_slices: tuple[tuple[Slice, ...], ...]
     rank_tokens: tuple[int, ...]
-    #: tokens of the per-doc slices (all ranks gather their K/V) and each rank's own share
+    #: tokens whose K/V every rank gathers per layer: the per-doc slices' and their earlier
+    #: slices' (per-doc too, :meth:`~.types.Plan.validate_placements`: sharded over the ranks),
+    #: and a whole-doc slice's earlier per-doc slices' (:attr:`CostModel.whole_doc_carried`)
     gathered: int
-    own_gathered: tuple[int, ...]
+    #: of those, the per-doc slices' and their earlier slices' (what every rank's pieces attend to)
+    saved_gathered: int
 
     def time_chunks(self, chunk: Chunk) -> list[Chunk]:
         return [Chunk(chunk.index, chunk.kind, sl) for sl in self.time_slices]
@@ -1047,8 +1075,10 @@ class _Placement(NamedTuple):
 
 
 @functools.lru_cache(maxsize=4096)
-def _placed(chunk: Chunk, sp: int) -> _Placement:
-    time_s, mem_s, toks, own = [], [], [], []
+def _placed(chunk: Chunk, sp: int, carried: tuple[tuple[int, int], ...] = ()) -> _Placement:
+    """``chunk`` on ``sp`` GPUs; ``carried``: ``(slice index, tokens)`` of its whole-doc slices
+    reading per-doc K/V (:attr:`CostModel.whole_doc_carried`)."""
+    time_s, mem_s, toks = [], [], []
     per_doc = {i for i, w in enumerate(chunk.placement) if w == PER_DOC}
     for r in range(sp):
         pieces = rank_pieces(chunk, sp, r)
@@ -1056,8 +1086,30 @@ def _placed(chunk: Chunk, sp: int) -> _Placement:
         mine: dict[int, int] = {}
         for p in pieces:
             mine[p.slice_index] = mine.get(p.slice_index, 0) + p.length
-        mem_s.append(tuple(Slice(chunk.slices[i].seq, chunk.slices[i].start, n) for i, n in mine.items() if n))
+        # an empty rank runs the chunk's layers on pad tokens (at position 0)
+        mem_s.append(tuple(Slice(chunk.slices[i].seq, chunk.slices[i].start, n) for i, n in mine.items() if n)
+                     or (Slice(chunk.slices[0].seq, 0, EMPTY_RANK_TOKENS),))
         toks.append(sum(mine.values()))
-        own.append(sum(n for i, n in mine.items() if i in per_doc))
-    gathered = sum(chunk.slices[i].length for i in per_doc)
-    return _Placement(tuple(time_s), tuple(mem_s), tuple(toks), gathered, tuple(own))
+    gathered = sum(chunk.slices[i].end for i in per_doc)
+    return _Placement(tuple(time_s), tuple(mem_s), tuple(toks), gathered + sum(n for _, n in carried), gathered)
+
+
+def _whole_doc_carried(plan: Any) -> tuple[tuple[int, int, int], ...]:
+    """:attr:`CostModel.whole_doc_carried` of ``plan``: ``(seq, start, tokens)`` of each whole-doc
+    slice after per-doc ones, ``tokens`` theirs."""
+    if not any(c.placement for c in plan.chunks):
+        return ()
+    chains: dict[int, list[tuple[int, int, int | None]]] = {}
+    for c in plan.chunks:
+        for i, sl in enumerate(c.slices):
+            if sl.length != plan.seq_lens[sl.seq]:
+                chains.setdefault(sl.seq, []).append((sl.start, sl.length, c.placement[i] if c.placement else None))
+    out = []
+    for seq, chain in chains.items():
+        sharded = 0
+        for start, length, where in sorted(chain):
+            if where == PER_DOC:
+                sharded += length
+            elif where is not None and sharded:
+                out.append((seq, start, sharded))
+    return tuple(sorted(out))

@@ -23,9 +23,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .types import Chunk, Plan, PlanError
+from .types import Chunk, Plan, PlanError, Slice
 
 PER_DOC = -1
+#: the pad tokens a rank holding no token of a placed chunk runs the chunk's layers on (the
+#: runtime: :mod:`concertina_hf.runtime.context_parallel`; the cost model counts their memory)
+EMPTY_RANK_TOKENS = 1
 MODES = ("ulysses", "whole-doc", "per-doc", "mixed")
 
 
@@ -78,6 +81,30 @@ def rank_tokens(chunk: Chunk, sp: int, rank: int) -> int:
     if not chunk.placement:
         return -(-chunk.num_tokens // sp)
     return sum(p.length for p in rank_pieces(chunk, sp, rank))
+
+
+def earlier_slices(plan: Plan, chunk: Chunk) -> dict[int, tuple[tuple[Slice, bool], ...]]:
+    """For each sequence of which ``chunk`` holds a slice after its first: the sequence's slices
+    before that one, in token order, each with whether it is per-doc (its K/V then lie sharded
+    over the stage's ranks, each rank its two pieces, and the chunk's per-layer gather rebuilds
+    them; a whole-doc one's lie whole on its rank)."""
+    out: dict[int, tuple[tuple[Slice, bool], ...]] = {}
+    for sl in chunk.slices:
+        if sl.start == 0:
+            continue
+        before = []
+        for c in plan.chunks:
+            for i, e in enumerate(c.slices):
+                if e.seq == sl.seq and e.start < sl.start:
+                    before.append((e, bool(c.placement) and c.placement[i] == PER_DOC))
+        out[sl.seq] = tuple(sorted(before, key=lambda x: x[0].start))
+    return out
+
+
+def shard_rows(length: int, sp: int, rank: int) -> int:
+    """Tokens rank ``rank`` holds of a per-doc slice of ``length`` tokens (its two zig-zag pieces)."""
+    b = zigzag_bounds(length, sp)
+    return b[rank + 1] - b[rank] + b[2 * sp - rank] - b[2 * sp - 1 - rank]
 
 
 def placement_refusal(chunk: Chunk, sp: int) -> str | None:

@@ -153,8 +153,9 @@ def _kv_grad_plan(plan: Plan, split: frozenset[int],
 
     Returns ``(alloc, free)``: ``alloc[chunk]`` = token counts of the buffers allocated when
     that chunk's backward starts; ``free[chunk]`` = tokens freed when its backward ends. With
-    ``cost``, a placed slice's tokens count ``cost.kv_grad_scale`` times (whole K/V gradients on
-    a GPU, not its heads' share; none on a GPU not holding a whole-doc slice, ``cost.at_rank``).
+    ``cost``, a placed slice's tokens count ``cost.kv_grad_scale`` times (a GPU's own tokens of
+    it at every head, not its heads' share: a per-doc slice's shard; none on a GPU not holding a
+    whole-doc slice, ``cost.at_rank``).
     """
     alloc: dict[int, list[float]] = {}
     free: dict[int, float] = {}

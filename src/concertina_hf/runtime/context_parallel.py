@@ -11,11 +11,12 @@ calls, as Ulysses' is):
 - a **whole-doc** slice lies on one rank: its queries attend to its own keys plus the K/V its
   sequence's earlier slices left in that rank's :class:`~.attention.KVStore`; nothing is sent;
 - a **per-doc** slice is cut into ``2 sp`` zig-zag pieces (rank ``r``: pieces ``r`` and ``2 sp - 1
-  - r``): the K/V of every per-doc piece of the chunk are all-gathered within the stage in one
-  collective per layer (:func:`gather_rows`: autograd, the backward a reduce-scatter of dK/dV;
-  padded to the largest rank's rows, as gloo needs equal sizes), the slice's keys rebuilt in
-  position order on every rank, and each local query piece attends causally, by position, to the
-  keys before and at it (plus the carried K/V of earlier slices).
+  - r``): the K/V of every per-doc piece of the chunk (and the shards of the per-doc slices
+  before them, below) are all-gathered within the stage in one collective per layer
+  (:func:`gather_rows`: autograd, the backward a reduce-scatter of dK/dV; padded to the largest
+  rank's rows, as gloo needs equal sizes), the slices' keys rebuilt in position order on every
+  rank, and each local query piece attends causally, by position, to the keys before and at it
+  (plus the K/V of earlier slices).
 
 Each local piece is a *segment* of an inner :class:`~.attention.ChunkAttentionContext`
 (:class:`_PieceContext`: a piece at positions ``[a, b)`` of a slice starting at ``S0`` has the
@@ -24,12 +25,20 @@ every attention kernel of the backend (CPU flash, varlen, per-segment SDPA, the 
 sinks and soft-capping), any number of query and K/V heads, and MLA's distinct value head size run
 unchanged: there is no head-count rule.
 
-K/V carried to later slices (non-final slices): a whole-doc slice's own K/V on its rank; a per-doc
-slice's *gathered* K/V (the whole slice, every head) on every rank of the stage, so a later slice
-of the sequence may be per-doc, or whole-doc on any rank. Memory: ``sp`` times the local share of
-that slice's K/V per rank until its backward. A whole-doc slice's successor must therefore be on
-the same rank (its K/V exist nowhere else) and no per-doc slice may follow a whole-doc one
-(:meth:`Plan.validate <concertina_hf.planning.types.Plan.validate>` refuses both).
+K/V carried to later slices (non-final slices), in the rank's :class:`~.attention.KVStore` under
+the slice's start: a whole-doc slice's K/V on its rank; a per-doc slice's **shard**, the rank's
+own two pieces (``1 / sp`` of the slice's K/V per rank, not the gathered whole). A later slice of
+the sequence reads a whole-doc predecessor from its own rank's store (so it is whole-doc on that
+rank) and per-doc predecessors through the gather: every layer of a chunk holding such a slice
+gathers, besides its per-doc pieces, every rank's shard of those earlier slices
+(:func:`~concertina_hf.planning.sharding.earlier_slices`, from the plan) in the same collective,
+and the backward's reduce-scatter returns each rank its shard's gradient (into the leaf the
+store's entry holds, which the earlier slice's own backward then takes). So a per-doc chain may
+end in a whole-doc slice on any rank; no per-doc slice may follow a whole-doc one, and a
+whole-doc slice after whole-doc ones stays on their rank (:meth:`Plan.validate
+<concertina_hf.planning.types.Plan.validate>` refuses the rest). A rank whose attention reads
+nothing it gathered (the whole-doc tail is on another rank) ties its output to the gathered
+tensor (times 0), so its backward's reduce-scatter runs as everyone's does.
 
 A rank holding no token of a chunk (a whole-doc chunk of fewer sequences than ranks; a chunk with
 a per-doc slice has tokens on every rank) runs the chunk's layers on one pad token
@@ -40,32 +49,31 @@ gradient reductions); its gradients are zeros. It exchanges no message for that 
 neighbouring stages (:func:`~concertina_hf.planning.lower.rank_program`, from the plan on both
 ends); a later stage's rank starts the chunk from zeros.
 
-Collective order: every rank runs one all-gather per layer and chunk with per-doc slices (same
-layers, same order; recompute replays the first ``r`` layers of the stage on every rank alike), and
-the backward's reduce-scatters are each layer's single gather node, ordered by the layers.
+Collective order: every rank runs one all-gather per layer and chunk with per-doc slices or
+per-doc predecessors (same layers, same order; recompute replays the first ``r`` layers of the
+stage on every rank alike), and the backward's reduce-scatters are each layer's single gather
+node, ordered by the layers.
 
 Costs per layer and chunk with per-doc slices: forward one all-gather of ``(sp - 1) / sp`` of the
-per-doc slices' K/V (``tokens x K x (D_k + D_v)``), backward one reduce-scatter of the same size;
-whole-doc slices move nothing. Evaluation hooks get the chunk's whole logits gathered in token
-order (:meth:`ContextParallelContext.gather_tokens`).
+K/V of the per-doc slices and of their sequences' per-doc predecessors (``tokens x K x (D_k +
+D_v)``), backward one reduce-scatter of the same size; whole-doc slices move nothing. Evaluation
+hooks get the chunk's whole logits gathered in token order
+(:meth:`ContextParallelContext.gather_tokens`).
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..planning.sharding import PER_DOC, Piece, rank_pieces
-from ..planning.types import Chunk
+from ..planning.sharding import EMPTY_RANK_TOKENS, PER_DOC, Piece, rank_pieces, shard_rows, zigzag_bounds
+from ..planning.types import Chunk, Slice
 from .attention import ChunkAttentionContext, KVStore, SliceSpec, autocast_dtype
 
 __all__ = ["EMPTY_RANK_TOKENS", "ContextParallelContext", "gather_rows", "piece_order"]
-
-#: the pad tokens a rank holding no token of a placed chunk runs the chunk's layers on
-EMPTY_RANK_TOKENS = 1
 
 
 # ---------------------------------------------------------------------- the collective
@@ -113,8 +121,9 @@ def piece_order(sp: int) -> list[tuple[int, int]]:
 # ---------------------------------------------------------------------- the contexts
 class _PieceStore:
     """The chunk's :class:`~.attention.KVStore` as the pieces read it: the keys before a piece are
-    the carried K/V before its slice, then (per-doc) the slice's gathered keys before the piece;
-    everything else is the store's."""
+    its sequence's earlier slices' (per-doc ones as this layer's gather rebuilt them from every
+    rank's shard, whole-doc ones from the store), then (per-doc) the slice's gathered keys before
+    the piece; everything else is the store's."""
 
     def __init__(self, store: KVStore, ctx: "_PieceContext") -> None:
         # a weak reference: the context holds this store, and a cycle would keep the context
@@ -125,35 +134,48 @@ class _PieceStore:
         return getattr(self._store, name)
 
     def prefix_parts(self, seq: int, context: int, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        i, slice_start, per_doc = self._ctx.info_at[(seq, context)]
-        parts = self._store.prefix_parts(seq, slice_start, layer) if slice_start > 0 else []
+        slice_start, per_doc = self._ctx.info_at[(seq, context)]
+        gathered = self._ctx.gathered.get(layer, {})
+        parts = []
+        for sl, sharded in self._ctx.earlier.get(seq, ()):
+            kv = gathered.get((seq, sl.start)) if sharded else self._store.leaves(seq, sl.start, layer)
+            if kv is None:
+                raise RuntimeError(f"K/V of sequence {seq} at tokens [{sl.start}, {sl.end}) on layer {layer} is "
+                                   "missing: an earlier slice did not run forward on this stage first")
+            parts.append(kv)
         if per_doc and context > slice_start:
-            k, v = self._ctx.gathered[layer][i]
-            parts = parts + [(k[:, :, :context - slice_start], v[:, :, :context - slice_start])]
+            k, v = gathered[(seq, slice_start)]
+            parts.append((k[:, :, :context - slice_start], v[:, :, :context - slice_start]))
         return parts
 
 
 class _PieceContext(ChunkAttentionContext):
     """The local pieces as segments (``SliceSpec`` per piece, ``start`` its position in the
-    sequence), reading earlier keys through :class:`_PieceStore`; non-final slices store their own
-    (whole-doc) or gathered (per-doc) K/V under the slice's start."""
+    sequence), reading earlier keys through :class:`_PieceStore`; non-final slices store this
+    rank's K/V of them (whole-doc: the slice; per-doc: its two pieces, adjacent locally) under the
+    slice's start."""
 
-    def __init__(self, specs: Sequence[SliceSpec], info: Sequence[tuple[int, int, bool]], store: KVStore,
-                 device: torch.device, requires_grad: bool) -> None:
+    def __init__(self, specs: Sequence[SliceSpec], info: Sequence[tuple[int, bool]], store: KVStore,
+                 earlier: Mapping[int, tuple[tuple[Slice, bool], ...]], device: torch.device,
+                 requires_grad: bool) -> None:
         super().__init__(specs, _PieceStore(store, self), device, requires_grad)
-        self.info = tuple(info)  # per piece: (slice index, slice start, per-doc)
+        self.info = tuple(info)  # per piece: (slice start, per-doc)
         self.info_at = {(s.seq, s.start): x for s, x in zip(self.slices, self.info)}
-        self.gathered: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}  # layer -> slice -> (K, V)
+        self.earlier = earlier
+        # layer -> (seq, slice start) -> (K, V): the slices this layer's gather rebuilt
+        self.gathered: dict[int, dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def store_own(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        for s, (i, slice_start, per_doc) in zip(self.slices, self.info):
-            if s.final:
-                continue
-            if per_doc:
-                k, v = self.gathered[layer][i]
-            else:
-                k, v = key[:, :, s.offset:s.offset + s.length], value[:, :, s.offset:s.offset + s.length]
-            self.store.put_if_absent(s.seq, slice_start, layer, k, v, self.requires_grad)
+        first: dict[tuple[int, int], int] = {}  # (seq, slice start) -> offset of its first local piece
+        rows: dict[tuple[int, int], int] = {}
+        for s, (slice_start, _) in zip(self.slices, self.info):
+            if not s.final:
+                first.setdefault((s.seq, slice_start), s.offset)
+                rows[(s.seq, slice_start)] = rows.get((s.seq, slice_start), 0) + s.length
+        for (seq, slice_start), off in first.items():
+            n = rows[(seq, slice_start)]
+            self.store.put_if_absent(seq, slice_start, layer, key[:, :, off:off + n], value[:, :, off:off + n],
+                                     self.requires_grad)
 
 
 class ContextParallelContext:
@@ -161,10 +183,11 @@ class ContextParallelContext:
     ranks (see the module docstring): ``pieces`` (this rank's tokens as ``SliceSpec``, ``start``
     the position in the sequence, ``offset`` the local offset), their ``position_ids`` and the
     attention hook. ``slices``: the chunk's slices (chunk offsets), ``sp``: the stage's
-    :class:`~.ulysses.SequenceParallel`."""
+    :class:`~.ulysses.SequenceParallel`, ``earlier``: the plan's
+    :func:`~concertina_hf.planning.sharding.earlier_slices` of the chunk."""
 
     def __init__(self, chunk: Chunk, slices: Sequence[SliceSpec], store: KVStore, device: torch.device,
-                 requires_grad: bool, sp: Any) -> None:
+                 requires_grad: bool, sp: Any, earlier: Mapping[int, tuple[tuple[Slice, bool], ...]]) -> None:
         self.chunk, self.sp = chunk, sp
         self.slices = tuple(slices)
         size, rank = sp.size, sp.rank
@@ -173,20 +196,28 @@ class ContextParallelContext:
         for p in self.all_pieces[rank]:
             sl = self.slices[p.slice_index]
             specs.append(SliceSpec(p.seq, p.start, p.length, off, sl.final))
-            info.append((p.slice_index, sl.start, chunk.placement[p.slice_index] == PER_DOC))
+            info.append((sl.start, chunk.placement[p.slice_index] == PER_DOC))
             off += p.length
         self.pieces = tuple(specs)
-        self.inner = _PieceContext(specs, info, store, device, requires_grad)
+        self.inner = _PieceContext(specs, info, store, earlier, device, requires_grad)
         # a rank holding no token of the chunk runs its layers on one pad token (HF's layers cannot
         # run on none), which attends to nothing, has no target and is sent nowhere
         self.pad = 0 if off else EMPTY_RANK_TOKENS
         self.num_tokens = self.local_tokens = off + self.pad
         self.position_ids = self.inner.position_ids if off else torch.zeros((1, self.pad), dtype=torch.long,
                                                                              device=device)
-        self.per_doc = [i for i, w in enumerate(chunk.placement) if w == PER_DOC]
-        # rows each rank contributes to the per-layer gather (its per-doc pieces' tokens)
-        self.gather_rows = [sum(p.length for p in ps if chunk.placement[p.slice_index] == PER_DOC)
-                            for ps in self.all_pieces]
+        # what the per-layer gather rebuilds: the chunk's per-doc slices (their local pieces), then
+        # the per-doc slices before its slices (each rank's shard, from its store); every rank
+        # contributes its two pieces of each, so every rank gathers, whether or not it reads them
+        carried = sorted({sl for items in earlier.values() for sl, sharded in items if sharded},
+                         key=lambda sl: (sl.seq, sl.start))
+        self.carried = tuple(carried)
+        self.gathered_slices = tuple([sl for sl, w in zip(chunk.slices, chunk.placement) if w == PER_DOC] + carried)
+        self.gather_rows = [sum(shard_rows(sl.length, size, r) for sl in self.gathered_slices) for r in range(size)]
+        # whether this rank's attention reads what it gathers (else its output is tied to it, so
+        # that its backward's reduce-scatter runs on every rank)
+        self.reads_gather = any(sharded for s, (_, sharded) in zip(self.pieces, info)) or any(
+            sharded for s in self.pieces for _, sharded in earlier.get(s.seq, ()))
 
     # ------------------------------------------------------------------ attention
     def sequence_parallel_attention(self, forward: Callable, module: Any, query: torch.Tensor,
@@ -200,49 +231,59 @@ class ContextParallelContext:
         amp = autocast_dtype(query.device.type)
         if amp is not None:  # cast as the attention does before storing, so the gathered K/V match
             query, key, value = (_cast(t, amp) for t in (query, key, value))
-        if self.per_doc:
-            self.inner.gathered[layer] = self._gather(key, value)
+        blocks = None
+        if self.gathered_slices:
+            self.inner.gathered[layer], blocks = self._gather(layer, key, value)
         try:
             if self.pad:  # an empty rank's pad token: nothing to attend to
-                return _pad_attention(query, key, value, sink), None
-            return forward(module, query, key, value, concertina_ctx=self.inner, s_aux=sink, **kwargs)
+                out = _pad_attention(query, key, value, sink, blocks), None
+            else:
+                out = forward(module, query, key, value, concertina_ctx=self.inner, s_aux=sink, **kwargs)
+            if blocks is not None and not self.reads_gather and not self.pad:
+                out = (out[0] + (blocks.sum() * 0).to(out[0].dtype), *out[1:])
+            return out
         finally:
-            # read only inside this call (the pieces' prefixes, the store of non-final slices, which
-            # keeps its own reference); kept past it, the gathered K/V and, through their autograd
-            # history, a recomputed layer's replay would live as long as the chunk's context
+            # read only inside this call (the pieces' prefixes); kept past it, the gathered K/V
+            # and, through their autograd history, a recomputed layer's replay would live as long
+            # as the chunk's context
             self.inner.gathered.pop(layer, None)
 
-    def _gather(self, key: torch.Tensor, value: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """The per-doc slices' keys and values ``[1, K, length, D]`` in position order, from the
-        pieces of every rank (one all-gather)."""
+    def _gather(self, layer: int, key: torch.Tensor, value: torch.Tensor
+                ) -> tuple[dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """The keys and values ``[1, K, length, D]`` in position order of :attr:`gathered_slices`,
+        by ``(seq, start)``, from every rank's pieces (one all-gather), and the gathered blocks."""
         sp, rank = self.sp.size, self.sp.rank
         kh, dk, dv = key.shape[1], key.shape[3], value.shape[3]
-        rows_k = key[0].transpose(0, 1).reshape(key.shape[2], kh * dk)  # [t, K * D]
-        rows_v = value[0].transpose(0, 1).reshape(value.shape[2], kh * dv)
-        own = [torch.cat([rows_k[s.offset:s.offset + s.length], rows_v[s.offset:s.offset + s.length]], dim=1)
-               for s, (_, _, per_doc) in zip(self.pieces, self.inner.info) if per_doc]
-        x = own[0] if len(own) == 1 else torch.cat(own) if own else rows_k.new_zeros((0, kh * (dk + dv)))
+
+        def rows(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # [1, K, n, D] -> [n, K * (Dk + Dv)]
+            n = k.shape[2]
+            return torch.cat([k[0].transpose(0, 1).reshape(n, kh * dk), v[0].transpose(0, 1).reshape(n, kh * dv)], 1)
+
+        own = [rows(key[:, :, s.offset:s.offset + s.length], value[:, :, s.offset:s.offset + s.length])
+               for s, (_, per_doc) in zip(self.pieces, self.inner.info) if per_doc]
+        for sl in self.carried:  # this rank's shard of an earlier per-doc slice, from its store
+            kv = self.inner.store.leaves(sl.seq, sl.start, layer)
+            if kv is None:
+                raise RuntimeError(f"K/V of sequence {sl.seq} at tokens [{sl.start}, {sl.end}) on layer {layer} "
+                                   "is missing: an earlier slice did not run forward on this stage first")
+            own.append(rows(*(t.to(key.dtype) for t in kv)))
+        x = own[0] if len(own) == 1 else torch.cat(own) if own else key.new_zeros((0, kh * (dk + dv)))
         blocks = gather_rows(x, self.gather_rows, rank, self.sp.group)  # [sp, max rows, w]
-        # where each rank's pieces of each per-doc slice lie in its block
-        at: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (rank, slice) -> [(row, length)] in order
-        for r, ps in enumerate(self.all_pieces):
-            row = 0
-            for p in ps:
-                if self.chunk.placement[p.slice_index] == PER_DOC:
-                    at.setdefault((r, p.slice_index), []).append((row, p.length))
-                    row += p.length
-        out = {}
-        for i in self.per_doc:
+        out, base = {}, [0] * sp  # base[r]: where rank r's shard of the next slice starts in its block
+        for sl in self.gathered_slices:
+            b = zigzag_bounds(sl.length, sp)
             parts = []
-            for r, which in piece_order(sp):
-                row, n = at[(r, i)][which]
-                parts.append(blocks[r, row:row + n])
+            for j, (r, which) in enumerate(piece_order(sp)):
+                row = base[r] + (b[r + 1] - b[r] if which else 0)
+                parts.append(blocks[r, row:row + b[j + 1] - b[j]])
+            for r in range(sp):
+                base[r] += shard_rows(sl.length, sp, r)
             full = torch.cat(parts)  # [length, K * (Dk + Dv)]
             n = full.shape[0]
             k = full[:, :kh * dk].reshape(n, kh, dk).transpose(0, 1).unsqueeze(0)
             v = full[:, kh * dk:].reshape(n, kh, dv).transpose(0, 1).unsqueeze(0)
-            out[i] = (k, v)
-        return out
+            out[(sl.seq, sl.start)] = (k, v)
+        return out, blocks
 
     # ------------------------------------------------------------------ evaluation
     def gather_tokens(self, x: torch.Tensor) -> torch.Tensor:
@@ -267,12 +308,14 @@ class ContextParallelContext:
         return out
 
 
-def _pad_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sink: Any) -> torch.Tensor:
+def _pad_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sink: Any,
+                   gathered: torch.Tensor | None = None) -> torch.Tensor:
     """The attention output ``[1, t, H, Dv]`` (zeros) of a rank's pad tokens, still a function of
-    query, key, value and the sinks, so that every parameter gets a gradient (zeros: the pad
-    token has no target) on every rank, as FSDP's reduce-scatter needs."""
+    query, key, value, the sinks and what the rank gathered, so that every parameter gets a
+    gradient (zeros: the pad token has no target) on every rank, as FSDP's reduce-scatter needs,
+    and the gather's reduce-scatter runs on every rank."""
     out = value.new_zeros((1, query.shape[2], query.shape[1], value.shape[3]))
-    for t in (query, key, value, sink if isinstance(sink, torch.Tensor) else None):
+    for t in (query, key, value, sink if isinstance(sink, torch.Tensor) else None, gathered):
         if t is not None:
             out = out + t.sum().to(out.dtype) * 0
     return out

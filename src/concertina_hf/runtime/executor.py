@@ -82,7 +82,7 @@ import torch.distributed as dist
 
 from ..planning.lower import lower, rank_program
 from ..planning.segments import check_segment_plan
-from ..planning.sharding import plan_placement_refusal, rank_tokens
+from ..planning.sharding import earlier_slices, plan_placement_refusal, rank_tokens
 from ..planning.simulate import dry_run
 from ..planning.types import Action, ActionKind, Plan, PlanError, Program
 from .attention import ChunkAttentionContext, KVStore, SliceSpec, autocast_dtype
@@ -570,7 +570,9 @@ class _Step:
         w, meter, train, slices = self.w, self.meter, self.train, self.slices[c]
         placed = self.sp is not None and bool(self.plan.chunks[c].placement)
         if placed:  # whole-doc / per-doc: this rank's pieces of the chunk (.context_parallel)
-            ctx = ContextParallelContext(self.plan.chunks[c], slices, self.store, self.device, train, self.sp)
+            chunk = self.plan.chunks[c]
+            ctx = ContextParallelContext(chunk, slices, self.store, self.device, train, self.sp,
+                                         earlier_slices(self.plan, chunk))
         else:
             ctx = ChunkAttentionContext(slices, self.store, self.device, requires_grad=train)
             if self.sp is not None:

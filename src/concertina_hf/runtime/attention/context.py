@@ -132,6 +132,11 @@ class KVStore:
             return [(e.k_leaf.detach(), e.v_leaf.detach()) for e in parts[:-1]] + [(parts[-1].k_leaf, parts[-1].v_leaf)]
         return [(e.k_leaf, e.v_leaf) for e in parts]
 
+    def leaves(self, seq: int, start: int, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The leaves ``(K, V)`` of the slice of ``seq`` at ``start`` on ``layer``, or ``None``."""
+        e = self._kv.get(seq, {}).get(layer, {}).get(start)
+        return None if e is None else (e.k_leaf, e.v_leaf)
+
     def prefix(self, seq: int, context: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`prefix_parts` concatenated: [1, K, context, D] each."""
         parts = self.prefix_parts(seq, context, layer)
