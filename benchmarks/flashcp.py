@@ -10,10 +10,9 @@ Setting (paper_layout.py's): 32 A800-80GB GPUs (``DeviceSpec.a800()`` rates, 8 G
 all-short batch), 64K and 128K, the analytic cost model. Layouts: LLaMA-13B pp=4 x sp=8, the 52-head LLaMA-30B pp=4 x sp=8
 (sp=8 does not divide 52 heads: Ulysses cannot run it; its Ulysses-only reference is today's
 pp=8 x sp=4), LLaMA-7B pp=2 x sp=16 (a stage spans two nodes: the all-to-alls and all-gathers
-cross the inter-node link). The 30B at pp=4 x sp=8 runs whole-doc / per-doc only, and a per-doc
-split sequence keeps its gathered K/V whole on every GPU of the stage (and their gradients during
-backward; planning/cost.py), which at 80 GiB does not fit a 64K sequence: it is planned again at
-120 GiB per GPU.
+cross the inter-node link). The 30B at pp=4 x sp=8 runs whole-doc / per-doc only; a per-doc split
+sequence keeps only each GPU's shard of its K/V for the later slices, which gather it again
+(runtime/context_parallel.py), so a 64K or 128K sequence fits 80 GiB.
 
 Per layout and batch, ``adaptive`` planned three ways (``plan_step(sp_mode=...)``): **modes**
 (``auto``: per chunk the cheapest of Ulysses, whole-doc and per-doc by the cost model,
@@ -52,10 +51,8 @@ from concertina_hf.planning.sharding import MODES, PER_DOC, chunk_mode  # noqa: 
 
 GIB = 2**30
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-# (model, pp, sp, Ulysses-only reference layout when Ulysses cannot run pp x sp, memory per GPU in GiB
-# when not --memory-gb: the 30B again with 120 GiB, where pp=4 x sp=8 fits, see the module docstring)
-LAYOUTS = (("llama-13b", 4, 8, None, None), ("llama-30b", 4, 8, (8, 4), None), ("llama-30b", 4, 8, (8, 4), 120.0),
-           ("llama-7b", 2, 16, None, None))
+# (model, pp, sp, Ulysses-only reference layout when Ulysses cannot run pp x sp)
+LAYOUTS = (("llama-13b", 4, 8, None), ("llama-30b", 4, 8, (8, 4)), ("llama-7b", 2, 16, None))
 #: 8K: an all-short batch (the same distribution capped at 8K tokens); 64K and 128K: the long tail
 CAPS = (8192, 65536, 131072)
 BYTES_TARGET = 0.30  # at least 30% fewer intra-stage bytes than Ulysses-only at 64K
@@ -86,13 +83,13 @@ def _plan(lens, model: str, pp: int, sp: int, mode: str, budget: int, solver: st
 
 def run(batches: int, caps, solver: str, memory_gb: float, sp_only: bool) -> dict:
     rows = []
-    for model, pp, sp, ref, gb in LAYOUTS:
-        budget = int((gb or memory_gb) * GIB)
+    for model, pp, sp, ref in LAYOUTS:
+        budget = int(memory_gb * GIB)
         for cap in caps:
             for seed in range(batches):
                 lens = data.sample_lengths("github", 512, cap, seed)
                 row = {"model": model, "pp": pp, "sp": sp, "cap": cap, "seed": seed, "tokens": sum(lens),
-                       "memory_gb": gb or memory_gb}
+                       "memory_gb": memory_gb}
                 row["modes"] = _plan(lens, model, pp, sp, "auto", budget, solver)
                 row["context"] = _plan(lens, model, pp, sp, "context", budget, solver)
                 upp, usp = ref or (pp, sp)
@@ -144,18 +141,18 @@ def _diagnose_packing(model: str, pp: int, sp: int, cap: int, seed: int, budget:
 
 
 def _memory_terms(model: str, pp: int, sp: int, seq: int) -> dict:
-    """The memory one GPU of stage 0 holds for one ``seq``-token sequence run per-doc (split into
-    slices, all in flight, planning/cost.py's model), beside the stage's static memory, in GiB."""
+    """What one GPU of stage 0 keeps of one ``seq``-token sequence run per-doc (split into slices,
+    all in flight, planning/cost.py's model) for its later slices, beside the stage's static
+    memory, in GiB: its shard of the K/V and of their gradient buffers, and what it kept before the
+    carried K/V were sharded (the gathered whole, every GPU; whole gradient buffers)."""
     cost = CostModel.from_hf_config(MODEL_PRESETS[model], DeviceSpec.a800()).with_parallel(
         sp=sp, state_shards=sp, ulysses=False)
     layout = partition_layers(cost, pp)
     n, kv = layout.num_stage_layers(0), cost.rank_model().kv_bytes_per_token
     return {"model": model, "layout": f"pp{pp} x sp{sp}", "tokens": seq, "stage0_layers": n,
             "static_gib": cost.static_memory(layout, 0) / GIB,
-            "gathered_kv_gib": n * kv * seq * (sp - 1) / sp / GIB,  # the other GPUs' K/V, every layer
-            "kv_grad_buffers_gib": n * kv * seq / GIB,  # whole on every GPU (Ulysses: 1/sp of it)
-            "ulysses_kv_grad_buffers_gib": n * kv * seq / sp / GIB,
-            "own_kv_gib": n * kv * seq / sp / GIB}
+            "shard_kv_gib": n * kv * seq / sp / GIB,  # kept for the later slices, and as much of gradients
+            "whole_kv_gib": n * kv * seq / GIB}  # before: the gathered whole, and as much of gradients
 
 
 def _cell(r: dict) -> str:
@@ -253,14 +250,12 @@ def _md_diagnosis(d: dict) -> list[str]:
         f"larger chunks stall 1F1B): sequences of at most {share} of the tokens. The rest are long sequences "
         "that stay Ulysses: per-doc moves sp/2 times Ulysses' bytes per token for MHA (the K/V of every token to "
         "every GPU against q, k, v and output over sp), and is rarely chosen where Ulysses can run.",
-        f"- {m['model']} {m['layout']} at 80 GiB: one {m['tokens'] // 1024}K sequence per-doc holds on every GPU of "
-        f"stage 0 ({m['stage0_layers']} layers), besides {m['static_gib']:.1f} GiB static (weights and gradients "
-        f"whole, optimizer state over 8): the other GPUs' gathered K/V {m['gathered_kv_gib']:.1f} GiB (kept for "
-        f"backward on every layer of a split chunk, recomputed or not) and the K/V gradient buffers of its earlier "
-        f"slices, whole on every GPU, up to {m['kv_grad_buffers_gib']:.1f} GiB (Ulysses: "
-        f"{m['ulysses_kv_grad_buffers_gib']:.1f} GiB), against {m['own_kv_gib']:.1f} GiB of its own K/V: those two "
-        "terms, constants no recompute removes, put it over 80 GiB; sharding the carried K/V (not done here) is "
-        "what would fit it.", ""]
+        f"- {m['model']} {m['layout']}: a {m['tokens'] // 1024}K sequence split per-doc leaves on each GPU of "
+        f"stage 0 ({m['stage0_layers']} layers; {m['static_gib']:.1f} GiB static) its shard of the K/V for the later "
+        f"slices, {m['shard_kv_gib']:.1f} GiB, and as much of gradient buffers; kept whole on every GPU (the gathered "
+        f"K/V), it was {m['whole_kv_gib']:.1f} GiB and as much again, which no recompute removes and which put the "
+        "sequence over 80 GiB. The price of the shard: every later slice gathers its earlier slices' K/V again, "
+        "so a sequence cut into k equal per-doc slices moves (k + 1) / 2 times its K/V bytes per layer.", ""]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,8 +54,9 @@ PLACED = {
     # sequence 0 per-doc in three slices (K/V carried), one whole sequence per-doc, the rest whole-doc
     "per-doc": [[(0, 0, 16, P)], [(0, 16, 14, P)], [(0, 30, 16, P)], [(7, 0, 28, P)],
                 [(1, 0, 9, 0), (2, 0, 7, 1), (3, 0, 5, 2), (4, 0, 12, 3), (5, 0, 20, 0), (6, 0, 3, 1)]],
-    # a per-doc tail beside whole-doc short sequences; a whole-doc tail after a per-doc slice (the
-    # gathered K/V carried on every rank) beside two per-doc sequences (one gather for both)
+    # a per-doc tail beside whole-doc short sequences; a whole-doc tail after a per-doc slice (whose
+    # K/V every rank keeps a shard of, gathered again with the chunk's) beside two per-doc
+    # sequences (one gather for all three)
     "mixed": [[(0, 0, 20, P)], [(5, 0, 10, P)],
               [(0, 20, 26, P), (1, 0, 9, 0), (2, 0, 7, 1), (3, 0, 5, 2)],
               [(5, 10, 10, 3), (4, 0, 12, P), (6, 0, 3, 1), (7, 0, 28, P)]],
@@ -64,8 +65,8 @@ PLACED = {
                      [(2, 0, 7, None), (3, 0, 5, None), (4, 0, 12, None), (5, 0, 20, None)]],
     # ranks holding no token of a chunk: one sequence shorter than 2 x sp alone; two sequences on
     # one rank (sp=2) or two of four; a split sequence whole-doc on one rank (its K/V carried
-    # there); a whole-doc tail alone after its per-doc slice (reading the gathered K/V); three
-    # sequences on one rank
+    # there); a whole-doc tail alone after its per-doc slice (the chunk's only gather: every rank
+    # sends its shard, the ranks not holding the tail read nothing); three sequences on one rank
     "empty-ranks": [[(6, 0, 3, 1)], [(1, 0, 9, 0), (2, 0, 7, 2)], [(0, 0, 20, 3)], [(7, 0, 16, P)],
                     [(0, 20, 26, 3)], [(7, 16, 12, 1)], [(3, 0, 5, 1), (4, 0, 12, 1), (5, 0, 20, 1)]],
 }

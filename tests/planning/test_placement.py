@@ -286,3 +286,38 @@ def test_plan_placement_refusal_names_an_inconsistent_split_sequence():
     plan, split_seq, chunks, first = _unplaced_first_slice()
     why = plan_placement_refusal(dataclasses.replace(plan, chunks=tuple(chunks)), 4)
     assert why.startswith(f"sequence {split_seq} has slices run by Ulysses and slices placed whole-doc / per-doc")
+
+
+def test_a_split_sequence_with_a_short_last_slice_runs_per_doc_then_whole_doc():
+    """The last slice of a split sequence too short to cut into 2 sp pieces (3 tokens at sp=4)
+    goes whole-doc where its chunk's LPT puts it, after per-doc slices whose K/V it reads through
+    the stage's gather (was: the whole sequence whole-doc on rank 0); in the simulator (the plan
+    through ``for_plan``) its chunk gathers the 64 tokens before it every layer. A short first
+    slice puts every slice on rank 0; in auto mode where Ulysses can run, a short slice leaves the
+    sequence to Ulysses."""
+    from concertina_hf.planning import build_schedule
+
+    cost = _cost("small-llama", sp=4)
+    lay = StageLayout.even(16, 1)
+
+    def plan_of(spec, lens):
+        chunks = []
+        for i, sl in enumerate(spec):
+            slices = tuple(Slice(*s) for s in sl)
+            chunks.append(Chunk(i, ChunkKind.of(slices, lens), slices))
+        groups = (tuple(range(len(chunks))),)
+        return Plan("t", tuple(lens), lay, tuple(chunks), groups, build_schedule(chunks, groups, 1),
+                    (tuple([0] * len(chunks)),)).validate()
+
+    lens = (67, 40, 30, 20)
+    plan = place_plan(plan_of([[(0, 0, 32)], [(0, 32, 32)], [(0, 64, 3), (1, 0, 40), (2, 0, 30), (3, 0, 20)]],
+                              lens), cost, "context").validate()
+    first, second, tail = plan.chunks
+    assert first.placement == second.placement == (PER_DOC,)
+    assert 0 <= tail.placement[0] < 4 and PER_DOC not in tail.placement
+    assert cost.for_plan(plan).whole_doc_carried == ((0, 64, 64),)
+    placed = cost.for_plan(plan)
+    assert placed.stage_comm_bytes(lay, 0, tail) == 2 * placed.stage_comm_bytes(lay, 0, first) > 0
+    short_first = place_plan(plan_of([[(0, 0, 3)], [(0, 3, 32), (1, 0, 40)]], (35, 40)), cost, "context")
+    assert [c.placement[0] for c in short_first.chunks] == [0, 0]
+    assert place_plan(plan_of([[(0, 0, 32)], [(0, 32, 3), (1, 0, 40)]], (35, 40)), cost, "auto").chunks[1].placement == ()

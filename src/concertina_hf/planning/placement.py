@@ -19,11 +19,15 @@ busiest GPU as the score (:meth:`~.cost.CostModel.placed_layer_time`):
    ranks when that beats cutting one per-doc (gather) or Ulysses (all-to-alls);
 3. **Ulysses where cheaper** (``auto``, when ``sp`` divides the heads: :func:`ulysses_allowed`).
 
-A split sequence's slices are all placed the same way (their K/V are carried from slice to slice
-on each rank), decided once per sequence before the chunks (:func:`place_plan`): per-doc in
-``context`` mode, in ``auto`` the cheaper of per-doc and Ulysses over its slices alone (whole-doc
-on rank 0 when a slice is too short to cut). A chunk holding a slice of a sequence left to
-Ulysses runs Ulysses whole. ``context`` mode places every chunk (whole-doc is always possible).
+A split sequence's slices are placed before the chunks (:func:`place_plan`), so that each finds
+its earlier slices' K/V where it attends: per-doc in ``context`` mode (or when Ulysses cannot
+split the heads), in ``auto`` the cheaper of per-doc and Ulysses over its slices alone (Ulysses
+when a slice is too short to cut into ``2 sp`` pieces). Placed, the slices before the first one
+too short to cut are per-doc and the rest whole-doc: a lone short last slice where its chunk's
+placement puts it (it reads the per-doc slices' K/V through the stage's gather, on any rank), more
+than one on rank 0 (their K/V are carried on the rank holding them). A chunk holding a slice of a
+sequence left to Ulysses runs Ulysses whole. ``context`` mode places every chunk (whole-doc is
+always possible).
 
 Cost: per chunk about ``k + 1`` LPT passes (``k``: sequences moved to per-doc, mostly 0-2) of
 ``O(n log sp)`` and as many per-rank cost evaluations; results are cached by chunk, since the
@@ -130,17 +134,25 @@ def _rank_work(chunk: Chunk, base: CostModel, sp: int) -> list[float]:
     return out
 
 
-def _split_choice(plan: Plan, cost: CostModel, mode: str, seq: int) -> int | None:
-    """How a split sequence's slices are all placed: ``PER_DOC``, ``None`` (Ulysses) or, in
-    ``context`` mode when a slice is too short to cut, whole-doc on rank 0."""
+def _split_places(plan: Plan, cost: CostModel, mode: str, seq: int) -> dict[int, int] | None:
+    """How a split sequence's slices are placed, by slice start: :data:`PER_DOC` or a rank (a
+    start left out: the chunk's placement puts that slice whole-doc); ``None``: Ulysses, all of them
+    (see the module docstring)."""
     slices = [sl for _, sl in plan.slices_of(seq)]
-    if any(sl.length < 2 * cost.sp for sl in slices):
-        return 0 if mode == "context" or not ulysses_allowed(cost) else None
-    if mode == "context" or not ulysses_allowed(cost):
-        return PER_DOC
-    t_pd = sum(cost.placed_layer_time(Chunk(0, plan.chunks[0].kind, (sl,), (PER_DOC,))) for sl in slices)
-    t_u = sum(cost.placed_layer_time(Chunk(0, plan.chunks[0].kind, (sl,))) for sl in slices)
-    return PER_DOC if t_pd < t_u else None
+    short = next((j for j, sl in enumerate(slices) if sl.length < 2 * cost.sp), None)
+    context = mode == "context" or not ulysses_allowed(cost)
+    if not context:
+        if short is not None:
+            return None
+        t_pd = sum(cost.placed_layer_time(Chunk(0, plan.chunks[0].kind, (sl,), (PER_DOC,))) for sl in slices)
+        t_u = sum(cost.placed_layer_time(Chunk(0, plan.chunks[0].kind, (sl,))) for sl in slices)
+        if t_pd >= t_u:
+            return None
+    places = {sl.start: PER_DOC for sl in slices[:short]}
+    tail = slices[short:] if short is not None else []
+    if len(tail) > 1 or short == 0:  # whole-doc from the first slice too short to cut on: one rank
+        places.update((sl.start, 0) for sl in tail)
+    return places  # a lone short last slice: whole-doc where its chunk's placement puts it
 
 
 def place_plan(plan: Plan, cost: CostModel, mode: str) -> Plan:
@@ -152,13 +164,14 @@ def place_plan(plan: Plan, cost: CostModel, mode: str) -> Plan:
     for c in plan.chunks:
         for sl in c.slices:
             counts[sl.seq] = counts.get(sl.seq, 0) + 1
-    split = {q: _split_choice(plan, cost, mode, q) for q, n in counts.items() if n > 1}
+    split = {q: _split_places(plan, cost, mode, q) for q, n in counts.items() if n > 1}
     chunks = []
     for c in plan.chunks:
-        pins = [(i, split[sl.seq]) for i, sl in enumerate(c.slices) if sl.seq in split]
-        if any(w is None for _, w in pins):
+        if any(sl.seq in split and split[sl.seq] is None for sl in c.slices):
             chunks.append(c)  # a slice of a sequence left to Ulysses: the chunk runs Ulysses
             continue
+        pins = [(i, split[sl.seq][sl.start]) for i, sl in enumerate(c.slices)
+                if sl.seq in split and sl.start in split[sl.seq]]
         where = choose_placement(dataclasses.replace(c, placement=()), cost, mode, tuple(pins))
         chunks.append(dataclasses.replace(c, placement=where))
     return dataclasses.replace(plan, chunks=tuple(chunks))
