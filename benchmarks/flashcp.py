@@ -102,7 +102,9 @@ def run(batches: int, caps, solver: str, memory_gb: float, sp_only: bool) -> dic
     diag = {}
     if 65536 in caps:
         diag = {"packing": _diagnose_packing("llama-13b", 4, 8, 65536, 0, int(memory_gb * GIB), solver),
-                "memory_30b": _memory_terms("llama-30b", 4, 8, 65536)}
+                "memory_30b": _memory_terms("llama-30b", 4, 8, 65536),
+                "whole_doc_tradeoff": _whole_doc_tradeoff("llama-13b", 4, 8, 65536, batches, int(memory_gb * GIB),
+                                                          solver)}
     return {"rows": rows, "memory_gb": memory_gb, "solver": solver, "batches": batches, "caps": list(caps),
             "targets": _targets(rows), "diagnosis": diag}
 
@@ -138,6 +140,24 @@ def _diagnose_packing(model: str, pp: int, sp: int, cap: int, seed: int, budget:
             "a2a_share": statistics.median(r["a2a_share"] for r in rows) if rows else 0,
             "whole_faster": sum(r["whole_over_ulysses"] < 1 for r in rows),
             "token_share_up_to": {n: sum(x for x in lens if x <= n) / total for n in (2048, 4096, 8192, 16384)}}
+
+
+def _whole_doc_tradeoff(model: str, pp: int, sp: int, cap: int, batches: int, budget: int, solver: str) -> list:
+    """What the bytes target costs: ``modes`` with the knob ``whole_doc_tokens`` forced up (more
+    sequences whole-doc, in per-GPU bins) against Ulysses-only, step time and bytes, per batch."""
+    cost = CostModel.from_hf_config(MODEL_PRESETS[model], DeviceSpec.a800()).with_parallel(sp=sp, state_shards=sp)
+    layout = partition_layers(cost, pp)
+    out = []
+    for seed in range(batches):
+        lens = data.sample_lengths("github", 512, cap, seed)
+        uly = simulate(plan_step(lens, cost, layout, budget, "adaptive", solver=solver, sp_mode="ulysses"), cost)
+        for tokens in (8192, 16384):
+            sim = simulate(plan_step(lens, cost, layout, budget, "adaptive", solver=solver, sp_mode="auto",
+                                     whole_doc_tokens=tokens), cost)
+            out.append({"model": model, "layout": f"pp{pp} x sp{sp}", "cap": cap, "seed": seed,
+                        "whole_doc_tokens": tokens, "time_ratio": sim.step_time_s / uly.step_time_s,
+                        "bytes_cut": 1 - sim.stage_comm_bytes / uly.stage_comm_bytes})
+    return out
 
 
 def _memory_terms(model: str, pp: int, sp: int, seq: int) -> dict:
@@ -233,7 +253,7 @@ def _md(res: dict) -> str:
 def _md_diagnosis(d: dict) -> list[str]:
     if not d:
         return []
-    p, m = d["packing"], d["memory_30b"]
+    p, m, w = d["packing"], d["memory_30b"], d.get("whole_doc_tradeoff", [])
     share = ", ".join(f"{n // 1024}K {v:.0%}" for n, v in p["token_share_up_to"].items())
     return [
         "## Where each mode wins", "",
@@ -250,6 +270,11 @@ def _md_diagnosis(d: dict) -> list[str]:
         f"larger chunks stall 1F1B): sequences of at most {share} of the tokens. The rest are long sequences "
         "that stay Ulysses: per-doc moves sp/2 times Ulysses' bytes per token for MHA (the K/V of every token to "
         "every GPU against q, k, v and output over sp), and is rarely chosen where Ulysses can run.",
+        *([f"- The bytes target bought with whole-doc ({w[0]['model']} {w[0]['layout']}, {w[0]['cap'] // 1024}K cap, "
+           "knob `whole_doc_tokens` forced): " + "; ".join(
+               f"seed {x['seed']} up to {x['whole_doc_tokens'] // 1024}K cuts {x['bytes_cut']:.0%} of Ulysses-only's "
+               f"bytes at {x['time_ratio']:.2f}x its step time" for x in w)
+           + ". The planner, choosing by time, stops where whole-doc stops being faster."] if w else []),
         f"- {m['model']} {m['layout']}: a {m['tokens'] // 1024}K sequence split per-doc leaves on each GPU of "
         f"stage 0 ({m['stage0_layers']} layers; {m['static_gib']:.1f} GiB static) its shard of the K/V for the later "
         f"slices, {m['shard_kv_gib']:.1f} GiB, and as much of gradient buffers; kept whole on every GPU (the gathered "
