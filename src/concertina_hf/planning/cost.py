@@ -91,14 +91,14 @@ a profiled model times the two collectives apart on the stage's own group, ``all
 ``reduce_scatter_*``, since gloo's reduce-scatter costs several all-gathers);
 whole-doc slices move nothing. A per-doc slice's earlier slices (per-doc too) left their K/V
 sharded over the GPUs (each its own pieces'), so its gather moves them again: ``tokens`` is the
-slices' ends, not their lengths (and a whole-doc slice after per-doc ones, which the planner
-never makes, gathers theirs, :attr:`CostModel.whole_doc_carried`). Memory, the busiest GPU's per
-chunk (or one GPU's, :meth:`CostModel.at_rank`): its own tokens' activations (an empty GPU's pad
-token's) plus, on every saved layer, the gathered K/V its pieces attend to, and in a layer's
-backward the whole dK/dV of what it gathered before the reduce-scatter, the keys each piece
-attends to (its position in the sequence) and, when every layer recomputes, the replay's gathered
-K/V; a placed split slice keeps, and takes gradients into, its GPU's own tokens' K/V (a per-doc
-slice's shard, :meth:`CostModel.kv_grad_scale`). So per-doc moves
+slices' ends, not their lengths (and a whole-doc slice after per-doc ones, the planner's for a
+last slice too short to cut, gathers theirs, :attr:`CostModel.whole_doc_carried`). Memory, the
+busiest GPU's per chunk (or one GPU's, :meth:`CostModel.at_rank`): its own tokens' activations
+(an empty GPU's pad token's) plus, on every saved layer, the gathered K/V its pieces attend to,
+and in a layer's backward the whole dK/dV of what it gathered before the reduce-scatter, the
+keys each piece attends to (its position in the sequence) and, when every layer recomputes, the
+replay's gathered K/V; a placed split slice keeps, and takes gradients into, its GPU's own
+tokens' K/V (a per-doc slice's shard, :meth:`CostModel.kv_grad_scale`). So per-doc moves
 ``O(T)`` bytes a GPU where Ulysses moves ``O(T / sp)``; whole-doc moves none but balances only
 when a chunk holds many sequences.
 
@@ -399,8 +399,8 @@ class CostModel:
     # GPUs (:meth:`at_rank`: a per-rank prediction); None, the planner's: each chunk's busiest
     # rank. Not a fitted coefficient: to_dict leaves it out while None.
     sp_rank: int | None = None
-    # whole-doc slices whose sequence's earlier slices ran per-doc (Plan.validate_placements allows
-    # it; the planner makes none): ``(seq, start, tokens)``, those tokens' K/V, sharded over the
+    # whole-doc slices whose sequence's earlier slices ran per-doc (placement.py: a last slice too
+    # short to cut into 2 sp pieces): ``(seq, start, tokens)``, those tokens' K/V, sharded over the
     # stage, gathered again per layer on every GPU for the slice. Set by for_plan from the plan;
     # to_dict leaves it out while empty.
     whole_doc_carried: tuple[tuple[int, int, int], ...] = ()

@@ -216,7 +216,7 @@ class ContextParallelContext:
         self.gather_rows = [sum(shard_rows(sl.length, size, r) for sl in self.gathered_slices) for r in range(size)]
         # whether this rank's attention reads what it gathers (else its output is tied to it, so
         # that its backward's reduce-scatter runs on every rank)
-        self.reads_gather = any(sharded for s, (_, sharded) in zip(self.pieces, info)) or any(
+        self.reads_gather = any(per_doc for _, per_doc in info) or any(
             sharded for s in self.pieces for _, sharded in earlier.get(s.seq, ()))
 
     # ------------------------------------------------------------------ attention
