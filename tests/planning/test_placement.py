@@ -10,7 +10,9 @@ import pytest
 from concertina_hf.planning import CostModel, DeviceSpec, Plan, PlanError, StageLayout, plan_step, simulate
 from concertina_hf.planning.placement import check_sp_mode, choose_placement, lpt_ranks, place_plan
 from concertina_hf.planning.presets import MODEL_PRESETS
-from concertina_hf.planning.sharding import PER_DOC, chunk_mode, plan_placement_refusal, rank_tokens
+from concertina_hf.planning.sharding import (
+    PER_DOC, chunk_mode, earlier_slices, plan_placement_refusal, rank_tokens, shard_rows,
+)
 from concertina_hf.planning.types import Chunk, ChunkKind, Slice
 
 GIB = 2**30
@@ -316,6 +318,10 @@ def test_a_split_sequence_with_a_short_last_slice_runs_per_doc_then_whole_doc():
     assert first.placement == second.placement == (PER_DOC,)
     assert 0 <= tail.placement[0] < 4 and PER_DOC not in tail.placement
     assert cost.for_plan(plan).whole_doc_carried == ((0, 64, 64),)
+    # what the runtime gathers for it: the two per-doc slices, each rank its two pieces of each
+    assert earlier_slices(plan, tail) == {0: ((Slice(0, 0, 32), True), (Slice(0, 32, 32), True))}
+    assert earlier_slices(plan, first) == {}
+    assert [shard_rows(32, 4, r) for r in range(4)] == [8] * 4 and sum(shard_rows(35, 4, r) for r in range(4)) == 35
     placed = cost.for_plan(plan)
     assert placed.stage_comm_bytes(lay, 0, tail) == 2 * placed.stage_comm_bytes(lay, 0, first) > 0
     short_first = place_plan(plan_of([[(0, 0, 3)], [(0, 3, 32), (1, 0, 40)]], (35, 40)), cost, "context")
