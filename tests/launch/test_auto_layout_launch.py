@@ -92,6 +92,8 @@ def test_auto_layout_on_4_processes_equals_trainer_with_4x_the_batch(tmp_path):
     choice = ranks[0]["auto"]["choice"]
     assert meta["layout_choice"]["source"] == "auto" and meta["layout_choice"]["table"]
     assert [meta["pipeline_size"], meta["sequence_parallel_size"], meta["data_parallel_size"]] == choice
+    # the sequence-parallel mode it runs with (the default 'auto' under the analytic cost model: Ulysses)
+    assert meta["layout_choice"]["sequence_parallel_mode"] == (None if choice[1] == 1 else "ulysses"), meta
     for r in ranks:
         assert r["resumed"]["choice"] == choice and r["resumed"]["source"] == "checkpoint"
         steps = r["resumed"]["steps"]
