@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
 
 from .cost import CostModel
 from .lpt import lpt_ranks
