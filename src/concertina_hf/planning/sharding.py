@@ -88,17 +88,11 @@ def earlier_slices(plan: Plan, chunk: Chunk) -> dict[int, tuple[tuple[Slice, boo
     before that one, in token order, each with whether it is per-doc (its K/V then lie sharded
     over the stage's ranks, each rank its two pieces, and the chunk's per-layer gather rebuilds
     them; a whole-doc one's lie whole on its rank)."""
-    out: dict[int, tuple[tuple[Slice, bool], ...]] = {}
-    for sl in chunk.slices:
-        if sl.start == 0:
-            continue
-        before = []
-        for c in plan.chunks:
-            for i, e in enumerate(c.slices):
-                if e.seq == sl.seq and e.start < sl.start:
-                    before.append((e, bool(c.placement) and c.placement[i] == PER_DOC))
-        out[sl.seq] = tuple(sorted(before, key=lambda x: x[0].start))
-    return out
+    def per_doc(c: Chunk, e: Slice) -> bool:
+        return bool(c.placement) and c.placement[c.slices.index(e)] == PER_DOC
+
+    return {sl.seq: tuple((e, per_doc(plan.chunks[ci], e)) for ci, e in plan.slices_of(sl.seq) if e.start < sl.start)
+            for sl in chunk.slices if sl.start > 0}
 
 
 def shard_rows(length: int, sp: int, rank: int) -> int:
