@@ -26,25 +26,41 @@ Import it from here (``from concertina_hf.integrations.trl import ConcertinaSFTT
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from transformers import set_seed
+from transformers import TrainingArguments, set_seed
 from trl import SFTConfig, SFTTrainer
 
-from ..training.args import ConcertinaTrainingArguments
+from ..training.args import DEFAULTS_NOT_TAKEN, ConcertinaTrainingArguments
 from ..training.trainer import ConcertinaTrainer
 
 __all__ = ["ConcertinaSFTConfig", "ConcertinaSFTTrainer"]
 
 
+_TRAINING_ARGUMENTS_FIELDS = {f.name: f for f in fields(TrainingArguments)}
+
+
 @dataclass
-class ConcertinaSFTConfig(ConcertinaTrainingArguments, SFTConfig):
+class ConcertinaSFTConfig(SFTConfig, ConcertinaTrainingArguments):
     """``SFTConfig`` (``packing``, ``packing_strategy``, ``padding_free``, ``max_length``,
     ``completion_only_loss``, ``dataset_text_field``, ...) plus the ``concertina_*`` fields of
-    :class:`~concertina_hf.training.args.ConcertinaTrainingArguments`. ``SFTConfig``'s defaults apply
-    (``bf16=True`` unless ``fp16``, ``learning_rate=2e-5``, ``logging_steps=10``,
-    ``gradient_checkpointing=True``, which the planner's recompute replaces)."""
+    :class:`~concertina_hf.training.args.ConcertinaTrainingArguments`.
+
+    Every field shared with ``SFTConfig`` has ``SFTConfig``'s default and resolves as TRL resolves
+    it (``SFTConfig`` comes first among the bases: a dataclass takes each field from the last base
+    of its MRO that declares it, here ``SFTConfig``), so a TRL script trains the same with only
+    the swap: ``bf16`` unset is ``not fp16`` (bfloat16 autocast, on CPU too: set ``use_cpu`` outside
+    a launcher, as for ``SFTConfig``), ``learning_rate=2e-5``, ``logging_steps=10``, ... The
+    exceptions are :data:`~concertina_hf.training.args.DEFAULTS_NOT_TAKEN`:
+    ``gradient_checkpointing`` defaults to ``TrainingArguments``' (off), the planner's recompute
+    replaces it."""
+
+    gradient_checkpointing: bool | None = field(  # DEFAULTS_NOT_TAKEN: TrainingArguments' default, not SFTConfig's
+        default=_TRAINING_ARGUMENTS_FIELDS["gradient_checkpointing"].default,
+        metadata={**_TRAINING_ARGUMENTS_FIELDS["gradient_checkpointing"].metadata,
+                  "help": f"{_TRAINING_ARGUMENTS_FIELDS['gradient_checkpointing'].metadata.get('help', '')} Off by "
+                          f"default here, unlike SFTConfig: {DEFAULTS_NOT_TAKEN['gradient_checkpointing']}."})
 
 
 def _check_sft_args(args: ConcertinaSFTConfig) -> None:

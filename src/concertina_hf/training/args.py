@@ -36,6 +36,7 @@ from ..planning.segments import SegmentOptions, parse_heads
 __all__ = [
     "COST_MODEL_SOURCES",
     "ConcertinaTrainingArguments",
+    "DEFAULTS_NOT_TAKEN",
     "NONFINITE_MODES",
     "PLANNER_FIELDS",
     "SOLVERS",
@@ -67,6 +68,19 @@ PLANNER_FIELDS = {
 MEASURED_COST_MODELS = ("profiled", "online")
 #: concertina_nonfinite: stop every rank, or drop the step (see concertina_hf.training.step_guard)
 NONFINITE_MODES = ("raise", "skip")
+#: The fields whose default, or value as ``__post_init__`` resolves it, is not the base class's:
+#: ``ConcertinaTrainingArguments`` against ``TrainingArguments``, and
+#: :class:`~concertina_hf.integrations.trl.ConcertinaSFTConfig` against TRL's ``SFTConfig``. Every
+#: other field they share takes the base's default and resolves as the base resolves it
+#: (``tests/training/test_argument_defaults.py`` compares them on the installed releases).
+DEFAULTS_NOT_TAKEN = {
+    "gradient_checkpointing": (
+        "the planner decides per chunk and per stage which layers recompute their activations, so HF's "
+        "checkpointing of every layer is never applied: the default is TrainingArguments' (off; SFTConfig's is on), "
+        "and True is accepted and resolved to False with a warning"),
+    "activation_checkpointing": "the newer name of gradient_checkpointing (transformers >= 5.2x): the same reason",
+}
+
 
 _UNITS = {
     "": 1, "b": 1,
