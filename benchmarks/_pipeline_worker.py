@@ -329,7 +329,7 @@ def _run(rank: int, world: int, spec: dict) -> dict:
                 "predicted_bubble_fraction": plan.predicted.bubble_fraction,
                 "meter_peak_bytes": [m["meter_peak"] for m in per],
                 "alloc_peak_bytes": [m["alloc_peak"] for m in per] if memory_round else None,
-                # the same counting the parameter storages the layers viewed (the figure before this fix)
+                # the same, counting the parameter storages the layers viewed too
                 "alloc_peak_with_params_bytes": [m["alloc_peak_params"] for m in per] if memory_round else None,
                 "loss": per[-1]["loss"],
                 "knobs": [[k, v] for k, v in plan.knobs],
@@ -368,7 +368,7 @@ def _step(rank: int, rep: _Replica, plan, ids, memory_round: bool, t0: float, t_
     try:
         # the activation peak is measured on the memory round only, as the trainer measures only
         # the steps it logs: the saved-tensor hooks cost 1-7% of a CPU step (chunks of 1024 to 64 tokens)
-        # (issue 13, studies/runtime_overhead.py); the Trainer baseline meters its first step only too
+        # (studies/runtime_overhead.py); the Trainer baseline meters its first step only too
         res = rep.executor.run_step(plan, ids, measure_memory=memory_round)
     finally:
         if tracker is not None:

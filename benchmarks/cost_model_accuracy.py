@@ -17,7 +17,7 @@ runtime (SDPA attention on CPU).
    (``CostModel.from_hf_config`` at ``DeviceSpec.cpu()`` rates), the planner's default before any
    profiling. Activation bytes are compared too (exact counts of saved tensors).
 3. **Head and embedding** on chunk sizes between the profile's ladder points, against the model
-   and against the fit before issue 13 (per-token rates through the origin at ``m/4`` and ``m``).
+   and against per-token rates through the origin at ``m/4`` and ``m`` (``former``).
 4. **Whole steps**: one-stage plans (embedding, 4 layers, head and loss; a split sequence;
    recompute none / partial / full) run by :class:`PipelineExecutor`: measured step wall time
    against ``simulate(plan, cost).step_time_s``, and the activation-memory peak (every live
@@ -122,8 +122,8 @@ def _plans(m: int, layout: StageLayout) -> list[tuple[str, Plan]]:
 
 def head_and_embedding(model, cost: CostModel, m: int, repeats: int, warmup: int) -> list[dict]:
     """The head (with the loss) and the embedding, forward + backward, on chunk sizes between
-    the profile's ladder points, against ``cost`` and against the fit before issue 13 (rates
-    through the origin at ``m // 4`` and ``m`` tokens, from the same profile's measurements)."""
+    the profile's ladder points, against ``cost`` and against per-token rates
+    through the origin at ``m // 4`` and ``m`` tokens (``former``), from the same profile's measurements."""
     from concertina_hf.planning.fit import through_origin
     from concertina_hf.runtime.probe import build_probe
 
@@ -309,8 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         lines += [
             "## Head and embedding on held-out chunk sizes, forward + backward",
             "",
-            "Chunk sizes between the profile's ladder points. `former`: the fit before issue 13 (per-token rates "
-            f"through the origin at {m // 4} and {m} tokens, no per-call constant), from the same profile's "
+            "Chunk sizes between the profile's ladder points. `former`: per-token rates "
+            f"through the origin at {m // 4} and {m} tokens, no per-call constant, from the same profile's "
             "measurements at those sizes.",
             "",
             "| tokens | head measured ms | predicted | error | former | former error | embedding measured ms | "

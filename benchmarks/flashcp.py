@@ -1,4 +1,4 @@
-"""Document-aware sharding inside a stage (FlashCP, issue 23) at paper scale, simulated.
+"""Document-aware sharding inside a stage (FlashCP) at paper scale, simulated.
 
     python benchmarks/flashcp.py                    # about 1-3 min on 2 loaded cores
     python benchmarks/flashcp.py --batches 1 --quick
@@ -16,15 +16,14 @@ sequence keeps only each GPU's shard of its K/V for the later slices, which gath
 
 Per layout and batch, ``adaptive`` planned three ways (``plan_step(sp_mode=...)``): **modes**
 (``auto``: per chunk the cheapest of Ulysses, whole-doc and per-doc by the cost model,
-planning/placement.py), **Ulysses-only** (``ulysses``: every chunk Ulysses, the plans before issue
-23), **context** (``context``: whole-doc / per-doc only, never an all-to-all); and ``sp-only``
+planning/placement.py), **Ulysses-only** (``ulysses``: every chunk Ulysses), **context** (``context``: whole-doc / per-doc only, never an all-to-all); and ``sp-only``
 (no pipeline: the 32 GPUs in Ulysses groups with ZeRO-3, planning/strategies/sp_only.py). Each is
 scored by the same simulator: predicted step time, and the bytes the GPUs of each stage send one
 another per step (``SimResult.stage_comm_bytes``: Ulysses' all-to-alls, per-doc K/V all-gathers
 and dK/dV reduce-scatters, recompute's replays included; sp-only: its all-to-alls, not its ZeRO-3
 weight gathers), and the chunks of each mode.
 
-Targets (issue 23): modes never slower than Ulysses-only; intra-stage bytes per step at least 30%
+Targets: modes never slower than Ulysses-only; intra-stage bytes per step at least 30%
 lower than Ulysses-only at the 64K cap; the 52-head 30B planned as pp=4 x sp=8. Writes
 benchmarks/results/flashcp.{md,json}. The measured CPU comparison (4 processes) is the runtime's.
 """

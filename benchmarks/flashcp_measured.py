@@ -1,4 +1,4 @@
-"""Document-aware sharding inside a stage (issue 23), measured: pp=1 x sp=4 on 4 CPU processes.
+"""Document-aware sharding inside a stage, measured: pp=1 x sp=4 on 4 CPU processes.
 
     python benchmarks/flashcp_measured.py            # a few minutes on 2 busy cores
     python benchmarks/flashcp_measured.py --quick    # tiny model, 2 timed steps

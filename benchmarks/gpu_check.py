@@ -51,7 +51,7 @@ failed or a section raised).
 
 ``--cpu-smoke``: the same code path with tiny shapes in float32 on the CPU, written to ``--out``
 (a new temporary folder by default, never over the GPU results); the test suite runs it
-(``tests/test_gpu_check_smoke.py``). GPU-only targets (time, MFU, memory on the allocator) are
+(``tests/benchmarks/test_gpu_check_smoke.py``). GPU-only targets (time, MFU, memory on the allocator) are
 computed there too but marked informational.
 
 Nothing here imports flash-attn: the backend decides its kernel itself, and the sections record

@@ -3,7 +3,7 @@
     python benchmarks/layout_measured.py            # about 6-10 min on 2 busy cores
     python benchmarks/layout_measured.py --quick    # a smoke run: short distribution, one round
 
-Issue 22 item 4: on this machine with 4 processes, two length distributions, auto's pick against
+On this machine with 4 processes, two length distributions, auto's pick against
 every runnable fixed layout of 4 processes, tokens/s as ratios from one run with interleaved
 candidates. What runs (CPU, gloo, one thread per process, fp32, ``ConcertinaTrainer`` itself):
 

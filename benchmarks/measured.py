@@ -381,7 +381,7 @@ def memory_peak_pairs(run: dict) -> list[tuple[int, float, float]]:
     allocation tracker's peak of the warm-up step against that step's own plan's prediction.
     (The maximum prediction over every step's plan belongs to other batches: at 4K and 8K it
     read up to 25% over the memory batch's allocation while that batch's own plan was within
-    -2.8% to +0.7% of it; issue 13.)"""
+    -2.8% to +0.7% of it.)"""
     got = run.get("memory_batch_alloc_peak_bytes") or ()
     return [(s, g, p) for s, (g, p) in enumerate(zip(got, run["memory_batch_predicted_activation_peak_bytes"]))]
 
@@ -600,7 +600,7 @@ def targets(contexts: list[dict]) -> list[dict[str, Any]]:
         if v is not None:
             add("same, cost model refitted online from the other timed steps", c, v,
                 f"<= {TARGETS['prediction_error']:.0%}", v <= TARGETS["prediction_error"], f"{v:.1%}")
-        # issue 13: every run's allocated activation peak (memory batch) within the budget and
+        # every run's allocated activation peak (memory batch) within the budget and
         # within 5% of its plan's prediction, on every stage
         mem = [(name, s, got, pred) for name, run in c["runs"].items() for s, got, pred in memory_peak_pairs(run)]
         if mem:

@@ -3,9 +3,9 @@
     python benchmarks/measured_sp.py            # about 5-8 min on 2 busy cores
     python benchmarks/measured_sp.py --quick    # under a minute: tiny model, one 256-token context, 1 step
 
-Issue 12: "Measured on this machine with 4 processes (they share 2 cores: report ratios and say
-so): pp=2 x sp=2 adaptive vs pp=1 x sp=4 vs pp=4 x sp=1 on the same batches, tokens/s and
-per-rank peak memory." What runs (CPU, gloo, one thread per process, fp32):
+Measured on this machine with 4 processes (they share 2 cores: the ratios mean something, the
+absolute tokens/s do not): pp=2 x sp=2 adaptive vs pp=1 x sp=4 vs pp=4 x sp=1 on the same
+batches, tokens/s and per-rank peak memory. What runs (CPU, gloo, one thread per process, fp32):
 
 1. **Model.** ``measured.py``'s Llama (hidden 256, 8 layers, 4 heads, 2 K/V heads, MLP 688,
    vocab 8192); its 4 heads divide by 4, so ``sp=4`` gives each rank one head (its 2 K/V heads

@@ -25,7 +25,7 @@ bubble, all-to-alls, recompute, ZeRO-3 gathers not hidden, per-call overhead, pe
 and ``sp-only`` with every layer recomputed (DeepSpeed ALST's recipe: HF gradient checkpointing
 on), next to the tuned one (the fewest recomputed layers that fit, a stronger baseline).
 
-Targets (issue 12): adaptive finds a plan for every batch; adaptive at least 1.3x faster than
+Targets: adaptive finds a plan for every batch; adaptive at least 1.3x faster than
 sp-only at 128K (with, per 128K batch, the most any plan could gain: sp-only / ideal); adaptive
 within 1.15x of the ideal bound. Writes benchmarks/results/paper_layout.{md,json}
 (``--from-json`` rewrites the markdown of an earlier run).

@@ -6,14 +6,14 @@
 Each call draws a model (tiny-llama on CPU rates, LLaMA-7B on A800 rates), a pipeline depth
 (1-8), a batch (many sequences of length 1, many equal lengths, or long-tailed lengths up to 1M,
 sometimes an empty one), a token cap (none, 1, 2, 16, 512, 4096, 65536), a strategy and a
-budget (unlimited, below static memory, just above it, 2x, 10x, huge). The contract (issue 10):
+budget (unlimited, below static memory, just above it, 2x, 10x, huge). The contract:
 every call returns a plan that passes ``validate()`` and fits its budget in simulation, or
 raises ``PlanError``, within 2 s. Reported: calls (plans, refusals), contract violations (other
 exceptions, plans over budget), calls over 2 s of CPU (this process and the CBC solver it waits
 for) and over 2 s of wall clock (which counts the machine's other load too), calls stopped at
 the ``--call-limit`` (counted as over both), the largest and the 99th-percentile CPU and wall
 seconds, and the slowest cases. The default suite checks the same contract on derandomized
-calls (tests/test_planner_fuzz.py); this runs for a set time on fresh ones. Writes
+calls (tests/planning/test_planner_fuzz.py); this runs for a set time on fresh ones. Writes
 benchmarks/results/planner_fuzz.{md,json}.
 """
 

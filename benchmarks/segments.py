@@ -1,4 +1,4 @@
-"""Segment-level training (issue 24): memory and time of one long sequence per step, against full attention.
+"""Segment-level training: memory and time of one long sequence per step, against full attention.
 
 Measured (CPU, one process, one stage): a tiny Llama trains one sequence of 32K, 48K and 64K tokens
 per step, cut into segments of ``--segment`` tokens, under
@@ -131,7 +131,7 @@ def table(measured: list[dict], sim: list[dict], grow: dict, args) -> str:
                      f"{r['predicted_peak_bytes'] / MIB:.1f} | {r['step_s']} | {r['loss']} |")
     lines += ["", f"Growth of the measured peak from {lo} to {hi} tokens ({hi / lo:g}x the tokens): "
               + ", ".join(f"{k} {v}x" for k, v in grow.items()) + ".",
-              f"Target (issue 24): bounded tail <= {TARGET_TAIL}x, full attention >= {TARGET_FULL}x.", ""]
+              f"Target: bounded tail <= {TARGET_TAIL}x, full attention >= {TARGET_FULL}x.", ""]
     lines += [f"Simulated: LLaMA-7B, 4 stages (A800 preset), one sequence, segments of {args.paper_segment} "
               f"tokens, tail W = {args.paper_tail}; peak GiB per stage and step time predicted by the planner "
               f"(`no-recompute`; `adaptive` under {args.budget_gib:g} GiB per stage).", "",

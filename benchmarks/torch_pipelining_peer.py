@@ -118,8 +118,8 @@ def cost_model(config: dict, args, log, sources: tuple[str, ...] = ("measured.js
                 "(alpha_mask > 0); not reused")
             continue
         if not rec["cost_model"].get("max_chunk_tokens"):
-            log(f"{src.name} ({rec.get('date')}): its cost model records no fitted chunk range (max_chunk_tokens, "
-                "profiled before issue 13's fix: its plans put a step in chunks far larger than any profiled one); "
+            log(f"{src.name} ({rec.get('date')}): its cost model records no fitted chunk range (max_chunk_tokens: "
+                "its plans put a step in chunks far larger than any profiled one); "
                 "not reused")
             continue
         log(f"cost model from {src.name} ({rec.get('date')}, {rec.get('command')})")

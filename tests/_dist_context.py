@@ -1,4 +1,4 @@
-"""Worker of ``tests/launch/test_context_launch.py``: whole-doc / per-doc placements (issue 23) on
+"""Worker of ``tests/launch/test_context_launch.py``: whole-doc / per-doc placements on
 real gloo launches, one process per (stage, sequence-parallel rank).
 
 Each rank builds the package's ``pp x sp`` mesh, the same tiny models and the single-process HF

@@ -1,4 +1,4 @@
-"""Worker of ``tests/launch/test_segments_dist.py``: segment-level training (issue 24) at pp = 2 and 4 on gloo.
+"""Worker of ``tests/launch/test_segments_dist.py``: segment-level training at pp = 2 and 4 on gloo.
 
 Each rank computes the plain-HF segment reference itself and runs hand-made segment plans (every
 recompute setting) and a planner plan with the segment options on its stage; failures go to

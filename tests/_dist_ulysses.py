@@ -160,7 +160,7 @@ def _run(rank: int, world: int, pp: int, sp: int, dp: int, report: dict) -> None
                 predicted1 = simulate(plan, cost1).peak_memory_bytes[0] - cost1.static_memory(layout, 0)
                 report["memory"].append((name, peak_sp, alone.run_step(plan, ids, labels).peak_activation_bytes,
                                          predicted, predicted1))
-            # issue 12: the allocated peak (every op output, as the benchmarks count it: all-to-all
+            # the allocated peak (every op output, as the benchmarks count it: all-to-all
             # buffers and transients included; .grad absent at the start) of the same plans at sp
             # and alone, against the profiled model's prediction (profiled alone, per GPU at sp)
             from concertina_hf.runtime.profiler import profile_cost_model
@@ -281,7 +281,7 @@ def a2a_worker(rank: int, world: int, port: int, outdir: str) -> None:
         fitted = profile_all_to_all(cost, group, [512, 2048, 8192, 32768], repeats=5)
         (_, measured), = measure_all_to_all(cost, group, [16384], repeats=5)
         predicted = fitted.with_parallel(sp=world).a2a_time(16384)
-        # the per-doc K/V collectives (issue 23): all-gather and reduce-scatter fitted apart
+        # the per-doc K/V collectives: all-gather and reduce-scatter fitted apart
         gathered = profile_all_gather(cost, group, [512, 2048, 8192, 32768], repeats=5)
         (moved, _, _), = measure_all_gather(cost, group, [16384], repeats=1)
         placed = gathered.with_parallel(sp=world)
@@ -309,7 +309,7 @@ def a2a_worker(rank: int, world: int, port: int, outdir: str) -> None:
         dist.destroy_process_group()
 
 
-# ---------------------------------------------------------------------- issue 12: allocated peaks at sp = 4
+# ---------------------------------------------------------------------- allocated peaks at sp = 4
 MEM_TOKENS = 512  # one sequence (whole, or two slices): 128 tokens a rank at sp = 4
 MEM_LAYERS = 3
 MEM_KV_HEADS = (2, 4)  # of 4 query heads: replicated to 4 at sp = 4, or split

@@ -1,4 +1,4 @@
-"""The plain-HF reference of segment-level training (issue 24), shared by the runtime and trainer tests.
+"""The plain-HF reference of segment-level training, shared by the runtime and trainer tests.
 
 :func:`segment_logits` runs one sequence segment by segment through an HF causal LM with
 ``past_key_values`` (a :class:`~transformers.DynamicCache` built from the earlier segments' K/V, as

@@ -1,4 +1,4 @@
-"""Chunk cap: the project's pp=1 step against its prediction, chunks capped at the profiled range or not (issue 13).
+"""Chunk cap: the project's pp=1 step against its prediction, chunks capped at the profiled range or not.
 
     flock /tmp/concertina_bench.lock python benchmarks/studies/chunk_cap.py   # 2K/4K/8K, ~5 min on one core
     python benchmarks/studies/chunk_cap.py --quick                            # tiny model, < 1 min
@@ -148,7 +148,7 @@ def main(argv=None) -> dict[str, Any]:
 
 
 def check(res: dict[str, Any], md: str) -> None:
-    """``--check`` (was tests/test_benchmarks_smoke.py): both plans of each batch run, the capped
+    """``--check``: both plans of each batch run, the capped
     one within the profiled range, the uncapped one beyond it (one chunk per step at pp=1)."""
     assert res["command"].startswith("python benchmarks/studies/chunk_cap.py --quick"), res["command"]
     assert "load_average" in res and "header" in res

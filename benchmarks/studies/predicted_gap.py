@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def check(rec: dict[str, Any], md: str) -> None:
-    """``--check`` (was tests/test_benchmarks_smoke.py): every context of measured_quick.json
+    """``--check``: every context of measured_quick.json
     planned, the measured ratios carried over, the bound never below the plan's own ratio (a
     plan's step is at least its slowest stage's busy time less recompute)."""
     import math

@@ -18,7 +18,7 @@ simulated with the same analytic cost model:
 Reported per split: the step time (the slowest replica), the mean replica time, the share of
 replica time spent idle waiting for the slowest, how long the fastest replica waits, and the
 ratio to the lower bound (no split makes the slowest replica faster than the mean replica time,
-nor than a replica running the longest sequence alone). Target (issue 12): balanced within 5% of
+nor than a replica running the longest sequence alone). Target: balanced within 5% of
 the lower bound. Writes benchmarks/results/studies/replica_balance.{md,json}.
 """
 

@@ -1,4 +1,4 @@
-"""Per-step overhead of the runtime at small chunks (issue 13): one process, one stage (pp=1).
+"""Per-step overhead of the runtime at small chunks: one process, one stage (pp=1).
 
     python benchmarks/studies/runtime_overhead.py            # 10M Llama (measured.py's), chunks of 64 / 256 / 1024 tokens
     python benchmarks/studies/runtime_overhead.py --quick    # tiny model, one setting, one round
@@ -12,7 +12,7 @@ alike; the first round is a warm-up, not counted):
 
 - ``metered``: :meth:`PipelineExecutor.run_step` measuring the activation peak (the executor's
   default: :class:`~concertina_hf.runtime.memory.SavedTensorMeter`'s Python hook on every tensor
-  autograd saves, what every step paid before issue 13);
+  autograd saves);
 - ``unmetered``: ``run_step(..., measure_memory=False)``: what ``ConcertinaTrainer`` runs on the
   steps whose statistics are not logged (the benchmarks' timed steps too);
 - ``hf``: the plain HF model (SDPA) on each sequence alone, forward and backward with the same
@@ -22,7 +22,7 @@ alike; the first round is a warm-up, not counted):
 Reported: the median step time of each, ``metered / unmetered`` (the meter's cost) and
 ``unmetered / hf`` (what the runtime still adds), the saved tensors per step, the load average,
 and a cores probe (a fixed matmul loop timed at the start and at the end: a slower end means
-the machine got busier). Results: ``benchmarks/results/studies/runtime_overhead{,_quick}.{md,json}``.
+the machine got busier). Writes ``benchmarks/results/studies/runtime_overhead{,_quick}.{md,json}``.
 """
 
 from __future__ import annotations
@@ -152,14 +152,14 @@ def run_setting(config: dict, chunk: int, rounds: int, log) -> dict[str, Any]:
 
 def to_markdown(res: dict[str, Any]) -> str:
     lines = [
-        "# Runtime overhead per step at small chunks (issue 13)", "",
+        "# Runtime overhead per step at small chunks", "",
         f"Model: Llama, hidden {res['config']['hidden_size']}, "
         f"{res['config']['num_hidden_layers']} layers, fp32, one thread, one process (pp=1). "
         f"Cores probe (a fixed matmul loop) {res['probe_ms_start']:.0f} ms at the "
         f"start, {res['probe_ms_end']:.0f} ms at the end. Median of {res['rounds']} interleaved rounds "
         "after a warm-up round.", "",
         "Each step: a sequence of 4 x chunk tokens in 4 slices plus a packed chunk of 4 sequences of chunk / 4 "
-        "tokens, no recompute. `metered`: `run_step` measuring the activation peak (every step before issue 13); "
+        "tokens, no recompute. `metered`: `run_step` measuring the activation peak; "
         "`unmetered`: `measure_memory=False` (the trainer's steps that log no statistics); `hf`: the HF model on "
         "each sequence alone.", "",
         "| chunk tokens | step tokens | saved tensors | metered ms | unmetered ms | HF ms | metered / unmetered | "
@@ -196,7 +196,7 @@ def main(argv=None) -> dict[str, Any]:
 
 
 def check(rec: dict[str, Any], md: str) -> None:
-    """``--check`` (was tests/test_benchmarks_smoke.py): every variant timed, the files written with
+    """``--check``: every variant timed, the files written with
     their command, and the unmetered step saves the same tensors (counted by an outer hook) as the
     metered one would hook."""
     (s,) = rec["settings"]

@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def check(res: dict, md: str) -> None:
-    """``--check`` (was tests/test_sharded_state_benchmark.py): the fields promised, and what must
+    """``--check``: the fields promised, and what must
     hold on any machine: both variants compute the same steps (same losses), and each shards the
     optimizer state (each rank holds about half of it)."""
     assert res["command"].startswith("python benchmarks/studies/sharded_state.py --quick"), res["command"]

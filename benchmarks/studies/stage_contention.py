@@ -248,7 +248,7 @@ def main(argv=None) -> dict[str, Any]:
 
 
 def check(res: dict[str, Any], md: str) -> None:
-    """``--check`` (was tests/test_stage_contention.py): the fields promised, and what holds on any
+    """``--check``: the fields promised, and what holds on any
     machine: a rank waiting for its neighbour the executor's way (``StageComm.exchange``:
     ``batch_isend_irecv`` then ``Work.wait``) sleeps in the wait, it does not poll (its CPU seconds
     are a small share of the wait's wall seconds), so a waiting stage never takes a core from the

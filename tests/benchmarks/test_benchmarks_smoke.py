@@ -56,11 +56,11 @@ def test_measured_benchmark_tiny(tmp_path):
         assert r["predicted_step_s"]["median"] > 0, name
         assert len(r["meter_peak_bytes"]) == 2 and all(b > 0 for b in r["meter_peak_bytes"]), name
         assert all(b > 0 for b in r["memory_batch_alloc_peak_bytes"]), name
-        # issue 13: the allocated activation peak (parameters, their views and gradients left
-        # out) never above the activation budget, and within 5% of the plan's prediction on
-        # every stage, either way (measured: -0.9% to +0.1%, seeds 0-2). Before: one CI run's adaptive plan
-        # peaked +16.7% on stage 0 (the embedding's and LM head's weight gradients, not modelled
-        # per backward, and gloo send buffers kept until the step's end; tests/runtime/test_memory_model.py)
+        # the allocated activation peak (parameters, their views and gradients left out) never
+        # above the activation budget, and within 5% of the plan's prediction on every stage,
+        # either way (measured: -0.9% to +0.1%, seeds 0-2); the terms that keep it there (the
+        # embedding's and LM head's weight gradients per backward, gloo send buffers kept until the
+        # step's end): tests/runtime/test_memory_model.py
         # (the memory batch's own plan: the tracker runs on that step only; tests/benchmarks/test_measured_memory_pairs.py)
         for s, got, pred in measured.memory_peak_pairs(r):
             assert got <= ctx["activation_budget_bytes"], (name, s, got, ctx["activation_budget_bytes"])

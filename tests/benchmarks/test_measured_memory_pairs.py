@@ -1,9 +1,9 @@
-"""Issue 13: the measured benchmark compares a run's allocated activation peak with the
-prediction of the plan that ran under the allocation tracker.
+"""The measured benchmark compares a run's allocated activation peak with the prediction of the
+plan that ran under the allocation tracker.
 
-The tracker runs on the memory (warm-up) batch only; the check took the largest prediction over
-every step's plan instead, which at 4K and 8K belongs to other batches' plans: it read the model
-up to 25% over the allocated peak (8K, packed, stage 0: allocated 554 MiB against 735 from a
+The tracker runs on the memory (warm-up) batch only. The largest prediction over every step's
+plan belongs at 4K and 8K to other batches' plans: it reads the model up to 25% over the
+allocated peak (8K, packed, stage 0: allocated 554 MiB against 735 from a
 timed batch's plan) while the memory batch's own plan predicted 556 MiB (-0.5%). Replanning every
 run's memory batch of benchmarks/results/measured.json with its cost model: -2.8% to +0.7% on every
 run and stage at 2K-8K. Pure bookkeeping on synthetic step records: milliseconds.

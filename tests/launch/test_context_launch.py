@@ -1,4 +1,4 @@
-"""Whole-doc / per-doc placements inside a stage (issue 23, :mod:`concertina_hf.runtime.context_parallel`)
+"""Whole-doc / per-doc placements inside a stage (:mod:`concertina_hf.runtime.context_parallel`)
 on real gloo launches: pp=1 x sp=2, pp=2 x sp=2 and pp=1 x sp=4, one launch each running every
 plan of ``_dist_context.py`` on five tiny models (Llama, one K/V head, 6 heads / 3 K/V heads, MLA,
 sinks with a sliding window) against the single-process HF model: loss 1e-5, every gradient of
@@ -57,7 +57,7 @@ def test_placed_chunks_match_hf(pp, sp, tmp_path, monkeypatch):
             print(f"  {kind:<22} {name:<24} stage {stage} {peak:>9}{vs}")
     failures = [f for r in reports for f in r["failures"]]
     assert failures == []
-    # memory (issue 23): each rank's allocated activation peak of every plan against the profiled
+    # memory: each rank's allocated activation peak of every plan against the profiled
     # model's prediction of that rank; see MEMORY_WITHIN_10
     rows = [(name, r["rank"], allocated, predicted) for r in reports
             for kind, name, _, _, _, allocated, predicted in r["peaks"] if kind == "llama K=4"]

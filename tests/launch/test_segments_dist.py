@@ -1,4 +1,4 @@
-"""Segment-level training (issue 24) at pp = 2 and 4, one gloo process per stage, against the plain-HF
+"""Segment-level training at pp = 2 and 4, one gloo process per stage, against the plain-HF
 segment reference (loss 1e-5, each stage's gradients 1e-4): hand-made segment plans under every
 recompute setting and the adaptive planner's segment plans, llama and qwen2, global heads included, and
 forward-only steps."""

@@ -45,7 +45,7 @@ def test_ulysses_matches_hf(dp, pp, sp, tmp_path, monkeypatch):
     # each rank's activation peak: within 60% of the same plan's on one rank (tokens and heads / sp)
     assert all(at_sp <= 0.6 * alone for r in reports for _, at_sp, alone, _, _ in r["memory"])
     assert all(len(r["memory"]) == (4 if pp == dp == 1 else 0) for r in reports)
-    # issue 12, counted as the benchmarks count (every allocation: all-to-all buffers, transients):
+    # memory, counted as the benchmarks count (every allocation: all-to-all buffers, transients):
     # each rank's allocated activation peak within 60% of the same plan's alone (measured x0.52 to
     # x0.54), and the profiled model's per-GPU prediction at sp within 10% of it (measured: the
     # prediction 4% under to 2% over)
@@ -59,7 +59,7 @@ def test_ulysses_matches_hf(dp, pp, sp, tmp_path, monkeypatch):
 
 
 def test_allocated_peak_at_sp4_matches_prediction(tmp_path, monkeypatch):
-    """Issue 12 at sp = 4 (4 processes, one launch): a one-stage Llama with the benchmark's heads
+    """Allocated peaks at sp = 4 (4 processes, one launch): a one-stage Llama with the benchmark's heads
     (4 of 64; K/V heads 2, replicated to 4, and 4, split), one 512-token sequence whole or in two
     slices, no and full recompute, at sp = 4 and sp = 2: each rank's allocated activation peak
     within 10% under to 3% over the profiled model's per-GPU prediction (measured x0.91 to x1.00;
@@ -186,7 +186,7 @@ def test_profiler_fits_the_all_to_all_on_a_real_group(tmp_path):
     lat, bw = r["trainer"]
     assert bw > 0 and lat >= 0 and bw != 150e9
     assert (saved["intra_node_latency_s"], saved["intra_node_bandwidth"]) == (lat, bw)
-    # the per-doc K/V all-gather and reduce-scatter (issue 23): fitted apart, the bytes measured
+    # the per-doc K/V all-gather and reduce-scatter: fitted apart, the bytes measured
     # those gather_kv_time counts, its forward / backward the two fits; the trainer's path saves them
     g = r["gather"]
     for name in ("all_gather", "reduce_scatter"):

@@ -1,4 +1,4 @@
-"""The cost model's fitted range caps the planner's chunks (issue 13).
+"""The cost model's fitted range caps the planner's chunks.
 
 The time model is linear in tokens and causal pairs; on CPU, chunks larger than every profiled
 one ran up to 1.6x their prediction (``benchmarks/results/pipeline_efficiency.md``: pp=1's
@@ -74,7 +74,7 @@ def test_cap_scales_with_sp_and_old_models_load_uncapped():
 # ------------------------------------------------------------------ per-call embedding / head times
 def test_relative_line_holds_at_small_chunks_where_through_origin_does_not():
     """The embedding's dense weight gradient costs the same at any chunk size: a line through the
-    origin fitted on large chunks misses it at the small chunks pp=2 plans use (issue 13)."""
+    origin fitted on large chunks misses it at the small chunks pp=2 plans use."""
     from concertina_hf.planning.fit import relative_line, through_origin
 
     toks = [64, 256, 1024, 4096]

@@ -195,7 +195,7 @@ def test_refit_at_sequence_parallel_size_2_recovers_the_compute_around_the_all_t
 
 
 def test_refit_of_per_doc_chunks_takes_their_gathers_not_all_to_alls():
-    """Issue 23: a per-doc chunk's measured times include its K/V all-gather forward and its
+    """A per-doc chunk's measured times include its K/V all-gather forward and its
     reduce-scatter backward (fitted on the group: on gloo the reduce-scatter is several
     all-gathers), not all-to-alls. The refit subtracts those and recovers the compute (per-doc
     slices of multiples of 2 sp tokens: each GPU's share of pairs and tokens is exactly 1/sp)."""
@@ -242,7 +242,7 @@ def test_action_samples_pair_forward_and_backward_of_each_chunk():
     assert all(s.fwd_s == s.bwd_s == 0.5 + plan.chunks.index(s.chunk) for s in out)
 
 
-# ---------------------------------------------------------------- bounded refits (issue 10, item 4)
+# ---------------------------------------------------------------- bounded refits
 # the default recipe's tiny Llama on one stage, its start model (analytic, CPU rates) and a
 # machine unlike it: slower per token, a per-call constant 40x the analytic one
 RECIPE_CFG = dict(vocab_size=8192, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
@@ -282,8 +282,8 @@ def _measured_steps(seed, num_steps, sleep_s=0.0, truth=RECIPE_TRUTH):
 
 
 def test_refit_on_noisy_steps_keeps_the_chunk_counts():
-    """Steps slowed by sleeps used to fit ``beta = 0``: small chunks looked free and the next
-    steps ran 8-30x the chunks (the runaway of the default recipe on a loaded machine). With the
+    """Steps slowed by sleeps fit ``beta = 0`` without floors: small chunks look free and the next
+    steps run 8-30x the chunks (the runaway of the default recipe on a loaded machine). With the
     floors the refitted model plans every later step within 2x of the start model's chunks."""
     samples = [x for step in _measured_steps(1, 5, sleep_s=0.15) for x in step]
     fitted = refit_cost_model(RECIPE_START, ONE_STAGE, samples)

@@ -1,6 +1,5 @@
-"""Per-rank memory of placed (whole-doc / per-doc) chunks: :meth:`CostModel.at_rank` (issue 23's
-"per-rank activation peak within 10% of the prediction", measured in
-``tests/launch/test_context_launch.py``)."""
+"""Per-rank memory of placed (whole-doc / per-doc) chunks: :meth:`CostModel.at_rank` (each rank's
+allocated activation peak within 10% of it is measured in ``tests/launch/test_context_launch.py``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Whole-doc / per-doc sharding inside a stage (issue 23, the planner): mode choice, costs,
+"""Whole-doc / per-doc sharding inside a stage (the planner's side): mode choice, costs,
 validation, serialization, display. Pure planner, milliseconds."""
 
 from __future__ import annotations

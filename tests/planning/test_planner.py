@@ -435,8 +435,8 @@ def test_adaptive_fits_whenever_a_baseline_fits():
 
 def test_a_budget_below_static_memory_is_refused_before_any_search():
     """No plan fits a stage whose weights, gradients and optimizer state alone exceed its budget:
-    every strategy says so at once, naming the stage and the setting (it used to search for
-    seconds, and with tiny token caps for minutes, before giving up)."""
+    every strategy says so at once, naming the stage and the setting (a search would take
+    seconds, and with tiny token caps minutes, before giving up)."""
     layout = StageLayout.even(COST.num_layers, 2)
     static = COST.static_memory(layout, 0)
     for strategy in STRATEGIES:

@@ -1,4 +1,4 @@
-"""The planner's contract under random calls (issue 10): every ``plan_step`` call returns a plan
+"""The planner's contract under random calls: every ``plan_step`` call returns a plan
 that passes ``validate()`` and fits its memory budget in simulation, or raises ``PlanError``.
 Every search is bounded by counted work (``SEARCH_EFFORT``), not time; how long calls take (the
 contract's 2 s) is measured by ``benchmarks/planner_fuzz.py``, not here: CPU and wall time
@@ -172,8 +172,7 @@ def _static(cost, layout):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_token_cap_of_one_plans_a_small_step_and_names_the_field_on_a_long_one(strategy, monkeypatch):
     """``max_tokens_per_chunk=1``: a few tokens get a valid plan of one-token chunks (``packed``
-    keeps each longer sequence whole; it used to fail an internal invariant, and full-recompute
-    returned a plan failing its own validate()); a long step is refused at once, naming the
+    keeps each longer sequence whole, and full-recompute's plan passes its own validate()); a long step is refused at once, naming the
     setting and the smallest cap that works, and that cap plans."""
     cost, layout = _layout("tiny-llama", 2)
     splits = _RECORDS[strategy].splits_sequences
@@ -240,7 +239,7 @@ def test_a_budget_below_the_longest_sequence_in_flight_is_refused_at_once(strate
     """All of a sequence's tokens are in flight at once on every stage (its slices run backward
     in reverse order), so a stage whose budget cannot hold its static memory plus the longest
     sequence at the smallest bytes per token (every layer recomputed) admits no plan: refused
-    from that bound before any search (one used to take 13 s)."""
+    from that bound before any search, not after seconds of it."""
     cost, layout = _layout(model, p)
     lens = [10**6] + [3000] * 199
     _no_search(monkeypatch)

@@ -1,4 +1,4 @@
-"""The planner under segment-level training (issue 24): cuts at segments, and the simulator's time and
+"""The planner under segment-level training: cuts at segments, and the simulator's time and
 memory under the options (a K/V tail bounds attention pairs, saved context and the attention backward's
 key gradients; "previous" keeps one K/V gradient buffer per chain instead of every earlier slice's)."""
 
@@ -55,7 +55,7 @@ def test_tail_and_previous_lower_time_and_memory():
 
 
 def test_adaptive_uses_the_freedom_the_options_give():
-    """The strategies plan under the segment options (issue 24 item 3): at the same budget, a K/V tail
+    """The strategies plan under the segment options: at the same budget, a K/V tail
     needs less recompute and a shorter step than full attention, and gradient "none" (each segment
     backwarded right after its forward) none at all; each plan's prediction is its simulation."""
     cost = _cost()

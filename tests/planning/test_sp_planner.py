@@ -125,8 +125,8 @@ def test_all_to_all_time_formula():
 
 def test_fitted_all_gather_and_reduce_scatter_time_per_doc_chunks():
     """A per-doc chunk's K/V all-gather (forward, recomputed layers) and dK/dV reduce-scatter
-    (backward) at their own fitted latency and bandwidth (issue 23: gloo's reduce-scatter costs
-    several all-gathers); unfitted (0), both the intra-node link's, as before."""
+    (backward) at their own fitted latency and bandwidth (gloo's reduce-scatter costs several
+    all-gathers); unfitted (0), both the intra-node link's."""
     dev = DeviceSpec(intra_node_bandwidth=100e9, intra_node_latency_s=1e-5, gpus_per_node=8)
     analytic = CostModel.from_hf_config(SMALL, dev).with_parallel(sp=4)
     fitted = dataclasses.replace(analytic, all_gather_latency_s=1e-3, all_gather_bandwidth=2e9,

@@ -1,4 +1,4 @@
-"""Whole-doc packing (issue 23): short sequences packed into chunks of ``sp`` balanced per-GPU bins
+"""Whole-doc packing: short sequences packed into chunks of ``sp`` balanced per-GPU bins
 (``SequenceBatch.balanced(whole_doc=...)``), a candidate adaptive keeps only when it simulates faster."""
 
 from __future__ import annotations

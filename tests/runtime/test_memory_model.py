@@ -1,11 +1,10 @@
-"""Issue 13 item 2: a plan's predicted activation peak holds what the step allocates.
+"""A plan's predicted activation peak holds what the step allocates.
 
-The cause of the misses (one CI run of the measured benchmark: a plan +16.7% over its
-prediction on stage 0): every backward computes each weight gradient as a new tensor before
-adding it into ``.grad`` (the LM head's and the embedding's dense one are ``vocab x hidden``),
-whatever the chunk's size, and the model only had per-token transients. On a short chunk and a
-large vocabulary that weight gradient is larger than the chunk's activations: six 16-token
-chunks on a vocabulary of 4096 peaked 46% over the prediction, in the LM head's backward.
+Every backward computes each weight gradient as a new tensor before adding it into ``.grad``
+(the LM head's and the embedding's dense one are ``vocab x hidden``), whatever the chunk's size,
+so the model counts it beside the per-token transients: on a short chunk and a large vocabulary
+that weight gradient is larger than the chunk's activations (six 16-token chunks on a vocabulary
+of 4096 peak 46% over a model of per-token transients only, in the LM head's backward).
 
 One process, one stage (embedding, layers and head), a tiny Llama profiled as the benchmarks do;
 the step's allocated peak is counted the benchmarks' way (:class:`AllocationTracker`, every op

@@ -252,7 +252,7 @@ def test_one_stage_matches_hf_for_every_chunking_and_recompute(model_and_ref):
 
 
 def test_unmetered_step_is_the_same_computation(model_and_ref):
-    """``measure_memory=False`` (issue 13: the saved-tensor hooks cost 1-7% of a small-chunk
+    """``measure_memory=False`` (the saved-tensor hooks cost 1-7% of a small-chunk
     step on CPU) installs no hook and reports no peak, but computes bit for bit the same loss
     and gradients as a metered step; the executor's default and its attribute both apply, and
     a metered step after an unmetered one measures the same peak as before."""

@@ -1,4 +1,4 @@
-"""Segment-level training (opt-in, DESIGN.md 6d, issue 24): the executor against a plain-HF segment reference.
+"""Segment-level training (opt-in, ``docs/segments.md``): the executor against a plain-HF segment reference.
 
 The reference runs each long sequence segment by segment through the HF model with
 ``past_key_values`` (a :class:`~transformers.DynamicCache` built from the earlier segments' K/V),

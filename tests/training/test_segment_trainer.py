@@ -1,4 +1,4 @@
-"""ConcertinaTrainer with segment-level training (opt-in, issue 24): the options' refusals, and three
+"""ConcertinaTrainer with segment-level training (opt-in, ``docs/segments.md``): the options' refusals, and three
 steps equal to HF's Trainer whose loss is the plain-HF segment reference (:mod:`_segment_reference`),
 under gradient "previous" and under "none" with a global head."""
 

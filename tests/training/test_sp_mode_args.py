@@ -1,4 +1,4 @@
-"""concertina_sequence_parallel_mode (issue 23): choices, refusals, and the mode the trainer plans
+"""concertina_sequence_parallel_mode: choices, refusals, and the mode the trainer plans
 with: 'auto' chooses whole-doc / per-doc only under a cost model whose collective times are
 measured (concertina_cost_model 'profiled' or 'online')."""
 

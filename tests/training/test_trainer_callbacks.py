@@ -132,7 +132,7 @@ def test_background_planning_runs_in_a_process_and_falls_back_to_the_thread(capl
 def test_noisy_steps_refit_keeps_chunk_counts_within_2x():
     """``StepStatsCallback`` on the default recipe's shape (one stage, refit every 5 steps) with
     every other step slowed by sleeps: the plans after the refit keep within 2x of the start
-    model's chunk counts (before the fix: 8-30x, measured 5x slower)."""
+    model's chunk counts (a refit without floors plans 8-30x the chunks on such steps, 5x slower)."""
     import dataclasses
     from types import SimpleNamespace
 
@@ -209,7 +209,7 @@ def test_default_run_draws_its_last_step_and_logs_where(tmp_path, caplog):
 
 
 def test_only_logged_steps_measure_activation_memory(tmp_path):
-    """The executor's saved-tensor hooks cost 1-7% of a CPU step (issue 13), so the
+    """The executor's saved-tensor hooks cost 1-7% of a CPU step, so the
     trainer measures the activation peak only on the steps whose statistics are logged (and on
     every step with the online cost model, whose refit checks every step's peak): a real run of
     4 steps logging every 2nd step measures steps 2 and 4, and both log entries carry the peak."""

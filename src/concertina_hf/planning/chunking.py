@@ -1,4 +1,4 @@
-"""Workload-balanced chunking, ordering and pipeline grouping of one step (docs/architecture.md "The planner", steps 1-3).
+"""Workload-balanced chunking, ordering and pipeline grouping of one step.
 
 Work is measured per decoder layer and forward, as in :mod:`.cost`: a slice of length ``s``
 with context ``C`` costs ``alpha_attn * ((C+s)^2 - C^2) + alpha_tok * s`` and a chunk adds

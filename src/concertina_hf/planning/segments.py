@@ -1,4 +1,4 @@
-"""Segment-level training (opt-in, DESIGN.md 6d): the options as plan knobs, and the cuts they force.
+"""Segment-level training (opt-in, ``docs/segments.md``): the options as plan knobs, and the cuts they force.
 
 A plan made with ``segment_tokens=S`` cuts every sequence longer than ``S`` at every multiple of
 ``S``: its slices *are* its segments (``S`` tokens each, the last the remainder); sequences of at

@@ -2,7 +2,7 @@
 
 Ranks form a :class:`~torch.distributed.device_mesh.DeviceMesh` with named dimensions, outermost
 first: ``("dp", "pp", "sp")``, ``rank = (replica * pipeline_size + stage) * sp_size + sp_rank``:
-the ``sp`` ranks of one stage (Ulysses sequence parallelism, :mod:`.runtime.ulysses`: the GPUs of
+the ``sp`` ranks of one stage (Ulysses sequence parallelism, :mod:`.ulysses`: the GPUs of
 one node) are consecutive, then the stages of one pipeline, then the replicas. A ``pp`` group
 links the same ``sp`` rank of every stage of a replica (its point-to-point traffic); the
 gradients of a stage are reduced over its ``dp x sp`` ranks (:attr:`Topology.grad_group`, one

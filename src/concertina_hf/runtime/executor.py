@@ -60,7 +60,7 @@ per action (the finiteness sums) and one device synchronization to read them. Me
 activation peak (``measure_memory``, on by default) costs on CPU one Python call per tensor
 autograd saves (:class:`~concertina_hf.runtime.memory.SavedTensorMeter`'s hooks: 1.1% / 3.7% /
 6.6% of a step of chunks of 1024 / 256 / 64 tokens on a 10M-parameter Llama,
-``benchmarks/runtime_overhead.py``);
+``benchmarks/studies/runtime_overhead.py``);
 a step run with ``measure_memory=False`` installs no hook, counts nothing and reports
 ``peak_activation_bytes=None``, its computation unchanged (the hooks return every saved tensor
 as is). ``ConcertinaTrainer`` measures only the steps whose figure is used

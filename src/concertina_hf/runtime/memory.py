@@ -19,7 +19,7 @@ meter reads ``torch.cuda.max_memory_allocated`` minus the allocation at :meth:`r
 Cost: one Python call per saved tensor and one more when autograd drops it (2.75 us over no hook
 in a loop of tiny ops, a hook that does nothing 1.25 us; in whole steps of a 10M-parameter Llama
 1.1% / 3.7% / 6.6% of a step of chunks of 1024 / 256 / 64 tokens:
-``benchmarks/runtime_overhead.py``); nothing on CUDA. The
+``benchmarks/studies/runtime_overhead.py``); nothing on CUDA. The
 executor runs it only on the steps whose figure is used (``PipelineExecutor.run_step``'s
 ``measure_memory``).
 

@@ -53,7 +53,8 @@ _EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist
 # suffix (load_dataset itself only accepts directories and builder names as paths).
 _BUILDER_BY_SUFFIX = {".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet",
                       ".csv": "csv", ".arrow": "arrow"}
-# Length distributions shipped with the package (see assets/distributions/README.md).
+# Length distributions shipped with the package, constructed from the paper's published statements
+# (not measured) by benchmarks/data/make_distributions.py.
 DISTRIBUTIONS = ("github", "commoncrawl")
 
 

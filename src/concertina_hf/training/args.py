@@ -63,7 +63,7 @@ PLANNER_FIELDS = {
 }
 #: the cost-model sources whose collective times are measured on the stage's own group: with them,
 #: concertina_sequence_parallel_mode='auto' lets the planner choose whole-doc / per-doc per chunk
-#: (the analytic model guesses those times: on CPU its choice measured 0.83x Ulysses-only,
+#: (the analytic model guesses those times; its choice against Ulysses-only, measured on CPU:
 #: benchmarks/results/flashcp_measured.md)
 MEASURED_COST_MODELS = ("profiled", "online")
 #: concertina_nonfinite: stop every rank, or drop the step (see concertina_hf.training.step_guard)
@@ -534,7 +534,7 @@ def _warn_compile_ignored(fields: list[str]) -> None:
         "stage's decoder layers on chunks whose token count changes every step, and attention goes through the "
         "'concertina' backend's Python K/V store shared by a sequence's slices, so a compiled graph would break "
         "at every layer's attention and recompile for new chunk shapes (measured on CPU: 25 graphs and 18 graph "
-        "breaks in 8 steps, 13x slower with compilation and 1.09x slower after it; benchmarks/compile_cpu.py). "
+        "breaks in 8 steps, 13x slower with compilation and 1.09x slower after it; benchmarks/studies/compile_cpu.py). "
         "Remove torch_compile (and "
         "torch_compile_backend / torch_compile_mode) to silence this warning."
     )

@@ -6,7 +6,7 @@ simulator (:func:`~..simulate.simulate`), so comparisons are like for like. A st
 (a :class:`PlanRequest` in, a plan out) and a line of description. Adding one is a module with
 its ``run`` and a line here.
 
-- ``adaptive`` (the method, docs/architecture.md "The planner"; :mod:`.adaptive`, searching with :mod:`.search`);
+- ``adaptive`` (the method: :mod:`.adaptive`, searching with :mod:`.search`);
 - ``packed`` and ``split``, the tuned baselines (:mod:`.baselines`);
 - ``no-recompute`` / ``full-recompute``, adaptive's chunking search with recompute fixed
   (:mod:`.adaptive`);

@@ -1,4 +1,4 @@
-"""The adaptive strategy (the method, docs/architecture.md "The planner") and its ablations with recompute fixed.
+"""The adaptive strategy (the method) and its ablations with recompute fixed.
 
 ``adaptive``: the chunking search of :mod:`.search`, each candidate evaluated with a greedy
 recompute assignment (:func:`~..recompute.assign_recompute`) and a simulation, within a

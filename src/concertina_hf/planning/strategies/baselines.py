@@ -1,4 +1,4 @@
-"""The baselines users have today (docs/architecture.md "The planner"), tuned the way a user would tune them.
+"""The baselines users have today, tuned the way a user would tune them.
 
 ``packed`` (batch-level PP): whole sequences best-fit decreasing into micro-batches of a fixed
 token budget (a longer sequence gets a micro-batch of its own; tokens are never dropped),

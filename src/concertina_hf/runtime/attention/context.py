@@ -97,7 +97,7 @@ class KVStore:
             raise ValueError(f"segment gradient must be 'full', 'previous' or 'none' (got {gradient!r})")
         if kv_tail is not None and int(kv_tail) < 0:
             raise ValueError(f"the K/V tail must be at least 0 tokens (got {kv_tail})")
-        # segment-level training (opt-in; DESIGN.md 6d): under "previous" only the immediately
+        # segment-level training (opt-in; docs/segments.md): under "previous" only the immediately
         # preceding slice's leaves receive gradient, older ones are read detached; ``kv_tail`` W:
         # a slice starting at ``start`` attends to earlier keys at positions >= start - W only
         self.gradient = gradient
