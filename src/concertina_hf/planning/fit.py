@@ -2,7 +2,8 @@
 
 - :func:`nonneg_lstsq`: least squares with non-negative coefficients (active set: drop the
   negative coefficients and solve again); :func:`through_origin`: the one-coefficient fit
-  ``y = k * x``. Every fit below uses one of them.
+  ``y = k * x``. Every fit below uses one of them, and so does the collectives' latency and
+  bandwidth fit (:func:`concertina_hf.runtime.ulysses.fit_all_to_all`).
 - :func:`fit_profile`: decoder-layer time coefficients (and activation bytes per token) from
   profiled :class:`~concertina_hf.planning.cost.ProfileSample` s.
 - :func:`fit_activation_bytes`: the per-token and per-context-token bytes of

@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..planning.fit import nonneg_lstsq
 from .attention import ChunkAttentionContext
 
 __all__ = [
@@ -393,20 +394,19 @@ def profile_all_gather(cost: Any, group: Any, token_counts: Sequence[int], *, de
 
 def fit_all_to_all(samples: Sequence[tuple[float, float]], calls: int = 4) -> tuple[float, float]:
     """``(latency_s, bandwidth)`` of ``seconds = calls * latency + bytes / bandwidth`` fitted to
-    ``samples`` (``(bytes, seconds)``, at least two distinct sizes) by least squares; the latency
-    clamped at 0 (then the bandwidth refitted through the origin). Raises ``ValueError`` when the
-    times do not grow with the size (no bandwidth to fit)."""
+    ``samples`` (``(bytes, seconds)``, at least two distinct sizes) by non-negative least squares
+    (:func:`~concertina_hf.planning.fit.nonneg_lstsq`: a negative latency is dropped, the bandwidth
+    refitted through the origin). Raises ``ValueError`` when the times do not grow with the size
+    (no bandwidth to fit)."""
+    import numpy as np
+
     xs, ys = [float(b) for b, _ in samples], [float(s) for _, s in samples]
     if len(set(xs)) < 2:
         raise ValueError("fitting the all-to-all needs at least two distinct sizes")
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    intercept = my - slope * mx
-    if intercept < 0:
-        intercept, slope = 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
-    if slope <= 0:
+    coef = nonneg_lstsq(np.array([[float(calls), x] for x in xs]), np.array(ys))
+    if coef is None or coef[1] <= 0:
         raise ValueError(f"the all-to-all times {ys} do not grow with the sizes {xs}: no bandwidth to fit")
-    return intercept / calls, 1.0 / slope
+    return float(coef[0]), 1.0 / float(coef[1])
 
 
 #: the bandwidth :func:`profile_all_to_all` / :func:`profile_all_gather` record for collectives
