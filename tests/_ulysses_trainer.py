@@ -67,9 +67,10 @@ def main(out: str) -> None:
     info["peft"] = test_peft._logged(lora)
     info["peft_synced"] = len(lora.weights_synced)  # built alike everywhere: nothing to broadcast
     # the online refit at sp=2 (every step, on the measured actions, all-to-alls included)
-    info["peft_refits"] = [lora.replan.refits, lora.replan.rejected_refits, lora.replan.cost_model.sp]
+    stats = lora.stats_callback
+    info["peft_refits"] = [stats.refits, stats.rejected_refits, stats.cost_model.sp]
     # ... whose all-to-alls were timed on the sp group at the start (the refit takes them from the model)
-    info["peft_link"] = [lora.replan.cost_model.intra_node_latency_s, lora.replan.cost_model.intra_node_bandwidth]
+    info["peft_link"] = [stats.cost_model.intra_node_latency_s, stats.cost_model.intra_node_bandwidth]
     lora.save_model(os.path.join(out, "peft"))
     with open(os.path.join(out, f"info-rank{t.rank}.json"), "w") as fh:
         json.dump(info, fh)

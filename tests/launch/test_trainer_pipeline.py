@@ -131,7 +131,7 @@ def _worker_pp2(out: str) -> None:
             info.update(_metrics_and_predictions(trainer, os.path.join(d, f"logits-rank{trainer.topology.rank}.pt")))
         info["layer_ranges"] = [list(r) for r in trainer.layout.layer_ranges]
         info["stage_params"] = sorted(n for n, _ in trainer.model.named_parameters())
-        info["cost_model"] = trainer.replan.cost_model.to_dict()
+        info["cost_model"] = trainer.stats_callback.cost_model.to_dict()
         trainer.save_model(os.path.join(d, "final"))
 
         # a new profile would split the layers differently: the checkpoint given in the arguments

@@ -90,7 +90,7 @@ def test_same_model_as_trainer_and_standard_checkpoint(reference, tmp_path):
                 "concertina/peak_activation_stage0_bytes", "concertina/planning_time_s"):
         assert all(key in h for h in logs), key
     assert logs[-1]["concertina/cost_model_refits"] >= 1  # online refit every 2 steps
-    assert trainer.replan.cost_model.source == "online"
+    assert trainer.stats_callback.cost_model.source == "online"
     assert os.path.getsize(tmp_path / "gantt" / "step-2.png") > 1000
     assert os.path.isfile(tmp_path / "gantt" / "step-4.png")
 
@@ -168,7 +168,7 @@ def test_constructor_refusals_name_the_argument(tmp_path):
     with pytest.raises(ValueError, match="optimizer_cls_and_kwargs"):
         ConcertinaTrainer(model=model, args=args, optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None))
     trainer = ConcertinaTrainer(model=_model(), args=args, callbacks=[StepStatsCallback(max_samples=10)])
-    assert trainer.replan.max_samples == 10  # a given StepStatsCallback is used, not a second one
+    assert trainer.stats_callback.max_samples == 10  # a given StepStatsCallback is used, not a second one
     assert sum(isinstance(c, StepStatsCallback) for c in trainer.callback_handler.callbacks) == 1
 
 

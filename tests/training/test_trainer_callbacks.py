@@ -223,8 +223,9 @@ def test_only_logged_steps_measure_activation_memory(tmp_path):
         save_strategy="no", disable_tqdm=True, concertina_max_tokens_per_chunk=32)
     trainer = ConcertinaTrainer(model=model, args=args, train_dataset=ds)
     peaks = []
-    record = trainer.replan.record
-    trainer.replan.record = lambda plan, result: (peaks.append(result.peak_activation_bytes), record(plan, result))[1]
+    stats = trainer.stats_callback
+    record = stats.record
+    stats.record = lambda plan, result: (peaks.append(result.peak_activation_bytes), record(plan, result))[1]
     trainer.train()
     assert len(peaks) == 4 and peaks[0] is None and peaks[2] is None, peaks
     assert peaks[1] > 0 and peaks[3] > 0, peaks

@@ -90,7 +90,8 @@ class ConcertinaTrainer(Trainer):
     After construction: ``self.pipeline`` (the :class:`PipelineWrapper` of this rank's stage),
     ``self.peft_model`` (the ``PeftModel`` given as ``model``, else ``None``),
     ``self.executor``, ``self.topology``, ``self.setup`` (``self.cost_model``, ``self.layout``),
-    ``self.planner``, ``self.replan`` (the recording callback), ``self.model`` (the pruned HF model).
+    ``self.planner``, ``self.stats_callback`` (the :class:`StepStatsCallback` recording each step),
+    ``self.model`` (the pruned HF model).
     """
 
     def __init_subclass__(cls, **kwargs):
@@ -168,10 +169,10 @@ class ConcertinaTrainer(Trainer):
                                 vocab_size=getattr(hf_model.config, "vocab_size", None),
                                 balancer=replica_balancer(args, self.planner, self.topology))
 
-        self.replan = next((c for c in (callbacks or []) if isinstance(c, StepStatsCallback)), None)
-        if self.replan is None:
-            self.replan = StepStatsCallback()
-            callbacks = list(callbacks or []) + [self.replan]
+        self.stats_callback = next((c for c in (callbacks or []) if isinstance(c, StepStatsCallback)), None)
+        if self.stats_callback is None:
+            self.stats_callback = StepStatsCallback()
+            callbacks = list(callbacks or []) + [self.stats_callback]
         super().__init__(
             model=self.pipeline.model, args=args,
             data_collator=self._default_data_collator() if data_collator is None else data_collator,
@@ -185,7 +186,7 @@ class ConcertinaTrainer(Trainer):
                                          sp_group=self.topology.sp_group, channels=self.topology.p2p_channels)
         self.guard = StepGuard(args.concertina_nonfinite, self.topology)
         self.predictor = PipelinePredictor(self.executor, self.planner, self.steps, self.topology)
-        self.replan.bind(self)
+        self.stats_callback.bind(self)
         use_compact_console(self.callback_handler)
 
     # ------------------------------------------------------------------ data
@@ -242,7 +243,7 @@ class ConcertinaTrainer(Trainer):
         # forward: the executor runs forwards under it and backwards outside it, like Trainer
         with self.compute_loss_context_manager(), self.accelerator.autocast():
             result = self.executor.run_step(plan, step.input_ids, step.labels, num_items_in_batch=max(1, norm),
-                                            train=True, measure_memory=self.replan.wants_memory(self.state))
+                                            train=True, measure_memory=self.stats_callback.wants_memory(self.state))
         # non-finite values or no target: raise on every rank, or drop the step (grads discarded)
         if not self.guard.check(self.state.global_step + 1, plan, result, self._stage_params(),
                                 step.num_items_total, self.pipeline.is_last):
@@ -251,7 +252,7 @@ class ConcertinaTrainer(Trainer):
                              shards=self.pipeline.sharded)
             # after the replicas' reduction: both copies of tied embeddings then get the same bits
             self.executor.sync_tied_gradients()
-        self.replan.record(plan, result)
+        self.stats_callback.record(plan, result)
         loss = self.guard.step_loss(self._global_loss(result, step), step.num_items_total)
         return torch.tensor(loss, dtype=torch.float32, device=self.args.device)
 
@@ -310,10 +311,10 @@ class ConcertinaTrainer(Trainer):
         """The Trainer's log, with the step's plan statistics (StepStatsCallback) in the loss entry and
         ``train_tokens_per_second`` (tokens trained over all replicas / ``train_runtime``) at the end."""
         if "loss" in logs:
-            logs.update(self.replan.pop_pending_logs())
+            logs.update(self.stats_callback.pop_pending_logs())
             self.guard.amend_logs(logs)
         if "train_samples_per_second" in logs and logs.get("train_runtime"):  # the end of train()
-            tokens = self.topology.all_reduce_replicas(self.replan.tokens_trained)
+            tokens = self.topology.all_reduce_replicas(self.stats_callback.tokens_trained)
             logs["train_tokens_per_second"] = round(tokens / logs["train_runtime"], 3)
         super().log(logs, start_time)
 
