@@ -73,7 +73,7 @@ def test_concertina_sft_config_keeps_every_sft_config_default():
 
     assert _differences(trl.SFTConfig, ConcertinaSFTConfig) == {}
     ours, theirs = ConcertinaSFTConfig(**BUILD), trl.SFTConfig(**BUILD)
-    # what the swap used to drop, spelled out (the comparison above is the guard)
+    # the defaults the swap keeps, spelled out (the comparison above is the guard)
     assert ours.bf16 is True and theirs.bf16 is True
     assert (ours.learning_rate, ours.logging_steps) == (theirs.learning_rate, theirs.logging_steps)
     # the exceptions: TrainingArguments' value (the planner recomputes), not SFTConfig's
