@@ -186,3 +186,29 @@ def test_token_cap_errors_name_the_flag_and_the_smallest_cap_that_plans(files):
     smallest = int(found.group(1))
     assert cli.main(_base(files, "--max-tokens-per-chunk", str(smallest), "--strategy", "adaptive",
                           "--solver", "greedy")) == 0
+
+
+def test_the_command_checks_a_model_config_as_the_planner_does(files):
+    """One check of a model's config, the planner's: an MoE config without ``intermediate_size``
+    (the active experts' width stands for it) plans, with the cost model ``CostModel.from_hf_config``
+    makes of it; a config the planner cannot read is refused in the planner's words."""
+    from concertina_hf.planning import CostModel, DeviceSpec
+
+    moe = {k: v for k, v in TINY.items() if k != "intermediate_size"}
+    moe.update(model_type="qwen2_moe", moe_intermediate_size=64, num_experts_per_tok=2,
+               shared_expert_intermediate_size=128)
+    (files / "moe.json").write_text(json.dumps(moe))
+    args = cli.build_parser().parse_args(["plan", "--lengths", str(files / "lens.txt"), "--model-config",
+                                          str(files / "moe.json"), "--pp", "2", "--device", "cpu",
+                                          "--strategy", "adaptive", "--solver", "greedy"])
+    (rec,) = cli.run_plan(args)
+    assert rec["fits"] and args._cost == CostModel.from_hf_config(moe, DeviceSpec.cpu())
+    assert args._cost.layer_params == CostModel.from_hf_config({**moe, "intermediate_size": 2 * 64 + 128}).layer_params
+
+    dense = {k: v for k, v in moe.items() if k != "moe_intermediate_size"}  # neither width
+    (files / "no-mlp.json").write_text(json.dumps(dense))
+    with pytest.raises(ValueError, match="has no intermediate_size") as planner:
+        CostModel.from_hf_config(dense)
+    with pytest.raises(SystemExit) as command:
+        cli.load_model_config(str(files / "no-mlp.json"))
+    assert str(command.value) == f"--model-config {files / 'no-mlp.json'}: {planner.value}"

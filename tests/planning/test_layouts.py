@@ -12,7 +12,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from concertina_hf.planning import CostModel, DeviceSpec, partition_layers, plan_step  # noqa: E402
-from concertina_hf.planning.cost import DEVICE_PRESETS  # noqa: E402
+from concertina_hf.planning.coefficients import DEVICE_PRESETS  # noqa: E402
 from concertina_hf.planning.layouts import (  # noqa: E402
     Layout, layout_cost, layout_lower_bound, rank_layouts, runnable_layouts, shard_parameters_refusal,
     ulysses_heads_refusal,

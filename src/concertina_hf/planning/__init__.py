@@ -2,7 +2,8 @@
 
 from .budgets import stage_budgets
 from .chunking import Chunking, SequenceBatch, balanced_split
-from .cost import CostModel, DeviceSpec, ProfileSample
+from .coefficients import DeviceSpec, ProfileSample
+from .cost import CostModel
 from .lower import lower
 from .partition import partition_layers
 from .recompute import SOLVERS, InfeasiblePlanError, assign_recompute, fits, uniform_recompute

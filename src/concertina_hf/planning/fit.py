@@ -5,7 +5,7 @@
   ``y = k * x``. Every fit below uses one of them, and so does the collectives' latency and
   bandwidth fit (:func:`concertina_hf.runtime.ulysses.fit_all_to_all`).
 - :func:`fit_profile`: decoder-layer time coefficients (and activation bytes per token) from
-  profiled :class:`~concertina_hf.planning.cost.ProfileSample` s.
+  profiled :class:`~concertina_hf.planning.coefficients.ProfileSample` s.
 - :func:`fit_activation_bytes`: the per-token and per-context-token bytes of
   chunks measured without recompute (the profiler's byte fit).
 - :class:`ActionSample` / :func:`action_samples`: a chunk's measured forward and backward on a
@@ -30,7 +30,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .cost import ChunkShape, CostModel, ProfileSample
+from .coefficients import ChunkShape, ProfileSample
+from .cost import CostModel
 from .types import Action, ActionKind, Chunk, Plan, StageLayout
 
 __all__ = [

@@ -59,7 +59,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
-from ..planning.cost import ChunkShape
+from ..planning.coefficients import ChunkShape
 from .attention import (
     ATTN_IMPLEMENTATION,
     ChunkAttentionContext,

@@ -85,7 +85,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ..planning.cost import ChunkShape, CostModel, DeviceSpec, ProfileSample
+from ..planning.coefficients import ChunkShape, DeviceSpec, ProfileSample
+from ..planning.cost import CostModel
 from ..planning.fit import fit_activation_bytes, fit_profile, relative_line, through_origin
 from .probe import build_probe
 

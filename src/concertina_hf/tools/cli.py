@@ -13,7 +13,7 @@ simulated with the same cost model, so the table compares like for like:
         --model-config llama-13b --pp 4 --sp 8 --memory-gb 80 --device a800 --strategy all
 
 (``--sp 8``: each stage is 8 GPUs running Ulysses sequence parallelism, with its weights,
-gradients and optimizer state sharded as :mod:`concertina_hf.planning.cost` describes;
+gradients and optimizer state sharded as :mod:`concertina_hf.planning.cost_parallel` describes;
 ``--memory-gb`` is per GPU.)
 
 ``--layout auto --gpus N`` chooses the layout instead: every ``pp x sp x dp = N`` split the runtime
@@ -43,6 +43,7 @@ import sys
 import time
 from typing import Any, Sequence
 
+from ..planning.coefficients import check_model_config
 from ..planning.presets import MODEL_PRESETS
 from ..planning.types import PlanError
 
@@ -54,8 +55,6 @@ _GIB = 2**30
 FLAGS = {"memory_budget": "--memory-gb", "max_tokens_per_chunk": "--max-tokens-per-chunk", "pipeline_size": "--pp",
          "sequence_parallel_size": "--sp", "strategy": "--strategy", "solver": "--solver",
          "sequence_parallel_mode": "--sp-mode"}
-
-_REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size", "num_hidden_layers")
 
 
 # ---------------------------------------------------------------------------------- inputs
@@ -82,9 +81,10 @@ def load_model_config(spec: str) -> dict[str, Any]:
     # multimodal configs keep the decoder's fields under text_config
     if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), dict):
         cfg = cfg["text_config"]
-    missing = [k for k in _REQUIRED_FIELDS if k not in cfg]
-    if missing:
-        raise SystemExit(f"--model-config {spec}: missing decoder fields {missing}")
+    try:
+        check_model_config(cfg)  # the planner's check: what CostModel.from_hf_config reads
+    except ValueError as e:
+        raise SystemExit(f"--model-config {spec}: {e}") from None
     return cfg
 
 
@@ -472,7 +472,7 @@ class _OneDefaultFormatter(argparse.HelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     from ..planning import SOLVERS, STRATEGIES
-    from ..planning.cost import DEVICE_PRESETS
+    from ..planning.coefficients import DEVICE_PRESETS
 
     ap = argparse.ArgumentParser(
         prog="concertina",

@@ -1,0 +1,287 @@
+"""Where a cost model's coefficients come from: the rates of one GPU and an HF decoder config.
+
+:class:`DeviceSpec` holds one GPU's rates: sustained matmul FLOP/s, memory bandwidth for the
+element-wise work, a fixed cost per layer call, the stage-to-stage link, the links of collectives
+inside a node and between nodes, and its memory. Its presets (:data:`DEVICE_PRESETS`) are
+datasheet figures at a stated efficiency, assumed, not measured.
+
+:func:`analytic_coefficients` reads an HF decoder config and prices one decoder layer, the
+embedding and the head in FLOPs and bytes at a device's rates: the coefficients of
+:meth:`.cost.CostModel.from_hf_config` (the formulas they enter: :mod:`.cost`).
+:func:`check_model_config` is the one check of a config's fields, the planner's, the trainer's and
+``concertina plan``'s: a config without ``intermediate_size`` is read as MoE, the width a token
+goes through being its routed experts' widths plus the shared experts'.
+
+The other way to a model is measurement: a :class:`ProfileSample` records one decoder layer on one
+chunk shape, and :func:`~.fit.fit_profile` fits the coefficients by least squares (samples from
+:mod:`concertina_hf.runtime.profiler`).
+Pure Python; no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from .types import PlanError
+
+__all__ = ["DEVICE_PRESETS", "ChunkShape", "DeviceSpec", "ProfileSample", "analytic_coefficients",
+           "check_model_config"]
+
+#: the GPUs :meth:`DeviceSpec.preset` (and ``concertina plan --device``) knows, and ``cpu``
+DEVICE_PRESETS = ("a800", "h100", "h200", "b200", "cpu")
+
+#: what :func:`analytic_coefficients` reads (GPT-2 / T5-style configs name them otherwise)
+_REQUIRED_CONFIG_KEYS = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size", "num_hidden_layers")
+
+ChunkShape = tuple[tuple[int, int], ...]
+"""A chunk as measured by the profiler: its slices as ``(context, length)`` pairs."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSpec:
+    """Rates of one GPU (a stage of several GPUs: :meth:`~.cost.CostModel.with_parallel`).
+
+    ``flops``: sustained dense matmul FLOP/s (not peak); ``mem_bandwidth``: bytes/s for the
+    memory-bound element-wise work; ``kernel_overhead_s``: fixed cost per layer call;
+    ``p2p_bandwidth`` / ``p2p_latency_s``: stage-to-stage link (one GPU to the same sp rank of
+    the next stage); ``memory_bytes``: capacity. Collectives inside a stage or over the sharded
+    state (all-to-all, all-gather, reduce-scatter): ``intra_node_bandwidth`` /
+    ``intra_node_latency_s`` between GPUs of one node (bytes/s each GPU sends), and
+    ``inter_node_bandwidth`` / ``inter_node_latency_s`` per GPU between nodes of
+    ``gpus_per_node`` GPUs.
+    """
+
+    flops: float = 150e12
+    mem_bandwidth: float = 1.5e12
+    kernel_overhead_s: float = 2e-4
+    p2p_bandwidth: float = 20e9
+    p2p_latency_s: float = 2e-5
+    memory_bytes: int = 80 * 2**30
+    intra_node_bandwidth: float = 150e9
+    intra_node_latency_s: float = 1e-5
+    inter_node_bandwidth: float = 20e9
+    inter_node_latency_s: float = 2e-5
+    gpus_per_node: int = 8
+
+    @classmethod
+    def a800(cls) -> "DeviceSpec":
+        """An A800-80GB at a typical 50% of its 312 TFLOP/s bf16 peak; NVLink at 400 GB/s
+        (about 150 GB/s each GPU sends in an all-to-all), one 200 Gb/s NIC per GPU between nodes
+        of 8 (assumed, not measured). A stage of several GPUs:
+        ``CostModel.from_hf_config(config, DeviceSpec.a800()).with_parallel(sp=...)``."""
+        return cls(
+            flops=156e12,
+            mem_bandwidth=1.6e12,
+            kernel_overhead_s=2e-4,
+            p2p_bandwidth=25e9,
+            p2p_latency_s=2e-5,
+            memory_bytes=80 * 2**30,
+            intra_node_bandwidth=150e9,
+            intra_node_latency_s=1e-5,
+            inter_node_bandwidth=25e9,
+            inter_node_latency_s=2e-5,
+            gpus_per_node=8,
+        )
+
+    # Hopper and Blackwell presets, on a800's conventions: ``flops`` 50% of the datasheet's dense
+    # (no sparsity) bf16 Tensor Core peak; ``mem_bandwidth`` 80% of the datasheet's HBM bandwidth
+    # (a800: 1.6 of 2.04 TB/s, 78%); ``intra_node_bandwidth`` what a GPU sends in an NVLink
+    # all-to-all, 3/8 of the datasheet's total (bidirectional) NVLink bandwidth (a800: 150 of 400
+    # GB/s); ``inter_node_bandwidth`` and ``p2p_bandwidth`` one NIC per GPU at its line rate (the
+    # stage link may leave the node); latencies and the per-layer overhead as a800's. Assumed, not
+    # measured: fit a profile (``concertina_cost_model="profiled"``) for real use.
+    @classmethod
+    def h100(cls) -> "DeviceSpec":
+        """An H100 SXM5 80GB. Sources: NVIDIA H100 Tensor Core GPU datasheet (SXM5: BF16 Tensor
+        Core 1,979 TFLOP/s with sparsity, so 989 dense; 80 GB HBM3 at 3.35 TB/s; NVLink 900
+        GB/s) and NVIDIA DGX H100 datasheet (eight ConnectX-7 400 Gb/s InfiniBand/Ethernet ports,
+        one per GPU, 8 GPUs a node). Here: 495 TFLOP/s (50%), 2.68 TB/s (80%), 80 GiB (as a800's
+        80 GB), all-to-all 337.5 GB/s (3/8 of 900), 50 GB/s (400 Gb/s) between nodes."""
+        return cls(flops=494.5e12, mem_bandwidth=2.68e12, kernel_overhead_s=2e-4, p2p_bandwidth=50e9,
+                   p2p_latency_s=2e-5, memory_bytes=80 * 2**30, intra_node_bandwidth=337.5e9,
+                   intra_node_latency_s=1e-5, inter_node_bandwidth=50e9, inter_node_latency_s=2e-5, gpus_per_node=8)
+
+    @classmethod
+    def h200(cls) -> "DeviceSpec":
+        """An H200 SXM 141GB. Sources: NVIDIA H200 Tensor Core GPU datasheet (SXM: BF16 Tensor Core
+        1,979 TFLOP/s with sparsity, so 989 dense, as H100; 141 GB HBM3e at 4.8 TB/s; NVLink 900
+        GB/s) and NVIDIA DGX H200 datasheet (eight ConnectX-7 400 Gb/s ports, one per GPU, 8 GPUs
+        a node). Here: 495 TFLOP/s (50%), 3.84 TB/s (80%), 141e9 bytes (the datasheet's decimal
+        GB, 131 GiB: a budget on the safe side; ``--memory-gb`` sets another), all-to-all 337.5
+        GB/s (3/8 of 900), 50 GB/s (400 Gb/s) between nodes."""
+        return cls(flops=494.5e12, mem_bandwidth=3.84e12, kernel_overhead_s=2e-4, p2p_bandwidth=50e9,
+                   p2p_latency_s=2e-5, memory_bytes=141 * 10**9, intra_node_bandwidth=337.5e9,
+                   intra_node_latency_s=1e-5, inter_node_bandwidth=50e9, inter_node_latency_s=2e-5, gpus_per_node=8)
+
+    @classmethod
+    def b200(cls) -> "DeviceSpec":
+        """A B200 (HGX/DGX B200, 8 GPUs a node). Sources: NVIDIA HGX B200 datasheet (8 GPUs: FP16/BF16
+        Tensor Core 36 PFLOP/s with sparsity, so 2.25 PFLOP/s dense per GPU; 1.4 TB of HBM3e, 180 GB
+        a GPU, and 64 TB/s, 8 TB/s a GPU; fifth-generation NVLink at 1.8 TB/s per GPU) and NVIDIA
+        DGX B200 datasheet (1,440 GB of GPU memory; eight ConnectX-7 400 Gb/s ports for the compute
+        fabric, one per GPU). Here: 1,125 TFLOP/s (50%), 6.4 TB/s (80%), 180e9 bytes (decimal GB,
+        168 GiB), all-to-all 675 GB/s (3/8 of 1.8 TB/s), 50 GB/s (400 Gb/s) between nodes."""
+        return cls(flops=1125e12, mem_bandwidth=6.4e12, kernel_overhead_s=2e-4, p2p_bandwidth=50e9,
+                   p2p_latency_s=2e-5, memory_bytes=180 * 10**9, intra_node_bandwidth=675e9,
+                   intra_node_latency_s=1e-5, inter_node_bandwidth=50e9, inter_node_latency_s=2e-5, gpus_per_node=8)
+
+    @classmethod
+    def preset(cls, name: str) -> "DeviceSpec":
+        """The preset called ``name`` (one of :data:`DEVICE_PRESETS`)."""
+        if name not in DEVICE_PRESETS:
+            raise PlanError(f"unknown device preset {name!r}; choose one of {', '.join(DEVICE_PRESETS)}")
+        return getattr(cls, name)()
+
+    @classmethod
+    def cpu(cls) -> "DeviceSpec":
+        """One CPU thread, roughly (refit from measurements for real use)."""
+        return cls(flops=3e10, mem_bandwidth=5e9, kernel_overhead_s=5e-5, p2p_bandwidth=2e9,
+                   p2p_latency_s=5e-5, memory_bytes=8 * 2**30, intra_node_bandwidth=2e9,
+                   intra_node_latency_s=5e-5, inter_node_bandwidth=1e9, inter_node_latency_s=1e-4)
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileSample:
+    """One measurement of a decoder layer on a chunk shape: ``slices`` as ``(context, length)``
+    pairs, times in seconds per layer, saved activation bytes per layer."""
+
+    slices: ChunkShape
+    fwd_time_s: float
+    bwd_time_s: float
+    act_bytes: float = 0.0
+
+
+# ---------------------------------------------------------------------------------- HF configs
+def _config_fields(config: Any) -> tuple[Mapping[str, Any], Callable[[str], Any]]:
+    """``config`` as a dict, and a reader of its fields (``None`` when absent): a dict's keys, a
+    ``PretrainedConfig``'s attributes."""
+    c = config if isinstance(config, Mapping) else config.to_dict()
+
+    def get(key: str) -> Any:
+        if isinstance(config, Mapping):
+            return c.get(key)
+        try:  # the config's attribute map (e.g. n_routed_experts for num_local_experts) applies
+            return getattr(config, key, None)
+        except Exception:  # an attribute a config refuses to give globally (per-layer values)
+            return c.get(key)
+
+    return c, get
+
+
+def _active_moe_width(get: Any) -> int | None:
+    """The MLP width a token goes through in a config without ``intermediate_size`` (MoE only):
+    its routed experts' widths plus the shared experts'."""
+    moe = get("moe_intermediate_size")
+    if not moe:
+        return None
+    shared = get("shared_expert_intermediate_size") or moe * int(get("n_shared_experts") or 0)
+    return int(moe) * max(1, int(get("num_experts_per_tok") or 1)) + int(shared)
+
+
+def _mlp_width(get: Callable[[str], Any]) -> Any:
+    return get("intermediate_size") or _active_moe_width(get)
+
+
+def _check_fields(c: Mapping[str, Any], get: Callable[[str], Any]) -> None:
+    inter = _mlp_width(get)
+    missing = [k for k in _REQUIRED_CONFIG_KEYS if get(k) is None and not (k == "intermediate_size" and inter)]
+    if missing:
+        raise ValueError(
+            f"the config of model type {c.get('model_type', '?')!r} has no {', '.join(missing)}: the cost model "
+            "(and ConcertinaTrainer) needs a decoder-only causal LM laid out like Llama (model.model.embed_tokens "
+            "/ .layers / .norm and lm_head; see docs/supported_models.md)"
+        )
+
+
+def check_model_config(config: Any) -> None:
+    """Raise ``ValueError`` naming the fields :func:`analytic_coefficients` needs and ``config``
+    (a ``PretrainedConfig`` or a dict) lacks: ``hidden_size``, ``num_attention_heads``,
+    ``vocab_size``, ``num_hidden_layers``, and ``intermediate_size`` unless the config is MoE
+    (``moe_intermediate_size``: the active experts' width stands for it)."""
+    _check_fields(*_config_fields(config))
+
+
+def analytic_coefficients(
+    config: Any,
+    device: DeviceSpec | None = None,
+    dtype_bytes: int = 2,
+    static_bytes_per_param: float | None = None,
+) -> dict[str, Any]:
+    """The fields of an analytic :class:`~.cost.CostModel` of an HF decoder config (a
+    ``PretrainedConfig`` or a dict) on ``device`` (default :class:`DeviceSpec`'s defaults).
+
+    Reads ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``,
+    ``intermediate_size``, ``vocab_size``, ``num_hidden_layers``, ``head_dim`` (optional),
+    ``tie_word_embeddings`` (:func:`check_model_config`). ``static_bytes_per_param`` defaults to
+    16 (bf16 weights and grads, fp32 master weights and two Adam moments) for 2-byte dtypes, 16
+    for fp32 (weights, grads and two moments).
+    """
+    c, get = _config_fields(config)
+    _check_fields(c, get)
+    dev = device or DeviceSpec()
+    h = int(get("hidden_size"))
+    n_heads = int(get("num_attention_heads"))
+    n_kv = int(get("num_key_value_heads") or n_heads)
+    head_dim = int(get("head_dim") or h // n_heads)
+    inter = int(_mlp_width(get))
+    vocab = int(get("vocab_size"))
+    n_layers = int(get("num_hidden_layers"))
+    q_dim, kv_dim = n_heads * head_dim, n_kv * head_dim
+    layer_params = h * (q_dim + 2 * kv_dim) + q_dim * h + 3 * h * inter + 2 * h
+    b = dtype_bytes
+    # matmul FLOPs per token: 2 per weight; attention: QK^T and AV, 2 FLOPs each per
+    # (query, key, head_dim) -> 4 * q_dim per pair; attn_pairs counts pairs twice.
+    alpha_attn = 2.0 * q_dim / dev.flops
+    elementwise_bytes = b * (10 * h + 4 * inter)  # norms, residuals, rotary, activation
+    alpha_tok = 2.0 * layer_params / dev.flops + elementwise_bytes / dev.mem_bandwidth
+    # saved activations per token: input + norm out (2h), q, k, v, attn out (q_dim*2 +
+    # 2 kv), post-attn residual + norm (2h), gate, up, act(gate)*up (3 inter), softmax stats
+    act = b * (4 * h + 2 * q_dim + 2 * kv_dim + 3 * inter) + 4 * n_heads
+    embed_params = vocab * h
+    head_params = (0 if get("tie_word_embeddings") else vocab * h) + h
+    # weight gradients before accumulation (CostModel.transient_memory): a layer's largest matrix,
+    # the LM head's and the embedding's dense one (tied or not: each backward makes its own)
+    layer_grad = b * h * max(inter, q_dim)
+    return dict(
+        num_layers=n_layers,
+        alpha_attn=alpha_attn,
+        alpha_tok=alpha_tok,
+        beta=dev.kernel_overhead_s,
+        bwd_factor=2.0,
+        embed_time_per_token=b * h / dev.mem_bandwidth,
+        head_time_per_token=2.0 * h * vocab / dev.flops + 3 * 4 * vocab / dev.mem_bandwidth,
+        act_bytes_per_token=act,
+        ckpt_bytes_per_token=b * h,
+        kv_bytes_per_token=b * 2 * kv_dim,
+        # logits in the model dtype plus the fp32 copy the loss makes
+        logits_bytes_per_token=(b + 4) * vocab,
+        hidden_bytes_per_token=b * h,
+        bwd_transient_bytes=layer_grad,
+        bwd_transient_slope=2 * b * h,
+        head_bwd_transient_bytes=b * vocab * h,
+        head_bwd_transient_slope=2 * b * h,
+        embed_bwd_transient_bytes=b * vocab * h,
+        embed_bwd_bytes_per_token=b * h,  # the embedding output's gradient
+        # a slice with context, backward: dK and dV of its keys at the query heads' width
+        # (the kernel's, before the K/V heads' sum) and their sum
+        bwd_context_bytes_per_token=b * 2 * (q_dim + kv_dim),
+        stage_bytes_per_token=b * 2 * head_dim,  # the rotary cos and sin of the chunk
+        ids_bytes_per_token=8.0,  # int64 token ids (embedding) and targets (loss)
+        layer_params=layer_params,
+        embed_params=embed_params,
+        head_params=head_params,
+        static_bytes_per_param=16.0 if static_bytes_per_param is None else static_bytes_per_param,
+        p2p_bandwidth=dev.p2p_bandwidth,
+        p2p_latency_s=dev.p2p_latency_s,
+        source="analytic",
+        a2a_bytes_per_token=b * 2 * (q_dim + kv_dim),
+        num_heads=n_heads,
+        num_kv_heads=n_kv,
+        dtype_bytes=b,
+        intra_node_bandwidth=dev.intra_node_bandwidth,
+        intra_node_latency_s=dev.intra_node_latency_s,
+        inter_node_bandwidth=dev.inter_node_bandwidth,
+        inter_node_latency_s=dev.inter_node_latency_s,
+        gpus_per_node=dev.gpus_per_node,
+    )
