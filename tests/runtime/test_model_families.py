@@ -179,8 +179,8 @@ def test_without_the_feature_the_check_fails(monkeypatch, model_type, field):
 
     from concertina_hf.runtime import families, stage
 
-    def ignoring(model):
-        return dataclasses.replace(families.inspect_model(model), **{field: None})
+    def ignoring(model, *args, **kwargs):
+        return dataclasses.replace(families.inspect_model(model, *args, **kwargs), **{field: None})
 
     monkeypatch.setattr(stage, "inspect_model", ignoring)
     overrides = {"final_logit_softcapping": None} if model_type == "gemma3_text" else {}

@@ -201,3 +201,29 @@ def test_model_by_name_trains_as_the_object(tokenizer, tmp_path):
         runs.append((_logged(ours), ours.model.state_dict()))
     assert runs[0][0] == runs[1][0]
     assert _worst(runs[0][1], runs[1][1]) == 0
+
+
+def test_moe_router_loss_needs_the_per_chunk_option_and_takes_trls_coefficient(tokenizer, tmp_path):
+    """TRL turns the router loss on for a MoE model (``router_aux_loss_coef``, else the config's):
+    refused without ``concertina_router_aux_loss``, naming it; with it the stages weigh their
+    per-chunk term by TRL's coefficient, and ``router_aux_loss_coef=0.0`` turns it off as in TRL."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from concertina_hf.integrations.trl import ConcertinaSFTConfig, ConcertinaSFTTrainer
+
+    def moe():
+        torch.manual_seed(1)
+        return AutoModelForCausalLM.from_config(Qwen3MoeConfig(
+            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+            num_experts_per_tok=2, tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id))
+
+    def build(**over):
+        return ConcertinaSFTTrainer(model=moe(), train_dataset=_text_dataset(4), processing_class=tokenizer,
+                                    args=ConcertinaSFTConfig(output_dir=str(tmp_path), bf16=False, **over))
+
+    with pytest.raises(NotImplementedError, match="set concertina_router_aux_loss='per_chunk' to add it per chunk"):
+        build()
+    assert build(concertina_router_aux_loss="per_chunk").pipeline.router_aux.coef == 0.001  # the config's
+    assert build(concertina_router_aux_loss="per_chunk", router_aux_loss_coef=0.25).pipeline.router_aux.coef == 0.25
+    assert build(concertina_router_aux_loss="per_chunk", router_aux_loss_coef=0.0).pipeline.router_aux is None

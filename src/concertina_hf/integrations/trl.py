@@ -16,7 +16,11 @@ saves as in :mod:`concertina_hf.integrations.peft`.
 
 Refused, naming the setting (each would train something else than ``SFTTrainer`` does):
 ``loss_type="dft"``, ``label_smoothing_factor > 0``, ``compute_loss_func``,
-``activation_offloading``, ``use_liger_kernel``, and a mixture-of-experts router auxiliary loss.
+``activation_offloading``, ``use_liger_kernel``, and a mixture-of-experts router auxiliary loss
+unless ``concertina_router_aux_loss='per_chunk'``: the stages then add it per chunk and per layer
+(:mod:`concertina_hf.runtime.router_aux`, a different loss from ``SFTTrainer``'s) with TRL's
+coefficient (``router_aux_loss_coef``, else the model config's), and ``router_aux_loss_coef=0.0``
+turns it off as in TRL.
 Not reproduced: TRL's extra training metrics (``entropy``, ``mean_token_accuracy``,
 ``num_tokens``) are not logged; the loss, learning rate and gradient norm are.
 
@@ -26,7 +30,7 @@ Import it from here (``from concertina_hf.integrations.trl import ConcertinaSFTT
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from transformers import TrainingArguments, set_seed
@@ -113,10 +117,15 @@ class ConcertinaSFTTrainer(ConcertinaTrainer, SFTTrainer):
             set_seed(args.seed)
             model = get_peft_model(model, peft_config)
         super().__init__(model=model, args=args, **kwargs)
-        if self.aux_loss_enabled:
+        if self.aux_loss_enabled and self.pipeline.router_aux is None:
             raise NotImplementedError(
-                "the model adds a router auxiliary loss (router_aux_loss_coef), which the pipeline's loss does not "
-                "include; set router_aux_loss_coef=0.0")
+                f"the model adds a router auxiliary loss (router_aux_loss_coef={self.router_aux_loss_coef}) over the "
+                "statistics of the whole forward call, which a 1F1B pipeline cannot compute; set "
+                "concertina_router_aux_loss='per_chunk' to add it per chunk and per layer (a different loss from "
+                "SFTTrainer's: concertina_hf.runtime.router_aux), or router_aux_loss_coef=0.0")
+        if self.pipeline.router_aux is not None:  # TRL's coefficient; none when TRL turned the loss off
+            self.pipeline.router_aux = (replace(self.pipeline.router_aux, coef=float(self.router_aux_loss_coef))
+                                        if self.aux_loss_enabled else None)
 
     def _default_data_collator(self):
         return None  # SFTTrainer builds its own (padding-free when asked), which the pipeline understands

@@ -26,10 +26,12 @@ naming the model type and the feature:
   ``coef * num_experts * sum_e(f_e * P_e)`` to the training loss, with ``f_e`` and ``P_e`` means
   over the tokens of the forward call *and over all layers at once*. Neither is a sum over
   stages or chunks: the stages would have to exchange per-expert statistics, and a chunk is not
-  one of ``Trainer``'s micro-batches, so a per-chunk value (as Megatron-Core computes it per
-  micro-batch and per layer) would be a different loss. Refused: set
-  ``output_router_logits=False`` (HF then trains without it, and the routers still learn from
-  the language-model loss).
+  one of ``Trainer``'s micro-batches. Refused unless ``router_aux_loss="per_chunk"``
+  (``concertina_router_aux_loss``): then the stage adds the loss per chunk and per layer, as
+  Megatron-Core computes it per micro-batch (a different loss from ``Trainer``'s, see
+  :mod:`.router_aux`), for the model types of :data:`~.router_aux.ROUTER_AUX_LOSS_TYPES`
+  (others refused); or set ``output_router_logits=False`` (HF then trains without it, and the
+  routers still learn from the language-model loss).
 
 Reproduced outside the layers (:class:`ModelFamily`), each read from a config attribute:
 
@@ -59,6 +61,8 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+
+from .router_aux import ROUTER_AUX_LOSS_MODES, RouterAux, router_aux_of
 
 __all__ = [
     "ATTENTION_LAYER_TYPES",
@@ -123,8 +127,10 @@ def _refuse(config: Any, model: nn.Module | None, what: str) -> UnsupportedModel
     return UnsupportedModelError(f"{_name(config, model)}: {what}. {SUPPORTED_LAYOUT}")
 
 
-def check_config(config: Any, model: nn.Module | None = None) -> None:
-    """The refusals a config alone decides (:class:`UnsupportedModelError`); see the module docstring."""
+def check_config(config: Any, model: nn.Module | None = None, router_aux_loss: str | None = None) -> None:
+    """The refusals a config alone decides (:class:`UnsupportedModelError`); see the module docstring.
+    ``router_aux_loss``: ``concertina_router_aux_loss`` (``"per_chunk"`` accepts the router
+    auxiliary loss of the model types that have it reproduced; ``None``: refused)."""
     if getattr(config, "is_encoder_decoder", False):
         raise _refuse(config, model, "encoder-decoder models are not supported")
     subs = [k for k in ("text_config", "vision_config", "audio_config", "decoder_config") if
@@ -144,11 +150,17 @@ def check_config(config: Any, model: nn.Module | None = None) -> None:
                                          "would carry state between packed sequences and lose it between slices of "
                                          "a split sequence; sparse, indexed or chunked attention selects keys the "
                                          "pipeline's attention does not")
-    if getattr(config, "output_router_logits", False):
+    if router_aux_loss is not None and router_aux_loss not in ROUTER_AUX_LOSS_MODES:
+        raise ValueError(f"concertina_router_aux_loss={router_aux_loss!r}: choose None (no router auxiliary loss) "
+                         f"or one of {', '.join(map(repr, ROUTER_AUX_LOSS_MODES))}")
+    if router_aux_loss is None and getattr(config, "output_router_logits", False):
         raise _refuse(config, model, "output_router_logits=True adds the router auxiliary (load-balancing) loss "
-                                     "to HF's training loss; the pipeline trains on the cross-entropy only and "
-                                     "does not compute it. Set config.output_router_logits = False (HF then "
-                                     "trains without it too)")
+                                     "to HF's training loss, over the statistics of every token of the forward "
+                                     "call, which a 1F1B pipeline cannot compute (each chunk's backward starts "
+                                     "before the step's last forward). Set concertina_router_aux_loss='per_chunk' "
+                                     "to add it per chunk and per layer instead (Megatron-Core's per-micro-batch "
+                                     "loss: a different loss from Trainer's), or config.output_router_logits = "
+                                     "False (HF then trains without it too)")
 
 
 @dataclass(frozen=True)
@@ -169,6 +181,8 @@ class ModelFamily:
     rotary_layer_types: tuple[str, ...] | None = None
     #: the final norm (without parameters) applied to the embeddings too (:data:`NORM_BEFORE_LAYERS`)
     norm_before_layers: bool = False
+    #: the router's load-balancing loss per chunk and per layer (:mod:`.router_aux`); None: not added
+    router_aux: RouterAux | None = None
 
     def scale_embeddings(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.embedding_multiplier is not None:
@@ -206,11 +220,12 @@ def _number(config: Any, name: str) -> float | None:
     return None if value is None or isinstance(value, bool) else float(value)
 
 
-def inspect_model(model: nn.Module) -> ModelFamily:
+def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> ModelFamily:
     """The :class:`ModelFamily` of an HF causal LM, or :class:`UnsupportedModelError` (see the module
-    docstring). Reads the model only."""
+    docstring). Reads the model only. ``router_aux_loss="per_chunk"``: the family's
+    :attr:`ModelFamily.router_aux` (refused for a model type whose loss is not reproduced)."""
     config = getattr(model, "config", None)
-    check_config(config, model)
+    check_config(config, model, router_aux_loss)
     for path in _LAYOUT:
         cur, where = model, "model"
         for part in path.split("."):
@@ -276,4 +291,14 @@ def inspect_model(model: nn.Module) -> ModelFamily:
         final_logit_softcapping=_number(config, "final_logit_softcapping"),
         rotary_layer_types=rotary_types,
         norm_before_layers=norm_first,
+        router_aux=None if router_aux_loss is None else _router_aux(model),
     )
+
+
+def _router_aux(model: nn.Module) -> RouterAux:
+    try:
+        return router_aux_of(model)
+    except ValueError as exc:
+        raise _refuse(model.config, model, f"concertina_router_aux_loss='per_chunk' is not supported for it: {exc}. "
+                                           "Set concertina_router_aux_loss=None (and config.output_router_logits = "
+                                           "False: HF then trains without the router loss too)") from None

@@ -26,7 +26,9 @@ Cohere, OLMo 1-3, DeepSeek-V3, Mixtral, StableLM, gpt-oss, ...: ``docs/supported
 every causal-LM model type of the installed transformers, checked numerically by
 ``scripts/model_support.py``). :func:`~.families.inspect_model` runs first: it refuses what the
 runtime cannot reproduce (other layouts, recurrent / linear-attention / convolutional mixers, the
-router auxiliary loss, work the model's ``forward`` does between the layers) with a message naming
+router auxiliary loss unless ``concertina_router_aux_loss='per_chunk'`` (then the stage records its
+routers' logits for the per-chunk term of :mod:`.router_aux`), work the model's ``forward`` does
+between the layers) with a message naming
 the model type and the feature, and returns the :class:`~.families.ModelFamily` that
 :meth:`PipelineWrapper.embed`, :meth:`PipelineWrapper.run_layers` and
 :meth:`PipelineWrapper.head_logits` apply: the embedding multiplier, per-layer-type rotary
@@ -98,10 +100,16 @@ class PipelineWrapper(nn.Module):
     #: ``num_items_in_batch``): ``(1 - eps) * nll + eps * mean over the vocabulary of -log p``
     label_smoothing: float = 0.0
 
-    def __init__(self, model: nn.Module, layout: StageLayout, stage: int) -> None:
+    def __init__(self, model: nn.Module, layout: StageLayout, stage: int, router_aux_loss: str | None = None) -> None:
+        """``router_aux_loss``: ``concertina_router_aux_loss`` (``"per_chunk"``: the stage records its
+        routers' logits for :meth:`router_aux_loss`; ``None``: a model adding a router loss is refused)."""
         super().__init__()
         #: what the HF model's forward does around its modules (refuses what cannot be reproduced)
-        self.family = inspect_model(model)
+        self.family = inspect_model(model, router_aux_loss)
+        #: the router load-balancing loss per chunk and per layer (:mod:`.router_aux`; None: not added).
+        #: Its ``coef`` may be replaced (``dataclasses.replace``), e.g. by TRL's ``router_aux_loss_coef``
+        self.router_aux = self.family.router_aux
+        self._router_sink: list[torch.Tensor] | None = None  # where the router hooks put the logits, while set
         layers = model.model.layers
         if layout.num_layers != len(layers):
             raise ValueError(
@@ -157,6 +165,11 @@ class PipelineWrapper(nn.Module):
         # `model` is registered as a child so .to() / .train() reach it; names are delegated below
         self.model = model
         self.config = model.config
+        if self.router_aux is not None:
+            for layer in self.decoder_layers:
+                for mod in layer.modules():
+                    if isinstance(mod, self.router_aux.router_type):
+                        mod.register_forward_hook(self._record_router_logits)
 
     # ------------------------------------------------------------------ HF names
     def named_parameters(self, prefix: str = "", recurse: bool = True,
@@ -218,27 +231,47 @@ class PipelineWrapper(nn.Module):
         hidden = self.family.scale_embeddings(self.model.model.embed_tokens(input_ids_T.unsqueeze(0)))
         return hidden if self._embedding_norm is None else self._embedding_norm(hidden)
 
-    def run_layers(self, hidden: torch.Tensor, ctx: ChunkAttentionContext, num_recompute: int = 0) -> torch.Tensor:
+    def run_layers(self, hidden: torch.Tensor, ctx: ChunkAttentionContext, num_recompute: int = 0,
+                   router_logits: list[torch.Tensor] | None = None) -> torch.Tensor:
         """This stage's decoder layers on a chunk; the first ``num_recompute`` run under
         non-reentrant activation checkpointing (only their inputs and the K/V of non-final
         slices stay alive until backward).
 
         The context reaches the attention as the ``concertina_ctx`` keyword and, for layers that
         drop ``**kwargs``, through :func:`~.attention.chunk_context`, set inside the function
-        that checkpointing wraps so that its replay in backward sees it too."""
+        that checkpointing wraps so that its replay in backward sees it too.
+
+        ``router_logits`` (with :attr:`router_aux`): the logits of each MoE layer's router on
+        this chunk are appended to it, in layer order (a checkpointed layer's replay in backward
+        runs after this returns, and is not recorded)."""
         pos = ctx.position_ids
         rotary = self.family.position_embeddings(self.model.model.rotary_emb, hidden, pos,
                                                  range(self.layer_start, self.layer_end))
-        with step_active():
-            for i, layer in enumerate(self.decoder_layers):
-                call = functools.partial(_layer_call, layer, ctx, attention_mask=None, position_ids=pos,
-                                         position_embeddings=rotary[i], use_cache=False, concertina_ctx=ctx)
-                if i < num_recompute and torch.is_grad_enabled():
-                    out = checkpoint(call, hidden, use_reentrant=False)
-                else:
-                    out = call(hidden)
-                hidden = out[0] if isinstance(out, tuple) else out
+        self._router_sink = router_logits
+        try:
+            with step_active():
+                for i, layer in enumerate(self.decoder_layers):
+                    call = functools.partial(_layer_call, layer, ctx, attention_mask=None, position_ids=pos,
+                                             position_embeddings=rotary[i], use_cache=False, concertina_ctx=ctx)
+                    if i < num_recompute and torch.is_grad_enabled():
+                        out = checkpoint(call, hidden, use_reentrant=False)
+                    else:
+                        out = call(hidden)
+                    hidden = out[0] if isinstance(out, tuple) else out
+        finally:
+            self._router_sink = None
         return hidden
+
+    def _record_router_logits(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Forward hook of the stage's router modules: their logits, while :meth:`run_layers` collects them."""
+        sink = self._router_sink
+        if sink is not None:
+            sink.append(self.router_aux.logits_of(output))
+
+    def router_aux_loss(self, router_logits: list[torch.Tensor]) -> torch.Tensor:
+        """This stage's share of one chunk's router load-balancing term (``coef`` included, not yet
+        weighted by the chunk's token share): :meth:`~.router_aux.RouterAux.chunk_loss`."""
+        return self.router_aux.chunk_loss(router_logits)
 
     def head_loss_sum(self, hidden: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
         """Last stage: final norm, LM head, and the summed float32 token cross-entropy (targets

@@ -352,6 +352,19 @@ class ConcertinaTrainingArguments(TrainingArguments):
         "(the paper's head-specific access); the other heads keep the tail. Their K/V heads are kept whole. "
         "None (default): every head keeps the tail.",
     )
+    concertina_router_aux_loss: str | None = _option(
+        None,
+        "MoE models (Mixtral, Qwen2/3-MoE, OLMoE) with output_router_logits=True, whose HF training loss adds the "
+        "router's load-balancing loss over the statistics of the whole forward call, which a 1F1B pipeline cannot "
+        "compute. None or 'none' (default): such a model is refused. 'per_chunk': each stage adds, per chunk and "
+        "per MoE layer, router_aux_loss_coef x num_experts x sum_e f_e x P_e over the chunk's tokens (f_e: their "
+        "share routed to expert e among their top-k, P_e: the mean router probability; HF's formula on one layer), "
+        "averaged over the model's MoE layers and weighted by the chunk's share of the step's tokens, as "
+        "Megatron-Core adds it per micro-batch: a different loss from Trainer's (see "
+        "concertina_hf.runtime.router_aux), added whether or not config.output_router_logits is set; training steps "
+        "only (the evaluation loss is the cross-entropy). Logged as concertina/router_aux_loss. Sequence parallel "
+        "size 1 only.",
+    )
     # TRL's SFTConfig has the same field (same type and default: ConcertinaSFTConfig inherits both)
     model_init_kwargs: dict[str, Any] | str | None = field(default=None, metadata={"help": (
         "With a model given by name (ConcertinaTrainer(model='org/name' or a local directory)): the keyword "
@@ -445,6 +458,7 @@ class ConcertinaTrainingArguments(TrainingArguments):
             raise ValueError(f"concertina_gantt_steps must be -1 (no chart), 0 (the last step's) or a positive "
                              f"number of steps, got {self.concertina_gantt_steps}")
         self._check_segment_fields()
+        self._check_router_aux_loss()
         if not 0 < self.concertina_memory_fraction <= 1:
             raise ValueError(f"concertina_memory_fraction must be in (0, 1], got {self.concertina_memory_fraction}")
         try:
@@ -456,6 +470,23 @@ class ConcertinaTrainingArguments(TrainingArguments):
                 stage_budgets(budget, self.concertina_pipeline_size)
             except PlanError as e:
                 raise in_trainer_terms(e) from None
+
+    def _check_router_aux_loss(self) -> None:
+        value = self.concertina_router_aux_loss
+        if isinstance(value, str) and value.strip().lower() in ("none", ""):
+            value = self.concertina_router_aux_loss = None
+        if value is None:
+            return
+        from ..runtime.router_aux import ROUTER_AUX_LOSS_MODES
+
+        if value not in ROUTER_AUX_LOSS_MODES:
+            raise ValueError(f"concertina_router_aux_loss={value!r}: choose None (no router auxiliary loss: a model "
+                             "with output_router_logits=True is refused) or one of "
+                             f"{', '.join(map(repr, ROUTER_AUX_LOSS_MODES))}")
+        if self.concertina_sequence_parallel_size > 1:
+            raise ValueError(f"concertina_router_aux_loss={value!r} runs with concertina_sequence_parallel_size=1 only "
+                             f"(got {self.concertina_sequence_parallel_size}): each rank of a stage would see its share "
+                             "of a chunk's tokens, not the chunk's router statistics")
 
     def _check_segment_fields(self) -> None:
         tokens, tail = self.concertina_segment_tokens, self.concertina_segment_kv_tail

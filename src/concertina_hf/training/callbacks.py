@@ -18,7 +18,9 @@ callback keeps what a ``TrainerCallback`` is for:
   peak per stage, planning time (and how long the step waited for its plan), where each stage's
   step time went (``concertina/compute_s_stage<s>``, ``comm_wait_s_stage<s>``, ``other_s_stage<s>``:
   :attr:`~concertina_hf.runtime.executor.StepResult.breakdown`), cost-model refits (accepted,
-  rejected, undone by a fallback).
+  rejected, undone by a fallback), and with ``concertina_router_aux_loss`` the router
+  load-balancing term added to the step's loss (``concertina/router_aux_loss``: summed over the
+  stages, ``coef`` included; the logged ``loss`` is the cross-entropy without it).
 - At the end of ``train()`` it writes the last step's planned and measured Gantt chart to
   ``<output_dir>/gantt/step-<n>.png`` (and every ``concertina_gantt_steps`` steps when that is
   positive; -1 draws none), logs its path, and sends it to wandb as an image when wandb is a
@@ -60,6 +62,8 @@ class StepStats:
     action_times: list[tuple[Action, float, float]] = field(default_factory=list)
     #: per stage: seconds of compute, communication waits and the rest (``StepResult.breakdown``)
     breakdown: tuple[dict[str, float], ...] = ()
+    #: the router load-balancing term of the step, summed over the stages (None: no such term)
+    router_aux_loss: float | None = None
 
     def as_logs(self) -> dict[str, float]:
         plan = self.plan
@@ -89,6 +93,8 @@ class StepStats:
         for s, parts in enumerate(self.breakdown):
             for part, seconds in parts.items():
                 logs[f"concertina/{part}_s_stage{s}"] = float(seconds)
+        if self.router_aux_loss is not None:
+            logs["concertina/router_aux_loss"] = self.router_aux_loss
         return logs
 
 
@@ -166,6 +172,7 @@ class StepStatsCallback(TrainerCallback):
             "peak": None if result.peak_activation_bytes is None else int(result.peak_activation_bytes),
             "wall": float(result.wall_time_s),
             "breakdown": {k: float(v) for k, v in getattr(result, "breakdown", {}).items()},
+            "router_aux": getattr(result, "router_aux_loss", None),
         }
         gathered = self.topology.gather_in_pipeline(mine)
         self._steps_recorded += 1
@@ -187,6 +194,8 @@ class StepStatsCallback(TrainerCallback):
             peak_activation_bytes=tuple(m["peak"] for m in per_stage),
             action_times=actions,
             breakdown=tuple(m["breakdown"] for m in per_stage),
+            router_aux_loss=None if all(m["router_aux"] is None for m in per_stage)
+            else sum(m["router_aux"] or 0.0 for m in per_stage),
         )
         self.last = stats
         self.history = (self.history + [stats])[-8:]

@@ -81,22 +81,25 @@ def build_topology(args: ConcertinaTrainingArguments, sizes: tuple[int, int, int
     return Topology.build(pp=pp, dp=dp, sp=sp, timeout=timedelta(seconds=args.ddp_timeout))
 
 
-def pipeline_stage(model: nn.Module, layout: StageLayout, stage: int) -> tuple[PipelineWrapper, nn.Module | None]:
+def pipeline_stage(model: nn.Module, layout: StageLayout, stage: int,
+                   router_aux_loss: str | None = None) -> tuple[PipelineWrapper, nn.Module | None]:
     """Stage ``stage`` of ``model`` (pruned in place) and the ``PeftModel`` that ``model`` is
     (``None`` for a plain HF model). A ``PeftModel`` is refused first where the pipeline cannot
     run or save it like ``Trainer`` + PEFT (:func:`~concertina_hf.integrations.peft.check_peft_model`);
     the wrapper prunes the HF model inside it (adapter layers in place) and the ``PeftModel`` is
-    what saving the adapter needs (:class:`~concertina_hf.training.checkpoint.StageCheckpointer`)."""
+    what saving the adapter needs (:class:`~concertina_hf.training.checkpoint.StageCheckpointer`).
+    ``router_aux_loss``: ``concertina_router_aux_loss`` (:class:`PipelineWrapper`)."""
     peft_model = None
     if is_peft_model(model):
         check_peft_model(model, layout.num_stages)
         peft_model, model = model, base_model_of(model)
-    return PipelineWrapper(model, layout, stage), peft_model
+    return PipelineWrapper(model, layout, stage, router_aux_loss), peft_model
 
 
 def resolve_run(args: ConcertinaTrainingArguments, model: nn.Module, topology: Topology) -> RunSetup:
     """The run's :class:`RunSetup` (collective when rank 0 profiles: call it on every rank)."""
-    check_model_family(model)  # before the cost model reads a config it may not understand
+    # before the cost model reads a config it may not understand
+    check_model_family(model, args.concertina_router_aux_loss)
     device_memory = device_memory_bytes(args.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     cost = layout_cost_model(args.resume_from_checkpoint)
     if cost is None:  # not resuming: a resumed run keeps its checkpoint's stage layout
@@ -172,7 +175,7 @@ def check_trainer_arguments(model: nn.Module | None, args, optimizers: tuple, **
         )
     if model is None:
         raise ValueError("ConcertinaTrainer needs a model (an HF causal LM)")
-    check_model_family(model)
+    check_model_family(model, args.concertina_router_aux_loss)
     if args.train_sampling_strategy == "batch_rebalance":
         raise ValueError(
             "train_sampling_strategy='batch_rebalance' balances tokens across all processes, but pipeline ranks "
@@ -180,14 +183,15 @@ def check_trainer_arguments(model: nn.Module | None, args, optimizers: tuple, **
         )
 
 
-def check_model_family(model: nn.Module) -> None:
+def check_model_family(model: nn.Module, router_aux_loss: str | None = None) -> None:
     """Refuse a model the runtime cannot train as HF does (an other layout, mixers that are not
-    attention, the router auxiliary loss, ...), naming its model type and the feature:
-    :func:`~concertina_hf.runtime.families.inspect_model`, on the HF model inside a ``PeftModel``."""
+    attention, the router auxiliary loss without ``concertina_router_aux_loss``, ...), naming its
+    model type and the feature: :func:`~concertina_hf.runtime.families.inspect_model`, on the HF
+    model inside a ``PeftModel``."""
     from ..runtime.families import UnsupportedModelError, inspect_model
 
     hf = base_model_of(model)
-    inspect_model(hf)
+    inspect_model(hf, router_aux_loss)
     declared, held = getattr(hf.config, "num_hidden_layers", None), len(hf.model.layers)
     if declared is not None and int(declared) != held:  # the stage layout and the cost model count the config's layers
         raise UnsupportedModelError(
@@ -259,6 +263,7 @@ def _profile_on_rank0(model: nn.Module, args: ConcertinaTrainingArguments, base:
     """Rank 0 profiles the model before it is split; every rank gets the same cost model (the
     layout and the plans derive from it). The main process keeps it in ``cost_model.json``."""
     from ..runtime.profiler import profile_cost_model
+    from ..runtime.router_aux import without_router_logits
 
     payload = None
     if topology.rank == 0:
@@ -271,9 +276,10 @@ def _profile_on_rank0(model: nn.Module, args: ConcertinaTrainingArguments, base:
         # a model loaded by stage (parameters on the meta device): its first layers, read for the profile
         source = getattr(model, "_concertina_source", None)
         probe = source.prefix_model(layers) if source is not None else model
-        cost = profile_cost_model(probe, base=base, device=args.device, num_layers=layers,
-                                  max_tokens=None if cap is None else max(32, cap),
-                                  autocast_dtype=torch.bfloat16 if args.bf16 else None)
+        with without_router_logits(probe, args.concertina_router_aux_loss is not None):  # times the layers only
+            cost = profile_cost_model(probe, base=base, device=args.device, num_layers=layers,
+                                      max_tokens=None if cap is None else max(32, cap),
+                                      autocast_dtype=torch.bfloat16 if args.bf16 else None)
         logger.info("profiled the cost model in %.1fs", time.perf_counter() - t0)
         payload = json.dumps(cost.to_dict())
         os.makedirs(args.output_dir, exist_ok=True)

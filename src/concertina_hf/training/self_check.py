@@ -31,7 +31,9 @@ replica 0 (global rank 0):
 4. **Auxiliary losses.** HF's training loss (``model(input_ids, labels=...).loss``, train mode)
    against the cross-entropy of the logits of the same call: a model that adds a term (a MoE
    router's load-balancing loss with ``output_router_logits=True``) is refused, since the
-   runtime's loss is the cross-entropy.
+   runtime's loss is the cross-entropy. With ``concertina_router_aux_loss='per_chunk'`` the
+   router's term is the runtime's own (:mod:`~concertina_hf.runtime.router_aux`): the probe
+   runs with ``output_router_logits`` off and compares the rest.
 
 A mismatch raises :class:`SelfCheckError` on every rank (the verdict is broadcast from rank 0,
 so all ranks stop together), naming the model type, the check, the worst sequence or parameter
@@ -91,14 +93,15 @@ class _Finding:
         return f"{self.what}: runtime {self.runtime:.6g}, HF {self.hf:.6g}"
 
 
-def self_check(model: nn.Module, topology: Topology, device: torch.device | str | None = None) -> None:
+def self_check(model: nn.Module, topology: Topology, device: torch.device | str | None = None,
+               router_aux_loss: str | None = None) -> None:
     """Run :func:`check_model` on global rank 0 (on ``device``) and broadcast its verdict: every
     rank raises :class:`SelfCheckError` with the same message, or none does. Collective."""
     verdict = None
     if topology.rank == 0:
         t0 = time.perf_counter()
         try:
-            check_model(model, device)
+            check_model(model, device, router_aux_loss)
         except SelfCheckError as exc:
             verdict = str(exc)
         except Exception as exc:  # the runtime itself failed on the probe: a refusal too
@@ -114,12 +117,16 @@ def self_check(model: nn.Module, topology: Topology, device: torch.device | str 
         raise on_every_rank(SelfCheckError(verdict))
 
 
-def check_model(model: nn.Module, device: torch.device | str | None = None) -> None:
+def check_model(model: nn.Module, device: torch.device | str | None = None,
+                router_aux_loss: str | None = None) -> None:
     """The checks of the module docstring on this process; :class:`SelfCheckError` on a mismatch.
     ``model``: an HF causal LM, or a ``PeftModel`` around one (its adapters are in the layers).
     ``device``: where to run the probe (default: where the model is); only the probed modules
-    (the prefix layers, the embedding, the head) go there, and back afterwards."""
+    (the prefix layers, the embedding, the head) go there, and back afterwards.
+    ``router_aux_loss``: ``concertina_router_aux_loss`` (set: the probe runs without the router
+    logits, whose term the runtime adds itself)."""
     from ..integrations.peft import base_model_of
+    from ..runtime.router_aux import without_router_logits
 
     hf = base_model_of(model)
     kind = _model_type(hf)
@@ -130,7 +137,8 @@ def check_model(model: nn.Module, device: torch.device | str | None = None) -> N
     dtype = next(hf.parameters()).dtype
     loss_tol, grad_tol = _TOL.get(dtype, _TOL_LOW)
     ids, labels = _probe_batch(int(hf.config.vocab_size), dev)
-    with _preserved(hf, home), torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+    with _preserved(hf, home), torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), \
+            without_router_logits(hf, router_aux_loss is not None):
         k = probe_layers(hf)
         hf.model.layers = nn.ModuleList(list(hf.model.layers)[:k])
         hf.to(dev)  # the probed modules only (a no-op when the model is there already)

@@ -148,11 +148,12 @@ class ConcertinaTrainer(Trainer):
             # by name: rank 0 probes the embedding, the first layers and the head, read for it alone
             probe = source.prefix_model(probe_layers(model)) if source is not None and self.topology.rank == 0 \
                 else model
-            self_check(probe, self.topology, args.device)
+            self_check(probe, self.topology, args.device, router_aux_loss=args.concertina_router_aux_loss)
             del probe
         # The saved config must name an attention every HF install has, not the runtime's backend.
         self._saved_attn_implementation = getattr(hf_model.config, "_attn_implementation", None) or "sdpa"
-        self.pipeline, self.peft_model = pipeline_stage(model, self.layout, self.topology.stage)
+        self.pipeline, self.peft_model = pipeline_stage(model, self.layout, self.topology.stage,
+                                                        router_aux_loss=args.concertina_router_aux_loss)
         if source is not None:
             source.load_stage(self.pipeline)
         self.pipeline.label_smoothing = args.label_smoothing_factor  # HF's LabelSmoother, in the pipeline's loss
@@ -243,6 +244,7 @@ class ConcertinaTrainer(Trainer):
         # forward: the executor runs forwards under it and backwards outside it, like Trainer
         with self.compute_loss_context_manager(), self.accelerator.autocast():
             result = self.executor.run_step(plan, step.input_ids, step.labels, num_items_in_batch=max(1, norm),
+                                            router_aux_tokens=self._router_aux_tokens(plan),
                                             train=True, measure_memory=self.stats_callback.wants_memory(self.state))
         # non-finite values or no target: raise on every rank, or drop the step (grads discarded)
         if not self.guard.check(self.state.global_step + 1, plan, result, self._stage_params(),
@@ -252,9 +254,31 @@ class ConcertinaTrainer(Trainer):
                              shards=self.pipeline.sharded)
             # after the replicas' reduction: both copies of tied embeddings then get the same bits
             self.executor.sync_tied_gradients()
+        result.router_aux_loss = self._router_aux_over_replicas(result)
         self.stats_callback.record(plan, result)
         loss = self.guard.step_loss(self._global_loss(result, step), step.num_items_total)
         return torch.tensor(loss, dtype=torch.float32, device=self.args.device)
+
+    def _router_aux_tokens(self, plan) -> int | None:
+        """The tokens the router term's chunk shares are taken of (``concertina_router_aux_loss``):
+        the step's over the replicas when the loss is normalised over them, else the replica's;
+        ``None`` without the term."""
+        if self.pipeline.router_aux is None:
+            return None
+        tokens = sum(plan.seq_lens)
+        if self.args.average_tokens_across_devices:
+            tokens = int(self.topology.all_reduce_replicas(tokens))
+        return tokens
+
+    def _router_aux_over_replicas(self, result) -> float | None:
+        """This stage's share of the step's router term over the replicas: summed (each replica's
+        chunks carry their share of the whole step), or averaged as the gradients are without
+        ``average_tokens_across_devices``."""
+        value = result.router_aux_loss
+        if value is None or self.topology.data_parallel_size == 1:
+            return value
+        total = float(self.topology.all_reduce_replicas(value, dtype=torch.float64))
+        return total if self.args.average_tokens_across_devices else total / self.topology.data_parallel_size
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         raise NotImplementedError("ConcertinaTrainer computes the loss inside the pipeline "
