@@ -29,8 +29,9 @@ from concertina_hf.planning import (
     StageLayout,
     build_schedule,
 )
+from concertina_hf.planning.dry_run import dry_run
 from concertina_hf.planning.lower import lower
-from concertina_hf.planning.simulate import dry_run, memory_moments, simulate
+from concertina_hf.planning.simulate import memory_moments, simulate
 from concertina_hf.planning.types import Program
 
 LLAMA8B = dict(

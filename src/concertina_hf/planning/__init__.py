@@ -4,11 +4,12 @@ from .budgets import stage_budgets
 from .chunking import Chunking, SequenceBatch, balanced_split
 from .coefficients import DeviceSpec, ProfileSample
 from .cost import CostModel
+from .dry_run import dry_run
 from .lower import lower
 from .partition import partition_layers
 from .recompute import SOLVERS, InfeasiblePlanError, assign_recompute, fits, uniform_recompute
 from .schedule import backward_order, build_schedule
-from .simulate import SimResult, dry_run, simulate
+from .simulate import SimResult, simulate
 from .replicas import REPLICA_METHODS, ReplicaSplit, balance_replicas
 from .strategies import PIPELINE_STRATEGIES, STRATEGIES, ideal_step_time, plan_step
 from .types import Action, ActionKind, Chunk, ChunkKind, Plan, PlanError, PlanStats, Program, Slice, StageLayout

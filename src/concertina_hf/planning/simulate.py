@@ -14,14 +14,9 @@ Durations are ``cost.fwd_time`` and ``cost.bwd_time(..., recompute_layers=plan.r
 Order of slices within a stage is the schedule's business (``Plan.validate`` checks it); the
 simulator only follows the program.
 
-Communication is dry-run as the runtime does it: a batch of messages is done once the peer
-has posted the send of each of its receives (sends never hold their stage: each direction between
-two neighbours is a channel of its own, :mod:`concertina_hf.runtime.p2p`); once every program has
-run, the messages from one stage to another must have been received in the order they were sent
-(NCCL matches them in issue order, whatever their tags). A message without a counterpart, a step that can never complete (a
-deadlock) or messages out of order raise :class:`PlanError` naming the actions, before any
-process group exists; :func:`dry_run` does only that, with no cost model (and optionally with
-sends that wait for their receive).
+Communication runs as in the dry run, on its engine (:mod:`.dry_run`: each direction between two
+neighbours a channel of its own, messages matched in issue order): a program that cannot run to
+the end raises :class:`PlanError` naming the actions.
 
 Memory of stage ``s`` over time (only its own action order matters, not timing)::
 
@@ -62,9 +57,8 @@ once on ``d`` groups of GPUs, every forward of a round starting together and eve
 after the round's slowest forward (ZeRO-3's per-layer collectives keep the groups in step);
 ``stage_busy_s`` is then the mean over the ``d`` groups, so the bubble is their idle time.
 
-Cost: every step is started exactly once; stages are swept alternately top-down and bottom-up,
-so a 1F1B plan of ``N`` chunks on ``p`` stages needs about ``N`` sweeps of ``p`` stages. Each
-chunk's time and memory terms come from the cost model once per stage shape (layer count,
+Cost: the dry run's (every step started exactly once, about ``N`` sweeps of the ``p`` stages for
+a 1F1B plan of ``N`` chunks). Each chunk's time and memory terms come from the cost model once per stage shape (layer count,
 embedding, head: three shapes for an even layout, whatever the pipeline size); memory costs
 ``O(actions)`` (a running sum of what is in flight). A 512-sequence plan of ~100 chunks on 4
 stages simulates in ~7 ms in pure Python, ~2 ms of it lowering the plan and matching its messages.
@@ -76,12 +70,13 @@ import math
 from dataclasses import dataclass
 
 from .cost import CostModel
+from .dry_run import compile_program, run_program
 from .lower import lower
 from .segments import segment_options
 from .types import Action, ActionKind, Plan, PlanError, PlanStats, Program
 
 __all__ = [
-    "MemoryMoment", "SimResult", "backward_slack", "dry_run", "memory_moments", "simulate", "split_sequence_ids",
+    "MemoryMoment", "SimResult", "backward_slack", "memory_moments", "simulate", "split_sequence_ids",
     "stage_representatives",
 ]
 
@@ -258,225 +253,6 @@ def stage_representatives(plan: Plan, cost: CostModel) -> list[int]:
             for s in range(plan.num_stages)]
 
 
-# ---------------------------------------------------------------------------- the dry run
-_FWD, _BWD, _MSG = 0, 1, 2  # compiled step codes
-
-
-def _compile(program: Program, rendezvous: bool = False):
-    """The program's steps as the engine reads them, and where its messages are.
-
-    Returns ``(steps, (sends, receives))``: per stage, ``(_FWD, c)``, ``(_BWD, c)`` or
-    ``(_MSG, ops)`` with ``ops = ((peer, peer's step index, chunk, is_recv, action), ...)`` for
-    the messages the step waits for (its receives), the peer's step being the one that holds the
-    counterpart; with ``rendezvous``, a last step per stage waits for every send's receive; ``sends[s][dst]`` / ``receives[s][src]``:
-    stage ``s``'s messages to ``dst`` / from ``src`` as ``{chunk: step}``, in issue order.
-    Raises :class:`PlanError` for a malformed program: a message without counterpart or listed
-    twice, a compute action before its input's receive, a send before the compute that
-    produces it.
-    """
-    plan = program.plan
-    p, last = plan.num_stages, plan.num_stages - 1
-    if len(program.steps) != p:
-        raise PlanError(f"the program has {len(program.steps)} stages, the plan {p}")
-    F, B = ActionKind.FORWARD, ActionKind.BACKWARD
-    SF, RF, SB, RB = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
-    # per kind and stage: {chunk: step index}, in program order
-    tf, tb, tsf, trf, tsb, trb = ([{} for _ in range(p)] for _ in range(6))
-    for s, prog in enumerate(program.steps):
-        for k, step in enumerate(prog):
-            for a in step:
-                kind = a.kind
-                if a.stage != s:
-                    raise PlanError(f"action {a} listed under stage {s}")
-                if kind is F or kind is B:
-                    if len(step) > 1:
-                        raise PlanError(f"stage {s}: compute action {a} batched with other actions")
-                    t = (tf if kind is F else tb)[s]
-                else:
-                    t = (tsf if kind is SF else trf if kind is RF else tsb if kind is SB else trb)[s]
-                if a.chunk in t:
-                    raise PlanError(f"{a} appears twice in stage {s}'s program")
-                t[a.chunk] = k
-    out = []
-    for s, prog in enumerate(program.steps):
-        rows: list[tuple] = []
-        drain: list[tuple] = []
-        for k, step in enumerate(prog):
-            a = step[0]
-            kind = a.kind
-            if kind is F or kind is B:
-                c = a.chunk
-                inbox = (trf if s > 0 else None) if kind is F else (trb if s < last else None)
-                if inbox is not None and c not in program.silent and inbox[s].get(c, k) >= k:
-                    need = RF if kind is F else RB
-                    raise PlanError(f"{a} runs before its input is received ({s}{need.value}{c} earlier on stage {s})")
-                rows.append((_FWD if kind is F else _BWD, c))
-                continue
-            ops = []
-            for a in step:
-                kind, c, peer = a.kind, a.chunk, a.peer
-                other = (trf if kind is SF else tsf if kind is RF else trb if kind is SB else tsb)
-                pk = other[peer].get(c) if 0 <= peer < p else None
-                if pk is None:
-                    raise PlanError(f"{a} has no matching {a.partner} in the program; every send needs the "
-                                    "receive of its neighbour and every receive a send")
-                if kind is SF or kind is SB:
-                    made = tf if kind is SF else tb
-                    if made[s].get(c, k) >= k:
-                        raise PlanError(f"{a} is sent before {s}{'F' if kind is SF else 'B'}{c} computes it")
-                    drain.append((peer, pk, c, False, a))
-                else:
-                    ops.append((peer, pk, c, True, a))
-            rows.append((_MSG, tuple(ops)))
-        if rendezvous and drain:  # the step's end waits for every send to be received
-            rows.append((_MSG, tuple(drain)))
-        out.append(rows)
-    sends = [{s + 1: tsf[s], s - 1: tsb[s]} for s in range(p)]
-    receives = [{s - 1: trf[s], s + 1: trb[s]} for s in range(p)]
-    return out, (sends, receives)
-
-
-def _run(program: Program, compiled, fdur, bdur, p2p):
-    """Run the compiled program (see the module docstring); ``(fstart, fend, bstart, bend,
-    free_at)``, per stage and chunk. Raises :class:`PlanError` on a deadlock or messages out of
-    order."""
-    steps, channels = compiled
-    p = len(steps)
-    n = program.plan.num_chunks
-    fend: list[list[float | None]] = [[None] * n for _ in range(p)]
-    bend: list[list[float | None]] = [[None] * n for _ in range(p)]
-    fstart = [[0.0] * n for _ in range(p)]
-    bstart = [[0.0] * n for _ in range(p)]
-    posted = [[0.0] * len(st) for st in steps]  # when a stage reached each step: its sends leave then
-    free_at = [0.0] * p
-    ptr = [0] * p
-    remaining = sum(len(st) for st in steps)
-    sweep = 0
-    while remaining:
-        progressed = False
-        order = range(p) if sweep % 2 == 0 else range(p - 1, -1, -1)
-        sweep += 1
-        for s in order:
-            st = steps[s]
-            k = ptr[s]
-            t_free = free_at[s]
-            fe, be, post = fend[s], bend[s], posted[s]
-            while k < len(st):
-                code, x = st[k]
-                if code == _MSG:
-                    post[k] = t_free
-                    ready = t_free
-                    for peer, pk, c, is_recv, _ in x:
-                        if ptr[peer] < pk:  # the counterpart is not posted yet
-                            break
-                        if is_recv:
-                            arrive = posted[peer][pk] + p2p[c]
-                            if arrive > ready:
-                                ready = arrive
-                    else:
-                        t_free = ready
-                        k += 1
-                        continue
-                    break
-                if code == _FWD:
-                    fstart[s][x] = t_free
-                    t_free = t_free + fdur[s][x]
-                    fe[x] = t_free
-                else:
-                    if fe[x] is None:
-                        break
-                    bstart[s][x] = t_free
-                    t_free = t_free + bdur[s][x]
-                    be[x] = t_free
-                k += 1
-            if k != ptr[s]:
-                remaining -= k - ptr[s]
-                ptr[s] = k
-                free_at[s] = t_free
-                progressed = True
-        if not progressed:
-            raise _deadlock(program, steps, ptr, fend, bend)
-    _check_order(*channels)
-    return fstart, fend, bstart, bend, free_at
-
-
-def _deadlock(program: Program, steps: list[list[tuple]], ptr, fend, bend) -> PlanError:
-    blocked, stuck = [], []
-    left = 0
-    for s, prog in enumerate(program.steps):
-        k = ptr[s]
-        if k == len(prog) < len(steps[s]):  # the rendezvous drain: sends nobody receives
-            waits = [str(a.partner) for peer, pk, c, _, a in steps[s][k][1] if ptr[peer] < pk]
-            blocked.append(f"the end of stage {s}'s step (its sends wait for {', '.join(waits)})")
-            continue
-        if k >= len(prog):
-            continue
-        left += sum(len(step) for step in prog[k:])
-        step = prog[k]
-        if step[0].kind.is_compute:  # a backward before its own forward
-            blocked.append(f"{step[0]} (waits for its own forward {s}F{step[0].chunk})")
-            continue
-        stuck.append(f"{'+'.join(map(str, step))} on stage {s}")
-        recvs, sends = [], []
-        for peer, pk, c, is_recv, a in steps[s][k][1]:
-            if ptr[peer] >= pk:
-                continue
-            other = a.partner
-            if not is_recv:
-                sends.append(str(other))
-                continue
-            made = fend if other.kind is ActionKind.SEND_F else bend
-            kind = "F" if other.kind is ActionKind.SEND_F else "B"
-            recvs.append(str(other) if made[peer][c] is not None else f"{peer}{kind}{c}")
-        if recvs:  # the compute action that needs the message cannot start
-            nxt = next((st[0] for st in prog[k + 1:] if st[0].kind.is_compute), step[-1])
-            blocked.append(f"{nxt} (waits for {', '.join(recvs)})")
-        else:
-            blocked.append(f"{'+'.join(map(str, step))} (waits for {', '.join(sends)})")
-    return PlanError(
-        f"deadlock: {left} actions cannot run; blocked: " + ", ".join(blocked)
-        + (f"; stuck messages: {', '.join(stuck)}" if stuck else "")
-        + ". Every stage must order its actions so that the chunk a stage waits for is forwarded (or "
-        "backwarded) by its neighbour first, and send its messages in the order its neighbour receives them."
-    )
-
-
-def _check_order(sends, receives) -> None:
-    """Messages from one stage to another must be received in the order they were sent."""
-    for src, out in enumerate(sends):
-        for dst, sent in out.items():
-            if not sent:
-                continue
-            got = receives[dst][src]
-            if list(sent) != list(got):
-                i, (a, b) = next((i, ab) for i, ab in enumerate(zip(sent, got)) if ab[0] != ab[1])
-                kind = "F" if dst > src else "B"
-                raise PlanError(
-                    f"stage {src} sends to stage {dst} in another order than stage {dst} receives: message {i} is "
-                    f"{src}SEND_{kind}{a} but {dst}RECV_{kind}{b} on stage {dst}; two ranks match their messages in "
-                    "issue order (NCCL ignores tags)"
-                )
-
-
-def dry_run(program: Program, *, rendezvous: bool = False) -> None:
-    """Check that ``program`` can run to the end: every message has a counterpart, no step
-    waits forever, messages are received in the order they are sent (see the module
-    docstring); raise :class:`PlanError` naming the actions otherwise.
-
-    ``rendezvous=True``: NCCL's semantics on the runtime's channels (:mod:`concertina_hf.runtime.p2p`):
-    a send completes only once its receive is posted, and each channel (one direction between two
-    neighbours, its own communicator) runs in issue order. A stage waits for its receives only,
-    so a pending send holds back nothing but later sends of its own channel, which the peer
-    receives in the same order (checked below); what is left is the step's end, which waits for
-    every send to be received. (With one channel for both directions, 1F1B over a split sequence
-    would deadlock: stage ``s`` queues the forward of the chunk after the chain before the
-    receive of the chain's first backward, and stage ``s + 1`` receives that forward only after
-    sending every backward of the chain.)"""
-    n, p = program.plan.num_chunks, len(program.steps)
-    zeros = [[0.0] * n for _ in range(p)]
-    _run(program, _compile(program, rendezvous), zeros, zeros, [0.0] * n)
-
-
 # ---------------------------------------------------------------------------- simulation
 def simulate(plan: Plan, cost: CostModel, *, program: Program | None = None) -> SimResult:
     """Run ``plan`` under ``cost`` (see the module docstring); raise :class:`PlanError` if its
@@ -541,7 +317,7 @@ def simulate(plan: Plan, cost: CostModel, *, program: Program | None = None) -> 
         rec_total /= lanes
         comm /= lanes
     else:
-        fstart, fend, bstart, bend, free_at = _run(program, _compile(program), fdur, bdur, p2p)
+        fstart, fend, bstart, bend, free_at = run_program(program, compile_program(program), fdur, bdur, p2p)
     sync = max((cost.step_sync_time(lay, s) for s in range(p)), default=0.0)
     step = (max(free_at) if p else 0.0) + sync
     # clamp float noise: a stage never works longer than the step
@@ -635,7 +411,7 @@ def _lanes_timeline(plan: Plan, static: int, fstart, bstart, bend, act, tr) -> l
 
 def _run_rounds(plan: Plan, lanes: int, fdur: list[float], bdur: list[float]):
     """Timing of a one-stage plan whose groups are rounds run on ``lanes`` groups of GPUs at
-    once (module docstring); the same tuple as :func:`_run`."""
+    once (module docstring); the same tuple as :func:`~.dry_run.run_program`."""
     n = plan.num_chunks
     fstart, fend, bstart, bend = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
     t = 0.0

@@ -629,7 +629,7 @@ class Program:
     actions (``SEND_F``, ``RECV_F``, ``SEND_B``, ``RECV_B``) started together, as one
     ``batch_isend_irecv`` (sends first, then receives, in the listed order). A step of messages
     is done when its receives have landed and, conservatively (NCCL runs a batch as one group),
-    its sends have been received; :func:`~concertina_hf.planning.simulate.dry_run` checks that
+    its sends have been received; :func:`~concertina_hf.planning.dry_run.dry_run` checks that
     every step can complete. ``train=False``: forwards only (evaluation). ``silent``: chunks
     whose messages this program leaves out on every stage (one sequence-parallel rank's copy,
     holding no token of them: :func:`~concertina_hf.planning.lower.rank_program`); their compute

@@ -16,7 +16,7 @@ gradients (``s + 1 -> s``). A channel carries one direction, both ends issue its
 same chunk order (``Plan.validate``: neighbouring stages order chunks alike), and a stage waits
 only for its receives: a send never blocks its stage, it holds back only later sends of its own
 channel, which the peer receives in that order. A stage thus waits exactly as under gloo's eager
-sends, which is what :func:`~concertina_hf.planning.simulate.dry_run` checks for every plan
+sends, which is what :func:`~concertina_hf.planning.dry_run.dry_run` checks for every plan
 (``rendezvous=True`` adds NCCL's rendezvous; on these channels it only requires that every send
 is received by the end of the step, when :meth:`StageComm.drain` waits for them). Each message is
 its own ``isend`` / ``irecv`` (no ``batch_isend_irecv`` across channels); tags (``2 * chunk`` for
