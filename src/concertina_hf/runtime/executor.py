@@ -47,6 +47,15 @@ the chunk on a pad token).
 Tied input/output embeddings over several stages: each copy gets its own share of the gradient
 here; :meth:`PipelineExecutor.sync_tied_gradients` sums them once per optimizer step.
 
+The MoE router's load-balancing term (a wrapper with
+:attr:`~concertina_hf.runtime.stage.PipelineWrapper.router_aux`, ``concertina_router_aux_loss``;
+:mod:`.router_aux`): each training forward of chunk ``c`` computes this stage's layers' term over
+the chunk's tokens, times ``tokens(c) / router_aux_tokens`` (the step's tokens by default), and
+the chunk's backward runs it together with the output (the last stage adds it to the chunk's
+loss), so each router's gradient comes from its own stage; :attr:`StepResult.router_aux_loss`
+is this stage's share of the step's term. Sequence parallelism 1 only (a chunk's statistics
+would be split over the stage's ranks).
+
 Forwards draw dropout from the stage's own random stream (:class:`~concertina_hf.runtime.rng.StageRNG`,
 swapped in around each forward action). Each action's result (a forward's output or chunk loss, a
 backward's input gradient) is summed into a float32 scalar; the step reads them once at the end
@@ -131,6 +140,9 @@ class StepResult:
     wall_time_s: float = 0.0
     nonfinite: list[str] = field(default_factory=list)
     breakdown: dict[str, float] = field(default_factory=dict)
+    #: this stage's share of the step's router load-balancing term (``coef`` and the chunks' token
+    #: weights included; the step's term is the sum over stages); ``None`` without one
+    router_aux_loss: float | None = None
 
 
 class _Clock:
@@ -188,6 +200,13 @@ class PipelineExecutor:
         self.sp: SequenceParallel | None = None
         self._ulysses_refusal: str | None = None  # why Ulysses cannot split the heads (placed chunks still run)
         if sp_group is not None and dist.get_world_size(sp_group) > 1:
+            if wrapper.router_aux is not None:
+                raise ValueError(
+                    "concertina_router_aux_loss='per_chunk' runs with sequence parallel size 1 only (each rank of a "
+                    f"stage of {dist.get_world_size(sp_group)} would see its share of a chunk's tokens, not the "
+                    "chunk's router statistics); set concertina_sequence_parallel_size=1 (with "
+                    "concertina_layout='auto': concertina_pipeline_size x concertina_data_parallel_size = the "
+                    "number of processes), or concertina_router_aux_loss=None")
             self.sp = SequenceParallel(sp_group)
             try:
                 self.sp.check_model(wrapper.config)
@@ -310,8 +329,12 @@ class PipelineExecutor:
     def run_step(self, plan: Plan, input_ids: Sequence[torch.Tensor], labels: Sequence[torch.Tensor] | None = None,
                  num_items_in_batch: int | None = None, train: bool = True,
                  on_logits: Callable[[Sequence[SliceSpec], torch.Tensor], None] | None = None,
-                 measure_memory: bool | None = None) -> StepResult:
+                 measure_memory: bool | None = None, router_aux_tokens: int | None = None) -> StepResult:
         """Execute this stage's part of ``plan`` (see the module docstring).
+
+        ``router_aux_tokens``: with the wrapper's router term, the token count a chunk's share is
+        taken of (``None``: the plan's tokens; the trainer passes the step's over the replicas when
+        the loss is normalised over them).
 
         ``measure_memory``: measure this step's activation peak (``None``: the executor's
         :attr:`measure_memory`); without it ``StepResult.peak_activation_bytes`` is ``None`` and
@@ -339,7 +362,7 @@ class PipelineExecutor:
         wire_dtype = self.wire_dtype(amp)
         metered = self.measure_memory if measure_memory is None else bool(measure_memory)
         meter = self.meter if metered else _NO_METER
-        step = _Step(self, plan, input_ids, labels, divisor, train, on_logits, meter)
+        step = _Step(self, plan, input_ids, labels, divisor, train, on_logits, meter, router_aux_tokens)
         program = self._program(plan, train)
         msg_steps = _message_steps(program) if self.comm is not None and self.comm.needs_release else None
         self._release_horizon: dict[int, int] = {}  # peer stage -> its latest step known posted
@@ -424,6 +447,7 @@ class PipelineExecutor:
             nonfinite=nonfinite,
             breakdown={"compute": compute_s, "comm_wait": comm_s,
                        "other": max(0.0, wall - compute_s - comm_s) if clock.cuda else wall - compute_s - comm_s},
+            router_aux_loss=float(step.aux_sum) if step.aux_tokens is not None else None,
         )
 
     def _where(self) -> str:
@@ -527,7 +551,7 @@ class _Step:
     def __init__(self, ex: PipelineExecutor, plan: Plan, input_ids: Sequence[torch.Tensor],
                  labels: Sequence[torch.Tensor], divisor: float, train: bool,
                  on_logits: Callable[[Sequence[SliceSpec], torch.Tensor], None] | None = None,
-                 meter: "SavedTensorMeter | _NoMeter | None" = None) -> None:
+                 meter: "SavedTensorMeter | _NoMeter | None" = None, router_aux_tokens: int | None = None) -> None:
         self.w = w = ex.wrapper
         self.on_logits = on_logits
         self.meter = ex.meter if meter is None else meter
@@ -550,6 +574,12 @@ class _Step:
         self.inputs: dict[int, torch.Tensor] = {}  # received activations, for their gradient
         self.outputs: dict[int, torch.Tensor] = {}  # stage outputs (last stage: loss), for backward
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
+        # the router load-balancing term (training only): the token count chunk shares are taken of,
+        # this stage's sum, and each chunk's term until its backward (the last stage adds it to the loss)
+        self.aux_tokens = None if w.router_aux is None or not train else float(
+            max(1, router_aux_tokens if router_aux_tokens is not None else sum(plan.seq_lens)))
+        self.aux_sum = torch.zeros((), dtype=torch.float32, device=dev)
+        self.aux: dict[int, torch.Tensor] = {}
         self.rng = ex.rng
         # (action label, float32 sum of what it produced): a NaN or an infinity anywhere makes the
         # sum non-finite; read once at the end of the step (no synchronization per action)
@@ -587,7 +617,13 @@ class _Step:
             if train:
                 self.inputs[c] = x
                 meter.hold(("in", c), x)
-        y = w.run_layers(x, ctx, self.recompute[c] if train else 0)
+        routers: list[torch.Tensor] | None = [] if self.aux_tokens is not None else None
+        y = w.run_layers(x, ctx, self.recompute[c] if train else 0, router_logits=routers)
+        aux = None
+        if routers:  # this stage's MoE layers on the chunk, weighted by its token share of the step
+            aux = w.router_aux_loss(routers) * (self.plan.chunks[c].num_tokens / self.aux_tokens)
+            self.aux_sum += aux.detach()
+        del routers
         for s in slices:
             if not s.final:
                 meter.hold(("kv", s.seq, s.start), *[t for e in self.store.entries(s.seq, s.start) for t in (e.k, e.v)])
@@ -626,11 +662,13 @@ class _Step:
             self.loss_sum += chunk_loss.detach()
             self.sums.append((f"F{c}", chunk_loss.detach().float()))
             if train:
-                self.outputs[c] = chunk_loss / self.divisor
+                self.outputs[c] = chunk_loss / self.divisor if aux is None else chunk_loss / self.divisor + aux
             return None
         if train:
             self.outputs[c] = y
             meter.hold(("out", c), y)
+            if aux is not None:
+                self.aux[c] = aux
         self.sums.append((f"F{c}", y.detach().sum(dtype=torch.float32)))
         return y.detach()
 
@@ -641,6 +679,11 @@ class _Step:
         tensors, grads = [out], [None if received is None else received.to(out.dtype)]
         if received is not None:
             meter.hold(("grad", c), received)
+        aux = self.aux.pop(c, None)
+        if aux is not None:  # this stage's router term of the chunk, into its own layers' routers
+            tensors.append(aux)
+            grads.append(torch.ones_like(aux))
+        del aux
         for s in slices:
             if s.final:
                 continue
