@@ -77,7 +77,7 @@ def test_every_lowered_program_runs_under_nccl_semantics():
 
 def test_the_rendezvous_dry_run_waits_for_every_send_at_the_step_end():
     """A send whose receive is never reached (the peer stops before it) holds the step's end."""
-    from concertina_hf.planning.types import Program
+    from concertina_hf.planning.plan import Program
 
     cost = _costs()["tiny-llama"]
     plan = plan_step([300, 200], cost, partition_layers(cost, 2), 0, "packed", token_budget=200)
@@ -131,7 +131,7 @@ def test_a_rank_program_that_keeps_one_end_of_a_dropped_message_fails():
     """The dry run bites: rank 1's program of a chunk it holds nothing of, with stage 0 still
     sending it, has a send without its receive."""
     from concertina_hf.planning.lower import rank_program
-    from concertina_hf.planning.types import Program
+    from concertina_hf.planning.plan import Program
 
     cost = CostModel.from_hf_config(MODEL_PRESETS["tiny-llama"], DeviceSpec.cpu()).with_parallel(sp=2, state_shards=2)
     plan = plan_step([5], cost, partition_layers(cost, 2), 0, "adaptive", sp_mode="context")

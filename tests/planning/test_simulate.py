@@ -31,8 +31,8 @@ from concertina_hf.planning import (
 )
 from concertina_hf.planning.dry_run import dry_run
 from concertina_hf.planning.lower import lower
+from concertina_hf.planning.plan import Program
 from concertina_hf.planning.simulate import memory_moments, simulate
-from concertina_hf.planning.types import Program
 
 LLAMA8B = dict(
     hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,

@@ -7,12 +7,13 @@ from .cost import CostModel
 from .dry_run import dry_run
 from .lower import lower
 from .partition import partition_layers
+from .plan import Plan, PlanStats, Program
 from .recompute import SOLVERS, InfeasiblePlanError, assign_recompute, fits, uniform_recompute
 from .schedule import backward_order, build_schedule
 from .simulate import SimResult, simulate
 from .replicas import REPLICA_METHODS, ReplicaSplit, balance_replicas
 from .strategies import PIPELINE_STRATEGIES, STRATEGIES, ideal_step_time, plan_step
-from .types import Action, ActionKind, Chunk, ChunkKind, Plan, PlanError, PlanStats, Program, Slice, StageLayout
+from .types import Action, ActionKind, Chunk, ChunkKind, PlanError, Slice, StageLayout
 
 __all__ = [
     "Action", "ActionKind", "Chunk", "ChunkKind", "Chunking", "CostModel", "DeviceSpec", "InfeasiblePlanError",

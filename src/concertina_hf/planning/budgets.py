@@ -3,7 +3,7 @@ use, and the two ways the planner reads a normalised budget (a simulated peak wi
 analytic proxy's view, with 0 as infinite room).
 
 A budget is in bytes per stage, static memory (weights, gradients, optimizer state) included;
-0 means unconstrained (the :class:`~.types.Plan` convention).
+0 means unconstrained (the :class:`~.plan.Plan` convention).
 """
 
 from __future__ import annotations

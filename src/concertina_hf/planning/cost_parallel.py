@@ -392,7 +392,7 @@ class _Placement(NamedTuple):
     mem_slices: tuple[tuple[Slice, ...], ...]
     rank_tokens: tuple[int, ...]
     #: tokens whose K/V every rank gathers per layer: the per-doc slices' and their earlier
-    #: slices' (per-doc too, :meth:`~.types.Plan.validate_placements`: sharded over the ranks),
+    #: slices' (per-doc too, :meth:`~.plan.Plan.validate_placements`: sharded over the ranks),
     #: and a whole-doc slice's earlier per-doc slices' (:attr:`CostModel.whole_doc_carried`)
     gathered: int
     #: of those, the per-doc slices' and their earlier slices' (what every rank's pieces attend to)

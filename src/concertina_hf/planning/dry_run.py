@@ -21,7 +21,8 @@ Pure Python; no torch.
 
 from __future__ import annotations
 
-from .types import ActionKind, PlanError, Program
+from .plan import Program
+from .types import ActionKind, PlanError
 
 __all__ = ["compile_program", "dry_run", "run_program"]
 

@@ -32,7 +32,8 @@ from typing import Any, Sequence
 
 from .coefficients import ChunkShape, ProfileSample
 from .cost import CostModel
-from .types import Action, ActionKind, Chunk, Plan, StageLayout
+from .plan import Plan
+from .types import Action, ActionKind, Chunk, StageLayout
 
 __all__ = [
     "FLOOR_FRACTION", "ActionSample", "action_samples", "bounded_refit", "fit_activation_bytes", "fit_profile",

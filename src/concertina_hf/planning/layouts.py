@@ -55,11 +55,12 @@ from typing import Any, Mapping, Sequence
 
 from .cost import CostModel
 from .partition import partition_layers
+from .plan import Plan
 from .replicas import balance_replicas
 from .sharding import ulysses_heads_refusal
 from .simulate import simulate
 from .strategies import PIPELINE_STRATEGIES, ideal_step_time, plan_step
-from .types import Plan, PlanError, StageLayout
+from .types import PlanError, StageLayout
 
 __all__ = ["Layout", "LayoutResult", "count_head_copy", "layout_lower_bound", "rank_layouts", "runnable_layouts",
            "shard_parameters_refusal", "ulysses_heads_refusal"]

@@ -1,4 +1,4 @@
-"""Lowering: a plan's compute actions become a :class:`~.types.Program` with explicit messages.
+"""Lowering: a plan's compute actions become a :class:`~.plan.Program` with explicit messages.
 
 The pass is torch pipelining's ``_add_send_recv`` for this runtime's communication pattern. On
 stage ``s`` of ``p``, a forward of chunk ``c`` receives its input from stage ``s - 1``
@@ -21,8 +21,9 @@ Cost: one pass over the schedule, ``O(actions)``.
 
 from __future__ import annotations
 
+from .plan import Plan, Program
 from .sharding import rank_tokens
-from .types import Action, ActionKind, Plan, Program
+from .types import Action, ActionKind
 
 __all__ = ["lower", "rank_program"]
 

@@ -41,8 +41,9 @@ import functools
 
 from .cost import CostModel
 from .lpt import lpt_ranks
+from .plan import Plan
 from .sharding import PER_DOC, rank_pieces, ulysses_heads_refusal
-from .types import Chunk, Plan, PlanError, Remedy, Slice
+from .types import Chunk, PlanError, Remedy, Slice
 
 __all__ = ["IMBALANCE", "SP_MODES", "choose_placement", "lpt_ranks", "place_plan", "ulysses_allowed"]
 

@@ -28,9 +28,9 @@ import threading
 import time
 from typing import Any, BinaryIO, Sequence
 
+from .plan import Plan
 from .simulate import simulate
 from .strategies import plan_step
-from .types import Plan
 
 __all__ = ["PlanningProcess", "PlanningProcessError", "plan_checked"]
 

@@ -70,8 +70,9 @@ from typing import Callable, Sequence
 
 from .budgets import stage_budgets, within_budgets
 from .cost import CostModel
+from .plan import Plan
 from .simulate import backward_slack, memory_moments, simulate, stage_representatives
-from .types import Action, ActionKind, Plan, PlanError, Remedy
+from .types import Action, ActionKind, PlanError, Remedy
 
 __all__ = [
     "SOLVERS", "InfeasiblePlanError", "assign_recompute", "fits", "min_uniform_recompute", "uniform_recompute",

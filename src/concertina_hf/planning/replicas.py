@@ -35,8 +35,9 @@ from typing import Any, Sequence
 
 from .cost import CostModel
 from .lpt import lpt_assign, sequence_cost
+from .plan import Plan
 from .strategies import plan_step
-from .types import Plan, PlanError, StageLayout
+from .types import PlanError, StageLayout
 
 __all__ = ["REPLICA_METHODS", "ReplicaSplit", "balance_replicas", "split_by_count"]
 

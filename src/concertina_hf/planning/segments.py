@@ -24,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .types import Plan, PlanError
+from .plan import Plan
+from .types import PlanError
 
 __all__ = ["SEGMENT_GRADIENTS", "SegmentOptions", "check_segment_plan", "parse_heads", "segment_cuts",
            "segment_options"]

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .types import Chunk, Plan, PlanError, Slice
+from .plan import Plan
+from .types import Chunk, PlanError, Slice
 
 PER_DOC = -1
 #: the pad tokens a rank holding no token of a placed chunk runs the chunk's layers on (the
@@ -123,7 +124,7 @@ def placement_refusal(chunk: Chunk, sp: int) -> str | None:
 def plan_placement_refusal(plan: Plan, sp: int) -> str | None:
     """Why ``plan``'s placements cannot run on stages of ``sp`` ranks, or ``None``: the first
     chunk's :func:`placement_refusal`, or a split sequence placed inconsistently
-    (:meth:`~.types.Plan.validate_placements`: its carried K/V must be where the next slice
+    (:meth:`~.plan.Plan.validate_placements`: its carried K/V must be where the next slice
     attends)."""
     if not any(c.placement for c in plan.chunks):
         return None

@@ -72,8 +72,9 @@ from dataclasses import dataclass
 from .cost import CostModel
 from .dry_run import compile_program, run_program
 from .lower import lower
+from .plan import Plan, PlanStats, Program
 from .segments import segment_options
-from .types import Action, ActionKind, Plan, PlanError, PlanStats, Program
+from .types import Action, ActionKind, PlanError
 
 __all__ = [
     "MemoryMoment", "SimResult", "backward_slack", "memory_moments", "simulate", "split_sequence_ids",

@@ -31,8 +31,9 @@ from __future__ import annotations
 import os
 from typing import Any, Iterable, Mapping, Sequence
 
+from .plan import Plan
 from .sharding import chunk_mode
-from .types import Action, ActionKind, ChunkKind, Plan
+from .types import Action, ActionKind, ChunkKind
 
 __all__ = ["KIND_COLORS", "describe_parallelism", "plot_gantt"]
 

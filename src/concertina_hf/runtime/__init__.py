@@ -1,4 +1,4 @@
-"""Runtime: executes a :class:`~concertina_hf.planning.types.Plan` on ``torch.distributed``.
+"""Runtime: executes a :class:`~concertina_hf.planning.plan.Plan` on ``torch.distributed``.
 
 - :class:`PipelineWrapper` (:mod:`.stage`): one pipeline stage of an HF causal LM, pruned in place;
 - :class:`PipelineExecutor` (:mod:`.executor`): walks the stage's actions, returns a :class:`StepResult`;

@@ -36,7 +36,7 @@ and the backward's reduce-scatter returns each rank its shard's gradient (into t
 store's entry holds, which the earlier slice's own backward then takes). So a per-doc chain may
 end in a whole-doc slice on any rank; no per-doc slice may follow a whole-doc one, and a
 whole-doc slice after whole-doc ones stays on their rank (:meth:`Plan.validate
-<concertina_hf.planning.types.Plan.validate>` refuses the rest). A rank whose attention reads
+<concertina_hf.planning.plan.Plan.validate>` refuses the rest). A rank whose attention reads
 nothing it gathered (the whole-doc tail is on another rank) ties its output to the gathered
 tensor (times 0), so its backward's reduce-scatter runs as everyone's does.
 

@@ -1,4 +1,4 @@
-"""A faithful interpreter of a :class:`~concertina_hf.planning.types.Plan` on one pipeline stage.
+"""A faithful interpreter of a :class:`~concertina_hf.planning.plan.Plan` on one pipeline stage.
 
 :meth:`PipelineExecutor.run_step` lowers the plan (:func:`~concertina_hf.planning.lower.lower`,
 once per plan; the program is dry-run first, so a communication deadlock is refused before any
@@ -90,10 +90,11 @@ import torch
 import torch.distributed as dist
 
 from ..planning.lower import lower, rank_program
+from ..planning.plan import Plan, Program
 from ..planning.segments import check_segment_plan
 from ..planning.sharding import earlier_slices, plan_placement_refusal, rank_tokens
 from ..planning.dry_run import dry_run
-from ..planning.types import Action, ActionKind, Plan, PlanError, Program
+from ..planning.types import Action, ActionKind, PlanError
 from .attention import ChunkAttentionContext, KVStore, SliceSpec, autocast_dtype
 from .memory import SavedTensorMeter
 from .param_sharding import local_tensor

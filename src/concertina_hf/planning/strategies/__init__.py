@@ -1,6 +1,6 @@
 """Step planning strategies: the adaptive method and the baselines it is compared with.
 
-Every strategy turns a step's sequence lengths into a :class:`~..types.Plan` scored by the same
+Every strategy turns a step's sequence lengths into a :class:`~..plan.Plan` scored by the same
 simulator (:func:`~..simulate.simulate`), so comparisons are like for like. A strategy is one
 :class:`Strategy` record in :data:`REGISTRY`: its name, the settings it accepts, its ``run``
 (a :class:`PlanRequest` in, a plan out) and a line of description. Adding one is a module with
@@ -30,9 +30,10 @@ from ..budgets import stage_budgets
 from ..chunking import SequenceBatch
 from ..cost import CostModel
 from ..placement import check_sp_mode
+from ..plan import Plan
 from ..recompute import SOLVERS
 from ..segments import SegmentOptions, check_segment_plan
-from ..types import Plan, PlanError, Remedy, StageLayout
+from ..types import PlanError, Remedy, StageLayout
 from .adaptive import ADAPTIVE_KNOBS, CHUNKING_KNOBS, plan_adaptive, plan_full_recompute, plan_no_recompute
 from .baselines import PACKED_KNOBS, SPLIT_KNOBS, plan_packed, plan_split
 from .common import PlanRequest, check_step, fitted_token_cap

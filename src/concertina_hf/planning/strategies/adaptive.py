@@ -29,9 +29,10 @@ from typing import Callable, Sequence
 
 from ..budgets import within_budgets
 from ..cost import CostModel
+from ..plan import Plan
 from ..recompute import InfeasiblePlanError, assign_recompute, uniform_recompute
 from ..simulate import SimResult, simulate
-from ..types import Plan, PlanError, Remedy
+from ..types import PlanError, Remedy
 from .common import (
     GIB, MORE_MEMORY, USE_ADAPTIVE, PlanRequest, describe_longest, finish, overshoot, placed, plan_of, worst_stage,
 )

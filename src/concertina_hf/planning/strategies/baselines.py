@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from ..budgets import within_budgets
 from ..cost import CostModel
+from ..plan import Plan
 from ..recompute import InfeasiblePlanError, min_uniform_recompute, uniform_recompute
 from ..simulate import SimResult, simulate
-from ..types import Plan, PlanError
+from ..types import PlanError
 from .common import (
     GIB, MORE_MEMORY, MORE_STAGES, N_CANDIDATES, SEARCH_EFFORT, USE_ADAPTIVE, PlanRequest, SettingTally,
     describe_longest, finish, max_chunks, placed, plan_of, token_budget_candidates, too_many_chunks, worst_stage,

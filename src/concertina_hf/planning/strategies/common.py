@@ -20,9 +20,10 @@ from typing import Any, Mapping, Sequence
 from ..chunking import Chunking, SequenceBatch
 from ..cost import CostModel
 from ..placement import place_plan
+from ..plan import Plan, PlanStats
 from ..recompute import InfeasiblePlanError
 from ..schedule import build_schedule
-from ..types import Chunk, ChunkKind, Plan, PlanError, PlanStats, Remedy, Slice, StageLayout
+from ..types import Chunk, ChunkKind, PlanError, Remedy, Slice, StageLayout
 
 __all__ = [
     "ASSIGN_COST", "GIB", "fitted_token_cap", "MAX_CHUNKS", "MAX_CHUNK_STAGES", "MAX_SLICES", "MORE_MEMORY",

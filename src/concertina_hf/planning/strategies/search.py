@@ -22,7 +22,8 @@ from typing import Any, Callable, Sequence
 from ..budgets import proxy_budgets
 from ..chunking import Chunking, SequenceBatch
 from ..cost import CostModel
-from ..types import Plan, PlanError, StageLayout
+from ..plan import Plan
+from ..types import PlanError, StageLayout
 from .common import (
     ASSIGN_COST, MAX_SLICES, N_CANDIDATES, SEARCH_EFFORT, PlanRequest, max_chunks, token_budget_candidates,
     too_many_chunks,

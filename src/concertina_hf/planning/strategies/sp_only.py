@@ -37,10 +37,11 @@ from __future__ import annotations
 
 from ..budgets import within_budgets
 from ..cost import CostModel
+from ..plan import Plan
 from ..recompute import InfeasiblePlanError
 from ..lpt import lpt_assign, sequence_cost
 from ..schedule import build_schedule
-from ..types import Chunk, ChunkKind, Plan, PlanError, Slice, StageLayout
+from ..types import Chunk, ChunkKind, PlanError, Slice, StageLayout
 from .baselines import uniform_search
 from .common import (
     GIB, MORE_MEMORY, USE_ADAPTIVE, PlanRequest, SettingTally, describe_longest, finish, token_budget_candidates,
