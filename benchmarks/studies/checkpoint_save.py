@@ -41,7 +41,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Trainer  
 
 from _results import Run, write_results  # noqa: E402
 from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
-from concertina_hf.training import checkpoint  # noqa: E402
+from concertina_hf.training import manifest  # noqa: E402
 from concertina_hf.tools.data import bundled_tokenizer_path  # noqa: E402
 
 RESULTS = BENCH / "results" / "studies"
@@ -83,7 +83,7 @@ def run(repeats: int) -> dict:
         hash_s = []
         for _ in range(repeats):
             t = time.perf_counter()
-            checkpoint.verify_checkpoint(ckpt)
+            manifest.verify_checkpoint(ckpt)
             hash_s.append(time.perf_counter() - t)
         size = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt))
         n_params = sum(p.numel() for p in model.parameters())

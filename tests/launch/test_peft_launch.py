@@ -19,7 +19,7 @@ from test_peft import CASES, _base, _check_adapter, _reference  # noqa: E402
 
 def test_pp2_lora_matches_trainer_with_every_stage_in_the_adapter(tmp_path):
     torchrun(2, test_peft.__file__, "pp2", tmp_path, timeout=900)
-    from concertina_hf.training.checkpoint import verify_checkpoint
+    from concertina_hf.training.manifest import verify_checkpoint
 
     for case in sorted(CASES):
         d = tmp_path / case

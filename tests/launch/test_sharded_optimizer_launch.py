@@ -17,7 +17,7 @@ from test_trainer_pipeline import _load, _model, _reference
 
 
 def test_sharded_optimizer_sp2_matches_trainer_checkpoints_and_resumes(tmp_path):
-    from concertina_hf.training.checkpoint import CheckpointError, verify_checkpoint
+    from concertina_hf.training.manifest import CheckpointError, verify_checkpoint
 
     torchrun(2, test_sharded_optimizer.__file__, "zero", tmp_path)
     ranks = [json.loads((tmp_path / f"info-rank{r}.json").read_text()) for r in range(2)]

@@ -125,7 +125,7 @@ def test_a_manifest_of_sha256_digests_still_verifies(run_copy):
     """Checkpoints sealed before the XXH3 manifest (SHA-256 per file) verify, and still catch damage."""
     import hashlib
 
-    from concertina_hf.training.checkpoint import CheckpointError, verify_checkpoint
+    from concertina_hf.training.manifest import CheckpointError, verify_checkpoint
 
     ckpt = run_copy / "checkpoint-4"
     manifest = json.loads((ckpt / "manifest.json").read_text())
@@ -208,7 +208,7 @@ def test_resume_true_skips_incomplete_newer_checkpoints_with_a_warning(run, run_
     assert trainer.state.global_step == 4
     assert _losses(trainer) == pytest.approx(run[1], abs=1e-6)
     # and the re-run's checkpoint-4 replaced the damaged one, sealed
-    from concertina_hf.training.checkpoint import verify_checkpoint
+    from concertina_hf.training.manifest import verify_checkpoint
 
     assert verify_checkpoint(str(ckpt))["global_step"] == 4
 
@@ -251,7 +251,7 @@ def test_save_total_limit_and_best_model_keep_working(tmp_path):
             ARGS, eval_strategy="steps", eval_steps=2, save_total_limit=1, load_best_model_at_end=True,
             metric_for_best_model="loss", greater_is_better=False)))
     trainer.train()
-    from concertina_hf.training.checkpoint import verify_checkpoint
+    from concertina_hf.training.manifest import verify_checkpoint
 
     kept = sorted(n for n in os.listdir(tmp_path) if "checkpoint" in n)
     best = os.path.basename(trainer.state.best_model_checkpoint)

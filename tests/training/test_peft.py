@@ -141,7 +141,7 @@ def test_pp1_lora_matches_trainer_and_saves_a_peft_adapter(case, tmp_path):
     _check_adapter(case, tmp_path / "final", ref_model, _logged(trainer), ref)
 
     # the step-2 checkpoint holds the adapter (not the base model), verifies, and resumes to the same end
-    from concertina_hf.training.checkpoint import verify_checkpoint
+    from concertina_hf.training.manifest import verify_checkpoint
 
     ckpt = tmp_path / "run" / "checkpoint-2"
     names = set(os.listdir(ckpt))

@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 
 from concertina_hf.runtime.distributed import Topology
-from concertina_hf.training.checkpoint import PLAN_META_NAME, StageCheckpointer
+from concertina_hf.training.checkpoint import StageCheckpointer
+from concertina_hf.training.manifest import PLAN_META_NAME
 
 LAYOUTS = list(itertools.product((1, 2), repeat=3))  # (dp, pp, sp)
 

@@ -57,7 +57,7 @@ def test_manifest_requires_every_shard_file(tmp_path):
     """A sharded checkpoint is sealed only with each stage's DCP metadata and every rank's shard."""
     from transformers.trainer import TRAINER_STATE_NAME
 
-    from concertina_hf.training.checkpoint import CheckpointError, sharded_optimizer_name, write_manifest
+    from concertina_hf.training.manifest import CheckpointError, sharded_optimizer_name, write_manifest
 
     names = [TRAINER_STATE_NAME, "concertina.json", "config.json", "model.safetensors", "scheduler.pt",
              "rng_state_0.pth", "rng_state_1.pth", "concertina_rng_0.pt", "concertina_rng_1.pt"]

@@ -58,7 +58,7 @@ from ..planning import PlanError
 from ..planning.layouts import Layout, rank_layouts
 from ..runtime.param_sharding import TIED_EMBEDDINGS_REFUSAL
 from .args import ConcertinaTrainingArguments
-from .checkpoint import PLAN_META_NAME
+from .manifest import PLAN_META_NAME
 from .collator import split_sequences
 from .run_setup import budget_setting, count_frozen_parameters, device_memory_bytes, initial_cost_model, ties_embeddings
 
