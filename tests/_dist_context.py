@@ -122,8 +122,9 @@ def planner_plans(layout, cost) -> dict:
     return out
 
 
-def worker(rank: int, world: int, port: int, outdir: str, pp: int, sp: int) -> None:
-    gloo_rank(rank, world, port, outdir, lambda report: _run(rank, pp, sp, report), timeout_s=300,
+def worker(outdir: str, pp: int, sp: int) -> None:
+    rank = int(os.environ["RANK"])
+    gloo_rank(outdir, lambda report: _run(rank, pp, sp, report), timeout_s=300,
               cases=[], peaks=[], refusals=[], skipped=[], plans=0)
 
 

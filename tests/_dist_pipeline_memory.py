@@ -4,18 +4,15 @@ allocated activation peak next to the profiled cost model's prediction.
 
 The layout is ``measured_sp.py``'s at pp=4 (8 layers: 1, 3, 3, 1 a stage; the embedding on the
 one-layer first stage, the head on the one-layer last), the model a tiny Llama with its head
-shape ratios (4 query heads, 2 K/V heads). Rows to ``<outdir>/mem<r>.json``: ``[plan, stage,
-allocated, predicted]``, or ``["crash", traceback]``.
+shape ratios (4 query heads, 2 K/V heads). Rows in each rank's report (``<outdir>/rank<r>.json``,
+``rows``): ``[plan, stage, allocated, predicted]``.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
-import traceback
-from datetime import timedelta
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -23,6 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+from _helpers import gloo_rank  # noqa: E402
 
 LAYERS = ((0, 1), (1, 4), (4, 7), (7, 8))
 VOCAB = 1024
@@ -58,33 +57,24 @@ def slicings() -> dict[str, list[tuple[int, int]]]:
     return {"equal": equal, "shrinking": shrinking}
 
 
-def worker(rank: int, world: int, port: int, outdir: str, profile: dict) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
-    rows: list = []
-    try:
-        from _runtime_cases import allocated_activation_peak, make_plan
-        from concertina_hf.planning import CostModel, StageLayout
-        from concertina_hf.planning.simulate import simulate
-        from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
+def worker(outdir: str, profile: dict) -> None:
+    gloo_rank(outdir, lambda report: _run(profile, report["rows"]), timeout_s=300, rows=[])
 
-        layout = StageLayout(8, LAYERS)
-        cost = CostModel.from_dict(profile)
-        w = PipelineWrapper(memory_model(), layout, rank)
-        ex = PipelineExecutor(w)
-        ids = [torch.randint(0, VOCAB, (TOKENS,), generator=torch.Generator().manual_seed(1))]
-        for name, slices in slicings().items():
-            plan = make_plan([TOKENS], [[(0, a, n)] for a, n in slices], layout, "none")
-            peak = allocated_activation_peak(ex, plan, ids)  # the first step: backward writes .grad
-            predicted = simulate(plan, cost).peak_memory_bytes[rank] - cost.static_memory(layout, rank)
-            rows.append([name, rank, peak, predicted])
-    except Exception:
-        rows.append(["crash", traceback.format_exc()])
-    with open(os.path.join(outdir, f"mem{rank}.json"), "w") as f:
-        json.dump(rows, f)
-    try:
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+
+def _run(profile: dict, rows: list) -> None:
+    from _runtime_cases import allocated_activation_peak, make_plan
+    from concertina_hf.planning import CostModel, StageLayout
+    from concertina_hf.planning.simulate import simulate
+    from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
+
+    rank = dist.get_rank()
+    layout = StageLayout(8, LAYERS)
+    cost = CostModel.from_dict(profile)
+    w = PipelineWrapper(memory_model(), layout, rank)
+    ex = PipelineExecutor(w)
+    ids = [torch.randint(0, VOCAB, (TOKENS,), generator=torch.Generator().manual_seed(1))]
+    for name, slices in slicings().items():
+        plan = make_plan([TOKENS], [[(0, a, n)] for a, n in slices], layout, "none")
+        peak = allocated_activation_peak(ex, plan, ids)  # the first step: backward writes .grad
+        predicted = simulate(plan, cost).peak_memory_bytes[rank] - cost.static_memory(layout, rank)
+        rows.append([name, rank, peak, predicted])

@@ -63,8 +63,9 @@ def _breakdown_problems(res) -> list[str]:
     return out
 
 
-def worker(rank: int, world: int, port: int, outdir: str) -> None:
-    gloo_rank(rank, world, port, outdir, lambda report: _run(rank, world, report), memory=[], amp=[])
+def worker(outdir: str) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    gloo_rank(outdir, lambda report: _run(rank, world, report), memory=[], amp=[])
 
 
 def _run(rank: int, world: int, report: dict) -> None:

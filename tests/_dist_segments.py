@@ -23,13 +23,14 @@ CASES = (("previous", 5, ()), ("previous", 12, ()), ("full", 12, ()), ("full", N
          ("none", 5, ()), ("none", 12, (1,)))
 
 
-def worker(rank: int, world: int, port: int, outdir: str) -> None:
-    gloo_rank(rank, world, port, outdir, lambda report: _run(rank, world, report))
+def worker(outdir: str) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    gloo_rank(outdir, lambda report: _run(rank, world, report))
 
 
 def _run(rank: int, world: int, report: dict) -> None:
     from _runtime_cases import SEQ_LENS, batch, compare_grads, tiny_config, tiny_model
-    from test_segments import LOSS_TOL, GRAD_TOL, S, segment_plan, segment_reference
+    from _segment_reference import GRAD_TOL, LOSS_TOL, S, segment_plan, segment_reference
 
     from concertina_hf.planning import CostModel, StageLayout
     from concertina_hf.planning.segments import SegmentOptions

@@ -22,7 +22,6 @@ import copy
 import json
 import os
 import sys
-import traceback
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -53,8 +52,9 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
 
 
-def worker(rank: int, world: int, port: int, outdir: str, pp: int, sp: int, dp: int = 1) -> None:
-    gloo_rank(rank, world, port, outdir, lambda report: _run(rank, world, pp, sp, dp, report), timeout_s=300,
+def worker(outdir: str, pp: int, sp: int, dp: int = 1) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    gloo_rank(outdir, lambda report: _run(rank, world, pp, sp, dp, report), timeout_s=300,
               cases=[], memory=[], allocated=[])
 
 
@@ -264,49 +264,47 @@ def _replicas(topo, report: dict) -> None:
             fail.extend(f"{kind} replicas/{rec} rank {topo.rank}: {b}" for b in compare_grads(w, ref_grads, GRAD_TOL))
 
 
-def a2a_worker(rank: int, world: int, port: int, outdir: str) -> None:
+def a2a_worker(outdir: str) -> None:
     """The profiler's all-to-all on a real sp=2 gloo group: fit latency and bandwidth on three
     chunk sizes, measure a fourth (held out); the fitted fields and both times to ``a2a.json``."""
-    torch.set_num_threads(1)
-    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
-    try:
-        from concertina_hf.planning import CostModel
-        from concertina_hf.runtime.ulysses import (measure_all_gather, measure_all_to_all, profile_all_gather,
-                                                   profile_all_to_all)
+    gloo_rank(outdir, lambda report: _a2a(outdir), timeout_s=300)
 
-        cost = CostModel.from_hf_config(tiny_config("llama", NUM_LAYERS), dtype_bytes=4)
-        group = dist.new_group(list(range(world)))
-        fitted = profile_all_to_all(cost, group, [512, 2048, 8192, 32768], repeats=5)
-        (_, measured), = measure_all_to_all(cost, group, [16384], repeats=5)
-        predicted = fitted.with_parallel(sp=world).a2a_time(16384)
-        # the per-doc K/V collectives: all-gather and reduce-scatter fitted apart
-        gathered = profile_all_gather(cost, group, [512, 2048, 8192, 32768], repeats=5)
-        (moved, _, _), = measure_all_gather(cost, group, [16384], repeats=1)
-        placed = gathered.with_parallel(sp=world)
-        gather_fit = {"all_gather": [gathered.all_gather_latency_s, gathered.all_gather_bandwidth],
-                      "reduce_scatter": [gathered.reduce_scatter_latency_s, gathered.reduce_scatter_bandwidth],
-                      "moved": moved, "kv_bytes": placed.rank_model().kv_bytes_per_token * 16384 * (world - 1) / world,
-                      "predicted": [placed.gather_kv_time(16384), placed.gather_kv_time(16384, backward=True)]}
-        # the trainer's path: run_setup fits on the mesh's sp group and rewrites cost_model.json
-        from concertina_hf.runtime.distributed import Topology
-        from concertina_hf.training.run_setup import _profile_collectives
 
-        topo = Topology.build(pp=1, dp=1, sp=world, timeout=timedelta(seconds=300))
-        trainer_cost = _profile_collectives(SimpleNamespace(output_dir=outdir, concertina_max_tokens_per_chunk=4096,
-                                                           sequence_parallel_mode="auto"), cost, topo)
-        if rank == 0:
-            with open(os.path.join(outdir, "a2a.json"), "w") as f:
-                json.dump({"latency": fitted.intra_node_latency_s, "bandwidth": fitted.intra_node_bandwidth,
-                           "measured": measured, "predicted": predicted, "gather": gather_fit,
-                           "trainer": [trainer_cost.intra_node_latency_s, trainer_cost.intra_node_bandwidth],
-                           "trainer_gather": [trainer_cost.all_gather_latency_s, trainer_cost.all_gather_bandwidth,
-                                              trainer_cost.reduce_scatter_latency_s,
-                                              trainer_cost.reduce_scatter_bandwidth]}, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _a2a(outdir: str) -> None:
+    from concertina_hf.planning import CostModel
+    from concertina_hf.runtime.ulysses import (measure_all_gather, measure_all_to_all, profile_all_gather,
+                                               profile_all_to_all)
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    cost = CostModel.from_hf_config(tiny_config("llama", NUM_LAYERS), dtype_bytes=4)
+    group = dist.new_group(list(range(world)))
+    fitted = profile_all_to_all(cost, group, [512, 2048, 8192, 32768], repeats=5)
+    (_, measured), = measure_all_to_all(cost, group, [16384], repeats=5)
+    predicted = fitted.with_parallel(sp=world).a2a_time(16384)
+    # the per-doc K/V collectives: all-gather and reduce-scatter fitted apart
+    gathered = profile_all_gather(cost, group, [512, 2048, 8192, 32768], repeats=5)
+    (moved, _, _), = measure_all_gather(cost, group, [16384], repeats=1)
+    placed = gathered.with_parallel(sp=world)
+    gather_fit = {"all_gather": [gathered.all_gather_latency_s, gathered.all_gather_bandwidth],
+                  "reduce_scatter": [gathered.reduce_scatter_latency_s, gathered.reduce_scatter_bandwidth],
+                  "moved": moved, "kv_bytes": placed.rank_model().kv_bytes_per_token * 16384 * (world - 1) / world,
+                  "predicted": [placed.gather_kv_time(16384), placed.gather_kv_time(16384, backward=True)]}
+    # the trainer's path: run_setup fits on the mesh's sp group and rewrites cost_model.json
+    from concertina_hf.runtime.distributed import Topology
+    from concertina_hf.training.run_setup import _profile_collectives
+
+    topo = Topology.build(pp=1, dp=1, sp=world, timeout=timedelta(seconds=300))
+    trainer_cost = _profile_collectives(SimpleNamespace(output_dir=outdir, concertina_max_tokens_per_chunk=4096,
+                                                       sequence_parallel_mode="auto"), cost, topo)
+    if rank == 0:
+        with open(os.path.join(outdir, "a2a.json"), "w") as f:
+            json.dump({"latency": fitted.intra_node_latency_s, "bandwidth": fitted.intra_node_bandwidth,
+                       "measured": measured, "predicted": predicted, "gather": gather_fit,
+                       "trainer": [trainer_cost.intra_node_latency_s, trainer_cost.intra_node_bandwidth],
+                       "trainer_gather": [trainer_cost.all_gather_latency_s, trainer_cost.all_gather_bandwidth,
+                                          trainer_cost.reduce_scatter_latency_s,
+                                          trainer_cost.reduce_scatter_bandwidth]}, f)
 
 
 # ---------------------------------------------------------------------- allocated peaks at sp = 4
@@ -337,59 +335,51 @@ def memory_profiles() -> dict[int, dict]:
                                    max_tokens=MEM_TOKENS).to_dict() for kv in MEM_KV_HEADS}
 
 
-def memory_worker(rank: int, world: int, port: int, outdir: str, profiles: dict) -> None:
+def memory_worker(outdir: str, profiles: dict) -> None:
     """Four processes: the allocated activation peak (``AllocationTracker``, parameters and their
     gradients left out, as the benchmarks count it) of one-stage plans at ``sp = 4`` (all ranks)
     and ``sp = 2`` (ranks {0, 1} and {2, 3}) and, on rank 0, alone; each next to the profiled
-    model's per-GPU prediction (:meth:`CostModel.with_parallel`). Rows to ``<outdir>/mem<r>.json``:
-    ``[kv_heads, sp, plan, allocated, predicted]``."""
-    torch.set_num_threads(1)
-    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
-    rows: list = []
-    try:
-        from concertina_hf.planning import CostModel, StageLayout
-        from concertina_hf.planning.simulate import simulate
-        from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
+    model's per-GPU prediction (:meth:`CostModel.with_parallel`). Rows in the report of each rank
+    (``<outdir>/rank<r>.json``, ``rows``): ``[kv_heads, sp, plan, allocated, predicted]``."""
+    gloo_rank(outdir, lambda report: _memory(report["rows"], profiles), timeout_s=300, rows=[])
 
-        groups = {4: dist.new_group(list(range(world))), 2: None}
-        for pair in ([0, 1], [2, 3]):
-            g = dist.new_group(pair)
-            if rank in pair:
-                groups[2] = g
-        layout = StageLayout.even(MEM_LAYERS, 1)
-        n = MEM_TOKENS
-        ids = [torch.randint(0, 1024, (n,), generator=torch.Generator().manual_seed(1))]
-        plans = {f"{name}/{rec}": make_plan([n], chunks, layout, rec)
-                 for name, chunks in (("whole", [[(0, 0, n)]]), ("split", [[(0, 0, n // 2)], [(0, n // 2, n // 2)]]))
-                 for rec in MEM_RECOMPUTE}
-        for kv in MEM_KV_HEADS:
-            model = memory_model(kv)
-            cost1 = CostModel.from_dict(profiles[kv])
-            for sp in (4, 2, 1):
-                if sp == 1 and rank:
-                    continue
-                w = PipelineWrapper(copy.deepcopy(model), layout, 0)
-                ex = PipelineExecutor(w, sp_group=groups.get(sp))
-                cost = cost1.with_parallel(sp=sp, state_shards=1)
-                for name, plan in plans.items():
-                    peak = allocated_activation_peak(ex, plan, ids, runs=2)  # all-to-alls: see its runs
-                    predicted = simulate(plan, cost).peak_memory_bytes[0] - cost.static_memory(layout, 0)
-                    rows.append([kv, sp, name, peak, predicted])
-        # the send buffer of every all-to-all is let go by gloo before the call returns
-        from concertina_hf.runtime.ulysses import _all_to_all_single
 
-        x, held = torch.randn(4 * 128, 64), []
-        for _ in range(MEM_RELEASE_CALLS):
-            _all_to_all_single(x, groups[4])
-            held.append(x._use_count())
-        rows.append(["release", max(held)])
-    except Exception:
-        rows.append(["crash", traceback.format_exc()])
-    with open(os.path.join(outdir, f"mem{rank}.json"), "w") as f:
-        json.dump(rows, f)
-    try:
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _memory(rows: list, profiles: dict) -> None:
+    from concertina_hf.planning import CostModel, StageLayout
+    from concertina_hf.planning.simulate import simulate
+    from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    groups = {4: dist.new_group(list(range(world))), 2: None}
+    for pair in ([0, 1], [2, 3]):
+        g = dist.new_group(pair)
+        if rank in pair:
+            groups[2] = g
+    layout = StageLayout.even(MEM_LAYERS, 1)
+    n = MEM_TOKENS
+    ids = [torch.randint(0, 1024, (n,), generator=torch.Generator().manual_seed(1))]
+    plans = {f"{name}/{rec}": make_plan([n], chunks, layout, rec)
+             for name, chunks in (("whole", [[(0, 0, n)]]), ("split", [[(0, 0, n // 2)], [(0, n // 2, n // 2)]]))
+             for rec in MEM_RECOMPUTE}
+    for kv in MEM_KV_HEADS:
+        model = memory_model(kv)
+        cost1 = CostModel.from_dict(profiles[kv])
+        for sp in (4, 2, 1):
+            if sp == 1 and rank:
+                continue
+            w = PipelineWrapper(copy.deepcopy(model), layout, 0)
+            ex = PipelineExecutor(w, sp_group=groups.get(sp))
+            cost = cost1.with_parallel(sp=sp, state_shards=1)
+            for name, plan in plans.items():
+                peak = allocated_activation_peak(ex, plan, ids, runs=2)  # all-to-alls: see its runs
+                predicted = simulate(plan, cost).peak_memory_bytes[0] - cost.static_memory(layout, 0)
+                rows.append([kv, sp, name, peak, predicted])
+    # the send buffer of every all-to-all is let go by gloo before the call returns
+    from concertina_hf.runtime.ulysses import _all_to_all_single
+
+    x, held = torch.randn(4 * 128, 64), []
+    for _ in range(MEM_RELEASE_CALLS):
+        _all_to_all_single(x, groups[4])
+        held.append(x._use_count())
+    rows.append(["release", max(held)])

@@ -20,20 +20,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-def run_quick(script: str, out: pathlib.Path) -> tuple[dict, str]:
-    """``python benchmarks/<script> --quick --out <out>`` in a subprocess (the package from ``src``):
-    its JSON record, whose command and shared header it checks, and its markdown. (The one-off
-    studies under ``benchmarks/studies/`` check themselves: ``--check``, out of the test suite.)"""
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, f"benchmarks/{script}", "--quick", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads(out.with_suffix(".json").read_text())
-    assert res["command"].startswith(f"python benchmarks/{script} --quick"), res["command"]
-    assert res["header"]["command"] == res["command"] and len(res["header"]["load_after"]) == 3
-    return res, out.with_suffix(".md").read_text()
-
-
 def test_measured_benchmark_tiny(tmp_path):
     out = tmp_path / "measured_tiny"
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
@@ -61,7 +47,7 @@ def test_measured_benchmark_tiny(tmp_path):
         # either way (measured: -0.9% to +0.1%, seeds 0-2); the terms that keep it there (the
         # embedding's and LM head's weight gradients per backward, gloo send buffers kept until the
         # step's end): tests/runtime/test_memory_model.py
-        # (the memory batch's own plan: the tracker runs on that step only; tests/benchmarks/test_measured_memory_pairs.py)
+        # (the memory batch's own plan: the tracker runs on that step only; tests/planning/test_measured_memory_pairs.py)
         for s, got, pred in measured.memory_peak_pairs(r):
             assert got <= ctx["activation_budget_bytes"], (name, s, got, ctx["activation_budget_bytes"])
             assert got <= 1.05 * pred and pred <= 1.05 * got, (name, s, got, pred, got / pred)

@@ -10,11 +10,31 @@ layers, head, recompute) sum to the simulator's busy time of each stage.
 
 from __future__ import annotations
 
-from test_benchmarks_smoke import run_quick
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _run_quick(script: str, out: pathlib.Path) -> tuple[dict, str]:
+    """``python benchmarks/<script> --quick --out <out>`` in a subprocess (the package from ``src``):
+    its JSON record, whose command and shared header it checks, and its markdown. (The one-off
+    studies under ``benchmarks/studies/`` check themselves: ``--check``, out of the test suite.)"""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, f"benchmarks/{script}", "--quick", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert res["command"].startswith(f"python benchmarks/{script} --quick"), res["command"]
+    assert res["header"]["command"] == res["command"] and len(res["header"]["load_after"]) == 3
+    return res, out.with_suffix(".md").read_text()
 
 
 def test_pipeline_efficiency_quick(tmp_path):
-    res, md = run_quick("pipeline_efficiency.py", tmp_path / "pe")
+    res, md = _run_quick("pipeline_efficiency.py", tmp_path / "pe")
     assert "load_average" in res and "| 256 | pp=2 budget |" in md
     (c,) = res["contexts"]
     assert len(c["parallel_capacity"]) == 2

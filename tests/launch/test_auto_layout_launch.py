@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 
-from _helpers import torchrun
-from test_trainer_pipeline import _dataset, _load, _model, _summary
+from _helpers import run_ranks
+from _models import load_saved, logged, tiny_dataset, tiny_model
 
 COMMON = dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=3, learning_rate=2e-3,
               logging_steps=1, report_to=[], disable_tqdm=True, seed=3, max_grad_norm=0.5)
@@ -40,18 +39,18 @@ def _worker(out: str) -> None:
     info = {}
     for name, kw in (("auto", dict(save_strategy="steps", save_steps=1)),
                      ("auto_sp2", dict(save_strategy="no", concertina_sequence_parallel_size=2))):
-        trainer = ConcertinaTrainer(model=_model("llama"), train_dataset=_dataset(), args=_args(f"{out}/{name}", **kw))
+        trainer = ConcertinaTrainer(model=tiny_model("llama"), train_dataset=tiny_dataset(), args=_args(f"{out}/{name}", **kw))
         t = trainer.topology
         trainer.train()
         trainer.save_model(f"{out}/{name}/final")
-        info[name] = dict(_summary(trainer), choice=list(trainer.layout_choice.sizes),
+        info[name] = dict(logged(trainer), choice=list(trainer.layout_choice.sizes),
                           topology=[t.pipeline_size, t.sequence_parallel_size, t.data_parallel_size],
                           source=trainer.layout_choice.source)
     ckpt = f"{out}/auto/checkpoint-1"
-    resumed = ConcertinaTrainer(model=_model("llama"), train_dataset=_dataset(),
+    resumed = ConcertinaTrainer(model=tiny_model("llama"), train_dataset=tiny_dataset(),
                                 args=_args(f"{out}/resumed", save_strategy="no", resume_from_checkpoint=ckpt))
     resumed.train(resume_from_checkpoint=ckpt)
-    info["resumed"] = dict(_summary(resumed), choice=list(resumed.layout_choice.sizes),
+    info["resumed"] = dict(logged(resumed), choice=list(resumed.layout_choice.sizes),
                            source=resumed.layout_choice.source,
                            steps={h["step"]: h["loss"] for h in resumed.state.log_history if "loss" in h})
     with open(os.path.join(out, f"info-rank{trainer.topology.rank}.json"), "w") as fh:
@@ -62,18 +61,18 @@ def _worker(out: str) -> None:
 def _reference(out):
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
-    ref = Trainer(model=_model("llama"), train_dataset=_dataset(), data_collator=DataCollatorWithFlattening(),
+    ref = Trainer(model=tiny_model("llama"), train_dataset=tiny_dataset(), data_collator=DataCollatorWithFlattening(),
                   args=TrainingArguments(output_dir=str(out), save_strategy="no",
                                          **dict(COMMON, per_device_train_batch_size=4)))
     ref.train()
-    return _summary(ref), {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
+    return logged(ref), {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
 
 
 def test_auto_layout_on_4_processes_equals_trainer_with_4x_the_batch(tmp_path):
-    torchrun(4, __file__, tmp_path)
+    run_ranks(4, _worker, str(tmp_path), logs=tmp_path / "logs")
     ranks = [json.loads((tmp_path / f"info-rank{r}.json").read_text()) for r in range(4)]
     want, ref_state = _reference(tmp_path / "ref")
-    init = _model("llama").state_dict()
+    init = tiny_model("llama").state_dict()
     for name in ("auto", "auto_sp2"):
         picks = {tuple(r[name]["choice"]) for r in ranks}
         assert len(picks) == 1, (name, picks)  # every rank picked the same layout, and runs it
@@ -83,7 +82,7 @@ def test_auto_layout_on_4_processes_equals_trainer_with_4x_the_batch(tmp_path):
         assert all(r[name]["losses"] == ranks[0][name]["losses"] for r in ranks)
         got = ranks[0][name]["losses"]
         assert len(got) == 3 and max(abs(a - b) for a, b in zip(got, want["losses"])) < 1e-5, (name, pick, got, want)
-        final = _load(tmp_path / name / "final")
+        final = load_saved(tmp_path / name / "final")
         worst = max((((final[k] - init[k]) - (ref_state[k] - init[k])).norm()
                      / (ref_state[k] - init[k]).norm().clamp_min(1e-12)).item() for k in ref_state)
         assert worst < 1e-3, (name, pick, worst)
@@ -104,9 +103,6 @@ def test_auto_layout_on_4_processes_equals_trainer_with_4x_the_batch(tmp_path):
     pp, sp, dp = choice
     with pytest.raises(ValueError, match=rf"written by 4 processes \(pp={pp} x sp={sp} x dp={dp}\), this run has 1: "
                                          r".*resume with 4 processes"):
-        ConcertinaTrainer(model=_model("llama"), train_dataset=_dataset(), args=_args(
+        ConcertinaTrainer(model=tiny_model("llama"), train_dataset=tiny_dataset(), args=_args(
             str(tmp_path / "one"), resume_from_checkpoint=str(tmp_path / "auto" / "checkpoint-1")))
 
-
-if __name__ == "__main__":
-    _worker(sys.argv[1])

@@ -19,7 +19,7 @@ import json
 
 import pytest
 
-from _helpers import free_port
+from _helpers import reports as read_reports, run_ranks
 
 
 #: plans whose every rank's allocated activation peak lies within 10% of the profiled model's
@@ -35,19 +35,14 @@ MEMORY_WITHIN_10 = ("whole-doc/none", "with-ulysses/partial", "empty-ranks/parti
 
 
 @pytest.mark.parametrize("pp,sp", [(1, 2), (2, 2), (1, 4)])
-def test_placed_chunks_match_hf(pp, sp, tmp_path, monkeypatch):
-    import torch.multiprocessing as mp
-
+def test_placed_chunks_match_hf(pp, sp, tmp_path):
     import _dist_context
 
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    if pp > 1:  # NCCL's rendezvous semantics on the P2P between stages (module docstring)
-        monkeypatch.setenv("CONCERTINA_EMULATE_NCCL", "direction")
-        monkeypatch.setenv("CONCERTINA_EMULATE_NCCL_TIMEOUT_S", "120")
+    # NCCL's rendezvous semantics on the P2P between stages (module docstring)
+    env = {"CONCERTINA_EMULATE_NCCL": "direction", "CONCERTINA_EMULATE_NCCL_TIMEOUT_S": "120"} if pp > 1 else {}
     world = pp * sp
-    mp.spawn(_dist_context.worker, args=(world, free_port(), str(tmp_path), pp, sp), nprocs=world, join=True)
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    run_ranks(world, _dist_context.worker, str(tmp_path), pp, sp, logs=tmp_path / "logs", env=env)
+    reports = read_reports(tmp_path, world)
     for r in reports:
         print(f"rank {r['rank']}: {len(r['cases'])} cases; activation peak per plan (bytes: saved-tensor meter; llama: "
               "allocated, and the profiled model's prediction of this rank):")
@@ -84,15 +79,16 @@ def test_trainer_pp2_sp2_with_planner_modes(tmp_path):
     1e-4) on every rank."""
     import torch
 
+    import _context_trainer
     from _context_trainer import STEPS
-    from _helpers import TESTS, torchrun
-    from test_trainer_pipeline import _reference
+    from _helpers import run_ranks
+    from _models import train_reference
 
-    torchrun(4, TESTS / "_context_trainer.py", tmp_path)
+    run_ranks(4, _context_trainer.main, str(tmp_path), logs=tmp_path / "logs")
     ranks = [json.loads((tmp_path / f"info-rank{r}.json").read_text()) for r in range(4)]
     print("modes run:", ranks[0]["train_modes"], ranks[0]["modes"])
     assert {"whole-doc", "per-doc"} & set(ranks[0]["train_modes"]), ranks[0]["train_modes"]
-    ref_info, _ = _reference("llama", tmp_path / "ref", metrics=True, max_steps=STEPS)
+    ref_info, _ = train_reference("llama", tmp_path / "ref", metrics=True, max_steps=STEPS)
     want = torch.load(tmp_path / "ref" / "logits.pt")
     for rank, r in enumerate(ranks):
         assert len(r["losses"]) == len(ref_info["losses"]) == STEPS

@@ -3,7 +3,7 @@ run a collective ends every rank, even when the user's script catches it.
 
 One cell per entry point (:data:`ENTRY_POINTS`) and failing rank (0, 1): two plain processes
 (pp = 2, gloo, CPU, default ``ddp_timeout`` of 30 minutes, so only the failure guard can end a
-waiting rank) run this file as a worker. On the failing rank the fault is raised inside the call
+waiting rank) run :func:`_worker`. On the failing rank the fault is raised inside the call
 (construction: in the run's setup, after the process groups exist; every other call: on entry, by
 an override in a subclass, which ``ConcertinaTrainer.__init_subclass__`` guards like its own
 calls), the script catches it, checks that it is the exception it raised, and goes on with other
@@ -15,7 +15,9 @@ Hub's error in the repository creation, the script catches it and goes on to ``e
 must be out within ``ddp_timeout`` + 10 s, rank 1 naming rank 0. The same script with plain
 ``Trainer`` (DDP) ends too (printed for comparison).
 
-Worker: ``python tests/launch/test_fault_catalogue.py CELL OUT`` (``CELL``: ``entry:rank``).
+Worker: :func:`_worker` (``cell``: ``entry:rank``) on two ranks of :func:`_helpers.start_ranks`;
+:data:`CONCURRENT` cells run at once (they mostly wait), one module fixture runs them all and a
+test per cell asserts on its own.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import sys
 import time
+
+import pytest
 
 from _helpers import start_ranks
 
@@ -35,6 +38,8 @@ STALL_S = 60
 #: failure, its peer within ABORT_POLL_S (0.5 s) of it; the rest is margin for a loaded machine
 BOUND_S = 20
 PUSH_TIMEOUT_S = 10
+#: cells run at once (2 ranks each): a cell mostly waits, on the fault's grace and the abort flag
+CONCURRENT = 4
 FAULT = "injected fault"
 #: entry point -> what the guard's message calls it
 ENTRY_POINTS = {
@@ -166,7 +171,7 @@ def _worker(cell: str, out: str) -> None:
                 json.dump({"t": time.time()}, fh)
         print(f"caught: {type(exc).__name__}: {exc}; the injected exception: {bool(injected) and exc is injected[-1]}",
               file=sys.stderr, flush=True)
-        if push:  # the script goes on to its end, as the issue's did
+        if push:  # the script goes on to its end
             if trainer is not None and hasattr(trainer, "end"):
                 trainer.end()
             elif torch.distributed.is_initialized():
@@ -193,29 +198,28 @@ class _Tokenizer:
         return {"input_ids": ids, "attention_mask": mask}
 
 
-def _run_cell(cell: str, out) -> dict:
-    """Both ranks of one cell: exit codes, seconds from the fault to each exit, stderr."""
-    out.mkdir(parents=True, exist_ok=True)
-    start = time.time()
-    procs = start_ranks(2, __file__, cell, out, stderr_dir=out)
-    ended: list[float | None] = [None, None]
-    deadline = start + STALL_S + 60
-    while None in ended and time.time() < deadline:
-        for i, (p, _) in enumerate(procs):
-            if ended[i] is None and p.poll() is not None:
-                ended[i] = time.time()
+def _run_cells(cells: list[str], root) -> dict[str, dict]:
+    """Every cell's 2 ranks, :data:`CONCURRENT` cells at a time (each with its own port and folder
+    ``<root>/<entry>-<rank>``): per cell, the exit codes, the seconds from the fault to each exit,
+    the stderr. A cell's ranks still running :data:`STALL_S` + 60 s after its start are killed."""
+    pending, running, results = list(cells), {}, {}
+    while pending or running:
+        while pending and len(running) < CONCURRENT:
+            cell = pending.pop(0)
+            out = root / cell.replace(":", "-")
+            running[cell] = (start_ranks(2, _worker, cell, str(out), logs=out), out)
+        for cell, (ranks, out) in list(running.items()):
+            if ranks.poll() or time.time() > ranks.started + STALL_S + 60:
+                ranks.kill()
+                del running[cell]
+                fault = out / "fault.json"
+                t0 = json.loads(fault.read_text())["t"] if fault.exists() else float("nan")
+                seconds = [float("inf") if e is None else round(e - t0, 1) for e in ranks.ended]
+                results[cell] = {"cell": cell, "codes": ranks.codes, "seconds": seconds,
+                                 "stderr": [ranks.stderr(r) for r in range(2)],
+                                 "wall": round(time.time() - ranks.started, 1)}
         time.sleep(0.1)
-    for p, err in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-        err.close()
-    stderr = [(out / f"stderr-rank{r}.txt").read_text() for r in range(2)]
-    fault = out / "fault.json"
-    t0 = json.loads(fault.read_text())["t"] if fault.exists() else float("nan")
-    seconds = [float("inf") if e is None else round(e - t0, 1) for e in ended]
-    return {"cell": cell, "codes": [p.returncode for p, _ in procs], "seconds": seconds, "stderr": stderr,
-            "wall": round(time.time() - start, 1)}
+    return results
 
 
 def _problems(result: dict) -> list[str]:
@@ -238,16 +242,23 @@ def _problems(result: dict) -> list[str]:
     return problems
 
 
-def test_every_entry_point_fails_together(tmp_path):
-    cells = [f"{entry}:{rank}" for entry in ENTRY_POINTS for rank in (1, 0)]
-    results = [_run_cell(cell, tmp_path / cell.replace(":", "-")) for cell in cells]
-    plain = _run_cell("push_plain:0", tmp_path / "push_plain")  # for comparison: plain Trainer (DDP)
-    for r in results + [plain]:
+CELLS = [f"{entry}:{rank}" for entry in ENTRY_POINTS for rank in (1, 0)]
+PLAIN = "push_plain:0"  # for comparison: plain Trainer (DDP)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, dict]:
+    results = _run_cells(CELLS + [PLAIN], tmp_path_factory.mktemp("catalogue"))
+    for r in results.values():
         print(f"{r['cell']:22s} exits {r['codes']} at {r['seconds']} s after the fault (launch {r['wall']} s)")
-    failed = {r["cell"]: p for r in results if (p := _problems(r))}
-    assert not failed, "\n".join(f"{cell}: {p}" for cell, p in failed.items())
-    assert max(plain["seconds"]) <= PUSH_TIMEOUT_S + 10, plain
+    return results
 
 
-if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2])
+@pytest.mark.parametrize("cell", CELLS)
+def test_every_entry_point_fails_together(results, cell):
+    problems = _problems(results[cell])
+    assert not problems, f"{cell}: " + "\n".join(problems)
+
+
+def test_plain_trainer_push_ends_within_its_timeout(results):
+    assert max(results[PLAIN]["seconds"]) <= PUSH_TIMEOUT_S + 10, results[PLAIN]

@@ -5,16 +5,16 @@ itself), with the failure injected on stage 1:
 
 - **a stalled rank** (``ddp_timeout=10``): stage 1 sleeps :data:`STALL_S` seconds. Stage 0 must
   give up after the timeout naming the stage, rank and action it waited for; both ranks must exit
-  non-zero well before the stall would end. Before the process groups carried the run's timeout,
-  torch's default of 30 minutes applied and the job waited for the stalled rank.
+  non-zero well before the stall would end.
 - **an exception caught by the user** (default ``ddp_timeout``, 30 minutes): stage 1 raises in
   a training step, in ``evaluate()`` or in ``save_model()``, and the worker's ``try`` swallows it
   and goes on with other work. Both ranks must exit non-zero before that work (a sleep of
   :data:`STALL_S`) would end (measured: within seconds), printing the
   original message.
 
-The workers are this file run as ``python tests/launch/test_faults.py MODE OUT`` with the rank in
-the environment.
+The four launches (:data:`MODES`, this file's :func:`_worker` on two ranks of
+:func:`_helpers.start_ranks`) run at once, started by one module fixture: each mostly waits (on
+the timeout, the abort flag, the grace), and each test asserts on its own launch.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import sys
 import time
 
@@ -36,6 +35,7 @@ TIMEOUT_S = 10
 #: is no test's business: the timeout, the abort flag polled every 0.5 s, a 5 s grace, the exit)
 STALL_S = 60
 FAULT = "injected fault in stage 1"
+MODES = ("stall", "step", "eval", "save")
 
 
 def _worker(mode: str, out: str) -> None:
@@ -106,34 +106,39 @@ def _worker(mode: str, out: str) -> None:
     trainer.end()
 
 
-def _run_ranks(mode: str, out) -> tuple[list[int], list[float], list[str]]:
-    """Start the 2 ranks; their exit codes, the seconds from the injected fault to each one's
-    exit, and their stderr. Ranks still running :data:`STALL_S` + 30 s after the start are killed."""
-    procs = start_ranks(2, __file__, mode, out, stderr_dir=out)
-    ended: list[float | None] = [None, None]
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """Every mode's 2 ranks, all started at once; ranks still running :data:`STALL_S` + 30 s after
+    the start are killed. Per mode, the ranks and the output folder."""
+    root = tmp_path_factory.mktemp("faults")
+    # the stalled rank is ended through the flag in the store that rank 0, failing, hosts: while
+    # rank 0's interpreter shuts down (fresh interpreters: as under torchrun)
+    started = {mode: start_ranks(2, _worker, mode, str(root / mode), logs=root / mode, fresh=mode == "stall")
+               for mode in MODES}
     deadline = time.time() + STALL_S + 30
-    while None in ended and time.time() < deadline:
-        for i, (p, _) in enumerate(procs):
-            if ended[i] is None and p.poll() is not None:
-                ended[i] = time.time()
+    while not all([ranks.poll() for ranks in started.values()]) and time.time() < deadline:
         time.sleep(0.1)
-    for i, (p, err) in enumerate(procs):
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-        err.close()
-    stderr = [(out / f"stderr-rank{r}.txt").read_text() for r in range(2)]
+    for ranks in started.values():
+        ranks.kill()
+    return {mode: (ranks, root / mode) for mode, ranks in started.items()}
+
+
+def _run_ranks(launches, mode: str) -> tuple[list[int], list[float], list[str]]:
+    """The 2 ranks of ``mode``: their exit codes, the seconds from the injected fault to each one's
+    exit, and their stderr."""
+    ranks, out = launches[mode]
+    stderr = [ranks.stderr(r) for r in range(2)]
     fault = out / "fault.json"
     assert fault.exists(), f"stage 1 never reached its second step:\n{stderr[1][-6000:]}\n{stderr[0][-3000:]}"
     t0 = json.loads(fault.read_text())["t"]
-    seconds = [float("inf") if e is None else e - t0 for e in ended]
+    seconds = [float("inf") if e is None else e - t0 for e in ranks.ended]
     print(f"{mode}: seconds from the fault to each rank's exit: {[round(x, 1) for x in seconds]}, "
-          f"exit codes {[p.returncode for p, _ in procs]}")
-    return [p.returncode for p, _ in procs], seconds, stderr
+          f"exit codes {ranks.codes}")
+    return ranks.codes, seconds, stderr
 
 
-def test_a_stalled_rank_ends_every_rank_within_ddp_timeout(tmp_path):
-    codes, seconds, stderr = _run_ranks("stall", tmp_path)
+def test_a_stalled_rank_ends_every_rank_within_ddp_timeout(launches):
+    codes, seconds, stderr = _run_ranks(launches, "stall")
     assert max(seconds) < STALL_S, (seconds, stderr[0][-4000:])  # before the stall would end
     assert all(c != 0 for c in codes), (codes, stderr[0][-4000:])
     # stage 0 names what it waited for: the gradient of a chunk from stage 1 (rank 1); the stalled
@@ -144,13 +149,10 @@ def test_a_stalled_rank_ends_every_rank_within_ddp_timeout(tmp_path):
 
 
 @pytest.mark.parametrize("phase", ["step", "eval", "save"])
-def test_an_exception_caught_on_one_rank_ends_every_rank(tmp_path, phase):
-    codes, seconds, stderr = _run_ranks(phase, tmp_path)
+def test_an_exception_caught_on_one_rank_ends_every_rank(launches, phase):
+    codes, seconds, stderr = _run_ranks(launches, phase)
     assert "caught: " in stderr[1], stderr[1][-4000:]
     assert max(seconds) < STALL_S, (seconds, stderr[0][-4000:])  # before the caught rank's sleep would end
     assert all(c != 0 for c in codes), (codes, stderr[0][-4000:])
     assert all(FAULT in e for e in stderr), [e[-3000:] for e in stderr]
 
-
-if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2])

@@ -6,15 +6,14 @@ the plan's prediction, with many chunks (the stage outputs that sends kept alive
 from __future__ import annotations
 
 import copy
-import os
 
 import torch
 
-from _helpers import free_port
+from _helpers import gloo_rank, reports as read_reports, run_ranks
 from concertina_hf.planning import Chunk, ChunkKind, Plan, Slice, StageLayout, build_schedule, simulate
 from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
 from concertina_hf.runtime.profiler import profile_cost_model
-from test_memory_model import _allocated_peak, _config
+from _memory_cases import allocated_step_peak, large_vocab_config
 
 
 TWO_STAGE_CASES = {
@@ -25,56 +24,41 @@ TWO_STAGE_CASES = {
 }
 
 
-def _two_stage_worker(rank: int, world: int, port: int, outdir: str) -> None:
-    import json
-    import traceback
-    from datetime import timedelta
+def _two_stage_worker(outdir: str) -> None:
+    gloo_rank(outdir, lambda report: _two_stages(report["rows"]), timeout_s=120, rows=[])
 
+
+def _two_stages(rows: list) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    out: dict = {"rows": [], "error": None}
-    try:
-        cfg = _config()
-        cfg.num_hidden_layers = 4
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-        lay = StageLayout.even(4, 2)
-        cost = profile_cost_model(model, repeats=1, warmup=0, num_layers=2, max_tokens=128)
-        ex = PipelineExecutor(PipelineWrapper(copy.deepcopy(model), lay, rank))
-        ex.wrapper.train()
-        for name, (lens, spec, rec) in TWO_STAGE_CASES.items():
-            chunks = []
-            for i, sl in enumerate(spec):
-                slices = tuple(Slice(*s) for s in sl)
-                chunks.append(Chunk(i, ChunkKind.of(slices, lens), slices))
-            groups = (tuple(range(len(chunks))),)
-            plan = Plan("t", tuple(lens), lay, tuple(chunks), groups,
-                        build_schedule(chunks, groups, 2, prefetch=True), (tuple(rec), tuple(rec))).validate()
-            predicted = simulate(plan, cost).peak_memory_bytes[rank] - cost.static_memory(lay, rank)
-            out["rows"].append((name, _allocated_peak(ex, plan), predicted))
-    except Exception:
-        out["error"] = traceback.format_exc()
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump(out, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    rank = dist.get_rank()
+    cfg = large_vocab_config()
+    cfg.num_hidden_layers = 4
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    lay = StageLayout.even(4, 2)
+    cost = profile_cost_model(model, repeats=1, warmup=0, num_layers=2, max_tokens=128)
+    ex = PipelineExecutor(PipelineWrapper(copy.deepcopy(model), lay, rank))
+    ex.wrapper.train()
+    for name, (lens, spec, rec) in TWO_STAGE_CASES.items():
+        chunks = []
+        for i, sl in enumerate(spec):
+            slices = tuple(Slice(*s) for s in sl)
+            chunks.append(Chunk(i, ChunkKind.of(slices, lens), slices))
+        groups = (tuple(range(len(chunks))),)
+        plan = Plan("t", tuple(lens), lay, tuple(chunks), groups,
+                    build_schedule(chunks, groups, 2, prefetch=True), (tuple(rec), tuple(rec))).validate()
+        predicted = simulate(plan, cost).peak_memory_bytes[rank] - cost.static_memory(lay, rank)
+        rows.append((name, allocated_step_peak(ex, plan), predicted))
 
 
-def test_two_stage_allocated_peaks_within_5_percent(tmp_path, monkeypatch):
-    """Two gloo ranks (one launch, ~15 s): both stages' allocated peaks within 5% of the
-    prediction, with many chunks (the stage outputs that sends kept alive) and short ones."""
-    import json
-
-    import torch.multiprocessing as mp
-
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    mp.spawn(_two_stage_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert [r["error"] for r in reports] == [None, None]
+def test_two_stage_allocated_peaks_within_5_percent(tmp_path):
+    """Two gloo ranks (one launch): both stages' allocated peaks within 5% of the prediction, with
+    many chunks (the stage outputs that sends kept alive) and short ones."""
+    run_ranks(2, _two_stage_worker, str(tmp_path), logs=tmp_path / "logs")
+    reports = read_reports(tmp_path, 2)
+    assert [r["failures"] for r in reports] == [[], []]
     for rank, r in enumerate(reports):
         for name, got, predicted in r["rows"]:
             print(f"stage {rank} {name:<10} allocated {got:>9} predicted {predicted:>11.0f} x{got / predicted:.3f}")

@@ -17,32 +17,27 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
-
-import torch.multiprocessing as mp
 
 import _dist_runtime
-from _helpers import free_port, torchrun
+from _helpers import reports as read_reports, run_ranks
 
 
-def _spawn_runtime_cases(num_stages: int, out, monkeypatch, mode: str, timeout_s: int) -> list[dict]:
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("CONCERTINA_EMULATE_NCCL", mode)
-    monkeypatch.setenv("CONCERTINA_EMULATE_NCCL_TIMEOUT_S", str(timeout_s))
-    mp.spawn(_dist_runtime.worker, args=(num_stages, free_port(), str(out)), nprocs=num_stages, join=True)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(num_stages)]
+def _runtime_cases(num_stages: int, out, mode: str, timeout_s: int) -> list[dict]:
+    env = {"CONCERTINA_EMULATE_NCCL": mode, "CONCERTINA_EMULATE_NCCL_TIMEOUT_S": str(timeout_s)}
+    run_ranks(num_stages, _dist_runtime.worker, str(out), logs=out / "logs", env=env)
+    return read_reports(out, num_stages)
 
 
-def test_runtime_cases_run_on_the_executors_channels(tmp_path, monkeypatch):
+def test_runtime_cases_run_on_the_executors_channels(tmp_path):
     for p in (2, 4):
         (tmp_path / str(p)).mkdir()
-        reports = _spawn_runtime_cases(p, tmp_path / str(p), monkeypatch, "direction", 60)
+        reports = _runtime_cases(p, tmp_path / str(p), "direction", 60)
         assert [f for r in reports for f in r["failures"]] == []
         assert all(r["cases"] >= 2 * 11 + 2 * 2 + 3 for r in reports)
 
 
-def test_one_channel_per_pair_deadlocks_on_a_split_chain(tmp_path, monkeypatch):
-    reports = _spawn_runtime_cases(2, tmp_path, monkeypatch, "pair", 5)
+def test_one_channel_per_pair_deadlocks_on_a_split_chain(tmp_path):
+    reports = _runtime_cases(2, tmp_path, "pair", 5)
     first = [r["failures"][0] for r in reports]
     # stage 0 queued the forward after the chain ahead of the chain's first backward; stage 1
     # receives that forward only after sending the chain's backwards
@@ -57,14 +52,13 @@ def test_one_channel_per_pair_deadlocks_on_a_split_chain(tmp_path, monkeypatch):
 LAYOUTS = {"pp2": (2, 1), "pp4": (4, 1), "pp2sp2": (2, 2)}
 
 
-def test_trainer_on_the_executors_channels_matches_trainer(tmp_path, monkeypatch):
-    from test_trainer_pipeline import _reference
+def test_trainer_on_the_executors_channels_matches_trainer(tmp_path):
+    from _models import train_reference
 
-    monkeypatch.setenv("CONCERTINA_EMULATE_NCCL", "direction")
-    monkeypatch.setenv("CONCERTINA_EMULATE_NCCL_TIMEOUT_S", "120")
-    ref, _ = _reference("llama", tmp_path / "ref", metrics=False)
+    env = {"CONCERTINA_EMULATE_NCCL": "direction", "CONCERTINA_EMULATE_NCCL_TIMEOUT_S": "120"}
+    ref, _ = train_reference("llama", tmp_path / "ref", metrics=False)
     for name, (pp, sp) in LAYOUTS.items():
-        torchrun(pp * sp, __file__, name, tmp_path / name)
+        run_ranks(pp * sp, _worker, name, str(tmp_path / name), logs=tmp_path / name / "logs", env=env)
         ranks = [json.loads((tmp_path / name / f"info-rank{r}.json").read_text()) for r in range(pp * sp)]
         assert all(r["emulated"] == "direction" for r in ranks)
         assert sum(ranks[0]["split_chunks"]) > 0, name  # the steps ran split chains
@@ -74,18 +68,15 @@ def test_trainer_on_the_executors_channels_matches_trainer(tmp_path, monkeypatch
 
 def _worker(name: str, out: str) -> None:
     from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
-    from test_trainer_pipeline import COMMON, _dataset, _model, _summary
+    from _models import COMMON, logged, tiny_dataset, tiny_model
 
     pp, sp = LAYOUTS[name]
     args = ConcertinaTrainingArguments(output_dir=out, save_strategy="no", concertina_pipeline_size=pp,
                                        concertina_sequence_parallel_size=sp, concertina_max_tokens_per_chunk=24,
                                        **COMMON)
-    trainer = ConcertinaTrainer(model=_model("llama"), args=args, train_dataset=_dataset())
+    trainer = ConcertinaTrainer(model=tiny_model("llama"), args=args, train_dataset=tiny_dataset())
     trainer.train()
-    info = dict(_summary(trainer), emulated=os.environ.get("CONCERTINA_EMULATE_NCCL"))
+    info = dict(logged(trainer), emulated=os.environ.get("CONCERTINA_EMULATE_NCCL"))
     with open(os.path.join(out, f"info-rank{args.process_index}.json"), "w") as f:
         json.dump(info, f)
 
-
-if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2])

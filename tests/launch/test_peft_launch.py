@@ -1,5 +1,7 @@
-"""PEFT (LoRA) at pp = 2 on one launch of 2 gloo processes: the workers are
-``tests/training/test_peft.py`` run by torchrun (its docstring lists the checks).
+"""PEFT (LoRA) at pp = 2 on one launch of 2 gloo processes (:func:`_worker_pp2`), against ``Trainer``
++ the same ``PeftModel`` on one process: the checks of ``tests/training/test_peft.py`` with every
+stage's adapter gathered into the one saved directory, the optimizer holding state for the
+trainable parameters only, the gradient norm counted once, checkpoint + resume.
 """
 
 from __future__ import annotations
@@ -12,13 +14,12 @@ import torch
 
 peft = pytest.importorskip("peft")
 
-import test_peft  # noqa: E402
-from _helpers import torchrun  # noqa: E402
-from test_peft import CASES, _base, _check_adapter, _reference  # noqa: E402
+from _helpers import run_ranks  # noqa: E402
+from _peft_cases import CASES, base_model, check_adapter, losses_and_norms, peft_reference, peft_trainer  # noqa: E402
 
 
 def test_pp2_lora_matches_trainer_with_every_stage_in_the_adapter(tmp_path):
-    torchrun(2, test_peft.__file__, "pp2", tmp_path, timeout=900)
+    run_ranks(2, _worker_pp2, str(tmp_path), logs=tmp_path / "logs", timeout=900)
     from concertina_hf.training.manifest import verify_checkpoint
 
     for case in sorted(CASES):
@@ -29,13 +30,13 @@ def test_pp2_lora_matches_trainer_with_every_stage_in_the_adapter(tmp_path):
         assert not set(ranks[0]["trainable"]) & set(ranks[1]["trainable"])
         for r in ranks:
             assert r["optimizer_params"] == r["optimizer_states"] == len(r["trainable"]), r
-        ref, ref_model = _reference(case, tmp_path / f"ref-{case}")
+        ref, ref_model = peft_reference(case, tmp_path / f"ref-{case}")
         ref_trainable = {n.removeprefix("base_model.model.") for n, p in ref_model.named_parameters()
                          if p.requires_grad}
         assert set(ranks[0]["trainable"]) | set(ranks[1]["trainable"]) == ref_trainable
-        _check_adapter(case, d / "final", ref_model, ranks[0], ref)
+        check_adapter(case, d / "final", ref_model, ranks[0], ref)
         # the saved adapter is exactly what the two stages trained
-        loaded = peft.PeftModel.from_pretrained(_base(), str(d / "final")).state_dict()
+        loaded = peft.PeftModel.from_pretrained(base_model(), str(d / "final")).state_dict()
         for r in (0, 1):
             for name, tensor in torch.load(d / f"trained-rank{r}.pt").items():
                 assert torch.equal(loaded["base_model.model." + name], tensor), (case, r, name)
@@ -45,3 +46,28 @@ def test_pp2_lora_matches_trainer_with_every_stage_in_the_adapter(tmp_path):
         if case == "default":
             assert ranks[0]["resumed_losses"] == pytest.approx(ranks[0]["losses"], abs=1e-6)
             assert max(r["resumed_max_diff"] for r in ranks) < 1e-6
+
+
+def _worker_pp2(out: str) -> None:
+    for case in sorted(CASES):
+        d = os.path.join(out, case)
+        trainer = peft_trainer(case, d, save_strategy="steps", save_steps=2)
+        assert trainer.topology.pipeline_size == 2
+        trainer.train()
+        rank = trainer.topology.rank
+        info = losses_and_norms(trainer)
+        trainable = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+        info["trainable"] = sorted(trainable)
+        info["optimizer_params"] = sum(len(g["params"]) for g in trainer.optimizer.param_groups)
+        info["optimizer_states"] = len(trainer.optimizer.state_dict()["state"])
+        torch.save({n: p.detach().clone() for n, p in trainable.items()}, os.path.join(d, f"trained-rank{rank}.pt"))
+        trainer.save_model(os.path.join(d, "final"))
+        if case == "default":
+            resumed = peft_trainer(case, d + "-resumed")
+            resumed.train(resume_from_checkpoint=os.path.join(d, "checkpoint-2"))
+            info["resumed_losses"] = losses_and_norms(resumed)["losses"]
+            end = {n: p for n, p in resumed.model.named_parameters() if p.requires_grad}
+            info["resumed_max_diff"] = max((end[n] - trainable[n]).abs().max().item() for n in end)
+        with open(os.path.join(d, f"info-rank{rank}.json"), "w") as fh:
+            json.dump(info, fh)
+    trainer.end()

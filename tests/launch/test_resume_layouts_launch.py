@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 
-from _helpers import torchrun
-from test_trainer_pipeline import _dataset, _model
+from _helpers import run_ranks
+from _models import tiny_dataset, tiny_model
 
 COMMON = dict(report_to=[], disable_tqdm=True, max_steps=2, per_device_train_batch_size=2, logging_steps=1,
               concertina_max_tokens_per_chunk=16, train_sampling_strategy="sequential")
@@ -37,12 +36,12 @@ def _worker(one_process_checkpoint: str, out: str) -> None:
     from concertina_hf import ConcertinaTrainer
     from concertina_hf.runtime.distributed import _AbortWatch
 
-    dp2 = ConcertinaTrainer(model=_model("llama"), train_dataset=_dataset(), args=_args(
+    dp2 = ConcertinaTrainer(model=tiny_model("llama"), train_dataset=tiny_dataset(), args=_args(
         out, save_strategy="steps", save_steps=1, concertina_data_parallel_size=2, per_device_train_batch_size=1,
         max_steps=3))
     dp2.train()
     # the same global batch on one replica of two sequence-parallel ranks
-    sp2 = ConcertinaTrainer(model=_model("llama"), train_dataset=_dataset(), args=_args(
+    sp2 = ConcertinaTrainer(model=tiny_model("llama"), train_dataset=tiny_dataset(), args=_args(
         f"{out}-sp2-resumed", save_strategy="no", concertina_sequence_parallel_size=2, max_steps=3))
     sp2.train(resume_from_checkpoint=os.path.join(out, "checkpoint-1"))
     info = {"losses": {name: {h["step"]: h["loss"] for h in t.state.log_history if "loss" in h}
@@ -50,7 +49,7 @@ def _worker(one_process_checkpoint: str, out: str) -> None:
     # the refusals below end every rank through the abort flag: stopped, the refusal is what is tested
     _AbortWatch.current.stop()
     for case, sizes in RESUMED.items():
-        trainer = ConcertinaTrainer(model=_model("llama"), train_dataset=_dataset(),
+        trainer = ConcertinaTrainer(model=tiny_model("llama"), train_dataset=tiny_dataset(),
                                     args=_args(f"{out}-{case}", save_strategy="no", **sizes))
         try:
             trainer.train(resume_from_checkpoint=one_process_checkpoint)
@@ -66,11 +65,11 @@ def _worker(one_process_checkpoint: str, out: str) -> None:
 def test_resume_at_another_number_of_processes_is_refused_naming_both_layouts(tmp_path):
     from concertina_hf import ConcertinaTrainer
 
-    one = ConcertinaTrainer(model=_model("llama"), train_dataset=_dataset(),
+    one = ConcertinaTrainer(model=tiny_model("llama"), train_dataset=tiny_dataset(),
                             args=_args(str(tmp_path / "one"), save_strategy="steps", save_steps=1))
     one.train()
     one.end()
-    torchrun(2, __file__, tmp_path / "one" / "checkpoint-1", tmp_path / "dp2")
+    run_ranks(2, _worker, str(tmp_path / "one" / "checkpoint-1"), str(tmp_path / "dp2"), logs=tmp_path / "logs")
     for rank in range(2):
         info = json.loads((tmp_path / "dp2" / f"info-rank{rank}.json").read_text())
         dp2, resumed = info["losses"]["dp2"], info["losses"]["sp2_resumed"]
@@ -79,12 +78,9 @@ def test_resume_at_another_number_of_processes_is_refused_naming_both_layouts(tm
         for case, now in (("dp2", "dp=2 x pp=1 x sp=1"), ("sp2", "dp=1 x pp=1 x sp=2"), ("pp2", "dp=1 x pp=2 x sp=1")):
             assert info[case]["steps"] == 0, (rank, case, info)
             assert f"(checkpoint: dp=1 x pp=1 x sp=1, this run: {now})" in (info[case]["error"] or ""), (rank, info)
-    back = ConcertinaTrainer(model=_model("llama"), train_dataset=_dataset(), args=_args(str(tmp_path / "back")))
+    back = ConcertinaTrainer(model=tiny_model("llama"), train_dataset=tiny_dataset(), args=_args(str(tmp_path / "back")))
     with pytest.raises(ValueError, match=r"\(checkpoint: dp=2 x pp=1 x sp=1, this run: dp=1 x pp=1 x sp=1\)"):
         back.train(resume_from_checkpoint=str(tmp_path / "dp2" / "checkpoint-1"))
     assert back.state.global_step == 0
     back.end()
 
-
-if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2])

@@ -9,24 +9,16 @@ gradients.
 
 from __future__ import annotations
 
-import json
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 import pytest
-import torch.multiprocessing as mp
 
 import _dist_runtime
-from _helpers import free_port
+from _helpers import reports as read_reports, run_ranks
 
 
 @pytest.mark.parametrize("num_stages", [2, 4])
-def test_pipeline_matches_hf(num_stages, tmp_path, monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    mp.spawn(_dist_runtime.worker, args=(num_stages, free_port(), str(tmp_path)), nprocs=num_stages, join=True)
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(num_stages)]
+def test_pipeline_matches_hf(num_stages, tmp_path):
+    run_ranks(num_stages, _dist_runtime.worker, str(tmp_path), logs=tmp_path / "logs")
+    reports = read_reports(tmp_path, num_stages)
     for r in reports:
         print(f"rank {r['rank']}: {r['cases']} cases; measured vs predicted activation peak (bytes):")
         for name, measured, predicted in r["memory"]:

@@ -5,24 +5,16 @@ forward-only steps."""
 
 from __future__ import annotations
 
-import json
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 import pytest
-import torch.multiprocessing as mp
 
 import _dist_segments
-from _helpers import free_port
+from _helpers import reports as read_reports, run_ranks
 
 
 @pytest.mark.parametrize("num_stages", [2, 4])
-def test_segment_training_matches_the_segment_reference(num_stages, tmp_path, monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    mp.spawn(_dist_segments.worker, args=(num_stages, free_port(), str(tmp_path)), nprocs=num_stages, join=True)
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(num_stages)]
+def test_segment_training_matches_the_segment_reference(num_stages, tmp_path):
+    run_ranks(num_stages, _dist_segments.worker, str(tmp_path), logs=tmp_path / "logs")
+    reports = read_reports(tmp_path, num_stages)
     failures = [f for r in reports for f in r["failures"]]
     assert failures == []
     assert all(r["cases"] == 2 * (7 * 4 + 2) for r in reports)

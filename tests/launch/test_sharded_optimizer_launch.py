@@ -1,5 +1,9 @@
-"""``concertina_shard_optimizer`` on one launch of 2 gloo processes (pp=1 x sp=2): the workers
-are ``tests/training/test_sharded_optimizer.py`` run by torchrun (its docstring lists the checks).
+"""``concertina_shard_optimizer`` on one launch of 2 gloo processes (pp=1 x sp=2, option on,
+:func:`_worker`): ``ConcertinaTrainer`` equals ``Trainer`` on one process, each rank holds the Adam
+state of only its share of the parameters, the checkpoint holds one DCP shard file per rank, and
+resuming from it is exact at the same layout, with a plain optimizer, at dp=2 x sp=1 and from the
+plain run's checkpoint; resuming at pp=2 is refused on every rank (the list in
+``tests/training/test_sharded_optimizer.py``'s docstring, with its one-process checks).
 """
 
 from __future__ import annotations
@@ -10,24 +14,31 @@ import shutil
 
 import pytest
 
-import test_sharded_optimizer
-from _helpers import torchrun
-from test_sharded_optimizer import STEPS, TRAIN
-from test_trainer_pipeline import _load, _model, _reference
+from _helpers import run_ranks
+from _models import load_saved, tiny_model, train_reference
+
+STEPS = 4
+# two parameter groups (decay, no decay), both sharded; a linear schedule (the resumed step's
+# learning rate must be the saved one); 2 rows per micro-batch: one replica of sp=2 or two of 1
+TRAIN = dict(max_steps=STEPS, weight_decay=0.1, per_device_train_batch_size=2, train_sampling_strategy="sequential")
+SIZES = dict(concertina_pipeline_size=1, concertina_sequence_parallel_size=2, concertina_max_tokens_per_chunk=16)
+# the same global batch over two replicas of one process each
+DP2 = dict(concertina_pipeline_size=1, concertina_data_parallel_size=2, concertina_max_tokens_per_chunk=16)
+
 
 
 def test_sharded_optimizer_sp2_matches_trainer_checkpoints_and_resumes(tmp_path):
     from concertina_hf.training.manifest import CheckpointError, verify_checkpoint
 
-    torchrun(2, test_sharded_optimizer.__file__, "zero", tmp_path)
+    run_ranks(2, _worker, str(tmp_path), logs=tmp_path / "logs")
     ranks = [json.loads((tmp_path / f"info-rank{r}.json").read_text()) for r in range(2)]
-    ref_info, ref_state = _reference("llama", tmp_path / "ref", **TRAIN)
+    ref_info, ref_state = train_reference("llama", tmp_path / "ref", **TRAIN)
     info = ranks[0]
     assert all(r["losses"] == info["losses"] for r in ranks)
     assert len(info["losses"]) == STEPS
     assert max(abs(a - b) for a, b in zip(info["losses"], ref_info["losses"])) < 1e-5, (info, ref_info)
-    init = _model("llama").state_dict()
-    got = _load(tmp_path / "final")
+    init = tiny_model("llama").state_dict()
+    got = load_saved(tmp_path / "final")
     worst = max((((got[k] - init[k]) - (ref_state[k] - init[k])).norm()
                  / (ref_state[k] - init[k]).norm().clamp_min(1e-12)).item() for k in ref_state)
     assert worst < 1e-3, worst
@@ -71,9 +82,69 @@ def test_sharded_optimizer_sp2_matches_trainer_checkpoints_and_resumes(tmp_path)
     for case in ("same", "plain", "dp2", "from_plain"):
         for r in ranks:
             assert r[f"resumed_losses_{case}"] == pytest.approx(info["losses"], abs=1e-5), (case, r)
-        resumed = _load(tmp_path / f"resumed-{case}")
+        resumed = load_saved(tmp_path / f"resumed-{case}")
         worst = max(((resumed[k] - got[k]).norm() / got[k].norm().clamp_min(1e-12)).item() for k in got)
         assert worst < (1e-6 if case != "dp2" else 1e-5), (case, worst)
     for r in ranks:  # refused on every rank, before a step, naming the setting
         assert r["pp2_error"] and "concertina_pipeline_size=1" in r["pp2_error"], r["pp2_error"]
         assert r["pp2_steps"] == 0
+
+
+def _worker(out: str) -> None:
+    import torch
+
+    from _models import COMMON, logged, tiny_dataset, tiny_model
+
+    from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
+    from concertina_hf.training.sharded_optimizer import is_sharded
+
+    def args(output_dir, sizes=SIZES, shard=True, **kw):
+        return ConcertinaTrainingArguments(output_dir=output_dir, concertina_shard_optimizer=shard,
+                                           **sizes, **dict(COMMON, **dict(TRAIN, **kw)))
+
+    trainer = ConcertinaTrainer(model=tiny_model("llama"), train_dataset=tiny_dataset(),
+                                args=args(out, save_strategy="steps", save_steps=1))
+    trainer.train()
+    info = logged(trainer)
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    # the Adam moments this rank holds: the parameters of its share only
+    assert is_sharded(trainer.optimizer)
+    local = trainer.optimizer.optim.state
+    info["state_params"] = sorted(names[id(p)] for p in local)
+    info["state_elements"] = sum(t.numel() for s in local.values() for k, t in s.items() if k != "step")
+    info["params"] = sorted(names.values())
+    info["param_elements"] = sum(p.numel() for p in trainer.model.parameters())
+    rank = info["rank"] = trainer.topology.rank
+    trainer.save_model(os.path.join(out, "final"))
+    # resuming from the step-2 checkpoint: sharded at the same layout, with a plain optimizer, and
+    # sharded over two replicas (dp=2 x sp=1, one row per replica and micro-batch: the same steps)
+    # (which saves plain checkpoints, save_steps=1 as the resumed state says, from whose step 3 a
+    # sharded run resumes in turn)
+    cases = {"same": dict(), "plain": dict(shard=False, save_strategy="steps", save_steps=1),
+             "dp2": dict(sizes=DP2, per_device_train_batch_size=1), "from_plain": dict()}
+    for case, kw in cases.items():
+        resumed = ConcertinaTrainer(model=tiny_model("llama"), train_dataset=tiny_dataset(),
+                                    args=args(f"{out}-resumed-{case}", **dict(dict(save_strategy="no"), **kw)))
+        resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2") if case != "from_plain" else
+                      os.path.join(f"{out}-resumed-plain", "checkpoint-3"))
+        assert is_sharded(resumed.optimizer) == kw.get("shard", True)
+        resumed.save_model(os.path.join(out, f"resumed-{case}"))
+        info[f"resumed_losses_{case}"] = logged(resumed)["losses"]
+    # another pipeline size: refused before the first step, on every rank (the abort watch, which
+    # would end this process once a rank failed, stopped first: the refusal is what is tested)
+    from concertina_hf.runtime.distributed import _AbortWatch
+
+    torch.distributed.barrier()
+    _AbortWatch.current.stop()
+    refused = ConcertinaTrainer(model=tiny_model("llama"), train_dataset=tiny_dataset(), args=args(
+        f"{out}-resumed-pp2", save_strategy="no", sizes=dict(concertina_pipeline_size=2,
+                                                               concertina_max_tokens_per_chunk=16)))
+    try:
+        refused.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
+        info["pp2_error"] = None
+    except ValueError as e:
+        info["pp2_error"] = str(e)
+    info["pp2_steps"] = refused.state.global_step
+    with open(os.path.join(out, f"info-rank{rank}.json"), "w") as fh:
+        json.dump(info, fh)
+    refused.end()

@@ -29,8 +29,9 @@ Two launches, each checking many things:
   sequence fewer), and after 3 steps the losses (1e-5) and each parameter's update (1e-3
   relative) equal one ``Trainer`` process's.
 
-The reference trainings run in the pytest process; the workers are this file run by torchrun
-(without ``use_cpu``: ConcertinaTrainingArguments must turn it on by itself).
+The reference trainings run in the pytest process; the workers are this file's ``_worker_*``
+functions on the ranks of :func:`_helpers.run_ranks` (without ``use_cpu``:
+ConcertinaTrainingArguments must turn it on by itself).
 """
 
 from __future__ import annotations
@@ -38,69 +39,15 @@ from __future__ import annotations
 import json
 import os
 import random
-import sys
 
 import pytest
 import torch
 
-from _helpers import torchrun
+from _helpers import run_ranks
+from _models import COMMON, load_saved, logged, metrics_and_predictions, tiny_dataset, tiny_model, train_reference, worst_relative
 
 ARCHS = ("llama", "qwen2")
-COMMON = dict(per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=4, learning_rate=2e-3,
-              logging_steps=1, report_to=[], disable_tqdm=True, seed=3, max_grad_norm=0.5,
-              per_device_eval_batch_size=4)
 BUDGET = "500KB"  # Llama: below the no-recompute peak (~0.53-0.67 MB per stage) of these steps, above full recompute
-
-
-def _config(arch: str):
-    from transformers import LlamaConfig, Qwen2Config
-
-    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, tie_word_embeddings=arch == "llama-tied")
-    return Qwen2Config(**kw) if arch == "qwen2" else LlamaConfig(**kw)
-
-
-def _model(arch: str):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(1)
-    return AutoModelForCausalLM.from_config(_config(arch))
-
-
-def _dataset(n=24, seed=0):
-    import datasets
-
-    rng = random.Random(seed)
-    return datasets.Dataset.from_list(
-        [{"input_ids": [rng.randrange(64) for _ in range(rng.choice([5, 9, 17, 40, 70]))]} for _ in range(n)])
-
-
-def _summary(trainer) -> dict:
-    logs = [h for h in trainer.state.log_history if "loss" in h]
-    return {"losses": [h["loss"] for h in logs], "grad_norms": [h["grad_norm"] for h in logs],
-            "recompute": [h.get("concertina/recompute_layers", 0.0) for h in logs],
-            "split_chunks": [h.get("concertina/chunks_split", 0.0) for h in logs]}
-
-
-def _token_accuracy(eval_preds):
-    """run_clm.py's compute_metrics (with preprocess_logits_for_metrics = argmax), see test_metrics.py."""
-    preds, labels = eval_preds
-    return {"accuracy": float((preds[:, :-1].reshape(-1) == labels[:, 1:].reshape(-1)).mean())}
-
-
-def _metrics_and_predictions(trainer, logits_path: str) -> dict:
-    """run_clm.py's token accuracy through evaluate() and predict(), and predict()'s raw logits."""
-    trainer.compute_metrics = _token_accuracy
-    trainer.preprocess_logits_for_metrics = lambda logits, labels: logits.argmax(dim=-1)
-    ev = trainer.evaluate()
-    pred = trainer.predict(_dataset(8, seed=1))
-    trainer.compute_metrics = trainer.preprocess_logits_for_metrics = None
-    raw = trainer.predict(_dataset(8, seed=1))
-    os.makedirs(os.path.dirname(logits_path), exist_ok=True)
-    torch.save({"logits": torch.as_tensor(raw.predictions), "labels": torch.as_tensor(raw.label_ids)}, logits_path)
-    return {"eval_accuracy": ev["eval_accuracy"], "eval_loss_with_metrics": ev["eval_loss"],
-            "predicted_ids": pred.predictions.tolist(), "predicted_labels": pred.label_ids.tolist(),
-            "test_accuracy": pred.metrics["test_accuracy"], "test_loss": pred.metrics["test_loss"]}
 
 
 # ---------------------------------------------------------------------------------- workers
@@ -120,15 +67,15 @@ def _worker_pp2(out: str) -> None:
             **COMMON)
         assert args.use_cpu and args.world_size == 2, (args.use_cpu, args.world_size)
         collator = DataCollatorWithFlattening() if arch == "qwen2" else None
-        trainer = ConcertinaTrainer(model=_model(arch), args=args, train_dataset=_dataset(),
-                                    eval_dataset=_dataset(8, seed=1), data_collator=collator)
+        trainer = ConcertinaTrainer(model=tiny_model(arch), args=args, train_dataset=tiny_dataset(),
+                                    eval_dataset=tiny_dataset(8, seed=1), data_collator=collator)
         metrics = trainer.train().metrics
-        info = _summary(trainer)
+        info = logged(trainer)
         for k in ("train_samples_per_second", "train_tokens_per_second", "train_runtime"):
             info[k] = metrics[k]
         info["eval_loss"] = trainer.evaluate()["eval_loss"]
         if arch == "llama":
-            info.update(_metrics_and_predictions(trainer, os.path.join(d, f"logits-rank{trainer.topology.rank}.pt")))
+            info.update(metrics_and_predictions(trainer, os.path.join(d, f"logits-rank{trainer.topology.rank}.pt")))
         info["layer_ranges"] = [list(r) for r in trainer.layout.layer_ranges]
         info["stage_params"] = sorted(n for n, _ in trainer.model.named_parameters())
         info["cost_model"] = trainer.stats_callback.cost_model.to_dict()
@@ -138,14 +85,14 @@ def _worker_pp2(out: str) -> None:
         # restores its layout at construction (Llama: the analytic layout is reproducible anyway)
         ckpt = os.path.join(d, "checkpoint-2")
         resumed = ConcertinaTrainer(
-            model=_model(arch), train_dataset=_dataset(), data_collator=collator,
+            model=tiny_model(arch), train_dataset=tiny_dataset(), data_collator=collator,
             args=ConcertinaTrainingArguments(output_dir=d + "-resumed", save_strategy="no",
                                              concertina_max_tokens_per_chunk=16, **planning, **COMMON,
                                              resume_from_checkpoint=ckpt if arch == "qwen2" else None))
         assert resumed.layout == trainer.layout
         resumed.train(resume_from_checkpoint=ckpt)
         resumed.save_model(os.path.join(d, "resumed"))
-        info["resumed_losses"] = _summary(resumed)["losses"]
+        info["resumed_losses"] = logged(resumed)["losses"]
         with open(os.path.join(d, f"info-rank{trainer.topology.rank}.json"), "w") as fh:
             json.dump(info, fh)
 
@@ -154,9 +101,9 @@ def _worker_pp2(out: str) -> None:
         d = os.path.join(out, name)
         args = ConcertinaTrainingArguments(output_dir=d, save_strategy="no", concertina_max_tokens_per_chunk=16,
                                            **COMMON, **extra)
-        trainer = ConcertinaTrainer(model=_model(arch), args=args, train_dataset=_dataset())
+        trainer = ConcertinaTrainer(model=tiny_model(arch), args=args, train_dataset=tiny_dataset())
         trainer.train()
-        info = _summary(trainer)
+        info = logged(trainer)
         info["stage_params"] = sorted(n for n, _ in trainer.model.named_parameters())
         if name == "tied":
             tied = trainer.pipeline.tied_weight
@@ -178,18 +125,18 @@ def _worker_dp2(out: str) -> None:
 
     args = ConcertinaTrainingArguments(output_dir=out, save_strategy="no", concertina_pipeline_size=2,
                                        concertina_max_tokens_per_chunk=16, **COMMON)
-    trainer = ConcertinaTrainer(model=_model("llama"), args=args, train_dataset=_dataset(),
-                                eval_dataset=_dataset(8, seed=1))
+    trainer = ConcertinaTrainer(model=tiny_model("llama"), args=args, train_dataset=tiny_dataset(),
+                                eval_dataset=tiny_dataset(8, seed=1))
     t = trainer.topology
     assert (t.pipeline_size, t.data_parallel_size) == (2, 2)
     assert t.pp_ranks == (2 * t.replica, 2 * t.replica + 1) and t.dp_ranks == (t.stage, t.stage + 2)
     metrics = trainer.train().metrics
     trainer.save_model(os.path.join(out, "final"))
-    info = _summary(trainer)
+    info = logged(trainer)
     info.update({k: metrics[k] for k in ("train_samples_per_second", "train_tokens_per_second", "train_runtime")})
     info["topology"] = [t.rank, t.stage, t.replica]
     # each replica evaluates its share; the loop gathers them in the dataset's order
-    info.update(_metrics_and_predictions(trainer, os.path.join(out, f"logits-rank{t.rank}.pt")))
+    info.update(metrics_and_predictions(trainer, os.path.join(out, f"logits-rank{t.rank}.pt")))
     with open(os.path.join(out, f"info-rank{t.rank}.json"), "w") as fh:
         json.dump(info, fh)
     trainer.end()
@@ -214,7 +161,7 @@ def _worker_dp2_pp1(out: str) -> None:
 
     args = ConcertinaTrainingArguments(output_dir=out, save_strategy="no", concertina_pipeline_size=1,
                                        concertina_max_tokens_per_chunk=64, **BALANCED)
-    trainer = ConcertinaTrainer(model=_model("llama"), args=args, train_dataset=_skewed_dataset())
+    trainer = ConcertinaTrainer(model=tiny_model("llama"), args=args, train_dataset=_skewed_dataset())
     t = trainer.topology
     assert (t.pipeline_size, t.data_parallel_size) == (1, 2) and trainer.steps.balancer is not None
     ran = []  # the lengths of the sequences this replica ran, per step
@@ -222,7 +169,7 @@ def _worker_dp2_pp1(out: str) -> None:
     trainer.planner.submit = lambda lens, *a, **k: (ran.append(list(lens)), submit(lens, *a, **k))[1]
     trainer.train()
     trainer.save_model(os.path.join(out, "final"))
-    info = _summary(trainer)
+    info = logged(trainer)
     info["ran"] = ran
     info["tokens_seen"] = trainer.state.num_input_tokens_seen
     with open(os.path.join(out, f"info-rank{t.rank}.json"), "w") as fh:
@@ -230,40 +177,16 @@ def _worker_dp2_pp1(out: str) -> None:
     trainer.end()
 
 
-def test_the_balancer_gives_the_replica_with_the_long_sequence_fewer_sequences():
-    """One step of a long and many short sequences over 2 replicas: the replica holding the long
-    one runs fewer sequences; every sequence runs exactly once; the predicted step time beats the
-    count split's (the split is the planner's own, made on rank 0 of a real run)."""
-    from concertina_hf.runtime.distributed import Topology
-    from concertina_hf.planning import CostModel, DeviceSpec, StageLayout, balance_replicas
-    from concertina_hf.training.run_setup import RunSetup
-    from concertina_hf.training.step_planner import StepPlanner
-    from concertina_hf.training.step_reader import ReplicaBalancer
-
-    cost = CostModel.from_hf_config(_config("llama").to_dict(), DeviceSpec.cpu(), dtype_bytes=4)
-    setup = RunSetup(cost_model=cost, layout=StageLayout(4, ((0, 4),)), budgets=(0,), device_memory_bytes=0,
-                     strategy="adaptive", solver="greedy", solver_time_limit_s=1.0, max_tokens_per_chunk=256)
-    balancer = ReplicaBalancer(StepPlanner(setup, Topology(2, 0, 1, 2, 0, 0), overlap=False), Topology(2, 0, 1, 2, 0, 0))
-    lens = [30, 25, 2000, 40, 35, 28, 33, 27]
-    split = balancer.split(lens)
-    assert sorted(i for part in split for i in part) == list(range(len(lens)))
-    heavy = next(r for r, part in enumerate(split) if 2 in part)
-    assert len(split[heavy]) < len(split[1 - heavy]), split
-    count = balance_replicas(lens, 2, cost, setup.layout, 0, method="count", solver="greedy",
-                             max_tokens_per_chunk=256)
-    assert balancer.last_split.step_time_s < count.step_time_s
-
-
 def test_dp2_balanced_replicas_match_trainer(tmp_path):
     _launch(2, "dp2pp1", tmp_path)
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
-    ref = Trainer(model=_model("llama"), train_dataset=_skewed_dataset(), data_collator=DataCollatorWithFlattening(),
+    ref = Trainer(model=tiny_model("llama"), train_dataset=_skewed_dataset(), data_collator=DataCollatorWithFlattening(),
                   args=TrainingArguments(output_dir=str(tmp_path / "ref"), save_strategy="no",
                                          **dict(BALANCED, per_device_train_batch_size=6)))
     ref.train()
     ranks = [json.loads((tmp_path / f"info-rank{r}.json").read_text()) for r in range(2)]
-    want = _summary(ref)
+    want = logged(ref)
     assert all(r["losses"] == ranks[0]["losses"] for r in ranks)
     diffs = [abs(a - b) for a, b in zip(ranks[0]["losses"], want["losses"])]
     assert len(diffs) == 3 and max(diffs) < 1e-5, (ranks[0]["losses"], want["losses"])
@@ -272,8 +195,8 @@ def test_dp2_balanced_replicas_match_trainer(tmp_path):
     for a, b in zip(ranks[0]["ran"], ranks[1]["ran"]):
         assert len(a) + len(b) == 6 and len(a) != len(b), (a, b)
         assert len(a if max(a) > max(b) else b) < 3, (a, b)
-    init = _model("llama").state_dict()
-    got = _load(tmp_path / "final")
+    init = tiny_model("llama").state_dict()
+    got = load_saved(tmp_path / "final")
     ref_state = ref.model.state_dict()
     worst = max((((got[k] - init[k]) - (ref_state[k] - init[k])).norm()
                  / (ref_state[k] - init[k]).norm().clamp_min(1e-12)).item() for k in ref_state)
@@ -282,50 +205,15 @@ def test_dp2_balanced_replicas_match_trainer(tmp_path):
 
 # ---------------------------------------------------------------------------------- launching
 def _launch(nproc: int, mode: str, out) -> None:
-    """``torchrun`` of this file's workers (``test_trainer_pipeline.py mode out``) on ``nproc`` CPU ranks."""
-    torchrun(nproc, __file__, mode, out)
-
-
-def _reference(arch: str, out, metrics: bool | None = None, **overrides) -> tuple[dict, dict]:
-    """Trainer on one process; ``metrics``: also run_clm's metrics and predict() (default: Llama
-    at the common settings)."""
-    from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
-
-    kw = dict(COMMON, save_strategy="no", **overrides)
-    ref = Trainer(model=_model(arch), args=TrainingArguments(output_dir=str(out), **kw),
-                  train_dataset=_dataset(), eval_dataset=_dataset(8, seed=1),
-                  data_collator=DataCollatorWithFlattening())
-    ref.train()
-    info = _summary(ref)
-    info["eval_loss"] = ref.evaluate()["eval_loss"]
-    if metrics or (metrics is None and arch == "llama" and set(overrides) <= {"per_device_train_batch_size"}):
-        info.update(_metrics_and_predictions(ref, str(out / "logits.pt")))
-    return info, {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
-
-
-def _load(path) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path))
-    assert model.config._attn_implementation != "concertina"
-    return model.state_dict()
-
-
-def _worst_rel(ref: dict, got: dict) -> tuple[float, str]:
-    """Largest relative difference over the parameters, leaving out key biases: adding a constant
-    to every key leaves softmax unchanged, so their true gradient is exactly 0 and Adam turns the
-    float rounding noise (different summation orders) into full-size steps. Those get 1e-2."""
-    assert set(ref) == set(got), set(ref) ^ set(got)
-    rel = {k: ((ref[k] - got[k]).norm() / ref[k].norm().clamp_min(1e-12)).item() for k in ref}
-    noisy = [k for k in rel if k.endswith("k_proj.bias")]
-    assert all(rel[k] < 1e-2 for k in noisy), {k: rel[k] for k in noisy}
-    return max((v, k) for k, v in rel.items() if k not in noisy)
+    """This file's worker ``mode`` on ``nproc`` CPU ranks, writing to ``out``."""
+    workers = {"pp2": _worker_pp2, "dp2": _worker_dp2, "dp2pp1": _worker_dp2_pp1}
+    run_ranks(nproc, workers[mode], str(out), logs=out / "logs")
 
 
 def test_pp2_matches_trainer_for_llama_and_qwen2(tmp_path):
     _launch(2, "pp2", tmp_path)
     for arch in ARCHS:
-        ref_info, ref_state = _reference(arch, tmp_path / f"ref-{arch}")
+        ref_info, ref_state = train_reference(arch, tmp_path / f"ref-{arch}")
         ranks = [json.loads((tmp_path / arch / f"info-rank{r}.json").read_text()) for r in (0, 1)]
         info = ranks[0]
         # both stages report the same global values
@@ -344,14 +232,14 @@ def test_pp2_matches_trainer_for_llama_and_qwen2(tmp_path):
         diffs = [abs(a - b) for a, b in zip(info["losses"], ref_info["losses"])]
         assert max(diffs) < 1e-5, (arch, diffs)
         assert max(abs(a - b) / b for a, b in zip(info["grad_norms"], ref_info["grad_norms"])) < 1e-4
-        worst, name = _worst_rel(ref_state, _load(tmp_path / arch / "final"))
+        worst, name = worst_relative(ref_state, load_saved(tmp_path / arch / "final"))
         assert worst < 1e-4, (arch, name, worst)
         assert abs(info["eval_loss"] - ref_info["eval_loss"]) < 1e-5
         # throughput counts the sequences the one replica trained on (not once per pipeline rank)
         samples = COMMON["max_steps"] * COMMON["per_device_train_batch_size"] * COMMON["gradient_accumulation_steps"]
         assert info["train_samples_per_second"] * info["train_runtime"] == pytest.approx(samples, rel=2e-2)
         # tokens per second: the replica's trained tokens (one epoch of the 24 rows) / train_runtime
-        tokens = sum(len(r["input_ids"]) for r in _dataset())
+        tokens = sum(len(r["input_ids"]) for r in tiny_dataset())
         assert info["train_tokens_per_second"] == pytest.approx(tokens / info["train_runtime"], rel=1e-3)
         if arch == "llama":  # run_clm.py's metrics and predict() at pp=2, on both ranks, as Trainer's
             for r in ranks:
@@ -375,14 +263,14 @@ def test_pp2_matches_trainer_for_llama_and_qwen2(tmp_path):
                 "scheduler.pt", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth", "concertina.json",
                 "layout_cost_model.json"} <= names
         assert info["resumed_losses"] == pytest.approx(info["losses"], abs=1e-6)
-        worst, name = _worst_rel(_load(tmp_path / arch / "final"), _load(tmp_path / arch / "resumed"))
+        worst, name = worst_relative(load_saved(tmp_path / arch / "final"), load_saved(tmp_path / arch / "resumed"))
         assert worst < 1e-6, (arch, "resume", name, worst)
 
 
     # tied embeddings: Trainer's training, the two copies equal, one tensor in the checkpoint
     from safetensors import safe_open
 
-    ref_info, ref_state = _reference("llama-tied", tmp_path / "ref-tied")
+    ref_info, ref_state = train_reference("llama-tied", tmp_path / "ref-tied")
     ranks = [json.loads((tmp_path / "tied" / f"info-rank{r}.json").read_text()) for r in (0, 1)]
     assert "model.embed_tokens.weight" in ranks[0]["stage_params"] and "lm_head.weight" in ranks[1]["stage_params"]
     assert ranks[0]["reloaded_tied_copy"] and ranks[1]["reloaded_tied_copy"]
@@ -395,13 +283,13 @@ def test_pp2_matches_trainer_for_llama_and_qwen2(tmp_path):
     for shard in sorted(set(weight_map.values())):
         with safe_open(str(tmp_path / "tied" / "final" / shard), framework="pt") as fh:
             assert "lm_head.weight" not in set(fh.keys())
-    loaded = _load(tmp_path / "tied" / "final")  # tie_word_embeddings: lm_head.weight is the embedding
+    loaded = load_saved(tmp_path / "tied" / "final")  # tie_word_embeddings: lm_head.weight is the embedding
     assert torch.equal(loaded["lm_head.weight"], first) and torch.equal(loaded["model.embed_tokens.weight"], first)
-    worst, name = _worst_rel(ref_state, loaded)
+    worst, name = worst_relative(ref_state, loaded)
     assert worst < 1e-4, ("tied", name, worst)
 
     # bf16 autocast: within bf16 tolerances of Trainer(bf16=True) (see test_trainer.py)
-    ref_info, _ = _reference("llama", tmp_path / "ref-bf16", bf16=True, use_cpu=True)
+    ref_info, _ = train_reference("llama", tmp_path / "ref-bf16", bf16=True, use_cpu=True)
     info = json.loads((tmp_path / "bf16" / "info-rank0.json").read_text())
     assert max(abs(a - b) / b for a, b in zip(info["losses"], ref_info["losses"])) < 2e-4
     assert max(abs(a - b) / b for a, b in zip(info["grad_norms"], ref_info["grad_norms"])) < 5e-3
@@ -411,18 +299,18 @@ def test_pp2_dp2_matches_trainer_with_the_whole_global_batch(tmp_path):
     _launch(4, "dp2", tmp_path)
     # one process with both replicas' sequences per step: per_device_train_batch_size x 2 (24 rows: whole
     # batches on both sides, so epochs end at the same step and no replica pads its last batch)
-    ref_info, ref_state = _reference("llama", tmp_path / "ref", per_device_train_batch_size=6)
+    ref_info, ref_state = train_reference("llama", tmp_path / "ref", per_device_train_batch_size=6)
     ranks = [json.loads((tmp_path / f"info-rank{r}.json").read_text()) for r in range(4)]
     assert sorted(tuple(r["topology"]) for r in ranks) == [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
     assert all(r["losses"] == ranks[0]["losses"] for r in ranks)  # the global loss on every rank
     diffs = [abs(a - b) for a, b in zip(ranks[0]["losses"], ref_info["losses"])]
     assert len(diffs) == 4 and max(diffs) < 1e-5, diffs
-    worst, name = _worst_rel(ref_state, _load(tmp_path / "final"))
+    worst, name = worst_relative(ref_state, load_saved(tmp_path / "final"))
     assert worst < 1e-4, (name, worst)
     # throughput over both replicas: 4 steps x 12 sequences = two epochs of the 24 rows
     for r in ranks:
         assert r["train_samples_per_second"] * r["train_runtime"] == pytest.approx(48, rel=2e-2)
-        tokens = 2 * sum(len(x["input_ids"]) for x in _dataset())
+        tokens = 2 * sum(len(x["input_ids"]) for x in tiny_dataset())
         assert r["train_tokens_per_second"] == pytest.approx(tokens / r["train_runtime"], rel=1e-3)
     # metrics and predict() over two replicas: every rank holds Trainer's, rows in the dataset's order
     want = torch.load(tmp_path / "ref" / "logits.pt")
@@ -433,6 +321,3 @@ def test_pp2_dp2_matches_trainer_with_the_whole_global_batch(tmp_path):
         got = torch.load(tmp_path / f"logits-rank{r['topology'][0]}.pt")
         torch.testing.assert_close(got["logits"], want["logits"], atol=1e-4, rtol=1e-4)
 
-
-if __name__ == "__main__":
-    {"pp2": _worker_pp2, "dp2": _worker_dp2, "dp2pp1": _worker_dp2_pp1}[sys.argv[1]](sys.argv[2])

@@ -5,7 +5,7 @@ pp=1 x sp=2 (2 processes), pp=2 x sp=2 and dp=2 x sp=2 (4 processes), dp=2 x pp=
 processes, one model and one step), each rank comparing many plans with the single-process HF
 model (``_dist_ulysses.py``); the allocated peak at sp=4 against the prediction; the profiler's
 all-to-all fit on a 2-process group; ``ConcertinaTrainer`` at pp=2 x sp=2 against ``Trainer``
-(``_ulysses_trainer.py`` run by torchrun).
+(``_ulysses_trainer.py``'s ``main`` on 4 ranks).
 """
 
 from __future__ import annotations
@@ -16,20 +16,16 @@ import os
 import pytest
 import torch
 
-from _helpers import TESTS, free_port, torchrun
+from _helpers import reports as read_reports, run_ranks
 
 
 @pytest.mark.parametrize("dp,pp,sp", [(1, 1, 2), (1, 2, 2), (2, 1, 2), (2, 2, 2)])
-def test_ulysses_matches_hf(dp, pp, sp, tmp_path, monkeypatch):
-    import torch.multiprocessing as mp
-
+def test_ulysses_matches_hf(dp, pp, sp, tmp_path):
     import _dist_ulysses
 
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     world = dp * pp * sp
-    mp.spawn(_dist_ulysses.worker, args=(world, free_port(), str(tmp_path), pp, sp, dp), nprocs=world, join=True)
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    run_ranks(world, _dist_ulysses.worker, str(tmp_path), pp, sp, dp, logs=tmp_path / "logs")
+    reports = read_reports(tmp_path, world)
     for r in reports:
         print(f"rank {r['rank']}: {len(r['cases'])} cases; activation peak at sp={sp}, at sp=1, predicted at sp={sp} "
               "(bytes):")
@@ -58,7 +54,7 @@ def test_ulysses_matches_hf(dp, pp, sp, tmp_path, monkeypatch):
     assert all(len(r["cases"]) == cases for r in reports)
 
 
-def test_allocated_peak_at_sp4_matches_prediction(tmp_path, monkeypatch):
+def test_allocated_peak_at_sp4_matches_prediction(tmp_path):
     """Allocated peaks at sp = 4 (4 processes, one launch): a one-stage Llama with the benchmark's heads
     (4 of 64; K/V heads 2, replicated to 4, and 4, split), one 512-token sequence whole or in two
     slices, no and full recompute, at sp = 4 and sp = 2: each rank's allocated activation peak
@@ -68,16 +64,13 @@ def test_allocated_peak_at_sp4_matches_prediction(tmp_path, monkeypatch):
     Each all-to-all returns only once gloo has let go of its send buffer (200 calls a rank; without
     the runtime's wait one in four returned before, and a fresh-clone CI run read x1.033: one
     rank's q/k/v shard alive at the peak)."""
-    import torch.multiprocessing as mp
-
     import _dist_ulysses
 
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     profiles = _dist_ulysses.memory_profiles()
-    mp.spawn(_dist_ulysses.memory_worker, args=(4, free_port(), str(tmp_path), profiles), nprocs=4, join=True)
-    rows = [row for r in range(4) for row in json.loads((tmp_path / f"mem{r}.json").read_text())]
-    assert all(row[0] != "crash" for row in rows), [row[1] for row in rows if row[0] == "crash"]
+    run_ranks(4, _dist_ulysses.memory_worker, str(tmp_path), profiles, logs=tmp_path / "logs")
+    reports = read_reports(tmp_path, 4)
+    rows = [row for r in reports for row in r["rows"]]
+    assert [f for r in reports for f in r["failures"]] == []
     assert [row for row in rows if row[0] == "release"] == [["release", 1]] * 4  # only x holds x
     rows = [row for row in rows if row[0] != "release"]
     for kv, sp, name, peak, predicted in sorted({tuple(row) for row in rows}, key=lambda row: (row[0], -row[1], row[2])):
@@ -97,10 +90,11 @@ def test_trainer_pp2_sp2_matches_trainer(tmp_path):
     rank; resuming from the step-2 checkpoint ends on the same model; a LoRA model trained with label
     smoothing (and the online cost-model refit each step) equals Trainer's (losses 1e-5, adapter
     update 1e-3)."""
+    import _ulysses_trainer
     from _ulysses_trainer import STEPS
-    from test_trainer_pipeline import _load, _reference, _worst_rel
+    from _models import load_saved, tiny_dataset, train_reference, worst_relative
 
-    torchrun(4, TESTS / "_ulysses_trainer.py", tmp_path)
+    run_ranks(4, _ulysses_trainer.main, str(tmp_path), logs=tmp_path / "logs")
     ranks = [json.loads((tmp_path / f"info-rank{r}.json").read_text()) for r in range(4)]
     # dp x pp x sp, sp innermost: (rank, replica, stage, sp rank)
     assert [r["topology"] for r in ranks] == [[0, 0, 0, 0], [1, 0, 0, 1], [2, 0, 1, 0], [3, 0, 1, 1]]
@@ -110,7 +104,7 @@ def test_trainer_pp2_sp2_matches_trainer(tmp_path):
     # the model was perturbed on ranks 1-3: every parameter broadcast from rank 0 (reported on every rank)
     assert all(r["synced"] == ranks[0]["synced"] >= 39 for r in ranks), [r["synced"] for r in ranks]
     assert all(r["peft_synced"] == 0 for r in ranks)
-    ref_info, ref_state = _reference("llama", tmp_path / "ref", metrics=True, max_steps=STEPS)
+    ref_info, ref_state = train_reference("llama", tmp_path / "ref", metrics=True, max_steps=STEPS)
     info = ranks[0]
     assert len(info["losses"]) == len(ref_info["losses"]) == STEPS
     assert max(abs(a - b) for a, b in zip(info["losses"], ref_info["losses"])) < 1e-5
@@ -130,7 +124,7 @@ def test_trainer_pp2_sp2_matches_trainer(tmp_path):
         assert got["logits"].shape == want["logits"].shape
         torch.testing.assert_close(got["logits"], want["logits"], atol=1e-4, rtol=1e-4)
         assert torch.equal(got["labels"], want["labels"])
-    worst, name = _worst_rel(ref_state, _load(tmp_path / "final"))
+    worst, name = worst_relative(ref_state, load_saved(tmp_path / "final"))
     assert worst < 1e-4, (name, worst)
     # the checkpoint: one optimizer shard per stage, every process's RNG; resuming ends the same
     names = set(os.listdir(tmp_path / "checkpoint-2"))
@@ -139,11 +133,11 @@ def test_trainer_pp2_sp2_matches_trainer(tmp_path):
     assert {f"rng_state_{r}.pth" for r in range(4)} <= names
     assert json.loads((tmp_path / "checkpoint-2" / "concertina.json").read_text())["sequence_parallel_size"] == 2
     assert info["resumed_losses"] == pytest.approx(info["losses"], abs=1e-6)
-    worst, name = _worst_rel(_load(tmp_path / "final"), _load(tmp_path / "resumed"))
+    worst, name = worst_relative(load_saved(tmp_path / "final"), load_saved(tmp_path / "resumed"))
     assert worst < 1e-6, ("resume", name, worst)
     # PEFT (LoRA on the embedding, q/v/down, lm_head trained) with label smoothing: Trainer's losses
-    # and norms, the saved adapter holds Trainer's update (test_peft's checks)
-    import test_peft
+    # and norms, the saved adapter holds Trainer's update (``_peft_cases.check_adapter``)
+    import _peft_cases
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
     from _ulysses_trainer import PEFT_SMOOTHING
@@ -157,12 +151,12 @@ def test_trainer_pp2_sp2_matches_trainer(tmp_path):
     cpu = DeviceSpec.cpu()
     assert info["peft_link"] != [cpu.intra_node_latency_s, cpu.intra_node_bandwidth], info["peft_link"]
     assert info["peft_link"][1] > 0 and info["peft_link"][0] >= 0
-    ref = Trainer(model=test_peft._peft_model("embed-head"), train_dataset=test_peft._dataset(),
+    ref = Trainer(model=_peft_cases.peft_model("embed-head"), train_dataset=tiny_dataset(),
                   data_collator=DataCollatorWithFlattening(),
                   args=TrainingArguments(output_dir=str(tmp_path / "ref-peft"), save_strategy="no",
-                                         label_smoothing_factor=PEFT_SMOOTHING, **test_peft.COMMON))
+                                         label_smoothing_factor=PEFT_SMOOTHING, **_peft_cases.COMMON))
     ref.train()
-    test_peft._check_adapter("embed-head", tmp_path / "peft", ref.model, info["peft"], test_peft._logged(ref))
+    _peft_cases.check_adapter("embed-head", tmp_path / "peft", ref.model, info["peft"], _peft_cases.losses_and_norms(ref))
 
 
 def test_profiler_fits_the_all_to_all_on_a_real_group(tmp_path):
@@ -172,11 +166,10 @@ def test_profiler_fits_the_all_to_all_on_a_real_group(tmp_path):
     path on the mesh's sp group writes the fitted fields into ``cost_model.json``; the per-doc K/V
     all-gather and reduce-scatter (``profile_all_gather``) fitted and saved likewise, their bytes
     those the cost model counts. ~25 s (slow: timings under shared-core load)."""
-    import torch.multiprocessing as mp
-
     import _dist_ulysses
 
-    mp.spawn(_dist_ulysses.a2a_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    run_ranks(2, _dist_ulysses.a2a_worker, str(tmp_path), logs=tmp_path / "logs")
+    assert [f for r in read_reports(tmp_path, 2) for f in r["failures"]] == []
     r = json.loads((tmp_path / "a2a.json").read_text())
     print(r)
     assert r["bandwidth"] > 0 and r["latency"] >= 0

@@ -17,7 +17,8 @@ from concertina_hf.planning import PlanError, StageLayout
 from concertina_hf.planning.partition import partition_layers, stage_times
 from concertina_hf.planning.recompute import InfeasiblePlanError, assign_recompute, fits, uniform_recompute
 from concertina_hf.planning.simulate import simulate
-from test_simulate import llama_cost, make_plan, skewed_lengths
+
+from _plans import llama_cost, make_plan, skewed_lengths
 
 GIB = 2**30
 

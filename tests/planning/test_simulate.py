@@ -1,8 +1,7 @@
 """Discrete-event simulator: textbook 1F1B numbers, dependencies, memory accounting, deadlocks.
 
-Also hosts :func:`make_plan`, a deliberately simple chunker (long sequences cut into equal
-slices, short ones packed first-fit-decreasing, optionally into the tail slice) used by the
-planner tests here and in ``test_recompute.py``.
+The plans come from ``_plans.make_plan``, a deliberately simple chunker (also used by
+``test_recompute.py``).
 """
 
 from __future__ import annotations
@@ -21,8 +20,6 @@ from concertina_hf.planning import (
     ActionKind,
     Chunk,
     ChunkKind,
-    CostModel,
-    DeviceSpec,
     Plan,
     PlanError,
     Slice,
@@ -34,68 +31,7 @@ from concertina_hf.planning.lower import lower
 from concertina_hf.planning.plan import Program
 from concertina_hf.planning.simulate import memory_moments, simulate
 
-LLAMA8B = dict(
-    hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
-    vocab_size=128256, num_hidden_layers=32,
-)
-
-
-def llama_cost(**overrides) -> CostModel:
-    import dataclasses
-
-    cost = CostModel.from_hf_config(LLAMA8B, DeviceSpec.a800())
-    return dataclasses.replace(cost, **overrides) if overrides else cost
-
-
-def skewed_lengths(rng: random.Random, num: int, max_len: int = 131072, scale: int = 600) -> list[int]:
-    """Long-tailed lengths (Pareto), like code / web corpora: most short, a few very long."""
-    return [max(1, min(max_len, int(rng.paretovariate(1.1) * scale))) for _ in range(num)]
-
-
-def make_plan(seq_lens, num_stages: int, max_tokens: int, num_layers: int = 32, num_groups: int = 1,
-              pack_tails: bool = True, layout: StageLayout | None = None) -> Plan:
-    """A valid plan by simple rules: sequences longest first; one longer than ``max_tokens`` is
-    cut into equal slices (split chunks, then a hybrid tail that short sequences may join);
-    short ones are packed first-fit-decreasing under ``max_tokens``. Sequences are dealt into
-    ``num_groups`` pipeline groups by position. Recompute is all zeros."""
-    order = sorted(range(len(seq_lens)), key=lambda q: (-seq_lens[q], q))
-    per_group = max(1, math.ceil(len(order) / num_groups))
-    raw: list[tuple[ChunkKind, list[Slice]]] = []
-    groups: list[tuple[int, ...]] = []
-    for g0 in range(0, len(order), per_group):
-        members = order[g0:g0 + per_group]
-        first = len(raw)
-        bins: list[list[Slice]] = []  # open bins (tails first, then packed)
-        tail_bins = []
-        for q in members:
-            n = seq_lens[q]
-            if n > max_tokens:
-                k = math.ceil(n / max_tokens)
-                cuts = [n * i // k for i in range(k + 1)]
-                for i in range(k - 1):
-                    raw.append((ChunkKind.SPLIT, [Slice(q, cuts[i], cuts[i + 1] - cuts[i])]))
-                raw.append((ChunkKind.HYBRID, [Slice(q, cuts[k - 1], n - cuts[k - 1])]))
-                tail_bins.append(len(raw) - 1)
-            else:
-                placed = False
-                candidates = [raw[i][1] for i in tail_bins] if pack_tails else []
-                for b in candidates + bins:
-                    if sum(s.length for s in b) + n <= max_tokens:
-                        b.append(Slice(q, 0, n))
-                        placed = True
-                        break
-                if not placed:
-                    bins.append([Slice(q, 0, n)])
-        for b in bins:
-            raw.append((ChunkKind.PACKED, b))
-        groups.append(tuple(range(first, len(raw))))
-    chunks = tuple(Chunk(i, k, tuple(s)) for i, (k, s) in enumerate(raw))
-    lay = layout or StageLayout.even(num_layers, num_stages)
-    sched = build_schedule(chunks, groups, num_stages)
-    plan = Plan("test", tuple(seq_lens), lay, chunks, tuple(groups), sched,
-                tuple((0,) * len(chunks) for _ in range(num_stages)))
-    return plan.validate()
-
+from _plans import llama_cost, make_plan, skewed_lengths
 
 def _uniform_plan(m: int, p: int, tokens: int = 1000, num_layers: int = 8) -> Plan:
     chunks = tuple(Chunk(i, ChunkKind.PACKED, (Slice(i, 0, tokens),)) for i in range(m))
@@ -221,10 +157,12 @@ def test_memory_of_a_split_sequence_by_hand():
     packed = Chunk(0, ChunkKind.PACKED, (Slice(1, 0, 500), Slice(2, 0, 500)))
     saving = lambda c: cost.act_memory(lay, 0, c, 0) - cost.act_memory(lay, 0, c, 1)  # noqa: E731
     assert saving(chunks[0]) == pytest.approx(saving(packed) - cost.kv_bytes_per_token * 1000)
-    assert saving(chunks[2]) == pytest.approx(1.5 * saving(packed))
+    # (a saved layer of the hybrid also keeps the 2000 earlier keys the varlen kernel concatenates)
+    assert saving(chunks[2]) == pytest.approx(1.5 * saving(packed) + cost.context_bytes_per_token * 2000)
     # the re-materialized layer raises a backward only when every layer of the stage recomputes:
     # the runtime recomputes the first layers, which run backward after the saved ones freed theirs
-    cost = llama_cost(head_bwd_transient_bytes=0.0)  # (the LM head's weight gradient would be the max)
+    # (the LM head's backward, its weight gradient and the logits' gradients, would be the max)
+    cost = llama_cost(head_bwd_transient_bytes=0.0, head_bwd_transient_slope=0.0, head_bwd_transient_bytes_per_token=0.0)
     trs = [cost.transient_memory(lay, 0, chunks[2], r) for r in range(5)]
     assert trs[:4] == [trs[0]] * 4
     assert trs[4] == pytest.approx(trs[0] + cost.act_bytes_per_token * 1500)
@@ -236,7 +174,8 @@ def test_stage0_holds_most_in_flight_activations():
     p, m = 4, 12
     cost = llama_cost(logits_bytes_per_token=0.0, layer_params=0, embed_params=0, head_params=0,
                       bwd_transient_bytes=0.0, head_bwd_transient_bytes=0.0, embed_bwd_transient_bytes=0.0,
-                      embed_bwd_bytes_per_token=0.0, ids_bytes_per_token=0.0)
+                      embed_bwd_bytes_per_token=0.0, ids_bytes_per_token=0.0, output_bytes_per_token=0.0,
+                      head_bwd_transient_bytes_per_token=0.0)
     plan = _uniform_plan(m, p, num_layers=4 * p)
     res = simulate(plan, cost)
     a = cost.act_memory(plan.layout, 0, plan.chunks[0])

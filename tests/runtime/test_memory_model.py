@@ -27,21 +27,11 @@ from concertina_hf.planning import (Chunk, ChunkKind, CostModel, DeviceSpec, Pla
                                     simulate)
 from concertina_hf.planning.simulate import memory_moments
 from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
-from concertina_hf.runtime.memory import AllocationTracker
 from concertina_hf.runtime.profiler import profile_cost_model
 
+from _memory_cases import LARGE_VOCAB, LARGE_VOCAB_LAYERS, allocated_step_peak, large_vocab_config
+
 torch.set_num_threads(1)
-
-VOCAB = 4096  # large against the activations of short chunks, as a real vocabulary is
-LAYERS = 2
-
-
-def _config():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=176, num_hidden_layers=LAYERS,
-                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
-                       tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +39,9 @@ def stage():
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_config(), attn_implementation="sdpa")
-    cost = profile_cost_model(model, repeats=1, warmup=0, num_layers=LAYERS, max_tokens=128)
-    lay = StageLayout.even(LAYERS, 1)
+    model = AutoModelForCausalLM.from_config(large_vocab_config(), attn_implementation="sdpa")
+    cost = profile_cost_model(model, repeats=1, warmup=0, num_layers=LARGE_VOCAB_LAYERS, max_tokens=128)
+    lay = StageLayout.even(LARGE_VOCAB_LAYERS, 1)
     return PipelineExecutor(PipelineWrapper(copy.deepcopy(model), lay, 0)), cost, lay
 
 
@@ -62,18 +52,7 @@ def _plan(lay: StageLayout, lens, spec, recompute) -> Plan:
         chunks.append(Chunk(i, ChunkKind.of(slices, lens), slices))
     groups = (tuple(range(len(chunks))),)
     return Plan("t", tuple(lens), lay, tuple(chunks), groups, build_schedule(chunks, groups, 1, prefetch=True),
-                (tuple(min(r, LAYERS) for r in recompute),)).validate()
-
-
-def _allocated_peak(ex: PipelineExecutor, plan: Plan) -> int:
-    w = ex.wrapper
-    g = torch.Generator().manual_seed(0)
-    ids = [torch.randint(0, VOCAB, (n,), generator=g) for n in plan.seq_lens]
-    for p in w.parameters():
-        p.grad = None
-    with AllocationTracker() as t:
-        ex.run_step(plan, ids)
-    return t.peak_bytes(exclude=[*w.parameters(), *w.buffers(), *(p.grad for p in w.parameters())])
+                (tuple(min(r, LARGE_VOCAB_LAYERS) for r in recompute),)).validate()
 
 
 CASES = {
@@ -96,7 +75,7 @@ def test_profiled_weight_gradient_terms(stage):
     """The profiler measures the constant parts: the embedding's and the LM head's weight
     gradients (``vocab x hidden`` float32) and a layer's largest (its MLP matrix)."""
     _, cost, _ = stage
-    grad = VOCAB * 64 * 4
+    grad = LARGE_VOCAB * 64 * 4
     assert cost.embed_bwd_transient_bytes == grad
     assert grad <= cost.head_bwd_transient_bytes <= 1.05 * grad
     assert 64 * 176 * 4 <= cost.bwd_transient_bytes <= 2 * 64 * 176 * 4
@@ -107,7 +86,7 @@ def test_allocated_peak_within_5_percent_of_the_prediction(stage, case):
     ex, cost, lay = stage
     plan = _plan(lay, *CASES[case])
     predicted = simulate(plan, cost).peak_memory_bytes[0] - cost.static_memory(lay, 0)
-    got = _allocated_peak(ex, plan)
+    got = allocated_step_peak(ex, plan)
     assert got <= 1.05 * predicted and predicted <= 1.05 * got, (case, got, predicted, got / predicted)
 
 

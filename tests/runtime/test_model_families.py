@@ -10,8 +10,7 @@
   stage functions (``PipelineExecutor`` on one stage, and 2 stages run one after the other) give
   HF's loss and gradients per sequence at realistic weight scales; with the feature switched off
   in the stage, the same check fails (the test can fail).
-- **pp = 2**: ``tests/launch/test_model_families_launch.py`` runs this file's :func:`_worker` on
-  2 ranks: ``ConcertinaTrainer`` against ``Trainer`` for StableLM (a layer that drops
+- **pp = 2**: ``tests/launch/test_model_families_launch.py`` runs on 2 ranks ``ConcertinaTrainer`` against ``Trainer`` for StableLM (a layer that drops
   ``**kwargs``: context delivery), Granite (multipliers) and Gemma2 (attention and final
   soft-capping), 3 steps, float32: loss within 1e-5 and every parameter within 1e-3 (relative).
 
@@ -21,7 +20,6 @@ The numerical checks are those of ``scripts/model_support.py`` (which writes
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -189,56 +187,3 @@ def test_without_the_feature_the_check_fails(monkeypatch, model_type, field):
                             lambda self, rotary, h, pos, layers: [rotary(h, pos, "full_attention")] * len(layers))
     row = model_support.check_type(model_type, **overrides)
     assert row["verdict"] == "MISMATCH", row
-
-
-# ---------------------------------------------------------------------------------- pp = 2 against Trainer
-# the worker of tests/launch/test_model_families_launch.py (this file run by torchrun)
-ARCHS = {  # one per class of failure the issue found
-    "stablelm": {},  # its decoder layer drops **kwargs: the chunk context must still reach attention
-    # embedding_multiplier, logits_scaling, and inside the layers residual and attention multipliers at
-    # Granite 3's values (attention 1 / head_dim; the default 1.0 makes the softmax nearly one-hot at
-    # these weight scales, and float32 rounding then moves the gradients by ~2e-5)
-    "granite": {"attention_multiplier": 1 / 16, "residual_multiplier": 0.22},
-    "gemma2": {},  # attention (cap 1) and final (cap 2) logit soft-capping, sliding window, sqrt(hidden) normalizer
-}
-COMMON = dict(per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=3, learning_rate=2e-3,
-              logging_steps=1, report_to=[], disable_tqdm=True, seed=3, save_strategy="no")
-
-
-def _model(model_type: str):
-    from transformers import AutoModelForCausalLM
-
-    cfg = model_support.tiny_config(model_type, **ARCHS[model_type])
-    torch.manual_seed(1)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-
-
-def _dataset(n=12, seed=0):
-    import random
-
-    import datasets
-
-    rng = random.Random(seed)
-    return datasets.Dataset.from_list(
-        [{"input_ids": [rng.randrange(model_support.VOCAB) for _ in range(rng.choice([5, 9, 17, 40]))]}
-         for _ in range(n)])
-
-
-def _worker(out: str) -> None:
-    from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
-
-    for arch in ARCHS:
-        args = ConcertinaTrainingArguments(output_dir=os.path.join(out, arch), concertina_max_tokens_per_chunk=16,
-                                           **COMMON)
-        trainer = ConcertinaTrainer(model=_model(arch), args=args, train_dataset=_dataset())
-        trainer.train()
-        logs = [h for h in trainer.state.log_history if "loss" in h]
-        trainer.save_model(os.path.join(out, arch, "final"))
-        info = {"losses": [h["loss"] for h in logs], "split": [h.get("concertina/chunks_split", 0.0) for h in logs]}
-        with open(os.path.join(out, arch, f"info-rank{trainer.topology.rank}.json"), "w") as fh:
-            json.dump(info, fh)
-    trainer.end()
-
-
-if __name__ == "__main__":
-    {"pp2": _worker}[sys.argv[1]](sys.argv[2])

@@ -31,66 +31,21 @@ from concertina_hf.planning import (
     Chunk,
     ChunkKind,
     CostModel,
-    Plan,
     Slice,
     StageLayout,
-    build_schedule,
     simulate,
 )
 from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
-from concertina_hf.runtime.memory import LiveTensorMeter
 from concertina_hf.runtime.profiler import default_shapes, measure_chunk, profile_cost_model
 
+from _memory_cases import NUM_LAYERS, RECOMPUTE, SCALAR_BYTES, SEQ_LENS, VOCAB, profiler_model, profiler_plan, step_peaks
+
 torch.set_num_threads(1)
-
-VOCAB = 256
-NUM_LAYERS = 4
-SEQ_LENS = (300, 90, 60, 40, 30, 20)
-# the long sequence in 3 slices (the tail in a hybrid chunk), the short ones packed
-CHUNKS = [[(0, 0, 120)], [(0, 120, 100)], [(0, 220, 80), (1, 0, 90)], [(2, 0, 60), (3, 0, 40), (4, 0, 30), (5, 0, 20)]]
-RECOMPUTE = {"none": (0, 0, 0, 0), "partial": (2, 1, 3, 0), "full": (4, 4, 4, 4), "mixed": (4, 0, 4, 2)}
-# the executor's per-chunk loss scalars (a few 4-byte tensors alive in the head's backward) are
-# not in the cost model; a prediction that is exact otherwise may be under by that much
-SCALAR_BYTES = 64
-
-
-def _config(kind: str = "llama"):
-    if kind == "llama":
-        from transformers import LlamaConfig
-
-        return LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=NUM_LAYERS,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                           tie_word_embeddings=False)
-    from transformers import Qwen2Config
-
-    return Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=NUM_LAYERS,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                       tie_word_embeddings=False, use_sliding_window=False)
-
-
-def _model(kind: str = "llama", seed: int = 0):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(_config(kind), attn_implementation="sdpa")
-
-
-def _plan(recompute: tuple[int, ...], layout: StageLayout) -> Plan:
-    """The test batch in 4 chunks; ``recompute[c]`` layers per chunk, capped by each stage's."""
-    chunks = []
-    for i, spec in enumerate(CHUNKS):
-        slices = tuple(Slice(*s) for s in spec)
-        chunks.append(Chunk(i, ChunkKind.of(slices, SEQ_LENS), slices))
-    groups = (tuple(range(len(chunks))),)
-    p = layout.num_stages
-    rec = tuple(tuple(min(r, layout.num_stage_layers(st)) for r in recompute) for st in range(p))
-    return Plan("test", SEQ_LENS, layout, tuple(chunks), groups,
-                build_schedule(chunks, groups, p, prefetch=True), rec).validate()
 
 
 @pytest.fixture(scope="module")
 def profiled():
-    model = _model()
+    model = profiler_model()
     # as many layers as the stage of the one-stage tests: per-chunk tensors (rotary tables, the
     # context's index tensors) are spread over the profiled layers
     cost = profile_cost_model(model, repeats=1, warmup=0, num_layers=NUM_LAYERS)
@@ -153,7 +108,7 @@ def test_fitted_bytes_predict_unseen_chunks(kind, profiled):
     measured ones within -1%..+3%, with and without recompute."""
     model, cost = profiled if kind == "llama" else (None, None)
     if kind != "llama":
-        model = _model(kind)
+        model = profiler_model(kind)
         cost = profile_cost_model(model, repeats=1, warmup=0, shapes=default_shapes(192), num_layers=NUM_LAYERS)
     lay = StageLayout(NUM_LAYERS, ((0, NUM_LAYERS),))
     cases = [  # (slices as (seq, start, length), kind, recompute layers)
@@ -253,19 +208,6 @@ def test_measure_chunk_errors(profiled):
 
 
 # ---------------------------------------------------------------------------------- a whole step
-def _step_peaks(ex: PipelineExecutor, plan: Plan, ids) -> tuple[int, int]:
-    """(executor meter peak, live-tensor peak) of one step; gradients exist beforehand so that
-    their accumulation is not counted as activation memory."""
-    w = ex.wrapper
-    for p in w.parameters():
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    exclude = [*w.parameters(), *w.buffers(), *(p.grad for p in w.parameters())]
-    with LiveTensorMeter(exclude) as live:
-        res = ex.run_step(plan, ids)
-    return res.peak_activation_bytes, live.peak_bytes
-
-
 def test_stage_peak_stays_within_the_plans_prediction(profiled):
     """The issue's requirement, on one stage with recompute none / partial / full / mixed, and
     plans of the adaptive planner under binding budgets when it is there: measured activation
@@ -284,7 +226,7 @@ def test_stage_peak_stays_within_the_plans_prediction(profiled):
     import copy
 
     ex = PipelineExecutor(PipelineWrapper(copy.deepcopy(model), lay, 0))
-    plans = [(name, _plan(rec, lay)) for name, rec in RECOMPUTE.items()]
+    plans = [(name, profiler_plan(rec, lay)) for name, rec in RECOMPUTE.items()]
     try:
         from concertina_hf.planning import plan_step
     except ImportError:  # the planner's strategies have not landed
@@ -298,7 +240,7 @@ def test_stage_peak_stays_within_the_plans_prediction(profiled):
     rows = []
     for name, plan in plans:
         predicted = simulate(plan, cost).peak_memory_bytes[0] - static
-        meter, live = _step_peaks(ex, plan, ids)
+        meter, live = step_peaks(ex, plan, ids)
         rows.append((name, predicted, meter, live))
         # within the prediction, by both measures (and so within the plan's budget), but for a
         # few bytes of the executor's loss scalars during the head's backward (not modelled)

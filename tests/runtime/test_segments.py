@@ -11,63 +11,13 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
-import torch.nn.functional as F
 
 from _runtime_cases import SEQ_LENS, batch, compare_grads, make_plan, reference, tiny_model
-from _segment_reference import segment_logits
+from _segment_reference import GRAD_TOL, LOSS_TOL, S, segment_plan, segment_reference
 
 from concertina_hf.planning import PlanError, StageLayout
-from concertina_hf.planning.segments import SegmentOptions, check_segment_plan, segment_cuts
+from concertina_hf.planning.segments import SegmentOptions, check_segment_plan
 from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
-
-LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
-S = 8
-
-
-def segment_chunks(seq_lens, tokens: int):
-    """Hand-made chunks: each split sequence's segments as split chunks, its last segment packed with
-    one unsplit sequence (a hybrid chunk), the other short sequences packed together."""
-    chunks, short = [], [i for i, n in enumerate(seq_lens) if n <= tokens]
-    for i, n in enumerate(seq_lens):
-        if n <= tokens:
-            continue
-        start, cuts = 0, segment_cuts(n, tokens)
-        for length in cuts[:-1]:
-            chunks.append([(i, start, length)])
-            start += length
-        last = [(i, start, cuts[-1])]
-        if short:
-            q = short.pop()
-            last.append((q, 0, seq_lens[q]))
-        chunks.append(last)
-    if short:
-        chunks.append([(q, 0, seq_lens[q]) for q in short])
-    return chunks
-
-
-def segment_plan(layout, opts: SegmentOptions, recompute="none", seq_lens=SEQ_LENS):
-    import dataclasses
-
-    plan = make_plan(seq_lens, segment_chunks(seq_lens, opts.tokens), layout, recompute)
-    return dataclasses.replace(plan, knobs=plan.knobs + opts.knobs())
-
-
-def segment_reference(model, ids, labels, opts: SegmentOptions):
-    """Plain HF, segment by segment with a DynamicCache cut to the tail (:mod:`_segment_reference`):
-    loss (token-weighted over the batch) and gradients."""
-    ref = copy.deepcopy(model)
-    ref.zero_grad(set_to_none=True)
-    n_items = int(sum(int((lab[1:] != -100).sum()) for lab in labels))
-    total = 0.0
-    for t, lab in zip(ids, labels):
-        logit = segment_logits(ref, t, opts.tokens, opts.gradient, opts.kv_tail, global_heads=opts.global_heads)
-        loss = F.cross_entropy(logit[:-1].float(), lab[1:], ignore_index=-100, reduction="sum") / n_items
-        loss.backward()
-        total += float(loss.detach())
-    grads = {k: p.grad.detach().clone() for k, p in ref.named_parameters() if p.grad is not None}
-    return total, grads
-
 
 def every_recompute_mismatches(kind, model, ids, labels, opts, ref_loss, ref_grads) -> list[str]:
     """One stage, hand-made segment plans under each recompute setting: what differs from the reference."""

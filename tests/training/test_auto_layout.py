@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from test_trainer_pipeline import _model
+from _models import tiny_model
 
 
 def _rows(n, long_every=0, seed=0):
@@ -38,14 +38,14 @@ def test_choice_is_deterministic_and_keeps_fixed_sizes(tmp_path):
     steps = sample_steps(data, collate, 8, args)
     assert len(steps) == SAMPLE_STEPS and all(len(s) == 8 for s in steps)
     assert steps == sample_steps(data, collate, 8, args)  # seeded: the same rows on every rank
-    a = choose_layout(args, _model("llama"), 4, data, collate)
-    b = choose_layout(args, _model("llama"), 4, data, collate)
+    a = choose_layout(args, tiny_model("llama"), 4, data, collate)
+    b = choose_layout(args, tiny_model("llama"), 4, data, collate)
     assert a == b and a.source == "auto" and a.pp * a.sp * a.dp == 4 and a.steps_sampled == SAMPLE_STEPS
     ok = [r for r in a.table if r["step_time_s"] is not None]
     assert ok[0]["layout"] == f"pp{a.pp} x sp{a.sp} x dp{a.dp}" and ok[0]["ratio"] == 1.0
     assert all(r["ratio"] >= 1.0 for r in ok) and len(ok) >= 4, a.table
     assert "chose pp=" in a.table_text()
-    fixed = choose_layout(_args(tmp_path, concertina_pipeline_size=2), _model("llama"), 4, data, collate)
+    fixed = choose_layout(_args(tmp_path, concertina_pipeline_size=2), tiny_model("llama"), 4, data, collate)
     assert fixed.pp == 2 and all(r["layout"].startswith("pp2 ") for r in fixed.table if r["step_time_s"])
     # sequential sampling reads the first rows in order
     seq = sample_steps(data, collate, 8, _args(tmp_path, train_sampling_strategy="sequential"), steps=2)
@@ -60,18 +60,18 @@ def test_resume_keeps_the_recorded_layout_and_refuses_another_world_size(tmp_pat
     (ckpt / "concertina.json").write_text(json.dumps(
         {"pipeline_size": 2, "sequence_parallel_size": 1, "data_parallel_size": 2}))
     args = _args(tmp_path, resume_from_checkpoint=str(ckpt))
-    kept = choose_layout(args, _model("llama"), 4, _rows(40), None)
+    kept = choose_layout(args, tiny_model("llama"), 4, _rows(40), None)
     assert (kept.pp, kept.sp, kept.dp, kept.source) == (2, 1, 2, "checkpoint")
     with pytest.raises(ValueError, match=r"written by 4 processes \(pp=2 x sp=1 x dp=2\), this run has 2: .*"
                                          r"resume with 4 processes"):
-        choose_layout(args, _model("llama"), 2, _rows(40), None)
+        choose_layout(args, tiny_model("llama"), 2, _rows(40), None)
 
 
 def test_auto_needs_training_data_and_a_known_mode(tmp_path):
     from concertina_hf.training.auto_layout import choose_layout
 
     with pytest.raises(ValueError, match="concertina_layout='auto' chooses the layout from the training data"):
-        choose_layout(_args(tmp_path), _model("llama"), 2, None, None)
+        choose_layout(_args(tmp_path), tiny_model("llama"), 2, None, None)
     with pytest.raises(ValueError, match="concertina_layout='sometimes': choose 'manual'"):
         _args(tmp_path, concertina_layout="sometimes")
 
@@ -84,9 +84,9 @@ def test_shard_parameters_chooses_among_pp1_layouts_and_says_why_not_pp2(tmp_pat
     from concertina_hf.training.collator import LengthAwareCollator
 
     data, collate = _rows(200, long_every=8), LengthAwareCollator()
-    plain = choose_layout(_args(tmp_path), _model("llama"), 4, data, collate)
+    plain = choose_layout(_args(tmp_path), tiny_model("llama"), 4, data, collate)
     assert any(r["layout"].startswith("pp2 ") and r["step_time_s"] is not None for r in plain.table)
-    a = choose_layout(_args(tmp_path, concertina_shard_parameters=True), _model("llama"), 4, data, collate)
+    a = choose_layout(_args(tmp_path, concertina_shard_parameters=True), tiny_model("llama"), 4, data, collate)
     assert a.pp == 1 and a.pp * a.sp * a.dp == 4
     rows = {r["layout"]: r for r in a.to_dict()["table"]}
     assert {"pp1 x sp1 x dp4", "pp1 x sp2 x dp2", "pp1 x sp4 x dp1"} <= {n for n, r in rows.items() if r["step_time_s"]}
@@ -99,9 +99,9 @@ def test_shard_parameters_chooses_among_pp1_layouts_and_says_why_not_pp2(tmp_pat
     assert "concertina_pipeline_size=1 only" in a.table_text()
     with pytest.raises(ValueError, match=r"found no layout of 4 processes that fits \(pp2 x sp1 x dp2: refused: pp=2: "
                                          r"concertina_shard_parameters=True runs at concertina_pipeline_size=1 only"):
-        choose_layout(_args(tmp_path, concertina_shard_parameters=True, concertina_pipeline_size=2), _model("llama"),
+        choose_layout(_args(tmp_path, concertina_shard_parameters=True, concertina_pipeline_size=2), tiny_model("llama"),
                       4, data, collate)
-    tied = choose_layout(_args(tmp_path, concertina_shard_parameters=True), _model("llama-tied"), 4, data, collate)
+    tied = choose_layout(_args(tmp_path, concertina_shard_parameters=True), tiny_model("llama-tied"), 4, data, collate)
     assert tied.sizes == (1, 1, 4), tied.table
     why = {r["layout"]: r.get("reason") for r in tied.table}
     assert "cannot shard tied input/output embeddings on one stage" in why["pp1 x sp2 x dp2"]
@@ -118,12 +118,12 @@ def test_chosen_line_names_the_sequence_parallel_mode(tmp_path, mode, cost_model
     data = _rows(64, long_every=8)
     args = _args(tmp_path, concertina_sequence_parallel_size=2, concertina_sequence_parallel_mode=mode,
                  concertina_cost_model=cost_model)
-    a = choose_layout(args, _model("llama"), 4, data, None)
+    a = choose_layout(args, tiny_model("llama"), 4, data, None)
     assert a.sp == 2 and a.sp_mode == runs and a.to_dict()["sequence_parallel_mode"] == runs
     assert a.table_text().splitlines()[0].startswith(
         f"concertina_layout='auto' chose pp={a.pp} x sp=2 x dp={a.dp}, sequence-parallel mode {runs} (auto; ")
     one = choose_layout(_args(tmp_path, concertina_sequence_parallel_mode=mode, concertina_pipeline_size=4),
-                        _model("llama"), 4, data, None)
+                        tiny_model("llama"), 4, data, None)
     assert one.sp == 1 and one.sp_mode is None and "sequence-parallel mode" not in one.table_text()
 
 
@@ -145,7 +145,7 @@ def test_the_runtime_settings_reach_rank_layouts(tmp_path, monkeypatch, kw, want
     real = auto_layout.rank_layouts
     monkeypatch.setattr(auto_layout, "rank_layouts", lambda *a, **k: seen.append(k) or real(*a, **k))
     kw = dict(kw)
-    model = _model(kw.pop("model", "llama"))
+    model = tiny_model(kw.pop("model", "llama"))
     auto_layout.choose_layout(_args(tmp_path, **kw), model, 2, _rows(16), None)
     assert seen and all({k: s[k] for k in want} == want for s in seen), seen[0]
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
-from test_trainer import _dataset, _model  # the same tiny Llama and long-tailed dataset
+from _models import tiny_dataset, tiny_model
 
 ARGS = dict(per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=4, learning_rate=2e-3,
             logging_steps=1, report_to=[], save_strategy="steps", save_steps=2, disable_tqdm=True, seed=3,
@@ -29,7 +29,7 @@ ARGS = dict(per_device_train_batch_size=3, gradient_accumulation_steps=2, max_st
 
 
 def _trainer(output_dir, **overrides) -> ConcertinaTrainer:
-    return ConcertinaTrainer(model=_model(), train_dataset=_dataset(),
+    return ConcertinaTrainer(model=tiny_model(), train_dataset=tiny_dataset(),
                              args=ConcertinaTrainingArguments(output_dir=str(output_dir), **dict(ARGS, **overrides)))
 
 
@@ -246,7 +246,7 @@ def test_truncated_safetensors_name_the_file(run_copy, tmp_path, keep):
 
 def test_save_total_limit_and_best_model_keep_working(tmp_path):
     trainer = ConcertinaTrainer(
-        model=_model(), train_dataset=_dataset(), eval_dataset=_dataset(6, seed=1),
+        model=tiny_model(), train_dataset=tiny_dataset(), eval_dataset=tiny_dataset(6, seed=1),
         args=ConcertinaTrainingArguments(output_dir=str(tmp_path), **dict(
             ARGS, eval_strategy="steps", eval_steps=2, save_total_limit=1, load_best_model_at_end=True,
             metric_for_best_model="loss", greater_is_better=False)))

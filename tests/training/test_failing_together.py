@@ -12,7 +12,7 @@ from huggingface_hub.errors import OfflineModeIsEnabled
 
 from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
 from concertina_hf.training.trainer import GUARDED_CALLS
-from test_trainer import _dataset, _model
+from _models import tiny_dataset, tiny_model
 
 
 def test_every_listed_call_is_guarded_also_in_a_subclass():
@@ -33,7 +33,7 @@ def test_push_to_hub_saves_before_it_touches_the_hub(tmp_path, monkeypatch):
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     args = ConcertinaTrainingArguments(output_dir=str(tmp_path), report_to=[], max_steps=1, save_strategy="no",
                                        per_device_train_batch_size=2, disable_tqdm=True)
-    trainer = ConcertinaTrainer(model=_model(), args=args, train_dataset=_dataset(4))
+    trainer = ConcertinaTrainer(model=tiny_model(), args=args, train_dataset=tiny_dataset(4))
     saves = []
     save_model = trainer.checkpointer.save_model
     trainer.checkpointer.save_model = lambda *a, **kw: (saves.append(a[0]), save_model(*a, **kw))[1]

@@ -22,8 +22,7 @@ One process (default tier):
   recomputed layer replays its forward's masks; one-process resume reproduces the uninterrupted
   run with dropout.
 
-Two processes (pp = 2, gloo; this file's :func:`_worker`, started by
-``tests/launch/test_step_safety_launch.py``): a wrong model is refused on both ranks
+Two processes (pp = 2, gloo; ``tests/launch/test_step_safety_launch.py``): a wrong model is refused on both ranks
 with rank 0's verdict; layer i of stage 0 and of stage 1 draw from
 different streams; resume at pp = 2 with attention dropout ends on the uninterrupted run's
 weights; a NaN on stage 1 at step 2 with ``"skip"`` leaves the step-1 weights and logs the
@@ -33,65 +32,16 @@ counter; then with ``"raise"`` both ranks exit non-zero with the message.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import math
-import os
-import sys
-import time
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
-
-DROPOUT = 0.3
-NAN_STEP = 2  # the optimizer step whose forward gets a NaN
-
+from _step_safety import DROPOUT, NAN_STEP, NaNAt, bypassing_layer, realistic_model, snapshot
 
 # ---------------------------------------------------------------------------------- helpers
-def _realistic(model):
-    """Weights at a realistic scale (init 0.2): with HF's tiny init, scaling and soft-capping are
-    nearly the identity and a wrong model could pass."""
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.2)
-    return model
-
-
-def _tiny(kind="llama", **overrides):
-    from _runtime_cases import tiny_config
-    from transformers import AutoModelForCausalLM
-
-    cfg = tiny_config(kind, num_layers=4)
-    for k, v in overrides.items():
-        setattr(cfg, k, v)
-    torch.manual_seed(0)
-    return _realistic(AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa"))
-
-
-def _snapshot(model):
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-class _NaNAt:
-    """A forward hook making a decoder layer's output NaN during optimizer step ``step``."""
-
-    def __init__(self, step: int) -> None:
-        self.step, self.active, self.fired = step, False, 0
-
-    def __call__(self, module, args, out):
-        if not self.active:
-            return None
-        self.fired += 1
-        if isinstance(out, tuple):
-            return (out[0] * float("nan"),) + tuple(out[1:])
-        return out * float("nan")
-
-
-def _nan_callback(nan: _NaNAt, snapshots: dict, model):
+def _nan_callback(nan: NaNAt, snapshots: dict, model):
     from transformers import TrainerCallback
 
     class Inject(TrainerCallback):
@@ -110,9 +60,9 @@ def _nan_callback(nan: _NaNAt, snapshots: dict, model):
 def test_self_check_passes_a_correct_model_and_leaves_it_untouched(kind):
     from concertina_hf.training.self_check import check_model
 
-    model = _tiny(kind)
+    model = realistic_model(kind)
     model.train()
-    before, rng = _snapshot(model), torch.get_rng_state()
+    before, rng = snapshot(model), torch.get_rng_state()
     layers = model.model.layers
     check_model(model)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -120,15 +70,6 @@ def test_self_check_passes_a_correct_model_and_leaves_it_untouched(kind):
     assert all(p.grad is None and p.requires_grad for p in model.parameters())
     assert model.training and model.model.layers is layers and len(layers) == 4
     assert model.config._attn_implementation == "sdpa"
-
-
-def _bypassing_layer(model):
-    """Layer 1's attention reads a config of its own naming plain SDPA: like a recurrent or
-    convolutional mixer, it never sees the chunk context."""
-    cfg = copy.copy(model.config)
-    cfg._attn_implementation = "sdpa"
-    model.model.layers[1].self_attn.config = cfg
-    return model
 
 
 def _scaled_logits(model):
@@ -165,14 +106,14 @@ def _auxiliary_loss(model):
 
 
 @pytest.mark.parametrize("wrong, expected", [
-    (_bypassing_layer, "slice losses differ"),
+    (bypassing_layer, "slice losses differ"),
     (_scaled_logits, "slice losses differ on 5 of 5 probe slices (every sequence"),
     (_auxiliary_loss, "HF's training loss is not the cross-entropy of its logits"),
 ])
 def test_self_check_catches_a_model_made_wrong(wrong, expected):
     from concertina_hf.training.self_check import SelfCheckError, check_model
 
-    model = wrong(_tiny("qwen2"))
+    model = wrong(realistic_model("qwen2"))
     with pytest.raises(SelfCheckError) as err:
         check_model(model)
     msg = str(err.value)
@@ -187,7 +128,7 @@ def test_a_layer_dropping_its_keyword_arguments_is_caught_or_reproduced():
     from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
     from concertina_hf.training.self_check import SelfCheckError, check_model
 
-    model = _tiny("llama")
+    model = realistic_model("llama")
     reference = copy.deepcopy(model)
     for layer in model.model.layers:
         forward = layer.forward
@@ -216,24 +157,24 @@ def test_a_layer_dropping_its_keyword_arguments_is_caught_or_reproduced():
 def test_trainer_refuses_a_wrong_model_at_construction(tmp_path):
     from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
     from concertina_hf.training.self_check import SelfCheckError
-    from test_trainer import COMMON, _dataset
+    from _models import NO_SAVE, tiny_dataset
 
-    args = ConcertinaTrainingArguments(output_dir=str(tmp_path), **COMMON)
+    args = ConcertinaTrainingArguments(output_dir=str(tmp_path), **NO_SAVE)
     with pytest.raises(SelfCheckError, match="model type 'qwen2'"):
-        ConcertinaTrainer(model=_bypassing_layer(_tiny("qwen2")), args=args, train_dataset=_dataset())
-    off = ConcertinaTrainingArguments(output_dir=str(tmp_path), concertina_self_check=False, **COMMON)
-    ConcertinaTrainer(model=_bypassing_layer(_tiny("qwen2")), args=off, train_dataset=_dataset()).planner.close()
+        ConcertinaTrainer(model=bypassing_layer(realistic_model("qwen2")), args=args, train_dataset=tiny_dataset())
+    off = ConcertinaTrainingArguments(output_dir=str(tmp_path), concertina_self_check=False, **NO_SAVE)
+    ConcertinaTrainer(model=bypassing_layer(realistic_model("qwen2")), args=off, train_dataset=tiny_dataset()).planner.close()
 
 
 # ---------------------------------------------------------------------------------- non-finite values
 def _nan_run(tmp_path, mode: str, **extra):
     from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
-    from test_trainer import COMMON, _dataset, _model
+    from _models import NO_SAVE, tiny_dataset, tiny_model
 
     args = ConcertinaTrainingArguments(output_dir=str(tmp_path), concertina_nonfinite=mode,
-                                       concertina_max_tokens_per_chunk=16, **dict(COMMON, **extra))
-    trainer = ConcertinaTrainer(model=_model(), args=args, train_dataset=_dataset())
-    nan, snapshots = _NaNAt(NAN_STEP), {}
+                                       concertina_max_tokens_per_chunk=16, **dict(NO_SAVE, **extra))
+    trainer = ConcertinaTrainer(model=tiny_model(), args=args, train_dataset=tiny_dataset())
+    nan, snapshots = NaNAt(NAN_STEP), {}
     trainer.pipeline.decoder_layers[1].register_forward_hook(nan)
     trainer.add_callback(_nan_callback(nan, snapshots, trainer.model))
     return trainer, nan, snapshots
@@ -315,18 +256,18 @@ def test_padded_rows_train_like_unpadded_rows(tmp_path, caplog, collator):
     from transformers import DataCollatorWithPadding
 
     from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
-    from test_trainer import COMMON, _dataset, _losses, _model
+    from _models import NO_SAVE, losses_of, tiny_dataset, tiny_model
 
-    rows = _dataset().to_list()
+    rows = tiny_dataset().to_list()
     plain = [{"input_ids": r["input_ids"][:40]} for r in rows]
 
     def run(data, out, collate=None):
         args = ConcertinaTrainingArguments(output_dir=str(out), concertina_max_tokens_per_chunk=16,
-                                           **dict(COMMON, max_steps=2))
-        t = ConcertinaTrainer(model=_model(), args=args, train_dataset=datasets.Dataset.from_list(data),
+                                           **dict(NO_SAVE, max_steps=2))
+        t = ConcertinaTrainer(model=tiny_model(), args=args, train_dataset=datasets.Dataset.from_list(data),
                               data_collator=collate)
         t.train()
-        return _losses(t), _snapshot(t.model)
+        return losses_of(t), snapshot(t.model)
 
     ref_losses, ref_w = run(plain, tmp_path / "plain")
     collate = None
@@ -357,17 +298,17 @@ def test_a_step_without_trainable_token_warns_and_logs_nan_or_is_dropped(tmp_pat
     import datasets
 
     from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
-    from test_trainer import COMMON, _dataset, _model
+    from _models import NO_SAVE, tiny_dataset, tiny_model
 
-    rows = [{"input_ids": r["input_ids"], "labels": r["input_ids"]} for r in _dataset().to_list()[:18]]
+    rows = [{"input_ids": r["input_ids"], "labels": r["input_ids"]} for r in tiny_dataset().to_list()[:18]]
     for r in rows[6:12]:  # the second step: 2 micro-batches of 3, every label ignored
         r["labels"] = [-100] * len(r["input_ids"])
     args = ConcertinaTrainingArguments(output_dir=str(tmp_path), concertina_nonfinite=mode,
                                        concertina_max_tokens_per_chunk=16, train_sampling_strategy="sequential",
-                                       **dict(COMMON, max_steps=3))
-    trainer = ConcertinaTrainer(model=_model(), args=args, train_dataset=datasets.Dataset.from_list(rows))
+                                       **dict(NO_SAVE, max_steps=3))
+    trainer = ConcertinaTrainer(model=tiny_model(), args=args, train_dataset=datasets.Dataset.from_list(rows))
     snapshots = {}
-    trainer.add_callback(_nan_callback(_NaNAt(-1), snapshots, trainer.model))
+    trainer.add_callback(_nan_callback(NaNAt(-1), snapshots, trainer.model))
     with caplog.at_level(logging.WARNING):
         trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
@@ -413,7 +354,7 @@ def test_recomputed_layers_replay_their_dropout_masks():
     ids, labels = batch()
     results = {}
     for name, dropout, rec in (("none", DROPOUT, "none"), ("full", DROPOUT, "full"), ("off", 0.0, "none")):
-        model = _tiny("llama", attention_dropout=dropout)
+        model = realistic_model("llama", attention_dropout=dropout)
         model.train()
         layout = StageLayout.even(4, 1)
         ex = PipelineExecutor(PipelineWrapper(model, layout, 0), rng=StageRNG(7, 0))
@@ -427,123 +368,31 @@ def test_recomputed_layers_replay_their_dropout_masks():
 
 def test_resume_with_dropout_reproduces_the_uninterrupted_run(tmp_path):
     from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
-    from test_trainer import COMMON, _dataset
+    from _models import NO_SAVE, tiny_dataset
 
     def model():
         from transformers import AutoModelForCausalLM, LlamaConfig
 
-        from test_trainer import CFG
+        from _models import TINY_LLAMA
 
         torch.manual_seed(1)
-        return AutoModelForCausalLM.from_config(LlamaConfig(**CFG, attention_dropout=DROPOUT))
+        return AutoModelForCausalLM.from_config(LlamaConfig(**TINY_LLAMA, attention_dropout=DROPOUT))
 
     def args(out, **kw):
         return ConcertinaTrainingArguments(output_dir=str(out), concertina_max_tokens_per_chunk=16,
-                                           **dict(COMMON, **kw))
+                                           **dict(NO_SAVE, **kw))
 
     full = ConcertinaTrainer(model=model(), args=args(tmp_path / "a", save_strategy="steps", save_steps=2),
-                             train_dataset=_dataset())
+                             train_dataset=tiny_dataset())
     full.train()
-    resumed = ConcertinaTrainer(model=model(), args=args(tmp_path / "b"), train_dataset=_dataset())
+    resumed = ConcertinaTrainer(model=model(), args=args(tmp_path / "b"), train_dataset=tiny_dataset())
     resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
-    a, b = _snapshot(full.model), _snapshot(resumed.model)
+    a, b = snapshot(full.model), snapshot(resumed.model)
     assert all(torch.equal(a[k], b[k]) for k in a), max(float((a[k] - b[k]).abs().max()) for k in a)
     # the stream matters: a resume whose stream restarts from the seed ends elsewhere
-    other = ConcertinaTrainer(model=model(), args=args(tmp_path / "c"), train_dataset=_dataset())
+    other = ConcertinaTrainer(model=model(), args=args(tmp_path / "c"), train_dataset=tiny_dataset())
     fresh = other.executor.rng.state_dict()
     other.checkpointer.load_stage_rng = lambda ckpt: fresh
     other.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
-    c = _snapshot(other.model)
+    c = snapshot(other.model)
     assert any(not torch.equal(a[k], c[k]) for k in a)
-
-
-# ---------------------------------------------------------------------------------- two processes
-def _worker(out: str) -> None:
-    """pp = 2: dropout streams, resume with dropout, a NaN on stage 1 skipped, then raised."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, TrainerCallback
-
-    from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
-    from test_trainer import CFG, COMMON, _dataset
-
-    def model(dropout=DROPOUT):
-        torch.manual_seed(1)
-        return AutoModelForCausalLM.from_config(LlamaConfig(**dict(CFG, num_hidden_layers=2),
-                                                            attention_dropout=dropout))
-
-    def args(d, **kw):
-        return ConcertinaTrainingArguments(output_dir=os.path.join(out, d), concertina_max_tokens_per_chunk=16,
-                                           **dict(COMMON, **kw))
-
-    info: dict = {}
-    # 0. a model the runtime does not reproduce: refused on every rank with rank 0's verdict
-    from concertina_hf.training.self_check import SelfCheckError
-
-    try:
-        ConcertinaTrainer(model=_bypassing_layer(_tiny("qwen2")), args=args("refused"), train_dataset=_dataset())
-        info["refused"] = None
-    except SelfCheckError as exc:
-        info["refused"] = str(exc)
-    # raised alike on every rank, the refusal raised no abort flag: caught, the ranks go on past
-    # the grace a caught one-rank failure gets before its rank ends
-    from concertina_hf.runtime.distributed import ABORT_GRACE_S, ABORT_POLL_S
-
-    time.sleep(ABORT_GRACE_S + 2 * ABORT_POLL_S)
-
-    # 1. each stage's layer draws from its own stream: the first numbers drawn inside layer i
-    trainer = ConcertinaTrainer(model=model(), args=args("streams", max_steps=1), train_dataset=_dataset())
-    rank = trainer.topology.rank
-    draws = []
-    trainer.pipeline.decoder_layers[0].register_forward_pre_hook(
-        lambda m, a: draws.append(torch.rand(4).tolist()) if len(draws) < 2 else None)
-    trainer.train()
-    info["draws"] = draws
-
-    # 2. resume at pp = 2 with dropout: the uninterrupted run's weights
-    full = ConcertinaTrainer(model=model(), args=args("full", save_strategy="steps", save_steps=2),
-                             train_dataset=_dataset())
-    full.train()
-    resumed = ConcertinaTrainer(model=model(), args=args("resumed"), train_dataset=_dataset())
-    resumed.train(resume_from_checkpoint=os.path.join(out, "full", "checkpoint-2"))
-    a, b = _snapshot(full.model), _snapshot(resumed.model)
-    info["resume_max_diff"] = max(float((a[k] - b[k]).abs().max()) for k in a)
-    info["resume_changed"] = max(float((a[k] - _snapshot(model())[k]).abs().max()) for k in a)
-
-    # 3. a NaN on stage 1 at step 2, skipped
-    class Snap(TrainerCallback):
-        def __init__(self, nan, model):
-            self.nan, self.model, self.shots = nan, model, {}
-
-        def on_step_begin(self, args, state, control, **kw):
-            self.nan.active = state.global_step + 1 == self.nan.step
-
-        def on_step_end(self, args, state, control, **kw):
-            self.nan.active = False
-            self.shots[state.global_step] = {n: p.detach().clone() for n, p in self.model.named_parameters()}
-
-    def nan_trainer(mode):
-        t = ConcertinaTrainer(model=model(0.0), args=args(mode, concertina_nonfinite=mode), train_dataset=_dataset())
-        nan = _NaNAt(NAN_STEP)
-        if t.topology.stage == 1:
-            t.pipeline.decoder_layers[0].register_forward_hook(nan)
-        snap = Snap(nan, t.model)
-        t.add_callback(snap)
-        return t, snap
-
-    t, snap = nan_trainer("skip")
-    t.train()
-    info["skip_step2_equal_step1"] = all(torch.equal(w, snap.shots[1][n]) for n, w in snap.shots[2].items())
-    info["skip_step3_trained"] = any(not torch.equal(w, snap.shots[2][n]) for n, w in snap.shots[3].items())
-    logs = [h for h in t.state.log_history if "loss" in h]
-    info["skip_losses_nan"] = [math.isnan(h["loss"]) for h in logs]
-    info["skip_counter"] = [h["concertina/nonfinite_steps_skipped"] for h in logs]
-    with open(os.path.join(out, f"info-rank{rank}.json"), "w") as fh:
-        json.dump(info, fh)
-
-    # 4. the same NaN with "raise": every rank ends with the message (the process exits non-zero)
-    t, _ = nan_trainer("raise")
-    t.train()
-    print("raise mode trained through the NaN", file=sys.stderr, flush=True)
-
-
-if __name__ == "__main__":
-    _worker(sys.argv[1])

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import random
 
 import datasets
 import pytest
@@ -19,7 +18,6 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     DataCollatorWithFlattening,
-    LlamaConfig,
     Trainer,
     TrainingArguments,
 )
@@ -27,26 +25,7 @@ from transformers import (
 from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments, LengthAwareCollator
 from concertina_hf.training.callbacks import StepStatsCallback
 
-CFG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-           num_key_value_heads=2, tie_word_embeddings=False)
-COMMON = dict(per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=4, learning_rate=2e-3,
-              logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, seed=3, max_grad_norm=0.5,
-              per_device_eval_batch_size=4)
-
-
-def _dataset(n=24, seed=0):
-    rng = random.Random(seed)
-    return datasets.Dataset.from_list(
-        [{"input_ids": [rng.randrange(64) for _ in range(rng.choice([5, 9, 17, 40, 70]))]} for _ in range(n)])
-
-
-def _model():
-    torch.manual_seed(1)
-    return AutoModelForCausalLM.from_config(LlamaConfig(**CFG))
-
-
-def _losses(trainer):
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+from _models import NO_SAVE, losses_of, tiny_dataset, tiny_model
 
 
 def _rel(a, b):
@@ -56,23 +35,23 @@ def _rel(a, b):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("ref")
-    ref = Trainer(model=_model(), args=TrainingArguments(output_dir=str(out), **COMMON), train_dataset=_dataset(),
-                  eval_dataset=_dataset(8, seed=1), data_collator=DataCollatorWithFlattening())
+    ref = Trainer(model=tiny_model(), args=TrainingArguments(output_dir=str(out), **NO_SAVE), train_dataset=tiny_dataset(),
+                  eval_dataset=tiny_dataset(8, seed=1), data_collator=DataCollatorWithFlattening())
     ref.train()
-    return {"losses": _losses(ref), "grad_norms": [h["grad_norm"] for h in ref.state.log_history if "loss" in h],
+    return {"losses": losses_of(ref), "grad_norms": [h["grad_norm"] for h in ref.state.log_history if "loss" in h],
             "state": {k: v.clone() for k, v in ref.model.state_dict().items()}, "eval": ref.evaluate()["eval_loss"]}
 
 
 def test_same_model_as_trainer_and_standard_checkpoint(reference, tmp_path):
     args = ConcertinaTrainingArguments(
         output_dir=str(tmp_path), concertina_max_tokens_per_chunk=16, concertina_cost_model="online",
-        concertina_replan_interval=2, concertina_gantt_steps=2, **COMMON)
-    trainer = ConcertinaTrainer(model=_model(), args=args, train_dataset=_dataset(), eval_dataset=_dataset(8, seed=1))
+        concertina_replan_interval=2, concertina_gantt_steps=2, **NO_SAVE)
+    trainer = ConcertinaTrainer(model=tiny_model(), args=args, train_dataset=tiny_dataset(), eval_dataset=tiny_dataset(8, seed=1))
     assert isinstance(trainer.data_collator, LengthAwareCollator)
     assert trainer.topology.pipeline_size == 1 and trainer.topology.world_size == 1
     trainer.train()
 
-    losses = _losses(trainer)
+    losses = losses_of(trainer)
     assert len(losses) == 4
     assert max(abs(a - b) for a, b in zip(losses, reference["losses"])) < 1e-5
     norms = [h["grad_norm"] for h in trainer.state.log_history if "loss" in h]
@@ -112,16 +91,16 @@ def test_label_smoothing_is_trainers_label_smoother(reference, tmp_path):
     way (train and eval loss, gradients, final weights), through split chunks. The smoothed run
     ends with weights unlike the unsmoothed reference's (the setting is not ignored; the
     losses of this near-uniform tiny model barely move)."""
-    kw = dict(COMMON, label_smoothing_factor=0.2)
-    ref = Trainer(model=_model(), args=TrainingArguments(output_dir=str(tmp_path / "ref"), **kw),
-                  train_dataset=_dataset(), eval_dataset=_dataset(8, seed=1),
+    kw = dict(NO_SAVE, label_smoothing_factor=0.2)
+    ref = Trainer(model=tiny_model(), args=TrainingArguments(output_dir=str(tmp_path / "ref"), **kw),
+                  train_dataset=tiny_dataset(), eval_dataset=tiny_dataset(8, seed=1),
                   data_collator=DataCollatorWithFlattening())
     ref.train()
     trainer = ConcertinaTrainer(
-        model=_model(), train_dataset=_dataset(), eval_dataset=_dataset(8, seed=1),
+        model=tiny_model(), train_dataset=tiny_dataset(), eval_dataset=tiny_dataset(8, seed=1),
         args=ConcertinaTrainingArguments(output_dir=str(tmp_path / "c"), concertina_max_tokens_per_chunk=16, **kw))
     trainer.train()
-    losses, want = _losses(trainer), _losses(ref)
+    losses, want = losses_of(trainer), losses_of(ref)
     assert len(losses) == len(want) == 4
     assert max(abs(a - b) for a, b in zip(losses, want)) < 1e-5, (losses, want)
     state, ref_state = trainer.model.state_dict(), ref.model.state_dict()
@@ -132,9 +111,9 @@ def test_label_smoothing_is_trainers_label_smoother(reference, tmp_path):
 
 
 def test_resume_from_checkpoint_continues_the_same_trajectory(tmp_path):
-    base = dict(COMMON, save_strategy="steps", save_steps=2, concertina_max_tokens_per_chunk=24)
-    full = ConcertinaTrainer(model=_model(), args=ConcertinaTrainingArguments(output_dir=str(tmp_path / "a"), **base),
-                             train_dataset=_dataset())
+    base = dict(NO_SAVE, save_strategy="steps", save_steps=2, concertina_max_tokens_per_chunk=24)
+    full = ConcertinaTrainer(model=tiny_model(), args=ConcertinaTrainingArguments(output_dir=str(tmp_path / "a"), **base),
+                             train_dataset=tiny_dataset())
     full.train()
     ckpt = tmp_path / "a" / "checkpoint-2"
     names = set(os.listdir(ckpt))
@@ -142,32 +121,32 @@ def test_resume_from_checkpoint_continues_the_same_trajectory(tmp_path):
             "trainer_state.json", "rng_state.pth"} <= names
 
     resumed = ConcertinaTrainer(
-        model=_model(), train_dataset=_dataset(),
+        model=tiny_model(), train_dataset=tiny_dataset(),
         args=ConcertinaTrainingArguments(output_dir=str(tmp_path / "b"), concertina_overlap_planning=False, **base))
     resumed.train(resume_from_checkpoint=str(ckpt))
     assert resumed.state.global_step == 4
     # a trainer whose layers are split differently refuses the checkpoint, saying what to do
-    two = ConcertinaTrainer(model=_model(), train_dataset=_dataset(),
+    two = ConcertinaTrainer(model=tiny_model(), train_dataset=tiny_dataset(),
                             args=ConcertinaTrainingArguments(output_dir=str(tmp_path / "c"), **base))
     two.layout = dataclasses.replace(two.layout, layer_ranges=((0, 3), (3, 4)))
     with pytest.raises(ValueError, match="layout_cost_model.json"):
         two._load_from_checkpoint(str(ckpt))
-    assert len(_losses(resumed)) == 4  # the first two come from the checkpoint's trainer state
-    assert _losses(resumed) == pytest.approx(_losses(full), abs=1e-6)
+    assert len(losses_of(resumed)) == 4  # the first two come from the checkpoint's trainer state
+    assert losses_of(resumed) == pytest.approx(losses_of(full), abs=1e-6)
     a, b = full.model.state_dict(), resumed.model.state_dict()
     assert max(_rel(a[k], b[k]) for k in a) < 1e-6
 
 
 def test_constructor_refusals_name_the_argument(tmp_path):
     with pytest.raises(TypeError, match="ConcertinaTrainingArguments"):
-        ConcertinaTrainer(model=_model(), args=TrainingArguments(output_dir=str(tmp_path), report_to=[]))
+        ConcertinaTrainer(model=tiny_model(), args=TrainingArguments(output_dir=str(tmp_path), report_to=[]))
     args = ConcertinaTrainingArguments(output_dir=str(tmp_path), report_to=[])
     with pytest.raises(NotImplementedError, match="compute_loss_func"):
-        ConcertinaTrainer(model=_model(), args=args, compute_loss_func=lambda o, y, n: 0.0)
-    model = _model()
+        ConcertinaTrainer(model=tiny_model(), args=args, compute_loss_func=lambda o, y, n: 0.0)
+    model = tiny_model()
     with pytest.raises(ValueError, match="optimizer_cls_and_kwargs"):
         ConcertinaTrainer(model=model, args=args, optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None))
-    trainer = ConcertinaTrainer(model=_model(), args=args, callbacks=[StepStatsCallback(max_samples=10)])
+    trainer = ConcertinaTrainer(model=tiny_model(), args=args, callbacks=[StepStatsCallback(max_samples=10)])
     assert trainer.stats_callback.max_samples == 10  # a given StepStatsCallback is used, not a second one
     assert sum(isinstance(c, StepStatsCallback) for c in trainer.callback_handler.callbacks) == 1
 
@@ -179,13 +158,13 @@ def test_bf16_autocast_matches_trainer_bf16(tmp_path):
     relative (measured 2e-5 and 5e-5), gradient norms within 5e-3 (measured 8e-4). These bounds
     do not tell bf16 from float32 here (they differ by about 1e-4): the dtype of a projection's
     output does."""
-    kw = dict(COMMON, use_cpu=True, bf16=True)
-    ref = Trainer(model=_model(), args=TrainingArguments(output_dir=str(tmp_path / "ref"), **kw),
-                  train_dataset=_dataset(), eval_dataset=_dataset(8, seed=1),
+    kw = dict(NO_SAVE, use_cpu=True, bf16=True)
+    ref = Trainer(model=tiny_model(), args=TrainingArguments(output_dir=str(tmp_path / "ref"), **kw),
+                  train_dataset=tiny_dataset(), eval_dataset=tiny_dataset(8, seed=1),
                   data_collator=DataCollatorWithFlattening())
     ref.train()
     trainer = ConcertinaTrainer(
-        model=_model(), train_dataset=_dataset(), eval_dataset=_dataset(8, seed=1),
+        model=tiny_model(), train_dataset=tiny_dataset(), eval_dataset=tiny_dataset(8, seed=1),
         args=ConcertinaTrainingArguments(output_dir=str(tmp_path / "c"), concertina_max_tokens_per_chunk=16,
                                          concertina_cost_model="profiled", **kw))
     assert trainer.args.mixed_precision == "bf16"
@@ -199,7 +178,7 @@ def test_bf16_autocast_matches_trainer_bf16(tmp_path):
     trainer.train()
     assert dtypes == {torch.bfloat16}
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # master weights stay float32
-    losses, want = _losses(trainer), _losses(ref)
+    losses, want = losses_of(trainer), losses_of(ref)
     assert len(losses) == len(want) == 4
     assert max(abs(a - b) / b for a, b in zip(losses, want)) < 2e-4, (losses, want)
     norms = [h["grad_norm"] for h in trainer.state.log_history if "loss" in h]
@@ -212,25 +191,25 @@ def test_bf16_autocast_matches_trainer_bf16(tmp_path):
 
 def test_infeasible_budget_fails_naming_the_setting(tmp_path):
     # below the stage's weights, gradients and optimizer state: refused at construction
-    args = ConcertinaTrainingArguments(output_dir=str(tmp_path), concertina_memory_budget="1KiB", **COMMON)
+    args = ConcertinaTrainingArguments(output_dir=str(tmp_path), concertina_memory_budget="1KiB", **NO_SAVE)
     with pytest.raises(ValueError, match="concertina_memory_budget gives pipeline stage 0 .* alone take"):
-        ConcertinaTrainer(model=_model(), args=args, train_dataset=_dataset())
+        ConcertinaTrainer(model=tiny_model(), args=args, train_dataset=tiny_dataset())
     # above them but too small for any activation: refused at the first step, naming the setting
-    probe = ConcertinaTrainer(model=_model(), train_dataset=_dataset(),
-                              args=ConcertinaTrainingArguments(output_dir=str(tmp_path), **COMMON))
+    probe = ConcertinaTrainer(model=tiny_model(), train_dataset=tiny_dataset(),
+                              args=ConcertinaTrainingArguments(output_dir=str(tmp_path), **NO_SAVE))
     static = int(probe.cost_model.static_memory(probe.layout, 0))
-    args = ConcertinaTrainingArguments(output_dir=str(tmp_path), concertina_memory_budget=str(static + 64), **COMMON)
-    trainer = ConcertinaTrainer(model=_model(), args=args, train_dataset=_dataset())
+    args = ConcertinaTrainingArguments(output_dir=str(tmp_path), concertina_memory_budget=str(static + 64), **NO_SAVE)
+    trainer = ConcertinaTrainer(model=tiny_model(), args=args, train_dataset=tiny_dataset())
     with pytest.raises(RuntimeError, match="concertina_memory_budget"):
         trainer.train()
     json.dumps(trainer.state.log_history)  # nothing half-written into the state
 
 
 def test_out_of_vocabulary_ids_are_named_before_the_step(tmp_path):
-    data = _dataset()
+    data = tiny_dataset()
     rows = data.to_list()
     rows[4]["input_ids"] = rows[4]["input_ids"][:3] + [64] + rows[4]["input_ids"][4:]  # vocab_size is 64
-    trainer = ConcertinaTrainer(model=_model(), train_dataset=datasets.Dataset.from_list(rows),
-                                args=ConcertinaTrainingArguments(output_dir=str(tmp_path), **COMMON))
+    trainer = ConcertinaTrainer(model=tiny_model(), train_dataset=datasets.Dataset.from_list(rows),
+                                args=ConcertinaTrainingArguments(output_dir=str(tmp_path), **NO_SAVE))
     with pytest.raises(ValueError, match="token id 64, outside the model's vocabulary of 64"):
         trainer.train()
