@@ -15,13 +15,16 @@ runtime (SDPA attention on CPU).
    :func:`measure_chunk`, the minimum of ``--repeats`` CPU times) and is compared with the fitted model's
    ``4 * (1 + bwd_factor) * layer_fwd_time``; also with the analytic model
    (``CostModel.from_hf_config`` at ``DeviceSpec.cpu()`` rates), the planner's default before any
-   profiling. Activation bytes are compared too (exact counts of saved tensors).
+   profiling. Activation bytes are compared too (exact counts of saved tensors), the profiled
+   model's and the analytic one's (what it counts from the config for the kernel the runtime
+   takes on CPU: ``planning/activations.py``).
 3. **Head and embedding** on chunk sizes between the profile's ladder points, against the model
    and against per-token rates through the origin at ``m/4`` and ``m`` (``former``).
 4. **Whole steps**: one-stage plans (embedding, 4 layers, head and loss; a split sequence;
    recompute none / partial / full) run by :class:`PipelineExecutor`: measured step wall time
    against ``simulate(plan, cost).step_time_s``, and the activation-memory peak (every live
-   tensor, :class:`LiveTensorMeter`) against the simulated peak minus static memory.
+   tensor, :class:`LiveTensorMeter`) against the simulated peak minus static memory, of the
+   profiled model and of the analytic one.
 
 Times are the process's CPU time on one thread (the profiler's clock on CPU, and the same around
 each step here): on a machine shared with other jobs (the committed results: 2 cores, several
@@ -58,6 +61,7 @@ from concertina_hf.planning import (  # noqa: E402
     simulate,
 )
 from concertina_hf.runtime import PipelineExecutor, PipelineWrapper  # noqa: E402
+from concertina_hf.runtime.attention import attention_kernel  # noqa: E402
 from concertina_hf.runtime.memory import LiveTensorMeter  # noqa: E402
 from concertina_hf.runtime.profiler import default_shapes, measure_chunk, profile_cost_model  # noqa: E402
 
@@ -186,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         fit_rows.append({"shape": [list(x) for x in shape], "measured_ms": 1e3 * meas,
                          "predicted_ms": 1e3 * _stage_time(cost, shape),
                          "error": (_stage_time(cost, shape) - meas) / meas})
-    analytic = CostModel.from_hf_config(model.config, device=DeviceSpec.cpu(), dtype_bytes=4)
+    analytic = CostModel.from_hf_config(model.config, device=DeviceSpec.cpu(), dtype_bytes=4,
+                                        attention_kernel=attention_kernel("cpu"))
     print(f"fit: {fit_s:.1f} s", file=sys.stderr, flush=True)
 
     layout = StageLayout(NUM_LAYERS, ((0, NUM_LAYERS),))
@@ -197,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         measured = NUM_LAYERS * (sample.fwd_time_s + sample.bwd_time_s)
         chunk = _chunk(shape, split)
         pred_bytes = cost.act_memory(layout, 0, chunk, 0) - cost.logits_bytes_per_token * chunk.num_tokens
+        analytic_bytes = analytic.act_memory(layout, 0, chunk, 0) - analytic.logits_bytes_per_token * chunk.num_tokens
         rows.append({
             "kind": kind, "shape": [list(x) for x in shape], "tokens": chunk.num_tokens,
             "measured_ms": 1e3 * measured, "predicted_ms": 1e3 * _stage_time(cost, shape),
@@ -204,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             "measured_fwd_ms": 1e3 * NUM_LAYERS * sample.fwd_time_s,
             "measured_bwd_ms": 1e3 * NUM_LAYERS * sample.bwd_time_s,
             "measured_act_bytes": sample.act_bytes * NUM_LAYERS, "predicted_act_bytes": pred_bytes,
+            "analytic_act_bytes": analytic_bytes,
         })
         r = rows[-1]
         print(f"{kind:7s} {shape}: measured {r['measured_ms']:.1f} ms, predicted {r['predicted_ms']:.1f} ms",
@@ -212,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         r["error"] = (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"]
         r["analytic_error"] = (r["analytic_ms"] - r["measured_ms"]) / r["measured_ms"]
         r["bytes_error"] = (r["predicted_act_bytes"] - r["measured_act_bytes"]) / r["measured_act_bytes"]
+        r["analytic_bytes_error"] = (r["analytic_act_bytes"] - r["measured_act_bytes"]) / r["measured_act_bytes"]
 
     ends = head_and_embedding(model, cost, m, args.repeats, args.warmup)
 
@@ -235,17 +243,20 @@ def main(argv: list[str] | None = None) -> int:
             with LiveTensorMeter(exclude) as live:
                 res = ex.run_step(plan, ids)
             sim = simulate(plan, cost)
+            analytic_peak = simulate(plan, analytic).peak_memory_bytes[0] - analytic.static_memory(layout, 0)
             steps.append({
                 "plan": name, "tokens": sum(plan.seq_lens), "chunks": plan.num_chunks,
                 "measured_s": min(walls), "predicted_s": sim.step_time_s,
                 "analytic_s": simulate(plan, analytic).step_time_s,
                 "live_peak_bytes": live.peak_bytes, "meter_peak_bytes": res.peak_activation_bytes,
                 "predicted_peak_bytes": sim.peak_memory_bytes[0] - static,
+                "analytic_peak_bytes": analytic_peak,
             })
             s = steps[-1]
             s["error"] = (s["predicted_s"] - s["measured_s"]) / s["measured_s"]
             s["analytic_error"] = (s["analytic_s"] - s["measured_s"]) / s["measured_s"]
             s["memory_error"] = (s["predicted_peak_bytes"] - s["live_peak_bytes"]) / s["live_peak_bytes"]
+            s["analytic_memory_error"] = (s["analytic_peak_bytes"] - s["live_peak_bytes"]) / s["live_peak_bytes"]
             print(f"step {name}: measured {s['measured_s']:.3f} s, predicted {s['predicted_s']:.3f} s",
                   file=sys.stderr, flush=True)
 
@@ -254,7 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     aerrs = [abs(r["analytic_error"]) for r in rows]
     summary = {"mean_abs_error": statistics.mean(errs), "max_abs_error": max(errs),
                "analytic_mean_abs_error": statistics.mean(aerrs), "analytic_max_abs_error": max(aerrs),
-               "max_abs_bytes_error": max(abs(r["bytes_error"]) for r in rows)}
+               "max_abs_bytes_error": max(abs(r["bytes_error"]) for r in rows),
+               "analytic_min_bytes_error": min(r["analytic_bytes_error"] for r in rows),
+               "analytic_max_bytes_error": max(r["analytic_bytes_error"] for r in rows)}
+    if steps:
+        summary["analytic_memory_errors"] = [s["analytic_memory_error"] for s in steps]
     fitted = {k: v for k, v in cost.to_dict().items()
               if k in ("alpha_attn", "alpha_tok", "beta", "bwd_factor", "embed_time_per_token",
                        "head_time_per_token", "embed_time_per_call", "head_time_per_call", "max_chunk_tokens",
@@ -289,20 +304,21 @@ def main(argv: list[str] | None = None) -> int:
         "## Held-out chunks: one stage (4 layers), forward + backward",
         "",
         "| kind | shape (context, length) per slice | tokens | measured ms | predicted ms | error | analytic ms | "
-        "analytic error | act bytes error |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "analytic error | act bytes error | analytic act bytes error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         shape = " ".join(f"({c},{n})" for c, n in r["shape"])
         lines.append(f"| {r['kind']} | {shape} | {r['tokens']} | {r['measured_ms']:.1f} | {r['predicted_ms']:.1f} | "
                      f"{r['error']:+.1%} | {r['analytic_ms']:.1f} | {r['analytic_error']:+.1%} | "
-                     f"{r['bytes_error']:+.2%} |")
+                     f"{r['bytes_error']:+.2%} | {r['analytic_bytes_error']:+.2%} |")
     lines += [
         "",
         f"**Time: mean absolute error {summary['mean_abs_error']:.1%}, max {summary['max_abs_error']:.1%}** "
         f"(analytic model: mean {summary['analytic_mean_abs_error']:.1%}, "
         f"max {summary['analytic_max_abs_error']:.1%}). "
-        f"Activation bytes: max absolute error {summary['max_abs_bytes_error']:.2%}.",
+        f"Activation bytes: max absolute error {summary['max_abs_bytes_error']:.2%} (analytic model: "
+        f"{summary['analytic_min_bytes_error']:+.2%} to {summary['analytic_max_bytes_error']:+.2%}).",
         "",
     ]
     if ends:
@@ -334,20 +350,22 @@ def main(argv: list[str] | None = None) -> int:
             f"Batch of {len(_plans(m, layout)[0][1].seq_lens)} sequences ({steps[0]['tokens']} tokens), the longest "
             f"in 3 slices (tail in a hybrid chunk), {steps[0]['chunks']} chunks; recompute per chunk as named. "
             "Memory: activation peak, every live tensor (`LiveTensorMeter`), against the simulated peak minus "
-            "static memory; `meter` is the executor's own `StepResult.peak_activation_bytes` (saved tensors only).",
+            "static memory; `meter` is the executor's own `StepResult.peak_activation_bytes` (saved tensors only); "
+            "`analytic peak` the analytic model's simulated peak minus its static memory.",
             "",
             "Step time: CPU time of `run_step`, minimum of the repeats.",
             "",
             "| recompute | measured s | predicted s | error | analytic s | analytic error | live peak MiB | "
-            "meter peak MiB | predicted peak MiB | memory error |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "meter peak MiB | predicted peak MiB | memory error | analytic peak MiB | analytic memory error |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for s in steps:
             lines.append(
                 f"| {s['plan']} | {s['measured_s']:.3f} | {s['predicted_s']:.3f} | {s['error']:+.1%} | "
                 f"{s['analytic_s']:.3f} | {s['analytic_error']:+.1%} | {s['live_peak_bytes'] / 2**20:.2f} | "
                 f"{s['meter_peak_bytes'] / 2**20:.2f} | {s['predicted_peak_bytes'] / 2**20:.2f} | "
-                f"{s['memory_error']:+.1%} |")
+                f"{s['memory_error']:+.1%} | {s['analytic_peak_bytes'] / 2**20:.2f} | "
+                f"{s['analytic_memory_error']:+.1%} |")
         lines.append("")
     lines += ["## Fitted coefficients", "", "```json", json.dumps(fitted, indent=1), "```", ""]
 

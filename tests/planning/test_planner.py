@@ -413,10 +413,11 @@ def test_ideal_step_time_is_total_compute_over_stages():
 
 
 def test_adaptive_fits_whenever_a_baseline_fits():
-    """Regression on a real batch (256 stdlib files, longest 32K tokens) and a tight budget where
-    splitting never fits (every slice of a sequence stays in flight, plus its K/V) but packing
-    whole sequences does: adaptive must fall back to the baselines' chunkings (it can emulate
-    them) instead of reporting that nothing fits."""
+    """Regression on a real batch (256 stdlib files, longest 32K tokens) and a tight budget for
+    packing whole sequences (the last stage's backward of the 32K-token chunk holds its logits'
+    float32 gradients, 8 bytes per vocabulary entry and token, 2 GiB at this vocabulary; under
+    3.5 GiB packing does not fit): adaptive must fit too and be no slower, falling back to the
+    baselines' chunkings where it must (it can emulate them) instead of reporting that nothing fits."""
     import json
     import pathlib
 
@@ -426,8 +427,10 @@ def test_adaptive_fits_whenever_a_baseline_fits():
     lens = json.loads((pathlib.Path(__file__).parent / "data" / "stdlib_256_lengths.json").read_text())["lengths"]
     cost = CostModel.from_hf_config(MODEL_PRESETS["tiny-llama"], DeviceSpec.cpu())
     layout = partition_layers(cost, 2)
-    budget = 2 * 2**30
+    budget = 4 * 2**30
     packed = plan_step(lens, cost, layout, budget, strategy="packed", solver="greedy")
+    with pytest.raises(InfeasiblePlanError):
+        plan_step(lens, cost, layout, int(3.5 * 2**30), strategy="packed", solver="greedy")
     adaptive = plan_step(lens, cost, layout, budget, strategy="adaptive", solver="greedy").validate()
     assert max(adaptive.predicted.peak_memory_bytes) <= budget
     assert adaptive.predicted.step_time_s <= packed.predicted.step_time_s * (1 + TOLERANCE)

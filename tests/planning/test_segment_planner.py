@@ -60,7 +60,8 @@ def test_adaptive_uses_the_freedom_the_options_give():
     backwarded right after its forward) none at all; each plan's prediction is its simulation."""
     cost = _cost()
     layout = partition_layers(cost, 4)
-    lens, budget = [65536, 4000, 3000, 9000], 60 * 2**30
+    # a budget under which gradient "none" needs no recompute (80 GiB does not do)
+    lens, budget = [65536, 4000, 3000, 9000], 85 * 2**30
 
     def run(opts):
         plan = plan_step(lens, cost, layout, budget, "adaptive", segment=opts)
@@ -72,11 +73,12 @@ def test_adaptive_uses_the_freedom_the_options_give():
     none_r, none_t = run(SegmentOptions(8192, "none", 8192))
     assert tail_r < full_r and tail_t < 0.7 * full_t
     assert none_r == 0 < full_r and none_t < tail_t
-    # below what any chained schedule can hold (every segment in flight), "none" still plans
+    # below what any chained schedule can hold (every segment in flight: 40 GiB on the last
+    # stage, static memory and every layer recomputed), "none" still plans
     with pytest.raises(PlanError, match="cannot fit"):
-        plan_step(lens, cost, layout, 40 * 2**30, "adaptive", segment=SegmentOptions(8192, "previous", 8192))
-    plan = plan_step(lens, cost, layout, 40 * 2**30, "adaptive", segment=SegmentOptions(8192, "none", 8192))
-    assert max(plan.predicted.peak_memory_bytes) <= 40 * 2**30
+        plan_step(lens, cost, layout, 36 * 2**30, "adaptive", segment=SegmentOptions(8192, "previous", 8192))
+    plan = plan_step(lens, cost, layout, 36 * 2**30, "adaptive", segment=SegmentOptions(8192, "none", 8192))
+    assert max(plan.predicted.peak_memory_bytes) <= 36 * 2**30
 
 
 def test_global_heads_cost_between_the_tail_and_full_attention():

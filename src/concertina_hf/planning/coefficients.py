@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from .activations import saved_bytes
 from .types import PlanError
 
 __all__ = ["DEVICE_PRESETS", "ChunkShape", "DeviceSpec", "ProfileSample", "analytic_coefficients",
@@ -207,15 +208,22 @@ def analytic_coefficients(
     device: DeviceSpec | None = None,
     dtype_bytes: int = 2,
     static_bytes_per_param: float | None = None,
+    compute_dtype_bytes: int | None = None,
+    attention_kernel: str | None = None,
 ) -> dict[str, Any]:
     """The fields of an analytic :class:`~.cost.CostModel` of an HF decoder config (a
     ``PretrainedConfig`` or a dict) on ``device`` (default :class:`DeviceSpec`'s defaults).
 
     Reads ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``,
     ``intermediate_size``, ``vocab_size``, ``num_hidden_layers``, ``head_dim`` (optional),
-    ``tie_word_embeddings`` (:func:`check_model_config`). ``static_bytes_per_param`` defaults to
-    16 (bf16 weights and grads, fp32 master weights and two Adam moments) for 2-byte dtypes, 16
-    for fp32 (weights, grads and two moments).
+    ``tie_word_embeddings`` (:func:`check_model_config`), and for the activation bytes what
+    :func:`~.activations.saved_bytes` reads. ``static_bytes_per_param`` defaults to 16 (bf16
+    weights and grads, fp32 master weights and two Adam moments) for 2-byte dtypes, 16 for fp32
+    (weights, grads and two moments), plus the weight copies autocast keeps for a step when
+    ``compute_dtype_bytes`` (the autocast dtype's bytes; default ``dtype_bytes``: no autocast) is
+    smaller. ``attention_kernel``: the runtime's kernel on the device
+    (``concertina_hf.runtime.attention.kernels.choose_kernel``; default
+    :func:`~.activations.default_kernel`).
     """
     c, get = _config_fields(config)
     _check_fields(c, get)
@@ -235,9 +243,11 @@ def analytic_coefficients(
     alpha_attn = 2.0 * q_dim / dev.flops
     elementwise_bytes = b * (10 * h + 4 * inter)  # norms, residuals, rotary, activation
     alpha_tok = 2.0 * layer_params / dev.flops + elementwise_bytes / dev.mem_bandwidth
-    # saved activations per token: input + norm out (2h), q, k, v, attn out (q_dim*2 +
-    # 2 kv), post-attn residual + norm (2h), gate, up, act(gate)*up (3 inter), softmax stats
-    act = b * (4 * h + 2 * q_dim + 2 * kv_dim + 3 * inter) + 4 * n_heads
+    # what autograd saves per token, each storage once in its dtype (activations.py)
+    saved = saved_bytes(get, b, compute_dtype_bytes, attention_kernel)
+    static = 16.0 if static_bytes_per_param is None else static_bytes_per_param
+    if compute_dtype_bytes and compute_dtype_bytes < b:
+        static += compute_dtype_bytes  # autocast's weight copies, kept for the step
     embed_params = vocab * h
     head_params = (0 if get("tie_word_embeddings") else vocab * h) + h
     # weight gradients before accumulation (CostModel.transient_memory): a layer's largest matrix,
@@ -251,27 +261,34 @@ def analytic_coefficients(
         bwd_factor=2.0,
         embed_time_per_token=b * h / dev.mem_bandwidth,
         head_time_per_token=2.0 * h * vocab / dev.flops + 3 * 4 * vocab / dev.mem_bandwidth,
-        act_bytes_per_token=act,
-        ckpt_bytes_per_token=b * h,
-        kv_bytes_per_token=b * 2 * kv_dim,
-        # logits in the model dtype plus the fp32 copy the loss makes
-        logits_bytes_per_token=(b + 4) * vocab,
+        act_bytes_per_token=saved.layer,
+        ckpt_bytes_per_token=saved.layer_input,
+        kv_bytes_per_token=saved.kv,
+        context_bytes_per_token=saved.context,
+        attn_bytes_per_pair=saved.pair,
+        # the final norm, the LM head's input, the loss's float32 log-probabilities
+        logits_bytes_per_token=saved.head,
+        output_bytes_per_token=saved.output,
         hidden_bytes_per_token=b * h,
         bwd_transient_bytes=layer_grad,
         bwd_transient_slope=2 * b * h,
+        bwd_transient_bytes_per_token=saved.layer_bwd,
+        bwd_transient_bytes_per_pair=saved.pair_bwd,
+        head_bwd_transient_bytes_per_token=saved.head_bwd,
         head_bwd_transient_bytes=b * vocab * h,
-        head_bwd_transient_slope=2 * b * h,
+        # the logits' gradient and the hidden-state gradients while the LM head's weight gradient exists
+        head_bwd_transient_slope=saved.logits_grad + 2 * b * h,
         embed_bwd_transient_bytes=b * vocab * h,
         embed_bwd_bytes_per_token=b * h,  # the embedding output's gradient
         # a slice with context, backward: dK and dV of its keys at the query heads' width
         # (the kernel's, before the K/V heads' sum) and their sum
         bwd_context_bytes_per_token=b * 2 * (q_dim + kv_dim),
-        stage_bytes_per_token=b * 2 * head_dim,  # the rotary cos and sin of the chunk
+        stage_bytes_per_token=saved.stage,  # the rotary tables of the chunk
         ids_bytes_per_token=8.0,  # int64 token ids (embedding) and targets (loss)
         layer_params=layer_params,
         embed_params=embed_params,
         head_params=head_params,
-        static_bytes_per_param=16.0 if static_bytes_per_param is None else static_bytes_per_param,
+        static_bytes_per_param=static,
         p2p_bandwidth=dev.p2p_bandwidth,
         p2p_latency_s=dev.p2p_latency_s,
         source="analytic",

@@ -19,12 +19,15 @@ gradient buffers of its earlier slices' K/V are alive too. The last stage keeps 
 logits (``logits_bytes_per_token``) until its backward. Static memory is parameters, gradients
 and optimizer state: ``static_bytes_per_param`` per parameter of the stage.
 
-Terms the profiler measures on the real runtime (all 0 in the analytic model, which then reduces
-to the formulas above): a slice with context ``C`` saves, on every layer that keeps its
-activations, the concatenated keys and values it attends to (``context_bytes_per_token`` per
-layer and context token; a non-final slice with context also keeps its own K/V in the store,
-counted with the same coefficient); a stage other than the last keeps its
-output until the backward (``output_bytes_per_token``); a chunk with any recomputed layer keeps,
+Terms of the real runtime beyond those (the analytic model counts them from the config,
+:mod:`.activations`, where marked; the profiler measures them): a slice with context ``C``
+saves, on every layer that keeps its activations, the concatenated keys and values it attends to
+(``context_bytes_per_token`` per layer and context token, analytic for the varlen and eager
+kernels; a non-final slice with context also keeps its own K/V in the store, counted with the
+same coefficient); the eager attention formula (soft-capped scores, sinks) keeps, per saved
+layer, its score blocks: ``attn_bytes_per_pair`` per entry of each slice's ``s x (C + s)``
+block (analytic; the fused kernels keep none); a stage other than the last keeps its
+output until the backward (``output_bytes_per_token``, analytic); a chunk with any recomputed layer keeps,
 once, what the checkpoint closures hold beyond the layers' inputs and what saved layers keep too
 (``ckpt_chunk_bytes_per_token``: the attention context's index tensors), a step at ``r >= 1`` that
 the recompute planner's linear model over-approximates by ``(r - 1)`` times it (conservative).
@@ -164,6 +167,11 @@ class CostModel(ParallelCosts):
     bwd_context_bytes_per_token: float = 0.0
     # per chunk token, once per stage with decoder layers: what its layers share (rotary tables)
     stage_bytes_per_token: float = 0.0
+    # per saved layer and entry of each slice's s x (C + s) score block: what the eager attention
+    # formula keeps (probabilities, soft-capped scores, mask); 0 for the fused kernels
+    attn_bytes_per_pair: float = 0.0
+    # ... and what a layer's backward holds per entry of a slice's block besides (their gradients)
+    bwd_transient_bytes_per_pair: float = 0.0
     # per chunk token on the first stage (the ids the embedding saves) and on the last (the
     # targets the loss saves): a whole chunk's on every GPU of the stage (a rank's share is a
     # view of them), so not divided by sp
@@ -225,11 +233,15 @@ class CostModel(ParallelCosts):
         device: DeviceSpec | None = None,
         dtype_bytes: int = 2,
         static_bytes_per_param: float | None = None,
+        compute_dtype_bytes: int | None = None,
+        attention_kernel: str | None = None,
     ) -> "CostModel":
         """Analytic model from an HF decoder config (a ``PretrainedConfig`` or a dict) on
         ``device``'s rates: :func:`~.coefficients.analytic_coefficients` (which names what it reads
-        and the defaults)."""
-        return cls(**analytic_coefficients(config, device, dtype_bytes, static_bytes_per_param))
+        and the defaults; ``compute_dtype_bytes``: autocast's dtype, ``attention_kernel``: the
+        runtime's kernel)."""
+        return cls(**analytic_coefficients(config, device, dtype_bytes, static_bytes_per_param,
+                                           compute_dtype_bytes, attention_kernel))
 
     def for_plan(self, plan: Any) -> "CostModel":
         """The model a plan runs under: this one with the plan's segment K/V tail and global heads
@@ -371,6 +383,11 @@ class CostModel(ParallelCosts):
             ctx_tok = sum(self._attended(s.context) + (s.length if chunk.kind is ChunkKind.SPLIT else 0)
                           for s in chunk.slices if s.context > 0)
             mem += saved * self.context_bytes_per_token * ctx_tok
+        if saved and self.attn_bytes_per_pair:
+            # the eager formula's score blocks, one slice at a time: its queries by the keys it
+            # attends to (own ones included, masked entries too)
+            block = sum(s.length * (self._attended(s.context) + s.length) for s in chunk.slices)
+            mem += saved * self.attn_bytes_per_pair * block
         if saved and self.segment_global_fraction:
             # segment-level training's global heads: per saved layer, their keys and values of every
             # token before the tail, gathered per query head for the backward (the runtime's copy)
@@ -406,6 +423,10 @@ class CostModel(ParallelCosts):
         if n and self.bwd_transient_bytes:
             # while it computes a weight gradient (the per-token peak is another moment of it)
             layer = max(layer, self.bwd_transient_bytes + self.bwd_transient_slope * tok)
+        if n and self.bwd_transient_bytes_per_pair:
+            # the eager formula's backward, one slice at a time: gradients of its score block
+            block = max(s.length * (self._attended(s.context) + s.length) for s in chunk.slices)
+            layer = max(layer, self.bwd_transient_bytes_per_token * tok + self.bwd_transient_bytes_per_pair * block)
         if n and self.bwd_context_bytes_per_token:
             # a slice with context: the attention's backward, one slice at a time, holds the
             # gradients of every key and value the slice attended to

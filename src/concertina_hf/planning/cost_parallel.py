@@ -93,7 +93,8 @@ class ParallelCosts:
                 "hidden_bytes_per_token", "context_bytes_per_token", "output_bytes_per_token",
                 "bwd_transient_bytes_per_token", "head_bwd_transient_bytes_per_token", "ckpt_chunk_bytes_per_token",
                 "embed_bwd_bytes_per_token", "bwd_transient_slope", "head_bwd_transient_slope",
-                "recompute_bwd_transient_bytes_per_token", "bwd_context_bytes_per_token", "stage_bytes_per_token")
+                "recompute_bwd_transient_bytes_per_token", "bwd_context_bytes_per_token", "stage_bytes_per_token",
+                "attn_bytes_per_pair", "bwd_transient_bytes_per_pair")
 
     def with_parallel(self, *, sp: int = 1, state_shards: int | None = None, zero3: bool = False,
                       ulysses: bool = True) -> Self:

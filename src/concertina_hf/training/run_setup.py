@@ -33,9 +33,11 @@ from torch import nn
 from .args import ConcertinaTrainingArguments, in_trainer_terms, resolve_parallel_sizes
 from .checkpoint import layout_cost_model
 from ..integrations.peft import base_model_of, check_peft_model, is_peft_model
+from ..runtime.attention.kernels import choose_kernel
 from ..runtime.distributed import Topology, launched_world_size
 from ..runtime.stage import PipelineWrapper
 from ..planning import CostModel, DeviceSpec, PlanError, StageLayout, partition_layers, stage_budgets
+from ..planning.activations import SINKS, SOFTCAPPED_ATTENTION
 from ..planning.layouts import count_head_copy
 from ..planning.segments import SegmentOptions
 from ..runtime.ulysses import check_heads
@@ -255,7 +257,21 @@ def initial_cost_model(args, config, device, dtype_bytes: int, device_memory: in
         return cost
     base = DeviceSpec() if getattr(device, "type", str(device)) == "cuda" else DeviceSpec.cpu()
     spec = replace(base, memory_bytes=int(device_memory))
-    return CostModel.from_hf_config(config, spec, dtype_bytes=dtype_bytes)
+    # the activations as the run computes them: bf16 autocast over float32 weights (bf16=True),
+    # attention by the kernel the runtime takes on the device
+    compute = 2 if args.bf16 and dtype_bytes > 2 else dtype_bytes
+    dtype = torch.bfloat16 if compute == 2 else torch.float32
+    return CostModel.from_hf_config(config, spec, dtype_bytes=dtype_bytes, compute_dtype_bytes=compute,
+                                    attention_kernel=attention_kernel_of(config, device, dtype))
+
+
+def attention_kernel_of(config, device, dtype: torch.dtype) -> str:
+    """The kernel the runtime's attention takes for ``config``'s model on ``device`` in ``dtype``
+    (:data:`~concertina_hf.runtime.attention.KERNELS`): what the analytic cost model counts the
+    saved tensors of (soft-capped scores and sinks run the eager formula where no kernel takes them)."""
+    kind = str(getattr(config, "model_type", "") or "")
+    cap = getattr(config, "attn_logit_softcapping", None) if kind in SOFTCAPPED_ATTENTION else None
+    return choose_kernel(torch.device(device), dtype, softcap=cap, sink=kind in SINKS)
 
 
 def _profile_on_rank0(model: nn.Module, args: ConcertinaTrainingArguments, base: CostModel,
@@ -268,6 +284,9 @@ def _profile_on_rank0(model: nn.Module, args: ConcertinaTrainingArguments, base:
     payload = None
     if topology.rank == 0:
         t0 = time.perf_counter()
+        if args.bf16 and base.dtype_bytes > 2 and base.source == "analytic":
+            # the profiler measures autocast's weight copies itself: the base without its count of them
+            base = replace(base, static_bytes_per_param=base.static_bytes_per_param - 2)
         layers = -(-int(model.config.num_hidden_layers) // topology.pipeline_size)  # as many as a stage holds
         cap = args.concertina_max_tokens_per_chunk
         # chunk shapes up to the cap (at least 32 tokens, to make distinct shapes; None: the
