@@ -208,6 +208,12 @@ class PipelineExecutor:
                     "chunk's router statistics); set concertina_sequence_parallel_size=1 (with "
                     "concertina_layout='auto': concertina_pipeline_size x concertina_data_parallel_size = the "
                     "number of processes), or concertina_router_aux_loss=None")
+            if wrapper.family.linear_attention:
+                raise ValueError(
+                    f"model type {wrapper.family.model_type!r} has linear-attention (Gated DeltaNet) layers, which run "
+                    "with sequence parallel size 1 only (a chunk sharded over a stage's "
+                    f"{dist.get_world_size(sp_group)} ranks would need the recurrent state passed between them); set "
+                    "concertina_sequence_parallel_size=1")
             self.sp = SequenceParallel(sp_group)
             try:
                 self.sp.check_model(wrapper.config)

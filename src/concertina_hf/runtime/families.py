@@ -12,12 +12,16 @@ naming the model type and the feature:
   wrappers): the supported layout is ``model.model.embed_tokens / .layers / .norm / .rotary_emb``
   and ``model.lm_head``, nothing else at either level (an extra module there, such as an
   embedding norm, per-layer inputs or shared blocks, runs in ``forward`` between the pieces);
-- **mixers that are not attention** (Mamba, linear attention, gated delta nets, short
-  convolutions: Qwen3-Next, Jamba, Falcon-H1, LFM2, ...) and attention the backend does not
-  implement (indexed / sparse / chunked): ``config.layer_types`` naming anything but
-  ``full_attention`` / ``sliding_attention``, a decoder layer without ``self_attn`` (or JetMoe's
-  ``self_attention``), or a token-mixing ``Conv1d`` in a layer. Their state would leak between
-  packed sequences and be lost between slices;
+- **mixers that are not attention** (Mamba, Mamba2, linear attention, KDA, short convolutions:
+  Jamba, Falcon-H1, LFM2, Kimi-Linear, ...) and attention the backend does not implement
+  (indexed / sparse / chunked): ``config.layer_types`` naming anything but ``full_attention`` /
+  ``sliding_attention``, a decoder layer without ``self_attn`` (or JetMoe's ``self_attention``),
+  or a token-mixing ``Conv1d`` in a layer. Their state would leak between packed sequences and be
+  lost between slices. The exception: the Gated DeltaNet layers (``linear_attention``,
+  ``linear_attn``) of the model types of
+  :data:`~.linear_attention.LINEAR_ATTENTION_TYPES` (Qwen3-Next), exactly HF's mixer class,
+  which :mod:`.linear_attention` runs per document with its state carried across slices
+  (:attr:`ModelFamily.linear_attention`; sequence parallel size 1 only);
 - **inputs the model's forward computes for its layers**: a decoder layer whose ``forward`` takes
   a parameter outside :data:`LAYER_INPUTS` (Beam's ``attention_scaling``, per-layer inputs), and
   the few model types of :data:`FORWARD_WORK` whose forward or attention does what neither the
@@ -62,6 +66,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .linear_attention import LINEAR_ATTENTION_TYPES, MIXER_ATTRIBUTE, mixer_class
 from .router_aux import ROUTER_AUX_LOSS_MODES, RouterAux, router_aux_of
 
 __all__ = [
@@ -142,12 +147,16 @@ def check_config(config: Any, model: nn.Module | None = None, router_aux_loss: s
                                      f"supported{hint}")
     types = getattr(config, "layer_types", None)
     if isinstance(types, (list, tuple)):
-        other = sorted({str(t) for t in types} - ATTENTION_LAYER_TYPES)
+        kind = str(getattr(config, "model_type", "") or "")
+        other = sorted({str(t) for t in types} - ATTENTION_LAYER_TYPES
+                       - ({"linear_attention"} if kind in LINEAR_ATTENTION_TYPES else set()))
         if other:
             raise _refuse(config, model, f"config.layer_types has {', '.join(repr(t) for t in other)} layers, which "
                                          "the pipeline does not implement (only full_attention and "
-                                         "sliding_attention): recurrent, linear-attention or convolutional mixers "
-                                         "would carry state between packed sequences and lose it between slices of "
+                                         "sliding_attention, and linear_attention for the Gated DeltaNet of "
+                                         f"{', '.join(sorted(LINEAR_ATTENTION_TYPES))}): other recurrent, "
+                                         "linear-attention or convolutional mixers (Mamba2, short convolutions, "
+                                         "KDA, lightning attention, ...) would carry state between packed sequences and lose it between slices of "
                                          "a split sequence; sparse, indexed or chunked attention selects keys the "
                                          "pipeline's attention does not")
     if router_aux_loss is not None and router_aux_loss not in ROUTER_AUX_LOSS_MODES:
@@ -183,6 +192,8 @@ class ModelFamily:
     norm_before_layers: bool = False
     #: the router's load-balancing loss per chunk and per layer (:mod:`.router_aux`); None: not added
     router_aux: RouterAux | None = None
+    #: decoder layers mix tokens with a Gated DeltaNet (:mod:`.linear_attention`), sequence parallel size 1 only
+    linear_attention: bool = False
 
     def scale_embeddings(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.embedding_multiplier is not None:
@@ -242,12 +253,22 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
     if extra:
         raise _refuse(config, model, f"{', '.join(extra)} run(s) in the model's forward outside the decoder layers, "
                                      "which the pipeline does not reproduce")
+    kind = str(getattr(config, "model_type", "") or "")
+    linear = mixer_class(kind) if kind in LINEAR_ATTENTION_TYPES else None
+    has_linear = False
     for i, layer in enumerate(inner.layers):
-        if all(getattr(layer, n, None) is None for n in ATTENTION_MODULES):
+        mixer = getattr(layer, MIXER_ATTRIBUTE, None)
+        if linear is not None and mixer is not None:
+            if type(mixer) is not linear:
+                raise _refuse(config, model, f"decoder layer {i}'s {MIXER_ATTRIBUTE} is a {type(mixer).__name__}, not "
+                                             f"HF's {linear.__name__}, the linear attention the pipeline implements")
+            has_linear = True
+        elif all(getattr(layer, n, None) is None for n in ATTENTION_MODULES):
             kids = ", ".join(n for n, _ in layer.named_children())
             raise _refuse(config, model, f"decoder layer {i} ({type(layer).__name__}) has no self_attn (its modules: "
                                          f"{kids}): a layer whose token mixer is not attention is not supported")
-        conv = next((n for n, m in layer.named_modules() if isinstance(m, nn.Conv1d)), None)
+        conv = next((n for n, m in layer.named_modules() if isinstance(m, nn.Conv1d)
+                     and not (linear is not None and n.startswith(f"{MIXER_ATTRIBUTE}."))), None)
         if conv is not None:
             raise _refuse(config, model, f"decoder layer {i} mixes tokens with a convolution ({conv}): its state "
                                          "would leak between packed sequences and be lost between slices")
@@ -258,7 +279,6 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
             raise _refuse(config, model, f"decoder layer {i} ({type(layer).__name__}) takes "
                                          f"{', '.join(extra_inputs)}, which the model's forward computes and the "
                                          "pipeline does not")
-    kind = str(getattr(config, "model_type", "") or "")
     if kind in FORWARD_WORK:
         raise _refuse(config, model, FORWARD_WORK[kind])
     rotary_types = None
@@ -292,6 +312,7 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
         rotary_layer_types=rotary_types,
         norm_before_layers=norm_first,
         router_aux=None if router_aux_loss is None else _router_aux(model),
+        linear_attention=has_linear,
     )
 
 

@@ -25,7 +25,9 @@ through ``self_attn`` and HF's ``AttentionInterface`` (Llama, Mistral, Qwen2/3, 
 Cohere, OLMo 1-3, DeepSeek-V3, Mixtral, StableLM, gpt-oss, ...: ``docs/supported_models.md`` lists
 every causal-LM model type of the installed transformers, checked numerically by
 ``scripts/model_support.py``). :func:`~.families.inspect_model` runs first: it refuses what the
-runtime cannot reproduce (other layouts, recurrent / linear-attention / convolutional mixers, the
+runtime cannot reproduce (other layouts, recurrent / linear-attention / convolutional mixers but
+Qwen3-Next's Gated DeltaNet, whose modules :func:`~.linear_attention.install` routes through the
+chunk context, the
 router auxiliary loss unless ``concertina_router_aux_loss='per_chunk'`` (then the stage records its
 routers' logits for the per-chunk term of :mod:`.router_aux`), work the model's ``forward`` does
 between the layers) with a message naming
@@ -54,6 +56,7 @@ from torch.utils.checkpoint import checkpoint
 from ..planning.types import StageLayout
 from .attention import ChunkAttentionContext, chunk_context, register_attention, step_active
 from .families import inspect_model
+from .linear_attention import install as install_linear_attention
 from .param_sharding import full_state
 
 __all__ = ["EMBED_WEIGHT", "HEAD_WEIGHT", "PipelineWrapper"]
@@ -162,6 +165,8 @@ class PipelineWrapper(nn.Module):
             model.config._attn_implementation = name
         if model.config._attn_implementation != name:
             model.config._attn_implementation = name
+        if self.family.linear_attention:  # Gated DeltaNet layers read the chunk context too (.linear_attention)
+            install_linear_attention(model)
         # `model` is registered as a child so .to() / .train() reach it; names are delegated below
         self.model = model
         self.config = model.config

@@ -137,6 +137,13 @@ class KVStore:
         e = self._kv.get(seq, {}).get(layer, {}).get(start)
         return None if e is None else (e.k_leaf, e.v_leaf)
 
+    def previous(self, seq: int, start: int, layer: int) -> KVEntry | None:
+        """The entry of the last slice of ``seq`` before token ``start`` on ``layer`` (``None``: none
+        stored). A recurrent layer keeps its state there (:mod:`concertina_hf.runtime.linear_attention`)."""
+        per_start = self._kv.get(seq, {}).get(layer, {})
+        earlier = [s for s in per_start if s < start]
+        return per_start[max(earlier)] if earlier else None
+
     def prefix(self, seq: int, context: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`prefix_parts` concatenated: [1, K, context, D] each."""
         parts = self.prefix_parts(seq, context, layer)

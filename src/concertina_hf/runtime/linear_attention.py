@@ -1,0 +1,179 @@
+"""Gated DeltaNet layers (linear attention with a recurrent state) in a pipeline chunk.
+
+A Gated DeltaNet layer (Qwen3-Next's ``linear_attn``) mixes tokens through two states: a
+depthwise causal convolution of width ``k`` over the projected ``q, k, v`` (it reads the
+``k - 1`` inputs before each token) and a recurrent state per value head (``[H, Dk, Dv]``,
+float32) that the gated delta rule updates token by token. HF's ``forward`` runs both over its
+whole input, so on a packed chunk one document's tokens would reach the next through either,
+and a split slice would start from zero instead of its sequence's earlier tokens.
+
+:func:`install` replaces the ``forward`` of each such module of a model (an instance attribute;
+the class is untouched) with :func:`gated_deltanet_forward`, which reads the chunk context that
+the runtime sets around each decoder-layer call (:func:`~.attention.context.current_context`, or
+the ``concertina_ctx`` keyword), exactly as the attention backend does. Per slice of the chunk:
+
+- **one document map**: the projections, the gated norm and the output projection run over the
+  whole chunk (token-wise); the convolution runs once over the chunk with each slice preceded by
+  its own ``k - 1`` earlier inputs (zeros at a document start), and the scan
+  (``torch_chunk_gated_delta_rule``, HF's module-level function, so a kernel HF maps there is
+  used) runs per slice with its own initial state (none at a document start): no token of one
+  document reaches another, including the first ``k - 1`` tokens through the convolution;
+- **carry with gradient**: a non-final slice keeps, per layer, its final recurrent state
+  (float32) and its convolution tail (the sequence's last ``k - 1`` pre-convolution inputs up to
+  the slice's end; a slice shorter than ``k - 1`` takes the rest from the tail it received) in the
+  chunk's :class:`~.attention.KVStore`, as an attention layer keeps its K/V: the tensors attached
+  to the slice's graph and detached leaves the next slice starts from (``KVEntry.k``: the state,
+  ``KVEntry.v``: the tail). The gradient the next slice's backward leaves on those leaves is handed
+  to this slice's backward by the executor with the K/V's, and a recomputed layer's replay reads
+  the same leaves (the store is set-if-absent).
+
+Outside a chunk and outside a step (a plain ``model(...)``, ``generate``) the module's own
+``forward`` runs; inside a step without a chunk context it raises. Not implemented, and refused
+here with the feature named: sequence parallelism (a Ulysses or placed chunk's context), and
+segment-level training (a store that reads earlier slices detached or within a tail). The cost
+model still prices these layers as attention layers.
+
+Cost: per slice one scan call (a packed chunk of many short documents makes many small calls) and
+one convolution over the chunk; per non-final slice and layer, ``H * Dk * Dv`` float32 plus
+``(k - 1) * conv channels`` kept until the slice's backward.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention.context import ChunkAttentionContext, KVEntry, current_context, step_running
+
+__all__ = ["GATED_DELTANET", "LINEAR_ATTENTION_TYPES", "gated_deltanet_forward", "install", "mixer_class"]
+
+#: model type -> (module, class) of its Gated DeltaNet mixer, the one this module implements
+GATED_DELTANET = {
+    "qwen3_next": ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet"),
+}
+#: model types whose ``linear_attention`` layers run here
+LINEAR_ATTENTION_TYPES = frozenset(GATED_DELTANET)
+#: the attribute of a decoder layer holding the mixer
+MIXER_ATTRIBUTE = "linear_attn"
+
+
+def mixer_class(model_type: str) -> type | None:
+    """The HF class of ``model_type``'s Gated DeltaNet mixer (``None``: not implemented here)."""
+    entry = GATED_DELTANET.get(model_type)
+    if entry is None:
+        return None
+    import importlib
+
+    return getattr(importlib.import_module(entry[0]), entry[1], None)
+
+
+def install(model: nn.Module) -> int:
+    """Route every Gated DeltaNet module of ``model`` (of the class :func:`mixer_class` names for
+    its model type) through :func:`gated_deltanet_forward`; returns how many. Idempotent."""
+    cls = mixer_class(str(getattr(getattr(model, "config", None), "model_type", "")))
+    if cls is None:
+        return 0
+    n = 0
+    for mod in model.modules():
+        if type(mod) is cls:
+            if not isinstance(mod.__dict__.get("forward"), types.MethodType):
+                mod.forward = types.MethodType(_forward, mod)
+            n += 1
+    return n
+
+
+def _forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = None,
+             attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+    ctx = kwargs.pop("concertina_ctx", None)
+    ctx = ctx if ctx is not None else current_context()
+    if ctx is None:
+        if step_running():
+            raise RuntimeError(
+                f"{type(self).__name__} (layer {getattr(self, 'layer_idx', '?')}) ran without a chunk context while a "
+                "pipeline step runs: its state would cross packed sequences and miss earlier slices")
+        return type(self).forward(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    if cache is not None or attention_mask is not None:
+        raise ValueError(f"{type(self).__name__} got a cache or an attention_mask inside a concertina chunk, whose "
+                         "documents the chunk context defines")
+    return gated_deltanet_forward(self, hidden_states, ctx)
+
+
+def _refusal(ctx: Any) -> str | None:
+    if type(ctx) is not ChunkAttentionContext:
+        return ("linear-attention (Gated DeltaNet) layers run with sequence parallel size 1 only (a chunk sharded "
+                "over a stage's ranks would need the recurrent state passed between them); set "
+                "concertina_sequence_parallel_size=1")
+    store = ctx.store
+    if store.gradient != "full" or store.kv_tail is not None or store.global_heads:
+        return ("segment-level training (concertina_segment_*) is not implemented for linear-attention (Gated "
+                "DeltaNet) layers: their recurrent state carries every earlier token; train without the segment "
+                "options")
+    return None
+
+
+def gated_deltanet_forward(mod: nn.Module, hidden_states: torch.Tensor, ctx: ChunkAttentionContext) -> torch.Tensor:
+    """HF's Gated DeltaNet ``forward`` (no cache) on one chunk ``[1, T, hidden]``, per slice (see
+    the module docstring). ``mod``: the HF module, whose submodules and parameters are used as is."""
+    why = _refusal(ctx)
+    if why is not None:
+        raise ValueError(why)
+    hf = sys.modules[type(mod).__module__]  # HF's module-level functions (a kernel mapped there included)
+    layer = mod.layer_idx
+    x = hidden_states
+    if x.shape[0] != 1 or x.shape[1] != ctx.num_tokens:
+        raise ValueError(f"{type(mod).__name__} expects one packed row of {ctx.num_tokens} tokens, got "
+                         f"{tuple(x.shape)}")
+    tokens = x.shape[1]
+    query, key, value, z, b, a = mod.fix_query_key_value_ordering(mod.in_proj_qkvz(x), mod.in_proj_ba(x))
+    query, key, value = (t.reshape(1, tokens, -1) for t in (query, key, value))
+    mixed = torch.cat((query, key, value), dim=-1).transpose(1, 2)  # [1, C, T]
+    width = int(mod.conv1d.kernel_size[0]) - 1  # the earlier inputs each token's convolution reads
+    channels = mixed.shape[1]
+    store, grad = ctx.store, ctx.requires_grad
+    carried: dict[int, KVEntry] = {}  # slice index -> the entry of its sequence's previous slice
+    tails: dict[int, torch.Tensor] = {}  # slice index -> its convolution tail (non-final slices)
+    parts, spans, at = [], [], 0
+    for i, s in enumerate(ctx.slices):
+        own = mixed[:, :, s.offset:s.offset + s.length]
+        if s.start == 0:
+            head = mixed.new_zeros(1, channels, width)
+        else:
+            prev = store.previous(s.seq, s.start, layer)
+            if prev is None:
+                raise RuntimeError(f"the recurrent state of sequence {s.seq} before token {s.start} on layer {layer} "
+                                   "is missing: an earlier slice did not run forward on this stage first")
+            carried[i] = prev
+            head = prev.v_leaf.to(own.dtype)
+        parts += [head, own]
+        spans.append((at + width, at + width + s.length))
+        at += width + s.length
+        if not s.final:  # the sequence's last `width` pre-convolution inputs, for the next slice
+            tails[i] = torch.cat([head, own], dim=-1)[:, :, head.shape[-1] + s.length - width:]
+    conv = hf.causal_conv1d_fn(torch.cat(parts, dim=-1), mod.conv1d.weight.squeeze(1), mod.conv1d.bias,
+                               activation=mod.activation)
+    mixed = torch.cat([conv[:, :, lo:hi] for lo, hi in spans], dim=-1).transpose(1, 2)  # [1, T, C]
+    query, key, value = torch.split(mixed, [mod.key_dim, mod.key_dim, mod.value_dim], dim=-1)
+    query = query.reshape(1, tokens, -1, mod.head_k_dim)
+    key = key.reshape(1, tokens, -1, mod.head_k_dim)
+    value = value.reshape(1, tokens, -1, mod.head_v_dim)
+    beta = b.sigmoid()
+    g = -mod.A_log.float().exp() * F.softplus(a.float() + mod.dt_bias)
+    outs = []
+    for i, s in enumerate(ctx.slices):
+        sl = slice(s.offset, s.offset + s.length)
+        initial = carried[i].k_leaf if i in carried else None
+        out, state = hf.torch_chunk_gated_delta_rule(
+            query[:, sl], key[:, sl], value[:, sl], g=g[:, sl], beta=beta[:, sl], initial_state=initial,
+            output_final_state=not s.final, use_qk_l2norm_in_kernel=True)
+        outs.append(out)
+        if not s.final:
+            store.put_if_absent(s.seq, s.start, layer, state, tails[i], grad)
+    core = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    z_shape = z.shape
+    core = mod.norm(core.reshape(-1, core.shape[-1]), z.reshape(-1, z.shape[-1]))
+    return mod.out_proj(core.reshape(z_shape).reshape(1, tokens, -1))

@@ -1,0 +1,129 @@
+"""Cases of the Gated DeltaNet tests (``runtime/linear_attention.py``), shared by the one-process
+test (``tests/runtime/test_linear_attention.py``, pp=1) and the launch (``tests/launch/test_linear_attention_launch.py``, pp=2).
+
+A tiny Qwen3-Next (4 decoder layers alternating linear attention and full attention, dense MLPs,
+float32, ``initializer_range`` 0.2, convolution width 4: each token reads 3 earlier inputs) and 5
+sequences of 150, 9, 7, 5 and 3 tokens. Sequence 0 is longer than two scan chunks (HF's
+``chunk_size`` 64) and split at tokens 50, 52 and 101, none a multiple of 64; its second slice
+(2 tokens) is shorter than the convolution's 3-token window, so the third slice's window reaches
+two slices back. Chunks: three split chunks, a hybrid chunk (the tail plus sequence 1 whole) and a
+packed chunk (sequences 2, 3, 4). Recompute: none, partial (the first half of each stage's
+layers) or full, in every chunk.
+
+The reference is HF on the right-padded batch (attention mask, labels -100 on the padding): for
+these models each row then equals its sequence alone. Bounds: loss 1e-5 and every parameter's
+gradient 1e-4 (relative, floored at 1e-3 of the largest gradient's norm), those of the other
+families' tests; the Gated DeltaNet's ``A_log``, ``dt_bias`` and convolution weights are
+reported by name.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+
+import torch  # noqa: E402
+
+import model_support  # noqa: E402
+
+LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
+SEQ_LENS = (150, 9, 7, 5, 3)
+#: (seq, start, length) per chunk: split, split (shorter than the convolution window), split, hybrid, packed
+CHUNKS = (((0, 0, 50),), ((0, 50, 2),), ((0, 52, 49),), ((0, 101, 49), (1, 0, 9)),
+          ((2, 0, 7), (3, 0, 5), (4, 0, 3)))
+RECOMPUTE = ("none", "partial", "full")
+#: the linear layers' own parameters every case reports by name
+MIXER_PARAMS = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.conv1d.weight")
+SIZES = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+             linear_conv_kernel_dim=4, num_experts=0)
+
+
+def build_model():
+    from transformers import AutoModelForCausalLM
+
+    cfg = model_support.tiny_config("qwen3_next", **SIZES)
+    assert list(cfg.layer_types) == ["linear_attention", "full_attention"] * 2
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().train()
+
+
+def batch(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(0, model_support.VOCAB, (n,), generator=g) for n in SEQ_LENS]
+    labels = [t.clone() for t in ids]
+    labels[0][49:53] = -100  # across the first two slice boundaries
+    return ids, labels
+
+
+def num_items(labels) -> int:
+    return sum(int((lab[1:] != -100).sum()) for lab in labels)
+
+
+def padded_reference(model, ids, labels):
+    """HF on the right-padded batch: (loss, {name: gradient}); the loss is the batch's token sum
+    divided by :func:`num_items`, as the executor's."""
+    import copy
+
+    ref = copy.deepcopy(model)
+    width = max(len(t) for t in ids)
+    x = torch.zeros(len(ids), width, dtype=torch.long)
+    mask = torch.zeros(len(ids), width, dtype=torch.long)
+    y = torch.full((len(ids), width), -100, dtype=torch.long)
+    for i, (t, lab) in enumerate(zip(ids, labels)):
+        x[i, :len(t)], mask[i, :len(t)], y[i, :len(t)] = t, 1, lab
+    loss = ref(input_ids=x, attention_mask=mask, labels=y, num_items_in_batch=num_items(labels), use_cache=False).loss
+    loss.backward()
+    return float(loss.detach()), {k: p.grad.detach().clone() for k, p in ref.named_parameters() if p.grad is not None}
+
+
+def make_plan(layout, recompute: str, chunks=CHUNKS, seq_lens=SEQ_LENS):
+    from concertina_hf.planning import Chunk, ChunkKind, Plan, Slice, build_schedule
+
+    built = []
+    for i, spec in enumerate(chunks):
+        slices = tuple(Slice(*s) for s in spec)
+        built.append(Chunk(i, ChunkKind.of(slices, seq_lens), slices))
+    groups = (tuple(range(len(built))),)
+    per_stage = []
+    for a, b in layout.layer_ranges:
+        r = {"none": 0, "partial": (b - a) // 2, "full": b - a}[recompute]
+        per_stage.append(tuple(r for _ in built))
+    return Plan(strategy="linear-attention-test", seq_lens=seq_lens, layout=layout, chunks=tuple(built),
+                groups=groups, schedule=build_schedule(built, groups, layout.num_stages),
+                recompute=tuple(per_stage)).validate()
+
+
+def gradient_errors(params, ref_grads) -> dict[str, float]:
+    """Relative difference of each parameter's gradient (``params``: ``(name, parameter)``; floored
+    at 1e-3 of the largest reference gradient's norm; a missing gradient is ``inf``)."""
+    floor = 1e-3 * max(float(g.norm()) for g in ref_grads.values())
+    out = {}
+    for name, p in params:
+        ref = ref_grads.get(name)
+        if ref is None:
+            ref = ref_grads.get("model.embed_tokens.weight") if name == "lm_head.weight" else None
+        if ref is None or not p.requires_grad:
+            continue
+        if p.grad is None:
+            out[name] = float("inf")
+            continue
+        out[name] = float((p.grad - ref).norm()) / max(float(ref.norm()), floor)
+    return out
+
+
+def check_case(name: str, loss: float, ref_loss: float, errors: dict[str, float]) -> tuple[dict, list[str]]:
+    """A case's figures (loss difference, worst gradient, the mixer parameters') and its failures."""
+    loss_err = abs(loss - ref_loss) / abs(ref_loss)
+    mixer = {k: v for k, v in errors.items() if any(k.endswith(m) for m in MIXER_PARAMS)}
+    row = {"case": name, "loss": loss_err, "grad": max(errors.values()), "mixer": max(mixer.values(), default=None),
+           "mixer_params": len(mixer)}
+    failures = []
+    if not loss_err < LOSS_TOL:
+        failures.append(f"{name}: loss differs by {loss_err:.2e}")
+    bad = {k: v for k, v in errors.items() if not v < GRAD_TOL}
+    if bad:
+        failures.append(f"{name}: gradients differ: {sorted(bad.items(), key=lambda kv: -kv[1])[:5]}")
+    return row, failures

@@ -1,0 +1,155 @@
+"""Gated DeltaNet layers (Qwen3-Next) at pp = 2 on 2 CPU ranks, one launch. ``ConcertinaTrainer``
+(its self-check at construction included) trains 3 steps, long sequences split into chunks of at
+most 32 tokens, against ``Trainer`` on right-padded batches: loss 1e-5, every parameter 1e-3 relative
+to its update. Then, on the trainer's process group, each rank computes HF's
+reference on the right-padded batch itself and runs on its stage (layers 0-1: linear and full
+attention; 2-3: the same) the split, hybrid and packed chunks of :mod:`_linear_attention_cases`
+under recompute none / partial / full, and the adaptive planner's plan; loss 1e-5 and its
+stage's every gradient 1e-4 (``A_log``, ``dt_bias``, the convolution weights among them). Then a
+stage of 2 sequence-parallel ranks is refused, naming the feature. The one-process tests (pp=1,
+the leak test, the self-check): ``tests/runtime/test_linear_attention.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+from _helpers import reports as read_reports, run_ranks
+
+
+COMMON = dict(per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=3, learning_rate=2e-3,
+              logging_steps=1, report_to=[], disable_tqdm=True, seed=3, save_strategy="no")
+LENGTHS = (5, 9, 17, 40, 70)
+
+
+def _dataset(n=12, seed=0):
+    import random
+
+    import datasets
+
+    from _linear_attention_cases import model_support
+
+    rng = random.Random(seed)
+    return datasets.Dataset.from_list([{"input_ids": [rng.randrange(model_support.VOCAB)
+                                                      for _ in range(rng.choice(LENGTHS))]} for _ in range(n)])
+
+
+def _padded(rows):
+    """Right padding, labels -100 on it: HF's Qwen3-Next then computes each row as its sequence alone."""
+    import torch
+
+    n = max(len(r["input_ids"]) for r in rows)
+    ids = torch.zeros(len(rows), n, dtype=torch.long)
+    mask = torch.zeros(len(rows), n, dtype=torch.long)
+    labels = torch.full((len(rows), n), -100, dtype=torch.long)
+    for i, r in enumerate(rows):
+        t = torch.tensor(r["input_ids"])
+        ids[i, :len(t)], mask[i, :len(t)], labels[i, :len(t)] = t, 1, t
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _worker(outdir: str) -> None:
+    """``ConcertinaTrainer`` (pp=2, the self-check at construction), then the executor's cases on
+    the trainer's process group; the report in ``<outdir>/rank<r>.json``."""
+    import json
+    import traceback
+
+    import _linear_attention_cases as cases
+    from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
+
+    report: dict = {"rank": int(os.environ["RANK"]), "failures": [], "cases": 0, "rows": []}
+    trainer = None
+    try:
+        args = ConcertinaTrainingArguments(output_dir=os.path.join(outdir, "trainer"),
+                                           concertina_max_tokens_per_chunk=32, **COMMON)
+        trainer = ConcertinaTrainer(model=cases.build_model(), args=args, train_dataset=_dataset())
+        trainer.train()
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        trainer.save_model(os.path.join(outdir, "trainer", "final"))
+        report["trainer"] = {"losses": [h["loss"] for h in logs],
+                             "split": [h.get("concertina/chunks_split", 0.0) for h in logs],
+                             "pp": trainer.topology.pipeline_size}
+        _run(report)
+    except Exception:
+        report["failures"].append("crash:\n" + traceback.format_exc())
+    with open(os.path.join(outdir, f"rank{report['rank']}.json"), "w") as fh:
+        json.dump(report, fh)
+    if trainer is not None:
+        trainer.end()
+
+
+def _run(report: dict) -> None:
+    import torch.distributed as dist
+
+    import _linear_attention_cases as cases
+    from concertina_hf.planning import CostModel, StageLayout
+    from concertina_hf.planning.strategies import plan_step
+    from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    model = cases.build_model()
+    ids, labels = cases.batch()
+    ref_loss, ref_grads = cases.padded_reference(model, ids, labels)
+    layout = StageLayout.even(4, world)
+    w = PipelineWrapper(copy.deepcopy(model), layout, rank)
+    ex = PipelineExecutor(w)
+    plans = [(f"recompute {r}", cases.make_plan(layout, r)) for r in cases.RECOMPUTE]
+    cost = CostModel.from_hf_config(model.config, dtype_bytes=4)
+    plans.append(("adaptive planner", plan_step(list(cases.SEQ_LENS), cost, layout, 0, "adaptive",
+                                                max_tokens_per_chunk=40)))
+    for name, plan in plans:
+        w.zero_grad(set_to_none=True)
+        res = ex.run_step(plan, ids, labels, num_items_in_batch=cases.num_items(labels))
+        errors = cases.gradient_errors(w.named_parameters(), ref_grads)
+        row, bad = cases.check_case(f"pp={world} stage {rank} {name}", res.loss, ref_loss, errors)
+        row["chunks"] = [c.kind.value for c in plan.chunks]
+        report["rows"].append(row)
+        report["failures"] += bad
+        if row["mixer_params"] != 3:  # A_log, dt_bias, conv1d.weight of the stage's linear layer
+            report["failures"].append(f"{name}: {row['mixer_params']} Gated DeltaNet parameters compared")
+        report["cases"] += 1
+    one = PipelineWrapper(copy.deepcopy(model), StageLayout.even(4, 1), 0)
+    try:
+        PipelineExecutor(one, sp_group=dist.group.WORLD)
+        report["failures"].append("a stage of 2 sequence-parallel ranks was not refused")
+    except ValueError as exc:
+        if "sequence parallel size 1 only" not in str(exc) or "qwen3_next" not in str(exc):
+            report["failures"].append(f"the sequence-parallel refusal does not name the feature: {exc}")
+    report["cases"] += 1
+
+
+def test_pp2_split_hybrid_and_packed_chunks_equal_hf(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    import _linear_attention_cases as cases
+
+    run_ranks(2, _worker, str(tmp_path), logs=tmp_path / "logs", timeout=900)
+    reports = read_reports(tmp_path, 2)
+    for r in reports:
+        for row in r["rows"]:
+            print(row)
+    assert [f for r in reports for f in r["failures"]] == []
+    assert all(r["cases"] == 5 for r in reports)
+    kinds = {k for r in reports for row in r["rows"] for k in row["chunks"]}
+    assert {"split", "hybrid", "packed"} <= kinds, kinds
+    # ConcertinaTrainer at pp=2 against Trainer on right-padded batches: loss 1e-5, every parameter 1e-3
+    # relative to its update (the bounds of tests/launch/test_model_families_launch.py)
+    ref = Trainer(model=cases.build_model(), args=TrainingArguments(output_dir=str(tmp_path / "ref"), **COMMON),
+                  train_dataset=_dataset(), data_collator=_padded)
+    start = {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
+    ref.train()
+    want = [h["loss"] for h in ref.state.log_history if "loss" in h]
+    got = reports[0]["trainer"]
+    print("trainer losses", got["losses"], "Trainer", want)
+    assert got["pp"] == 2 and len(got["losses"]) == len(want) == 3, (got, want)
+    assert all(n > 0 for n in got["split"]), got["split"]  # the long sequences were split
+    assert max(abs(a - b) / abs(b) for a, b in zip(got["losses"], want)) < cases.LOSS_TOL, (got, want)
+    final = ref.model.state_dict()
+    saved = AutoModelForCausalLM.from_pretrained(str(tmp_path / "trainer" / "final")).state_dict()
+    worst = max((float((saved[k] - final[k]).norm() / (final[k] - start[k]).norm().clamp_min(1e-12)), k)
+                for k in final if k in saved and (final[k] - start[k]).norm() > 0)
+    print("worst parameter, relative to its update", worst)
+    assert worst[0] < 1e-3, worst
+    assert any("linear_attn.A_log" in k for k in saved) and torch.is_tensor(saved["model.layers.0.linear_attn.A_log"])
