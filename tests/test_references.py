@@ -491,6 +491,7 @@ def _tops() -> tuple[dict[str, str], dict[str, list[str]]]:
 
 
 _TOP = re.compile(r"^(?:(?:async\s+)?def|class)\s+(\w+)|^(\w+)\s*(?::|=(?!=))", re.M)
+_TOP_TUPLE = re.compile(r"^(\w+(?:\s*,\s*\w+)+)\s*=(?!=)", re.M)
 
 
 def _defines(path: Path, name: str) -> bool:
@@ -504,8 +505,11 @@ def _defines(path: Path, name: str) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _top_names(path: Path) -> frozenset[str]:
-    """The names a file defines at its top (``def``, ``class``, ``name =``), read without parsing."""
-    return frozenset(a or b for a, b in _TOP.findall(_text(path)))
+    """The names a file defines at its top (``def``, ``class``, ``name =``, ``a, b =``), read
+    without parsing."""
+    text = _text(path)
+    unpacked = (n.strip() for m in _TOP_TUPLE.findall(text) for n in m.split(","))
+    return frozenset(a or b for a, b in _TOP.findall(text)) | frozenset(unpacked)
 
 
 @functools.lru_cache(maxsize=None)
