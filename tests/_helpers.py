@@ -216,6 +216,12 @@ def run_ranks(world: int, fn, *args, logs, env: dict[str, str] | None = None, ti
     return start_ranks(world, fn, *args, logs=logs, env=env).check(timeout)
 
 
+def fork_pool(processes: int):
+    """A ``multiprocessing`` pool of processes forked from the fork server (its imports already
+    done), for CPU-bound cases of one test spread over the machine's cores; a context manager."""
+    return _fork_context().Pool(processes)
+
+
 def reports(outdir, world: int, name: str = "rank{r}.json") -> list[dict]:
     """The JSON report each rank wrote to ``<outdir>/<name>``."""
     import json

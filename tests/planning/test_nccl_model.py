@@ -6,7 +6,9 @@ Random plans, derandomized: every pipeline strategy, 2 to 8 stages, long-tailed 
 sequences of up to 128K tokens (split chains), budgets that make recompute and several pipeline
 groups bind, token caps, the extra warm-up forwards and the taper fixed or searched, stages of
 several GPUs (sp), and each plan's training and evaluation programs. The default suite plans
-2,000 of them; ``CONCERTINA_NCCL_PLANS=20000`` runs more.
+2,000 of them; ``CONCERTINA_NCCL_PLANS=20000`` runs more. Planning takes nearly all of the time: the
+cases are drawn in this process in order and planned on two processes (the suite's machine has two
+cores), the results taken in the order drawn, so the plans counted are those of one process.
 """
 
 from __future__ import annotations
@@ -53,24 +55,47 @@ def _case(rng: random.Random, costs):
     return name, lens, layout, budget, strategy, cap, knobs
 
 
+#: the cost models, built once per process
+_COSTS: dict = {}
+
+
+def _plan_and_run(case) -> list[str] | None:
+    """One case: ``None`` when the planner refuses it, else the failures of its training and
+    evaluation programs under NCCL's semantics."""
+    name, lens, layout, budget, strategy, cap, knobs = case
+    if not _COSTS:  # once per process of the pool
+        _COSTS.update(_costs())
+    try:
+        plan = plan_step(lens, _COSTS[name], layout, budget, strategy, max_tokens_per_chunk=cap, solver="greedy",
+                         **knobs)
+    except PlanError:
+        return None
+    failures = []
+    for train in (True, False):
+        try:
+            dry_run(lower(plan, train=train), rendezvous=True)
+        except PlanError as e:
+            failures.append(f"{strategy} {name} pp={layout.num_stages} train={train} {lens}: {e}")
+    return failures
+
+
 def test_every_lowered_program_runs_under_nccl_semantics():
+    from _helpers import fork_pool
+
     rng = random.Random(21)
     costs = _costs()
     planned, refused, failures = 0, 0, []
-    while planned < NUM_PLANS:
-        name, lens, layout, budget, strategy, cap, knobs = _case(rng, costs)
-        try:
-            plan = plan_step(lens, costs[name], layout, budget, strategy, max_tokens_per_chunk=cap, solver="greedy",
-                             **knobs)
-        except PlanError:
-            refused += 1
-            continue
-        planned += 1
-        for train in (True, False):
-            try:
-                dry_run(lower(plan, train=train), rendezvous=True)
-            except PlanError as e:
-                failures.append(f"{strategy} {name} pp={layout.num_stages} train={train} {lens}: {e}")
+    with fork_pool(2) as pool:
+        while planned < NUM_PLANS:
+            cases = [_case(rng, costs) for _ in range(min(256, max(16, (NUM_PLANS - planned) * 13 // 10)))]
+            for result in pool.imap(_plan_and_run, cases, chunksize=8):
+                if planned == NUM_PLANS:  # the cases drawn after the last one counted are not
+                    break
+                if result is None:
+                    refused += 1
+                    continue
+                planned += 1
+                failures += result
     assert not failures, f"{len(failures)} of {planned} plans:\n" + "\n".join(failures[:5])
     assert refused < planned  # the cases plan, mostly
 
