@@ -1,9 +1,11 @@
 """Cases of the Gated DeltaNet tests (``runtime/linear_attention.py``), shared by the one-process
 test (``tests/runtime/test_linear_attention.py``, pp=1) and the launch (``tests/launch/test_linear_attention_launch.py``, pp=2).
 
-A tiny Qwen3-Next (4 decoder layers alternating linear attention and full attention, dense MLPs,
-float32, ``initializer_range`` 0.2, convolution width 4: each token reads 3 earlier inputs) and 5
-sequences of 150, 9, 7, 5 and 3 tokens. Sequence 0 is longer than two scan chunks (HF's
+A tiny model per Gated DeltaNet class (:data:`MODELS`: Qwen3-Next with dense MLPs, Qwen3.5,
+Qwen3.5-MoE, OLMo Hybrid with rotary embeddings and without (its released checkpoints), Lara-Mini
+with a sliding and a global layer; 4 decoder layers, linear attention at layers 0 and 2, 2 key
+heads for 4 value heads, float32, ``initializer_range`` 0.2, convolution width 4: each token reads
+3 earlier inputs) and 5 sequences of 150, 9, 7, 5 and 3 tokens. Sequence 0 is longer than two scan chunks (HF's
 ``chunk_size`` 64) and split at tokens 50, 52 and 101, none a multiple of 64; its second slice
 (2 tokens) is shorter than the convolution's 3-token window, so the third slice's window reaches
 two slices back. Chunks: three split chunks, a hybrid chunk (the tail plus sequence 1 whole) and a
@@ -38,16 +40,35 @@ RECOMPUTE = ("none", "partial", "full")
 #: the linear layers' own parameters every case reports by name
 MIXER_PARAMS = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.conv1d.weight")
 SIZES = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-             linear_conv_kernel_dim=4, num_experts=0)
+             linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"] * 2)
+#: case name -> (model type, config overrides): one per Gated DeltaNet class (and OLMo Hybrid without RoPE)
+MODELS = {
+    "qwen3_next": ("qwen3_next", dict(num_experts=0)),
+    "qwen3_5_text": ("qwen3_5_text", {}),
+    "qwen3_5_moe_text": ("qwen3_5_moe_text", {}),
+    "olmo_hybrid": ("olmo_hybrid", dict(linear_allow_neg_eigval=True)),
+    "olmo_hybrid_nope": ("olmo_hybrid", dict(linear_allow_neg_eigval=True, rope_parameters=None)),
+    "lara_mini": ("lara_mini", dict(layer_types=["linear_attention", "sliding_attention", "linear_attention",
+                                                 "full_attention"])),
+}
 
 
-def build_model():
+#: a looser gradient bound where HF against itself differs by more than half of GRAD_TOL once the scan
+#: runs in other chunks (HF's ``torch_chunk_gated_delta_rule`` with ``chunk_size`` 16 instead of 64 on
+#: :func:`batch`: 1.1e-4 on this MoE model's conv1d weights, float32 rounding through its routers), as
+#: a plan's slices do
+GRAD_TOL_OF = {"qwen3_5_moe_text": 2e-4}
+
+
+def build_model(name: str = "qwen3_next"):
     from transformers import AutoModelForCausalLM
 
-    cfg = model_support.tiny_config("qwen3_next", **SIZES)
-    assert list(cfg.layer_types) == ["linear_attention", "full_attention"] * 2
+    model_type, overrides = MODELS[name]
+    cfg = model_support.tiny_config(model_type, **{**SIZES, **overrides})
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().train()
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().train()
+    assert (model.model.rotary_emb is None) == (name == "olmo_hybrid_nope")
+    return model
 
 
 def batch(seed: int = 1):
@@ -114,7 +135,8 @@ def gradient_errors(params, ref_grads) -> dict[str, float]:
     return out
 
 
-def check_case(name: str, loss: float, ref_loss: float, errors: dict[str, float]) -> tuple[dict, list[str]]:
+def check_case(name: str, loss: float, ref_loss: float, errors: dict[str, float],
+               grad_tol: float = GRAD_TOL) -> tuple[dict, list[str]]:
     """A case's figures (loss difference, worst gradient, the mixer parameters') and its failures."""
     loss_err = abs(loss - ref_loss) / abs(ref_loss)
     mixer = {k: v for k, v in errors.items() if any(k.endswith(m) for m in MIXER_PARAMS)}
@@ -123,7 +145,7 @@ def check_case(name: str, loss: float, ref_loss: float, errors: dict[str, float]
     failures = []
     if not loss_err < LOSS_TOL:
         failures.append(f"{name}: loss differs by {loss_err:.2e}")
-    bad = {k: v for k, v in errors.items() if not v < GRAD_TOL}
+    bad = {k: v for k, v in errors.items() if not v < grad_tol}
     if bad:
         failures.append(f"{name}: gradients differ: {sorted(bad.items(), key=lambda kv: -kv[1])[:5]}")
     return row, failures

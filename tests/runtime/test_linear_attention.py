@@ -1,4 +1,6 @@
-"""Gated DeltaNet layers (Qwen3-Next's linear attention) through the runtime, one process (pp=1).
+"""Gated DeltaNet layers (linear attention) through the runtime, one process (pp=1), for each
+class (:data:`_linear_attention_cases.MODELS`: Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo Hybrid with
+and without rotary embeddings, Lara-Mini).
 
 - **No leak between documents**: in a packed chunk (and in the hybrid chunk, after a split
   sequence's tail) changing one document's tokens, its labels ignored, leaves the loss and every
@@ -27,9 +29,11 @@ from concertina_hf.planning import StageLayout
 from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
 
 
-@pytest.fixture(scope="module")
-def model():
-    return cases.build_model()
+@pytest.fixture(scope="module", params=list(cases.MODELS))
+def model(request):
+    m = cases.build_model(request.param)
+    m.case_name = request.param
+    return m
 
 
 def _step(model, plan_chunks, seq_lens, ids, labels, recompute="none"):
@@ -54,8 +58,13 @@ def test_a_document_does_not_reach_the_others(model, monkeypatch, perturbed):
     a, ga = _grads(*_step(model, cases.CHUNKS, cases.SEQ_LENS, ids, labels))
     b, gb = _grads(*_step(model, cases.CHUNKS, cases.SEQ_LENS, other, labels))
     assert a.loss == b.loss
-    assert ga.keys() == gb.keys() and all(torch.equal(ga[k], gb[k]) for k in ga), \
-        [k for k in ga if not torch.equal(ga[k], gb[k])]
+    assert ga.keys() == gb.keys()
+    # routed experts sum over the tokens each receives, in an order that the other document's routing
+    # changes: equal to rounding; every other gradient bit-identical
+    experts = [k for k in ga if ".experts." in k]
+    assert [k for k in ga if k not in experts and not torch.equal(ga[k], gb[k])] == []
+    assert all(float((ga[k] - gb[k]).norm()) <= 1e-6 * float(ga[k].norm()) for k in experts), \
+        {k: float((ga[k] - gb[k]).norm() / ga[k].norm()) for k in experts}
     # the check can fail: HF's forward over the whole chunk carries state from one document to the next
     from concertina_hf.runtime import stage
 
@@ -76,7 +85,8 @@ def test_split_hybrid_and_packed_chunks_equal_hf(model):
     for recompute in cases.RECOMPUTE:
         res, w = _step(model, cases.CHUNKS, cases.SEQ_LENS, ids, labels, recompute)
         errors = cases.gradient_errors(w.named_parameters(), ref_grads)
-        row, bad = cases.check_case(f"pp=1 recompute {recompute}", res.loss, ref_loss, errors)
+        row, bad = cases.check_case(f"{model.case_name} pp=1 recompute {recompute}", res.loss, ref_loss, errors,
+                                    cases.GRAD_TOL_OF.get(model.case_name, cases.GRAD_TOL))
         assert row["mixer_params"] == 6, row  # A_log, dt_bias, conv1d.weight of layers 0 and 2
         rows.append(row)
         failures += bad
@@ -95,19 +105,20 @@ def test_the_self_check_passes(model):
     from concertina_hf.training.self_check import check_model, probe_layers
 
     m = copy.deepcopy(model)
-    assert probe_layers(m) == 2  # a linear and a full-attention layer
+    types = list(m.config.layer_types)
+    assert probe_layers(m) == max(2, 1 + max(types.index(t) for t in types))  # every kind of layer
     check_model(m)
 
 
 def test_what_is_not_built_is_refused(model):
-    from transformers import OlmoHybridConfig
+    from transformers import KimiLinearConfig
 
     from concertina_hf.runtime.attention import ChunkAttentionContext, KVStore, SliceSpec
     from concertina_hf.runtime.families import UnsupportedModelError, check_config, inspect_model
     from concertina_hf.runtime.linear_attention import gated_deltanet_forward
 
-    with pytest.raises(UnsupportedModelError, match="model type 'olmo_hybrid'.*'linear_attention' layers"):
-        check_config(OlmoHybridConfig())
+    with pytest.raises(UnsupportedModelError, match="model type 'kimi_linear'.*'linear_attention' layers"):
+        check_config(KimiLinearConfig())  # Kimi Delta Attention, not a Gated DeltaNet
     assert inspect_model(model).linear_attention
     mixer = model.model.layers[0].linear_attn
     x = torch.zeros(1, 4, model.config.hidden_size)

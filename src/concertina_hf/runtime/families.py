@@ -18,8 +18,8 @@ naming the model type and the feature:
   ``sliding_attention``, a decoder layer without ``self_attn`` (or JetMoe's ``self_attention``),
   or a token-mixing ``Conv1d`` in a layer. Their state would leak between packed sequences and be
   lost between slices. The exception: the Gated DeltaNet layers (``linear_attention``,
-  ``linear_attn``) of the model types of
-  :data:`~.linear_attention.LINEAR_ATTENTION_TYPES` (Qwen3-Next), exactly HF's mixer class,
+  ``linear_attn``) of the model types of :data:`~.linear_attention.LINEAR_ATTENTION_TYPES`
+  (Qwen3-Next, Qwen3.5, OLMo Hybrid, Lara-Mini), exactly HF's mixer class of each,
   which :mod:`.linear_attention` runs per document with its state carried across slices
   (:attr:`ModelFamily.linear_attention`; sequence parallel size 1 only);
 - **inputs the model's forward computes for its layers**: a decoder layer whose ``forward`` takes
@@ -49,7 +49,9 @@ Reproduced outside the layers (:class:`ModelFamily`), each read from a config at
   with ``config.layer_types``): each layer gets the cos/sin of its own type (a type the rotary
   cannot produce is refused);
 - nanochat's final norm applied to the embeddings too (:data:`NORM_BEFORE_LAYERS`; no config
-  attribute says it).
+  attribute says it);
+- layers without position embeddings: Lara-Mini's global layers (:data:`NO_POSITION_LAYER_TYPES`),
+  every layer of an OLMo Hybrid without a rotary embedding (:data:`ROTARY_OPTIONAL`).
 
 ``scripts/model_support.py`` checks every causal-LM model type of the installed transformers
 against HF numerically (``docs/supported_models.md``); the trainer's self-check
@@ -76,6 +78,8 @@ __all__ = [
     "LAYER_INPUTS",
     "LOGITS_SCALING_MULTIPLIES",
     "NORM_BEFORE_LAYERS",
+    "NO_POSITION_LAYER_TYPES",
+    "ROTARY_OPTIONAL",
     "SUPPORTED_LAYOUT",
     "ModelFamily",
     "UnsupportedModelError",
@@ -99,6 +103,12 @@ LOGITS_SCALING_MULTIPLIES = frozenset({"hyperclovax"})
 #: model types whose ``forward`` applies the final norm to the embeddings too, before the layers
 #: (no config attribute says it); the stage does the same (a norm without parameters only)
 NORM_BEFORE_LAYERS = frozenset({"nanochat"})
+#: model types whose ``forward`` passes no position embeddings to the decoder layers of these types
+#: (no config attribute says it): Lara-Mini's global attention layers (only its sliding ones rotate)
+NO_POSITION_LAYER_TYPES = {"lara_mini": frozenset({"full_attention"})}
+#: model types whose ``model.rotary_emb`` is None when ``config.rope_parameters`` has no ``rope_theta``
+#: (OLMo Hybrid's released checkpoints): then no layer gets position embeddings
+ROTARY_OPTIONAL = frozenset({"olmo_hybrid"})
 #: model types whose ``forward`` or attention does what no config attribute and no module
 #: structure reveals, and the runtime does not reproduce
 FORWARD_WORK = {
@@ -194,6 +204,9 @@ class ModelFamily:
     router_aux: RouterAux | None = None
     #: decoder layers mix tokens with a Gated DeltaNet (:mod:`.linear_attention`), sequence parallel size 1 only
     linear_attention: bool = False
+    #: indices of the decoder layers HF's forward passes no position embeddings (:data:`NO_POSITION_LAYER_TYPES`,
+    #: :data:`ROTARY_OPTIONAL`); None: every layer (no rotary embedding)
+    no_position_layers: frozenset[int] | None = frozenset()
 
     def scale_embeddings(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.embedding_multiplier is not None:
@@ -213,12 +226,17 @@ class ModelFamily:
     def position_embeddings(self, rotary: Callable, hidden: torch.Tensor, position_ids: torch.Tensor,
                             layers: range) -> list[Any]:
         """The ``position_embeddings`` of each of ``layers`` (indices into the model's layers)."""
+        if self.no_position_layers is None:
+            return [None] * len(layers)
         if self.rotary_layer_types is None:
-            cos_sin = rotary(hidden, position_ids)
-            return [cos_sin] * len(layers)
+            cos_sin = rotary(hidden, position_ids) if any(i not in self.no_position_layers for i in layers) else None
+            return [None if i in self.no_position_layers else cos_sin for i in layers]
         per_type: dict[str, Any] = {}
         out = []
         for i in layers:
+            if i in self.no_position_layers:
+                out.append(None)
+                continue
             kind = self.rotary_layer_types[i]
             if kind not in per_type:
                 per_type[kind] = rotary(hidden, position_ids, kind)
@@ -237,7 +255,11 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
     :attr:`ModelFamily.router_aux` (refused for a model type whose loss is not reproduced)."""
     config = getattr(model, "config", None)
     check_config(config, model, router_aux_loss)
+    kind = str(getattr(config, "model_type", "") or "")
+    nope = kind in ROTARY_OPTIONAL and getattr(getattr(model, "model", None), "rotary_emb", 0) is None
     for path in _LAYOUT:
+        if nope and path == "model.rotary_emb":
+            continue
         cur, where = model, "model"
         for part in path.split("."):
             parent, cur = cur, getattr(cur, part, None)
@@ -253,7 +275,6 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
     if extra:
         raise _refuse(config, model, f"{', '.join(extra)} run(s) in the model's forward outside the decoder layers, "
                                      "which the pipeline does not reproduce")
-    kind = str(getattr(config, "model_type", "") or "")
     linear = mixer_class(kind) if kind in LINEAR_ATTENTION_TYPES else None
     has_linear = False
     for i, layer in enumerate(inner.layers):
@@ -282,7 +303,16 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
     if kind in FORWARD_WORK:
         raise _refuse(config, model, FORWARD_WORK[kind])
     rotary_types = None
-    params = inspect.signature(inner.rotary_emb.forward).parameters
+    no_position: frozenset[int] | None = None
+    if not nope:
+        types = getattr(config, "layer_types", None)
+        free = NO_POSITION_LAYER_TYPES.get(kind, frozenset())
+        if free and (not isinstance(types, (list, tuple)) or len(types) < len(inner.layers)):
+            raise _refuse(config, model, "its forward gives no position embeddings to its "
+                                         f"{', '.join(sorted(free))} layers but config.layer_types does not give "
+                                         "one type per decoder layer")
+        no_position = frozenset(i for i in range(len(inner.layers)) if free and str(types[i]) in free)
+    params = inspect.signature(inner.rotary_emb.forward).parameters if not nope else {}
     if "layer_type" in params:
         types = getattr(config, "layer_types", None)
         if not isinstance(types, (list, tuple)) or len(types) < len(inner.layers):
@@ -313,6 +343,7 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
         norm_before_layers=norm_first,
         router_aux=None if router_aux_loss is None else _router_aux(model),
         linear_attention=has_linear,
+        no_position_layers=no_position,
     )
 
 

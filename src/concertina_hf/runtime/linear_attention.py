@@ -1,11 +1,20 @@
 """Gated DeltaNet layers (linear attention with a recurrent state) in a pipeline chunk.
 
-A Gated DeltaNet layer (Qwen3-Next's ``linear_attn``) mixes tokens through two states: a
+A Gated DeltaNet layer (the ``linear_attn`` of Qwen3-Next, Qwen3.5 and its MoE, OLMo Hybrid,
+Lara-Mini) mixes tokens through two states: a
 depthwise causal convolution of width ``k`` over the projected ``q, k, v`` (it reads the
 ``k - 1`` inputs before each token) and a recurrent state per value head (``[H, Dk, Dv]``,
 float32) that the gated delta rule updates token by token. HF's ``forward`` runs both over its
 whole input, so on a packed chunk one document's tokens would reach the next through either,
 and a split slice would start from zero instead of its sequence's earlier tokens.
+
+The classes differ only token-wise: how the hidden states are projected to the convolution's input
+``q | k | v``, the output gate, ``beta`` and the decay's input ``a`` (Qwen3-Next's fused ``qkvz`` /
+``ba`` projections in key-head groups, Qwen3.5's separate ``qkv``, ``z``, ``b``, ``a``, OLMo
+Hybrid's ``q``, ``k``, ``v``, ``g`` projections and ``beta`` doubled under
+``linear_allow_neg_eigval``), and the names of the gated norm and the output projection. One
+:class:`Adapter` per class (:data:`GATED_DELTANET`) says that; the per-document convolution, scan
+and carry are shared. HF's module-level functions are read from the class's own module.
 
 :func:`install` replaces the ``forward`` of each such module of a model (an instance attribute;
 the class is untouched) with :func:`gated_deltanet_forward`, which reads the chunk context that
@@ -42,7 +51,8 @@ from __future__ import annotations
 
 import sys
 import types
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -50,11 +60,51 @@ from torch import nn
 
 from .attention.context import ChunkAttentionContext, KVEntry, current_context, step_running
 
-__all__ = ["GATED_DELTANET", "LINEAR_ATTENTION_TYPES", "gated_deltanet_forward", "install", "mixer_class"]
+__all__ = ["Adapter", "GATED_DELTANET", "LINEAR_ATTENTION_TYPES", "gated_deltanet_forward", "install",
+           "mixer_class"]
 
-#: model type -> (module, class) of its Gated DeltaNet mixer, the one this module implements
+Projected = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """What one HF Gated DeltaNet class does token-wise around the shared convolution and scan."""
+
+    module: str  #: the HF modeling module (its ``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``)
+    cls: str  #: the mixer class in it
+    #: ``(mod, x [1, T, hidden])`` -> the convolution's input ``q | k | v`` ``[1, T, 2 key_dim + value_dim]``,
+    #: the output gate (``value_dim`` per token), ``beta`` ``[1, T, Hv]`` and the decay's input ``a`` ``[1, T, Hv]``
+    project: Callable[[nn.Module, torch.Tensor], Projected]
+    norm: str = "norm"  #: the gated RMS norm, ``norm(core [N, Dv], gate [N, Dv])``
+    out: str = "out_proj"  #: the output projection
+
+
+def _qwen3_next(mod: nn.Module, x: torch.Tensor) -> Projected:
+    query, key, value, z, b, a = mod.fix_query_key_value_ordering(mod.in_proj_qkvz(x), mod.in_proj_ba(x))
+    qkv = torch.cat([t.reshape(1, x.shape[1], -1) for t in (query, key, value)], dim=-1)
+    return qkv, z, b.sigmoid(), a
+
+
+def _qwen3_5(mod: nn.Module, x: torch.Tensor) -> Projected:
+    return mod.in_proj_qkv(x), mod.in_proj_z(x), mod.in_proj_b(x).sigmoid(), mod.in_proj_a(x)
+
+
+def _olmo_hybrid(mod: nn.Module, x: torch.Tensor) -> Projected:
+    beta = mod.b_proj(x).sigmoid()
+    if mod.allow_neg_eigval:
+        beta = beta * 2.0
+    return torch.cat([mod.q_proj(x), mod.k_proj(x), mod.v_proj(x)], dim=-1), mod.g_proj(x), beta, mod.a_proj(x)
+
+
+_HF = "transformers.models"
+#: model type -> the :class:`Adapter` of its Gated DeltaNet mixer, the classes this module implements
 GATED_DELTANET = {
-    "qwen3_next": ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet"),
+    "qwen3_next": Adapter(f"{_HF}.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet", _qwen3_next),
+    "qwen3_5_text": Adapter(f"{_HF}.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet", _qwen3_5),
+    "qwen3_5_moe_text": Adapter(f"{_HF}.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet", _qwen3_5),
+    "lara_mini": Adapter(f"{_HF}.lara_mini.modeling_lara_mini", "LaraMiniGatedDeltaNet", _qwen3_5),
+    "olmo_hybrid": Adapter(f"{_HF}.olmo_hybrid.modeling_olmo_hybrid", "OlmoHybridGatedDeltaNet", _olmo_hybrid,
+                           norm="o_norm", out="o_proj"),
 }
 #: model types whose ``linear_attention`` layers run here
 LINEAR_ATTENTION_TYPES = frozenset(GATED_DELTANET)
@@ -63,13 +113,25 @@ MIXER_ATTRIBUTE = "linear_attn"
 
 
 def mixer_class(model_type: str) -> type | None:
-    """The HF class of ``model_type``'s Gated DeltaNet mixer (``None``: not implemented here)."""
+    """The HF class of ``model_type``'s Gated DeltaNet mixer (``None``: not implemented here, or not
+    in the installed transformers)."""
     entry = GATED_DELTANET.get(model_type)
     if entry is None:
         return None
     import importlib
 
-    return getattr(importlib.import_module(entry[0]), entry[1], None)
+    try:
+        return getattr(importlib.import_module(entry.module), entry.cls, None)
+    except ImportError:
+        return None
+
+
+def _adapter(mod: nn.Module) -> Adapter:
+    cls = type(mod)
+    for entry in GATED_DELTANET.values():
+        if entry.cls == cls.__name__ and entry.module == cls.__module__:
+            return entry
+    raise TypeError(f"{cls.__module__}.{cls.__name__} is not a Gated DeltaNet class of GATED_DELTANET")
 
 
 def install(model: nn.Module) -> int:
@@ -129,9 +191,9 @@ def gated_deltanet_forward(mod: nn.Module, hidden_states: torch.Tensor, ctx: Chu
         raise ValueError(f"{type(mod).__name__} expects one packed row of {ctx.num_tokens} tokens, got "
                          f"{tuple(x.shape)}")
     tokens = x.shape[1]
-    query, key, value, z, b, a = mod.fix_query_key_value_ordering(mod.in_proj_qkvz(x), mod.in_proj_ba(x))
-    query, key, value = (t.reshape(1, tokens, -1) for t in (query, key, value))
-    mixed = torch.cat((query, key, value), dim=-1).transpose(1, 2)  # [1, C, T]
+    adapter = _adapter(mod)
+    qkv, z, beta, a = adapter.project(mod, x)
+    mixed = qkv.transpose(1, 2)  # [1, C, T]
     width = int(mod.conv1d.kernel_size[0]) - 1  # the earlier inputs each token's convolution reads
     channels = mixed.shape[1]
     store, grad = ctx.store, ctx.requires_grad
@@ -161,7 +223,6 @@ def gated_deltanet_forward(mod: nn.Module, hidden_states: torch.Tensor, ctx: Chu
     query = query.reshape(1, tokens, -1, mod.head_k_dim)
     key = key.reshape(1, tokens, -1, mod.head_k_dim)
     value = value.reshape(1, tokens, -1, mod.head_v_dim)
-    beta = b.sigmoid()
     g = -mod.A_log.float().exp() * F.softplus(a.float() + mod.dt_bias)
     outs = []
     for i, s in enumerate(ctx.slices):
@@ -174,6 +235,5 @@ def gated_deltanet_forward(mod: nn.Module, hidden_states: torch.Tensor, ctx: Chu
         if not s.final:
             store.put_if_absent(s.seq, s.start, layer, state, tails[i], grad)
     core = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-    z_shape = z.shape
-    core = mod.norm(core.reshape(-1, core.shape[-1]), z.reshape(-1, z.shape[-1]))
-    return mod.out_proj(core.reshape(z_shape).reshape(1, tokens, -1))
+    core = getattr(mod, adapter.norm)(core.reshape(-1, mod.head_v_dim), z.reshape(-1, mod.head_v_dim))
+    return getattr(mod, adapter.out)(core.reshape(1, tokens, -1))

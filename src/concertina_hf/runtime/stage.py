@@ -26,8 +26,8 @@ Cohere, OLMo 1-3, DeepSeek-V3, Mixtral, StableLM, gpt-oss, ...: ``docs/supported
 every causal-LM model type of the installed transformers, checked numerically by
 ``scripts/model_support.py``). :func:`~.families.inspect_model` runs first: it refuses what the
 runtime cannot reproduce (other layouts, recurrent / linear-attention / convolutional mixers but
-Qwen3-Next's Gated DeltaNet, whose modules :func:`~.linear_attention.install` routes through the
-chunk context, the
+the Gated DeltaNet classes of :mod:`.linear_attention`, whose modules
+:func:`~.linear_attention.install` routes through the chunk context, the
 router auxiliary loss unless ``concertina_router_aux_loss='per_chunk'`` (then the stage records its
 routers' logits for the per-chunk term of :mod:`.router_aux`), work the model's ``forward`` does
 between the layers) with a message naming
