@@ -19,7 +19,6 @@ import os
 import pathlib
 import signal
 import socket
-import subprocess
 import sys
 import time
 
@@ -54,18 +53,6 @@ def worker_env(**extra: str) -> dict[str, str]:
                TOKENIZERS_PARALLELISM="false", PYTHONPATH=path, **extra)
     env.pop("ACCELERATE_USE_CPU", None)
     return env
-
-
-def torchrun(nproc: int, script: str, *args: str, timeout: float = 1500) -> subprocess.CompletedProcess:
-    """``torchrun`` of ``script args`` on ``nproc`` CPU ranks; fails the test with the workers'
-    output if they fail (``timeout`` only ends a hung launch)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), *map(str, args)]
-    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, args))} workers failed ({proc.returncode}):\n"
-                             f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    return proc
 
 
 #: the fork server's modules (imported once; see the module docstring)

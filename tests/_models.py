@@ -5,7 +5,8 @@
 A 4-layer Llama (or Qwen2: grouped-query attention, q/k/v biases; or a Llama whose input and output
 embeddings are one matrix) of hidden size 32 on a 64-token vocabulary; 24 sequences of 5 to 70
 tokens; ``Trainer`` with ``DataCollatorWithFlattening`` (padding-free, the token-weighted loss) as
-the reference.
+the reference. For the TRL tests, text: the bundled tokenizer, a 2-layer Llama of its vocabulary,
+sentences of a few words.
 """
 
 from __future__ import annotations
@@ -122,3 +123,39 @@ def worst_relative(ref: dict, got: dict) -> tuple[float, str]:
     noisy = [k for k in rel if k.endswith("k_proj.bias")]
     assert all(rel[k] < 1e-2 for k in noisy), {k: rel[k] for k in noisy}
     return max((v, k) for k, v in rel.items() if k not in noisy)
+
+
+# ---------------------------------------------------------------------------------- text (the TRL tests)
+WORDS = "the a pipeline stage chunk token sequence layer model plan step memory budget long short".split()
+
+
+def bundled_tokenizer():
+    """The tokenizer the package bundles (no Hub)."""
+    from transformers import AutoTokenizer
+
+    from concertina_hf.tools.data import bundled_tokenizer_path
+
+    return AutoTokenizer.from_pretrained(bundled_tokenizer_path())
+
+
+def text_model(tokenizer):
+    """A 2-layer Llama on the tokenizer's vocabulary, from seed 1."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(1)
+    return AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id))
+
+
+def sentence(rng, lo, hi):
+    """``lo`` to ``hi`` - 1 of :data:`WORDS`."""
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randrange(lo, hi)))
+
+
+def text_dataset(n=24, seed=0):
+    """``n`` rows of a ``text`` column, sentences of 2 to 29 words."""
+    import datasets
+
+    rng = random.Random(seed)
+    return datasets.Dataset.from_list([{"text": sentence(rng, 2, 30)} for _ in range(n)])

@@ -20,12 +20,11 @@ from __future__ import annotations
 import json
 import os
 import random
-import sys
 
 import pytest
 import torch
 
-import _helpers  # noqa: E402
+from _helpers import run_ranks  # noqa: E402
 
 STEPS = 20
 COEF = 1.0
@@ -81,15 +80,6 @@ def _worker(out: str) -> None:
     trainer.end()
 
 
-def _launch(out) -> None:
-    """:func:`_worker` on 2 CPU ranks (forked by ``run_ranks`` where the helpers have it, else this
-    file run by torchrun)."""
-    if hasattr(_helpers, "run_ranks"):
-        _helpers.run_ranks(2, _worker, str(out), logs=out / "logs")
-    else:
-        _helpers.torchrun(2, __file__, str(out), timeout=900)
-
-
 def _expert_load_cv(path) -> list[float]:
     """Per layer: std / mean of the tokens each expert gets among their top-k, on a fixed batch."""
     from transformers import AutoModelForCausalLM
@@ -107,7 +97,7 @@ def _expert_load_cv(path) -> list[float]:
 
 
 def test_per_chunk_router_loss_balances_the_experts_of_both_stages(tmp_path):
-    _launch(tmp_path)
+    run_ranks(2, _worker, str(tmp_path), logs=tmp_path / "logs", timeout=900)
     cv = {case: _expert_load_cv(tmp_path / case / "final") for case in ("off", "on")}
     mean = {case: sum(v) / len(v) for case, v in cv.items()}
     print(f"expert load, coefficient of variation per layer after {STEPS} steps: {cv}; mean {mean}")
@@ -123,7 +113,3 @@ def test_per_chunk_router_loss_balances_the_experts_of_both_stages(tmp_path):
         assert all(s > 0 for s in shares), (step, shares)
         assert value == pytest.approx(sum(shares), rel=1e-6), (step, value, shares)
     assert logged[-1] < 0.8 * logged[0], logged
-
-
-if __name__ == "__main__":
-    _worker(sys.argv[1])

@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 import torch
 
 trl = pytest.importorskip("trl")
 
-import _helpers  # noqa: E402
+from _helpers import run_ranks  # noqa: E402
+from _models import bundled_tokenizer, text_dataset, text_model  # noqa: E402
 
 SCRIPT = dict(packing=True, packing_strategy="bfd", padding_free=True, max_length=64, per_device_train_batch_size=2,
               gradient_accumulation_steps=2, max_steps=3, optim="sgd", learning_rate=0.5, seed=3, report_to=[],
@@ -43,24 +43,14 @@ BF16_MARGIN = 1e-3
 FP32_MARGIN = 1e-6
 
 
-def _tokenizer():
-    from transformers import AutoTokenizer
-
-    from concertina_hf.tools.data import bundled_tokenizer_path
-
-    return AutoTokenizer.from_pretrained(bundled_tokenizer_path())
-
-
 def _worker(out: str) -> None:
-    from test_trl import _model, _text_dataset
-
     from concertina_hf.integrations.trl import ConcertinaSFTConfig, ConcertinaSFTTrainer
 
-    tok = _tokenizer()
+    tok = bundled_tokenizer()
     for case, extra in CASES.items():
         d = os.path.join(out, case)
         trainer = ConcertinaSFTTrainer(
-            model=_model(tok), train_dataset=_text_dataset(), processing_class=tok,
+            model=text_model(tok), train_dataset=text_dataset(), processing_class=tok,
             args=ConcertinaSFTConfig(output_dir=d, **SCRIPT, **extra))
         assert trainer.topology.pipeline_size == 2
         seen = set()  # the autocast state every decoder layer of this stage ran its forward under
@@ -80,12 +70,11 @@ def _worker(out: str) -> None:
 
 
 def _reference(case: str, out) -> tuple[dict, float]:
-    from test_trl import _model, _text_dataset
     from trl import SFTConfig, SFTTrainer
 
-    tok = _tokenizer()
-    ref = SFTTrainer(model=_model(tok), args=SFTConfig(output_dir=str(out), **SCRIPT, **CASES[case]),
-                     train_dataset=_text_dataset(), processing_class=tok)
+    tok = bundled_tokenizer()
+    ref = SFTTrainer(model=text_model(tok), args=SFTConfig(output_dir=str(out), **SCRIPT, **CASES[case]),
+                     train_dataset=text_dataset(), processing_class=tok)
     assert ref.args.bf16 is (case == "bf16")
     metrics = ref.train().metrics
     return {k: v.detach().float().clone() for k, v in ref.model.state_dict().items()}, metrics["train_loss"]
@@ -96,17 +85,8 @@ def _max_abs(ref: dict, got: dict) -> float:
     return max((ref[k] - got[k]).abs().max().item() for k in ref)
 
 
-def _launch(out) -> None:
-    """:func:`_worker` on 2 CPU ranks (forked by ``run_ranks`` where the helpers have it, else this
-    file run by torchrun)."""
-    if hasattr(_helpers, "run_ranks"):
-        _helpers.run_ranks(2, _worker, str(out), logs=out / "logs")
-    else:
-        _helpers.torchrun(2, __file__, str(out), timeout=900)
-
-
 def test_sft_script_with_only_the_swap_trains_what_sfttrainer_trains(tmp_path):
-    _launch(tmp_path)
+    run_ranks(2, _worker, str(tmp_path), logs=tmp_path / "logs", timeout=900)
     refs = {case: _reference(case, tmp_path / f"ref-{case}") for case in CASES}
     gap = _max_abs(refs["bf16"][0], refs["fp32"][0])  # SFTTrainer's own bf16 vs fp32
     report = {"sfttrainer_bf16_vs_fp32": gap}
@@ -128,7 +108,3 @@ def test_sft_script_with_only_the_swap_trains_what_sfttrainer_trains(tmp_path):
             assert worst < FP32_MARGIN, report
             assert infos[0]["train_loss"] == pytest.approx(ref_loss, rel=1e-6, abs=1e-7), (infos[0], ref_loss)
     print("max abs parameter difference after 3 steps:", report)
-
-
-if __name__ == "__main__":
-    _worker(sys.argv[1])

@@ -20,39 +20,14 @@ import torch
 
 trl = pytest.importorskip("trl")
 
+from _models import bundled_tokenizer, sentence, text_dataset, text_model  # noqa: E402
+
 COMMON = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3, learning_rate=2e-3,
               logging_steps=1, report_to=[], disable_tqdm=True, seed=3, bf16=False, save_strategy="no",
               max_grad_norm=0.5)
-WORDS = "the a pipeline stage chunk token sequence layer model plan step memory budget long short".split()
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
-    from transformers import AutoTokenizer
-
-    from concertina_hf.tools.data import bundled_tokenizer_path
-
-    return AutoTokenizer.from_pretrained(bundled_tokenizer_path())
-
-
-def _model(tokenizer):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(1)
-    return AutoModelForCausalLM.from_config(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id))
-
-
-def _sentence(rng, lo, hi):
-    return " ".join(rng.choice(WORDS) for _ in range(rng.randrange(lo, hi)))
-
-
-def _text_dataset(n=24, seed=0):
-    import datasets
-
-    rng = random.Random(seed)
-    return datasets.Dataset.from_list([{"text": _sentence(rng, 2, 30)} for _ in range(n)])
+    return bundled_tokenizer()
 
 
 def _prompt_completion_dataset(n=16, seed=1):
@@ -60,7 +35,7 @@ def _prompt_completion_dataset(n=16, seed=1):
 
     rng = random.Random(seed)
     return datasets.Dataset.from_list(
-        [{"prompt": _sentence(rng, 2, 12), "completion": " " + _sentence(rng, 1, 10)} for _ in range(n)])
+        [{"prompt": sentence(rng, 2, 12), "completion": " " + sentence(rng, 1, 10)} for _ in range(n)])
 
 
 def _logged(trainer) -> list[float]:
@@ -80,12 +55,12 @@ def _sft_pair(tokenizer, tmp_path, dataset, peft_config=None, eval_dataset=None,
 
     from concertina_hf.integrations.trl import ConcertinaSFTConfig, ConcertinaSFTTrainer
 
-    ref = SFTTrainer(model=_model(tokenizer), args=SFTConfig(output_dir=str(tmp_path / "ref"), **sft, **COMMON),
+    ref = SFTTrainer(model=text_model(tokenizer), args=SFTConfig(output_dir=str(tmp_path / "ref"), **sft, **COMMON),
                      train_dataset=dataset, eval_dataset=eval_dataset, processing_class=tokenizer,
                      peft_config=copy.deepcopy(peft_config))
     ref.train()
     ours = ConcertinaSFTTrainer(
-        model=_model(tokenizer), train_dataset=dataset, eval_dataset=eval_dataset, processing_class=tokenizer,
+        model=text_model(tokenizer), train_dataset=dataset, eval_dataset=eval_dataset, processing_class=tokenizer,
         peft_config=peft_config,
         args=ConcertinaSFTConfig(output_dir=str(tmp_path / "ours"), concertina_max_tokens_per_chunk=16, **sft,
                                  **COMMON))
@@ -95,8 +70,8 @@ def _sft_pair(tokenizer, tmp_path, dataset, peft_config=None, eval_dataset=None,
 
 @pytest.fixture(scope="module")
 def packed(tokenizer, tmp_path_factory):
-    return _sft_pair(tokenizer, tmp_path_factory.mktemp("packed"), _text_dataset(), packing=True, max_length=64,
-                     eval_dataset=_text_dataset(8, seed=5))
+    return _sft_pair(tokenizer, tmp_path_factory.mktemp("packed"), text_dataset(), packing=True, max_length=64,
+                     eval_dataset=text_dataset(8, seed=5))
 
 
 def test_packed_bfd_matches_sfttrainer(packed):
@@ -133,7 +108,7 @@ def test_concertina_trainer_keeps_packed_documents_apart(packed, tokenizer, tmp_
     data_collator = (None if collator == "default" else
                      DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id, padding_free=True))
     trainer = ConcertinaTrainer(
-        model=_model(tokenizer), train_dataset=ref.train_dataset, data_collator=data_collator,
+        model=text_model(tokenizer), train_dataset=ref.train_dataset, data_collator=data_collator,
         args=ConcertinaTrainingArguments(output_dir=str(tmp_path), concertina_max_tokens_per_chunk=16, **COMMON))
     trainer.train()
     losses, ref_losses = _logged(trainer), _logged(ref)
@@ -146,10 +121,10 @@ def test_refusals(tokenizer, tmp_path):
     from concertina_hf.integrations.trl import ConcertinaSFTConfig, ConcertinaSFTTrainer
 
     with pytest.raises(TypeError, match="ConcertinaSFTConfig"):
-        ConcertinaSFTTrainer(model=_model(tokenizer), args=SFTConfig(output_dir=str(tmp_path), bf16=False),
-                             train_dataset=_text_dataset(4), processing_class=tokenizer)
+        ConcertinaSFTTrainer(model=text_model(tokenizer), args=SFTConfig(output_dir=str(tmp_path), bf16=False),
+                             train_dataset=text_dataset(4), processing_class=tokenizer)
     with pytest.raises(NotImplementedError, match="loss_type"):
-        ConcertinaSFTTrainer(model=_model(tokenizer), train_dataset=_text_dataset(4), processing_class=tokenizer,
+        ConcertinaSFTTrainer(model=text_model(tokenizer), train_dataset=text_dataset(4), processing_class=tokenizer,
                              args=ConcertinaSFTConfig(output_dir=str(tmp_path), bf16=False, loss_type="dft"))
 
 
@@ -160,7 +135,7 @@ def test_peft_config_lora_matches_sfttrainer(tokenizer, tmp_path):
     from concertina_hf.integrations.peft import is_peft_model
 
     lora = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
-    ref, ours = _sft_pair(tokenizer, tmp_path, _text_dataset(), packing=True, max_length=64,
+    ref, ours = _sft_pair(tokenizer, tmp_path, text_dataset(), packing=True, max_length=64,
                           peft_config=LoraConfig(**lora))
     assert is_peft_model(ref.model) and is_peft_model(ours.peft_model)
     losses, ref_losses = _logged(ours), _logged(ref)
@@ -174,7 +149,7 @@ def test_peft_config_lora_matches_sfttrainer(tokenizer, tmp_path):
 
     set_seed(COMMON["seed"])
     init = {k.removeprefix("base_model.model."): v
-            for k, v in get_peft_model(_model(tokenizer), LoraConfig(**lora)).state_dict().items()}
+            for k, v in get_peft_model(text_model(tokenizer), LoraConfig(**lora)).state_dict().items()}
     trained = [k for k in want if "lora_" in k]
     assert trained and all(not torch.equal(want[k], init[k]) for k in trained)
     update = torch.cat([(want[k] - init[k]).flatten() for k in trained])
@@ -190,11 +165,11 @@ def test_model_by_name_trains_as_the_object(tokenizer, tmp_path):
     from concertina_hf.integrations.trl import ConcertinaSFTConfig, ConcertinaSFTTrainer
 
     src = tmp_path / "src"
-    _model(tokenizer).save_pretrained(src)
+    text_model(tokenizer).save_pretrained(src)
     runs = []
     for model in (AutoModelForCausalLM.from_pretrained(src), str(src)):
         ours = ConcertinaSFTTrainer(
-            model=model, train_dataset=_text_dataset(), processing_class=tokenizer,
+            model=model, train_dataset=text_dataset(), processing_class=tokenizer,
             args=ConcertinaSFTConfig(output_dir=str(tmp_path / f"run{len(runs)}"), concertina_max_tokens_per_chunk=16,
                                      packing=True, max_length=64, model_init_kwargs={"dtype": "float32"}, **COMMON))
         ours.train()
@@ -219,7 +194,7 @@ def test_moe_router_loss_needs_the_per_chunk_option_and_takes_trls_coefficient(t
             num_experts_per_tok=2, tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id))
 
     def build(**over):
-        return ConcertinaSFTTrainer(model=moe(), train_dataset=_text_dataset(4), processing_class=tokenizer,
+        return ConcertinaSFTTrainer(model=moe(), train_dataset=text_dataset(4), processing_class=tokenizer,
                                     args=ConcertinaSFTConfig(output_dir=str(tmp_path), bf16=False, **over))
 
     with pytest.raises(NotImplementedError, match="set concertina_router_aux_loss='per_chunk' to add it per chunk"):
