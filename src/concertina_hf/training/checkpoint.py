@@ -9,7 +9,9 @@ A checkpoint directory holds:
   ``model.safetensors.index.json`` and ``config.json`` (no rank holds another stage's weights:
   :func:`~concertina_hf.training.stage_loading.write_stage_shard`); with one stage
   ``save_pretrained``'s own files. Tied embeddings are written once, as HF does, and the last
-  stage's copy is loaded from them; for a ``PeftModel``
+  stage's copy is loaded from them; a composite model trained through its language model
+  (:class:`~concertina_hf.training.stage_loading.CompositeCheckpoint`) always as stage shards, under
+  the composite checkpoint's names, its other towers in stage 0's shard and its config; for a ``PeftModel``
   instead the adapter directory ``PeftModel.save_pretrained`` writes (``adapter_config.json``,
   ``adapter_model.safetensors`` with every stage's adapter weights), as ``Trainer`` + PEFT does;
 - ``optimizer.stage{s}-of-{p}.pt``: each stage's optimizer state (replica 0 writes it); with
@@ -84,7 +86,7 @@ from .manifest import (
     write_manifest,
 )
 from .sharded_optimizer import is_sharded, load_optimizer_shards, save_optimizer_shards
-from .stage_loading import write_index, write_stage_shard
+from .stage_loading import CompositeCheckpoint, write_index, write_stage_shard
 from ..integrations.peft import ADAPTER_CONFIG_NAME, load_stage_adapter, save_adapter
 from ..planning import CostModel, StageLayout
 
@@ -112,8 +114,11 @@ class StageCheckpointer:
     layout_choice: dict | None = None
 
     def __init__(self, pipeline: Any, topology: Topology, shard_optimizer: bool = False,
-                 peft_model: nn.Module | None = None, shard_parameters: bool = False) -> None:
+                 peft_model: nn.Module | None = None, shard_parameters: bool = False,
+                 composite: CompositeCheckpoint | None = None) -> None:
         self.pipeline, self.topology, self.shard_optimizer = pipeline, topology, shard_optimizer
+        #: a composite model trained through its language model: saved in the composite's layout
+        self.composite = composite
         #: the stage's parameters are sharded (``concertina_shard_parameters``): saving gathers them
         #: on every rank of the stage, the optimizer state is written with torch.distributed.checkpoint
         self.shard_parameters = shard_parameters
@@ -240,11 +245,12 @@ class StageCheckpointer:
                 save_adapter(peft_model, output_dir, gather=self.topology.gather_in_pipeline, is_main=is_main)
             if not is_main:
                 return
-        elif self.topology.pipeline_size > 1:  # each stage writes its own shard: no rank holds another's weights
+        elif self.topology.pipeline_size > 1 or self.composite is not None:
+            # each stage writes its own shard: no rank holds another's weights
             shards = None
             if self.topology.writes_stage:
                 os.makedirs(output_dir, exist_ok=True)
-                shard = write_stage_shard(self.pipeline, output_dir)
+                shard = write_stage_shard(self.pipeline, output_dir, self.composite)
                 self._hash_in_background(output_dir, [shard[0]])
                 shards = self.topology.gather_in_pipeline(shard)  # names and sizes only
             elif self.shard_parameters:  # the stage's other ranks join the gathers of its weights
@@ -253,7 +259,10 @@ class StageCheckpointer:
                 return
             logger.info(f"Saving the model ({self.topology.pipeline_size} stage shards) to {output_dir}")
             hashed = set(write_index(output_dir, shards))  # each shard hashed by the stage that wrote it
-            _save_config(model, output_dir, attn_implementation)
+            if self.composite is not None:
+                self.composite.save_config(output_dir, attn_implementation)
+            else:
+                _save_config(model, output_dir, attn_implementation)
         else:
             state_dict = None
             if self.topology.writes_stage:
@@ -371,7 +380,12 @@ class StageCheckpointer:
                                  "resume from")
         except (SafetensorError, OSError, KeyError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{index if os.path.isfile(index) else single} is unreadable: {e}") from e
-        source = self.pipeline.checkpoint_keys(weight_map.keys())  # stage key -> checkpoint key
+        if self.composite is not None:  # the view's names -> the composite checkpoint's
+            names = self.composite.checkpoint_names(weight_map)
+            source = {k: names[src] for k, src in self.pipeline.checkpoint_keys(names).items()}
+            weight_map = {n: weight_map[n] for n in names.values()}
+        else:
+            source = self.pipeline.checkpoint_keys(weight_map.keys())  # stage key -> checkpoint key
         files: dict[str, list[str]] = {}
         for k, src in source.items():
             files.setdefault(weight_map[src], []).append(k)

@@ -26,6 +26,16 @@ and the head, read the same way and freed afterwards; nothing else of the model 
 on stage 0), streaming each tensor's bytes to the file; pipeline rank 0 writes
 ``model.safetensors.index.json`` and the config. ``from_pretrained`` loads the directory as any
 sharded HF checkpoint.
+
+**Composite checkpoints** (a model type of :data:`~concertina_hf.runtime.composite.COMPOSITE_TYPES`,
+e.g. Gemma3's vision tower and language model): the model is the composite's
+:class:`~concertina_hf.runtime.composite.TextView`, built from the composite on the meta device
+(its other towers are never allocated nor read); the view's tensors are read under the
+checkpoint's own names (transformers' renamings: :func:`~concertina_hf.runtime.composite.module_names`).
+:class:`CompositeCheckpoint` saves them under the same names, writes the other towers' tensors
+into stage 0's shard unchanged (read from the source files at save time, byte for byte; with a
+model object, kept by the rank that writes them) and the composite's config, so the composite
+class's ``from_pretrained`` loads the directory.
 """
 
 from __future__ import annotations
@@ -40,9 +50,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..runtime.composite import TextView, composite_layout, module_names, saved_names, text_view
 from ..runtime.param_sharding import full_state
 
-__all__ = ["ModelSource", "SAFE_INDEX", "SAFE_SINGLE", "model_source", "read_safetensors_header", "shard_name",
+__all__ = ["CompositeCheckpoint", "ModelSource", "composite_text_model", "SAFE_INDEX", "SAFE_SINGLE", "model_source", "read_safetensors_header", "shard_name",
            "write_index", "write_safetensors", "write_stage_shard"]
 
 SAFE_SINGLE = "model.safetensors"
@@ -114,8 +125,12 @@ class ModelSource:
 
     def __init__(self, name: str, config: Any, weight_map: dict[str, str], resolve: Callable[[str], str | None],
                  dtype: torch.dtype, model_kwargs: dict[str, Any], generation_config: Any = None,
-                 checkpoint_tied: bool = False) -> None:
+                 checkpoint_tied: bool = False, file_names: dict[str, str] | None = None,
+                 carried_files: dict[str, str] | None = None) -> None:
         self.name, self.config, self.weight_map, self.dtype = name, config, weight_map, dtype
+        #: a composite checkpoint: the file's name of each tensor of the text view (``weight_map``'s
+        #: keys are the view's names), and the files of the other towers' tensors; None otherwise
+        self.file_names, self.carried_files = file_names, carried_files
         #: the checkpoint's own config ties the embeddings (model_init_kwargs may untie them)
         self.checkpoint_tied = checkpoint_tied
         self._resolve, self._model_kwargs, self.generation_config = resolve, model_kwargs, generation_config
@@ -125,13 +140,52 @@ class ModelSource:
         from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM
 
-        with init_empty_weights(include_buffers=False):
-            model = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype, **self._model_kwargs)
-        model.tie_weights()  # init_empty_weights skips the tie that from_config makes
+        if self.file_names is not None:  # a composite: its text view (the other towers stay on meta, dropped)
+            model = text_view(self.empty_composite())
+        else:
+            with init_empty_weights(include_buffers=False):
+                model = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype, **self._model_kwargs)
+            model.tie_weights()  # init_empty_weights skips the tie that from_config makes
         if self.generation_config is not None:
             model.generation_config = self.generation_config
         object.__setattr__(model, "_concertina_source", self)  # the profiler and the self-check read from it
         return model
+
+    def empty_composite(self) -> nn.Module:
+        """The composite model (a :data:`~concertina_hf.runtime.composite.COMPOSITE_TYPES` type) on
+        the meta device, its weights tied."""
+        from accelerate import init_empty_weights
+
+        cls = _composite_class(self.config)
+        kwargs = {k: v for k, v in self._model_kwargs.items() if k != "trust_remote_code"}
+        with init_empty_weights(include_buffers=False):
+            model = cls._from_config(self.config, dtype=self.dtype, **kwargs)
+        model.tie_weights()
+        return model
+
+    def read_carried(self) -> dict[str, torch.Tensor]:
+        """The other towers' tensors of a composite checkpoint, under their names, as the files hold
+        them (same dtype and bytes)."""
+        out: dict[str, torch.Tensor] = {}
+        by_file: dict[str, list[str]] = {}
+        for k, fname in (self.carried_files or {}).items():
+            by_file.setdefault(fname, []).append(k)
+        for fname, names in by_file.items():
+            path = self._resolve(fname)
+            if path is None:
+                raise ValueError(f"{self.name}: {fname} (named by {SAFE_INDEX}) is missing")
+            with open(path, "rb", buffering=0) as fh:
+                header, base = read_safetensors_header(fh, path)
+                for k in names:
+                    entry = header[k]
+                    dtype = _DTYPES.get(entry["dtype"])
+                    if dtype is None:
+                        raise ValueError(f"{path}: {k} has dtype {entry['dtype']}, which saving by stage cannot carry")
+                    a, b = entry["data_offsets"]
+                    fh.seek(base + a)
+                    out[k] = torch.empty(tuple(entry["shape"]), dtype=dtype)
+                    _readinto(fh, out[k], b - a, path)
+        return out
 
     def load(self, model: nn.Module, keys: dict[str, str], what: str) -> None:
         """Allocate ``model``'s meta parameters on the CPU and read them; ``keys``: model key ->
@@ -165,6 +219,7 @@ class ModelSource:
                 header, base = read_safetensors_header(fh, path)
                 for k in names:
                     src, dst = keys[k], targets[k]
+                    src = src if self.file_names is None else self.file_names[src]
                     entry = header.get(src)
                     if entry is None:
                         raise ValueError(f"{path} lacks {src} ({SAFE_INDEX} places it there)")
@@ -225,14 +280,17 @@ def model_source(name: str | os.PathLike, model_init_kwargs: dict[str, Any] | st
     except (OSError, ValueError) as e:
         raise ValueError(f"model={name!r}: no HF model config found ({e}); pass a Hub name or a local directory "
                          "written by save_pretrained, or a model object") from None
+    composite = composite_layout(config)
+    outer, config = config, (config.get_text_config() if composite is not None else config)
     unknown = [k for k in kw if not hasattr(config, k)]
     if unknown:
         raise ValueError(f"model_init_kwargs {unknown} cannot be honoured when the model is loaded by stage (each "
                          "rank reads its own stage's tensors); remove them, or pass a model object "
                          "(AutoModelForCausalLM.from_pretrained(...)) as model")
     checkpoint_tied = bool(getattr(config, "tie_word_embeddings", False))
-    for k, v in kw.items():  # from_pretrained's config overrides
+    for k, v in kw.items():  # from_pretrained's config overrides (a composite's: its text config's)
         setattr(config, k, v)
+    config = outer
 
     def resolve(fname: str) -> str | None:
         if os.path.isdir(name):
@@ -273,7 +331,105 @@ def model_source(name: str | os.PathLike, model_init_kwargs: dict[str, Any] | st
         generation = GenerationConfig.from_pretrained(name, **hub)
     except (OSError, ValueError):
         pass
-    return ModelSource(name, config, weight_map, resolve, dtype, model_kwargs, generation, checkpoint_tied)
+    source = ModelSource(name, config, weight_map, resolve, dtype, model_kwargs, generation, checkpoint_tied)
+    if composite is not None:  # the view's tensors under the checkpoint's names, the other towers carried
+        names = module_names(source.empty_composite(), weight_map)
+        text_map, file_names, carried = {}, {}, {}
+        for fkey, mkey in names.items():
+            tkey = composite.text_key(mkey if mkey is not None else fkey)
+            if tkey is None:
+                carried[fkey] = weight_map[fkey]
+            elif mkey is None:
+                raise ValueError(f"model={name!r}: its tensor {fkey} is converted (not only renamed) when "
+                                 "transformers loads it, which loading by stage does not do; pass the model object "
+                                 "(from_pretrained) as model")
+            else:
+                text_map[tkey], file_names[tkey] = weight_map[fkey], fkey
+        source.weight_map, source.file_names, source.carried_files = text_map, file_names, carried
+    return source
+
+
+def _composite_class(config: Any) -> type:
+    import transformers
+
+    for arch in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, arch, None)
+        if cls is not None:
+            return cls
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText._model_mapping[type(config)]
+
+
+class CompositeCheckpoint:
+    """Saving a composite model trained through its :class:`~concertina_hf.runtime.composite.TextView`
+    (see the module docstring): ``names``: view name -> the name saved (the checkpoint's own);
+    ``carried``: the other towers' tensors by saved name, or a function reading them (called by
+    the rank that writes stage 0's shard, at each save)."""
+
+    def __init__(self, view: TextView, names: dict[str, str], carried: Any, generation_config: Any = None) -> None:
+        self.config, self.class_name = view.composite_config, view.composite_class
+        self.model_type = view.layout.model_type
+        self.other_inputs = view.other_inputs
+        self.names, self.generation_config = names, generation_config
+        self._carried = carried
+
+    def drop_carried(self) -> None:
+        """On a rank that never writes stage 0's shard: no reference to the other towers' tensors."""
+        self._carried = {}
+
+    def carried(self) -> dict[str, torch.Tensor]:
+        return self._carried() if callable(self._carried) else dict(self._carried)
+
+    def saved(self, tensors: dict[str, torch.Tensor], stage: int) -> dict[str, torch.Tensor]:
+        """A stage's tensors under their saved names; stage 0's with the other towers' tensors."""
+        out = {self.names.get(k, k): v for k, v in tensors.items()}
+        return {**self.carried(), **out} if stage == 0 else out
+
+    def checkpoint_names(self, available: Any) -> dict[str, str]:
+        """``{view name: saved name}`` of the view's tensors found among ``available`` (a saved
+        checkpoint's names)."""
+        return {k: n for k, n in self.names.items() if n in available}
+
+    def save_config(self, output_dir: str, attn_implementation: str) -> None:
+        """The composite's config (and generation config), as ``save_pretrained`` writes them."""
+        config = self.config
+        text = config.get_text_config()
+        runtime_attn, architectures = text._attn_implementation, getattr(config, "architectures", None)
+        try:
+            text._attn_implementation = attn_implementation
+            config.architectures = [self.class_name]
+            config.save_pretrained(output_dir)
+        finally:
+            text._attn_implementation, config.architectures = runtime_attn, architectures
+        if self.generation_config is not None:
+            self.generation_config.save_pretrained(output_dir)
+
+
+def composite_text_model(model: Any, source: ModelSource | None) -> tuple[Any, CompositeCheckpoint | None]:
+    """The model the pipeline trains and, for a composite, its :class:`CompositeCheckpoint`:
+    ``model`` as it is (not a composite), the :class:`~concertina_hf.runtime.composite.TextView`
+    built by ``source``, or the view of a composite model object (its other towers' tensors kept for
+    saving, under the names ``save_pretrained`` gives them)."""
+    if source is not None:
+        if source.file_names is None:
+            return model, None
+        return model, CompositeCheckpoint(model, dict(source.file_names), source.read_carried,
+                                          source.generation_config)
+    view = text_view(model) if isinstance(model, nn.Module) else None
+    if view is None:
+        return model, None
+    state = model.state_dict()
+    saved = saved_names(model, state)
+    names, carried = {}, {}
+    for k, v in state.items():
+        tkey = view.layout.text_key(k)
+        if tkey is None:
+            carried[saved[k]] = v.detach()
+        else:
+            names[tkey] = saved[k]
+    generation = getattr(model, "generation_config", None) if getattr(model, "can_generate", lambda: False)() else None
+    return view, CompositeCheckpoint(view, names, carried, generation)
 
 
 # ---------------------------------------------------------------------------------- saving
@@ -303,13 +459,17 @@ def write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> int:
     return offset
 
 
-def write_stage_shard(pipeline: Any, output_dir: str) -> tuple[str, dict[str, int]]:
+def write_stage_shard(pipeline: Any, output_dir: str,
+                      composite: CompositeCheckpoint | None = None) -> tuple[str, dict[str, int]]:
     """This stage's parameters and persistent buffers under their HF names into its shard file
     (:func:`shard_name`); tied embeddings only from the first stage. Returns the file's name and
-    ``{tensor: bytes}``."""
+    ``{tensor: bytes}``. ``composite``: the names of the composite's checkpoint, and on stage 0
+    its other towers' tensors (:class:`CompositeCheckpoint`)."""
     # sharded parameters gathered whole: collective over the stage's dp x sp ranks (each calls it)
     tensors = {k: v for k, v in full_state(pipeline.model).items()
                if not (pipeline.tied_embeddings and k == HEAD_WEIGHT)}
+    if composite is not None:
+        tensors = composite.saved(tensors, pipeline.stage)
     fname = shard_name(pipeline.stage, pipeline.layout.num_stages)
     write_safetensors(os.path.join(output_dir, fname), tensors)
     return fname, {k: v.numel() * v.element_size() for k, v in tensors.items()}

@@ -41,13 +41,14 @@ from .auto_layout import choose_layout
 from .callbacks import StepStatsCallback, use_compact_console
 from .checkpoint import StageCheckpointer
 from .collator import LengthAwareCollator
+from ..runtime.composite import refuse_other_modalities
 from ..runtime.distributed import fails_together, global_grad_norm, launched_world_size, reduce_gradients
 from ..runtime.param_sharding import local_tensor, shard_stage
 from .evaluation import PipelinePredictor
 from ..integrations.peft import base_model_of
 from .run_setup import build_topology, check_trainer_arguments, pipeline_stage, resolve_run
 from .self_check import probe_layers, self_check
-from .stage_loading import model_source
+from .stage_loading import composite_text_model, model_source
 from .sharded_optimizer import shard_optimizer
 from .step_guard import StepGuard
 from .step_planner import StepPlanner
@@ -126,6 +127,9 @@ class ConcertinaTrainer(Trainer):
         source = model_source(model, args.model_init_kwargs) if isinstance(model, (str, os.PathLike)) \
             and isinstance(args, ConcertinaTrainingArguments) else None
         model = source.empty_model() if source is not None else model
+        #: a composite (multimodal) model: the pipeline trains its language model (a TextView) and
+        #: saves the composite's checkpoint (CompositeCheckpoint); None otherwise
+        model, self.composite = composite_text_model(model, source)
         check_trainer_arguments(model, args, optimizers, model_init=model_init, compute_loss_func=compute_loss_func)
         _ = args.device  # the process group must exist before the model is split: the stage is the pipeline rank
         #: concertina_layout="auto": the sizes chosen from the model and the data (None: as given)
@@ -139,6 +143,8 @@ class ConcertinaTrainer(Trainer):
             self.layout_choice.check_same_everywhere(self.topology)
             if self.topology.rank == 0:
                 logger.info(self.layout_choice.table_text())
+        if self.composite is not None and not (self.topology.writes_stage and self.topology.stage == 0):
+            self.composite.drop_carried()  # only stage 0's writer saves the other towers
         # DDP's: rank 0's weights everywhere (loaded by stage, every rank read the same files)
         self.weights_synced = self.topology.sync_weights_from_rank0(model) if source is None else []
         hf_model = base_model_of(model)  # a PeftModel's HF model; self.peft_model keeps the PeftModel
@@ -161,7 +167,7 @@ class ConcertinaTrainer(Trainer):
             shard_stage(self.pipeline, self.topology)
         self.checkpointer = StageCheckpointer(self.pipeline, self.topology, args.concertina_shard_optimizer,
                                               peft_model=self.peft_model,
-                                              shard_parameters=self.pipeline.sharded)
+                                              shard_parameters=self.pipeline.sharded, composite=self.composite)
         if self.layout_choice is not None:
             self.checkpointer.layout_choice = self.layout_choice.to_dict()
         self.planner = StepPlanner(self.setup, self.topology, overlap=args.concertina_overlap_planning)
@@ -201,6 +207,8 @@ class ConcertinaTrainer(Trainer):
         super()._set_signature_columns_if_needed()
         if "seq_lengths" not in self._signature_columns:
             self._signature_columns = list(self._signature_columns) + ["seq_lengths"]
+        if self.composite is not None:  # kept, so that a batch with them is refused (not trained as text)
+            self._signature_columns = list(dict.fromkeys([*self._signature_columns, *self.composite.other_inputs]))
 
     def _get_dataloader(self, dataset, description: str, batch_size: int, sampler_fn=None, is_training: bool = False,
                         dataloader_key: str | None = None) -> DataLoader:
@@ -212,6 +220,8 @@ class ConcertinaTrainer(Trainer):
             dataset = self._remove_unused_columns(dataset, description=description)
         else:
             data_collator = self._get_collator_with_removed_columns(self.data_collator, description=description)
+        if self.composite is not None:
+            data_collator = _TextOnlyCollator(data_collator, self.composite.other_inputs, self.composite.model_type)
         if is_training and self.layout_choice is not None:  # Trainer's global batch at this many processes
             batch_size *= self.layout_choice.replica_batch_factor
         sampler = None
@@ -520,6 +530,23 @@ class ConcertinaTrainer(Trainer):
         logger.info(f"Loading best model from {self.state.best_model_checkpoint} (score: {self.state.best_metric}).")
         self.checkpointer.verified(self.state.best_model_checkpoint)
         self.checkpointer.load_stage_weights(self.model, self.state.best_model_checkpoint)
+
+
+class _TextOnlyCollator:
+    """A composite model's collator: rows and batches that carry another modality are refused
+    (:func:`~concertina_hf.runtime.composite.refuse_other_modalities`)."""
+
+    def __init__(self, collator: Callable, names: tuple[str, ...], model_type: str) -> None:
+        self.collator, self.names, self.model_type = collator, names, model_type
+
+    def __call__(self, features):
+        for row in features:
+            if isinstance(row, dict):
+                refuse_other_modalities(row, self.names, self.model_type)
+        batch = self.collator(features)
+        if isinstance(batch, dict):
+            refuse_other_modalities(batch, self.names, self.model_type)
+        return batch
 
 
 def _guard_calls(cls: type, own_only: bool = False) -> None:
