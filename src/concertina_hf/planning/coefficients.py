@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from .activations import saved_bytes
+from .mixers import linear_layer_fields
 from .types import PlanError
 
 __all__ = ["DEVICE_PRESETS", "ChunkShape", "DeviceSpec", "ProfileSample", "analytic_coefficients",
@@ -301,4 +302,7 @@ def analytic_coefficients(
         inter_node_bandwidth=dev.inter_node_bandwidth,
         inter_node_latency_s=dev.inter_node_latency_s,
         gpus_per_node=dev.gpus_per_node,
+        # linear-attention (Gated DeltaNet) layers named by config.layer_types, priced apart (mixers.py)
+        **linear_layer_fields(get, dev.flops, dev.mem_bandwidth, dev.kernel_overhead_s, b, compute_dtype_bytes,
+                              saved.layer, inter, attention_kernel),
     )

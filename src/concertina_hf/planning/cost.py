@@ -56,6 +56,20 @@ recomputed layer re-materializes its activations in backward, but the runtime re
 own (at least as many bytes): so this raises the backward's peak only when all the stage's layers
 recompute (``r == n``), by ``act_bytes_per_token`` per token.
 
+**Layer kinds.** A model with linear-attention (Gated DeltaNet) layers lists each layer's kind
+(:attr:`CostModel.layer_kinds`, from ``config.layer_types``: :mod:`.mixers`); empty, every layer is
+an attention layer and nothing below changes. A linear layer's forward is
+``lin_alpha_tok * sum(s_i) + lin_beta_segment * slices + beta`` (no context term: a slice reads a
+fixed-size state; a per-segment overhead: one scan call per slice); saved, it keeps
+``lin_act_bytes_per_token`` per token; recomputed, its input as an attention layer; it keeps no
+K/V, but a non-final slice keeps its state and convolution tail (``lin_state_bytes`` per linear
+layer, saved or recomputed) and the later slices' backward its gradient. A stage's time, memory
+and parameters count its layers by kind (the partition balances per-layer costs). The recompute
+planner's model is linear in ``r``: a recomputed layer is priced in memory at its stage's mix of
+kinds and in time as the model's mean layer (:meth:`CostModel.recompute_time` does not know the
+stage), not as the stage's first ``r`` layers' own kinds (exact at ``r = 0`` and ``r = n``). sp > 1
+prices every layer as attention (the runtime runs linear layers at sp = 1 only).
+
 A stage of several GPUs (Ulysses inside attention), a chunk placed whole-doc / per-doc over
 them and sharded weights and optimizer state are priced by :mod:`.cost_parallel`
 (:class:`~.cost_parallel.ParallelCosts`, whose methods :class:`CostModel` inherits): the formulas
@@ -224,6 +238,14 @@ class CostModel(ParallelCosts):
     # stage, gathered again per layer on every GPU for the slice. Set by for_plan from the plan;
     # to_dict leaves it out while empty.
     whole_doc_carried: tuple[tuple[int, int, int], ...] = ()
+    # each decoder layer's kind, "attention" or "linear" (a Gated DeltaNet: module docstring,
+    # :mod:`.mixers`); empty: every layer attention. to_dict leaves these out while empty
+    layer_kinds: tuple[str, ...] = ()
+    lin_alpha_tok: float = 0.0  # a linear layer's forward seconds per token
+    lin_beta_segment: float = 0.0  # ... per slice of the chunk (one scan call each)
+    lin_act_bytes_per_token: float = 0.0  # what a saved linear layer keeps per token
+    lin_state_bytes: float = 0.0  # per linear layer and non-final slice: its state and convolution tail
+    lin_layer_params: int = 0  # parameters of a linear layer
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -276,6 +298,23 @@ class CostModel(ParallelCosts):
             pairs = (1.0 - g) * pairs + g * attn_pairs(slices)
         return self.alpha_attn * pairs + self.alpha_tok * tok + self.beta
 
+    def linear_layer_time(self, slices: Sequence[Slice]) -> float:
+        """Forward of one linear-attention layer (sp = 1): linear in tokens, per slice an overhead."""
+        return self.lin_alpha_tok * sum(s.length for s in slices) + self.lin_beta_segment * len(slices) + self.beta
+
+    def layer_kind_counts(self, layout: StageLayout, stage: int, first: int | None = None) -> tuple[int, int]:
+        """``(attention, linear)`` decoder layers of ``stage`` (of its ``first`` layers when given)."""
+        a, b = layout.layer_ranges[stage]
+        if first is not None:
+            b = min(b, a + first)
+        kinds = self.layer_kinds
+        lin = sum(1 for i in range(a, b) if i < len(kinds) and kinds[i] == "linear") if kinds else 0
+        return b - a - lin, lin
+
+    def _mean_linear_share(self) -> float:
+        kinds = self.layer_kinds
+        return sum(k == "linear" for k in kinds) / len(kinds) if kinds else 0.0
+
     def layer_fwd_time(self, slices: Sequence[Slice]) -> float:
         """Forward of one decoder layer: compute, the four all-to-alls (``sp > 1``), and with
         ``zero3`` at least the gather of its weights."""
@@ -298,7 +337,10 @@ class CostModel(ParallelCosts):
         chunk (whole-doc / per-doc): its busiest GPU's, the K/V all-gathers included."""
         if chunk.placement and self.sp > 1:
             return self._placed_fwd(layout, stage, chunk)
-        t = layout.num_stage_layers(stage) * self.layer_fwd_time(chunk.slices)
+        n_attn, n_lin = self.layer_kind_counts(layout, stage)
+        t = n_attn * self.layer_fwd_time(chunk.slices)
+        if n_lin:
+            t += n_lin * self.linear_layer_time(chunk.slices)
         if layout.has_embedding(stage):
             t += self.embed_time_per_token * chunk.num_tokens + self.embed_time_per_call
         if layout.has_head(stage):
@@ -341,7 +383,11 @@ class CostModel(ParallelCosts):
         if chunk.placement and self.sp > 1:
             return self._placed_recompute(chunk, recompute_layers)
         if self.sp == 1 and not self.zero3:
-            return recompute_layers * self.recompute_factor * self.layer_fwd_time(chunk.slices)
+            layer = self.layer_fwd_time(chunk.slices)
+            share = self._mean_linear_share()
+            if share:  # the model's mean layer (the stage is not known here: module docstring)
+                layer = (1.0 - share) * layer + share * self.linear_layer_time(chunk.slices)
+            return recompute_layers * self.recompute_factor * layer
         return recompute_layers * (self.recompute_factor * self.layer_compute_time(chunk.slices)
                                    + self.a2a_time(chunk.num_tokens))
 
@@ -370,6 +416,16 @@ class CostModel(ParallelCosts):
         mem += recompute_layers * (self.ckpt_bytes_per_token * tok + self.kv_bytes_per_token * kv_tok)
         if recompute_layers and self.ckpt_chunk_bytes_per_token:
             mem += self.ckpt_chunk_bytes_per_token * tok
+        attn_saved = saved
+        if self.layer_kinds:  # linear layers: their own bytes, no K/V, a state per non-final slice
+            # the recomputed layers at the stage's mix of kinds (linear in r, as the recompute
+            # planner's model; exact at r = 0 and r = n)
+            _, lin = self.layer_kind_counts(layout, stage)
+            lin_rec = lin * recompute_layers / n if n else 0.0
+            attn_saved = saved - (lin - lin_rec)
+            mem += (lin - lin_rec) * (self.lin_act_bytes_per_token - self.act_bytes_per_token) * tok
+            mem -= lin_rec * self.kv_bytes_per_token * kv_tok
+            mem += lin * self.lin_state_bytes * (chunk.kind is ChunkKind.SPLIT)
         if n:
             mem += self.stage_bytes_per_token * tok  # what the layers share (saved or replayed)
         mem += self.ids_bytes_per_token * tok * (layout.has_embedding(stage) + layout.has_head(stage))
@@ -377,17 +433,17 @@ class CostModel(ParallelCosts):
             mem += self.logits_bytes_per_token * tok
         else:
             mem += self.output_bytes_per_token * tok
-        if saved and self.context_bytes_per_token:
+        if attn_saved and self.context_bytes_per_token:
             # keys attended to beyond the slice's own (its earlier slices'), and the own K/V a
             # non-final slice keeps in the store besides that concatenated copy
             ctx_tok = sum(self._attended(s.context) + (s.length if chunk.kind is ChunkKind.SPLIT else 0)
                           for s in chunk.slices if s.context > 0)
-            mem += saved * self.context_bytes_per_token * ctx_tok
-        if saved and self.attn_bytes_per_pair:
+            mem += attn_saved * self.context_bytes_per_token * ctx_tok
+        if attn_saved and self.attn_bytes_per_pair:
             # the eager formula's score blocks, one slice at a time: its queries by the keys it
             # attends to (own ones included, masked entries too)
             block = sum(s.length * (self._attended(s.context) + s.length) for s in chunk.slices)
-            mem += saved * self.attn_bytes_per_pair * block
+            mem += attn_saved * self.attn_bytes_per_pair * block
         if saved and self.segment_global_fraction:
             # segment-level training's global heads: per saved layer, their keys and values of every
             # token before the tail, gathered per query head for the backward (the runtime's copy)
@@ -398,8 +454,12 @@ class CostModel(ParallelCosts):
 
     def kv_grad_memory(self, layout: StageLayout, stage: int, earlier_tokens: int) -> float:
         """Bytes of K/V gradient buffers for ``earlier_tokens`` tokens of earlier slices, alive
-        while a split sequence's later slices run backward."""
-        return layout.num_stage_layers(stage) * self.kv_bytes_per_token * earlier_tokens
+        while a split sequence's later slices run backward (a linear layer: its carried state's)."""
+        n_attn, n_lin = self.layer_kind_counts(layout, stage)
+        mem = n_attn * self.kv_bytes_per_token * earlier_tokens
+        if n_lin and earlier_tokens:
+            mem += n_lin * self.lin_state_bytes
+        return mem
 
     def transient_memory(self, layout: StageLayout, stage: int, chunk: Chunk, recompute_layers: int = 0,
                          layer_extra: float = 0.0) -> float:
@@ -465,7 +525,8 @@ class CostModel(ParallelCosts):
         return self.embed_bwd_transient_bytes + per_tok * chunk.num_tokens
 
     def _stage_params(self, layout: StageLayout, stage: int) -> int:
-        params = layout.num_stage_layers(stage) * self.layer_params
+        n_attn, n_lin = self.layer_kind_counts(layout, stage)
+        params = n_attn * self.layer_params + n_lin * self.lin_layer_params
         if layout.has_embedding(stage):
             params += self.embed_params
         if layout.has_head(stage):
@@ -494,6 +555,10 @@ class CostModel(ParallelCosts):
             del d["sp_rank"]
         if not d["whole_doc_carried"]:
             del d["whole_doc_carried"]
+        if not d["layer_kinds"]:  # an attention model's file stays as it was
+            for k in ("layer_kinds", "lin_alpha_tok", "lin_beta_segment", "lin_act_bytes_per_token",
+                      "lin_state_bytes", "lin_layer_params"):
+                del d[k]
         return d
 
     @classmethod
@@ -511,4 +576,6 @@ class CostModel(ParallelCosts):
             d["head_time_points"] = tuple((float(t), float(s)) for t, s in d["head_time_points"])
         if "whole_doc_carried" in d:
             d["whole_doc_carried"] = tuple(tuple(int(x) for x in e) for e in d["whole_doc_carried"])
+        if "layer_kinds" in d:
+            d["layer_kinds"] = tuple(str(k) for k in d["layer_kinds"])
         return cls(**d)

@@ -5,6 +5,9 @@ tokens at context 0 (forward plus backward, no recompute)::
 
     (b - a) * layer_time  +  [s == 0] * embedding_time  +  [s == p - 1] * (head + loss)_time
 
+With layers of several kinds (:attr:`~.cost.CostModel.layer_kinds`: attention and linear
+attention) ``(b - a) * layer_time`` is the sum of the stage's own layers' times, each at its kind's.
+
 The layout minimizing the slowest stage comes from an exact dynamic program over split points,
 ``best[k][j]`` = the smallest possible maximum stage time when the first ``k`` stages own the
 first ``j`` layers. A stage's candidate starts are scanned from the right and the scan stops
@@ -16,6 +19,8 @@ where it is scarcest at no cost in time.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from .cost import CostModel
 from .types import Chunk, ChunkKind, PlanError, Remedy, Slice, StageLayout
@@ -59,11 +64,20 @@ def partition_layers(cost: CostModel, num_stages: int, num_layers: int | None = 
         )
     if tokens_hint < 1:
         raise PlanError(f"tokens_hint must be positive, got {tokens_hint}")
-    layer, embed, head = _unit_times(cost, tokens_hint)
+    if cost.layer_kinds:  # each layer at its kind's time (the checks of _unit_times on each kind)
+        layer, embed, head = _unit_times(dataclasses.replace(cost, layer_kinds=()), tokens_hint)
+        linear = _unit_times(dataclasses.replace(cost, layer_kinds=("linear",) * 3), tokens_hint)[0]
+        prefix = [0.0]
+        for i in range(L):
+            kind = cost.layer_kinds[i] if i < len(cost.layer_kinds) else "attention"
+            prefix.append(prefix[-1] + (linear if kind == "linear" else layer))
+    else:
+        layer, embed, head = _unit_times(cost, tokens_hint)
+        prefix = None
 
-    def cost_of(k: int, n: int) -> float:
-        """Time of stage k (0-indexed) owning n layers."""
-        t = n * layer
+    def cost_of(k: int, i: int, j: int) -> float:
+        """Time of stage k (0-indexed) owning layers [i, j)."""
+        t = (j - i) * layer if prefix is None else prefix[j] - prefix[i]
         if k == 0:
             t += embed
         if k == p - 1:
@@ -82,7 +96,7 @@ def partition_layers(cost: CostModel, num_stages: int, num_layers: int | None = 
             # the stage's own time grows as its start i moves left: once it alone reaches the
             # best max so far, no earlier start can do better
             for i in range(j - 1, k - 2, -1):
-                c = cost_of(k - 1, j - i)
+                c = cost_of(k - 1, i, j)
                 if c >= m:
                     break
                 v = row[i]
@@ -99,7 +113,7 @@ def partition_layers(cost: CostModel, num_stages: int, num_layers: int | None = 
     for k in range(p, 0, -1):
         start = None
         for i in range(k - 1, end):  # smallest start = most layers for this stage
-            if cost_of(k - 1, end - i) <= target + tol and best[k - 1][i] <= target + tol:
+            if cost_of(k - 1, i, end) <= target + tol and best[k - 1][i] <= target + tol:
                 start = i
                 break
         assert start is not None  # the DP guarantees a feasible split point

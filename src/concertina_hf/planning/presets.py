@@ -2,8 +2,10 @@
 
 Each preset is the subset of an HF ``LlamaConfig`` that :meth:`~.cost.CostModel.from_hf_config`
 reads: the Llama family sizes of the LLaMA paper, and two tiny models for tests and CPU runs
-using the bundled 8192-token tokenizer's vocabulary. ``concertina plan --model-config NAME``
-accepts the names.
+using the bundled 8192-token tokenizer's vocabulary; ``hybrid-7b``: LLaMA-7B's sizes with three
+Gated DeltaNet (linear attention) layers to every attention layer, Qwen3-Next's mixer sizes (16 key
+heads, 32 value heads of 128, convolution width 4), for the per-layer-kind cost model
+(:mod:`.mixers`). ``concertina plan --model-config NAME`` accepts the names.
 """
 
 from __future__ import annotations
@@ -19,6 +21,11 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                       num_hidden_layers=40, intermediate_size=13824, vocab_size=32000),
     "llama-30b": dict(model_type="llama", hidden_size=6656, num_attention_heads=52, num_key_value_heads=52,
                       num_hidden_layers=60, intermediate_size=17920, vocab_size=32000),
+    "hybrid-7b": dict(model_type="qwen3_next", hidden_size=4096, num_attention_heads=32, num_key_value_heads=32,
+                      num_hidden_layers=32, intermediate_size=11008, vocab_size=32000,
+                      layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 8, linear_num_key_heads=16,
+                      linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                      linear_conv_kernel_dim=4),
     "tiny-llama": dict(model_type="llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
                        num_hidden_layers=8, intermediate_size=352, vocab_size=8192),
     "small-llama": dict(model_type="llama", hidden_size=512, num_attention_heads=8, num_key_value_heads=4,

@@ -40,7 +40,8 @@ Outside a chunk and outside a step (a plain ``model(...)``, ``generate``) the mo
 ``forward`` runs; inside a step without a chunk context it raises. Not implemented, and refused
 here with the feature named: sequence parallelism (a Ulysses or placed chunk's context), and
 segment-level training (a store that reads earlier slices detached or within a tail). The cost
-model still prices these layers as attention layers.
+model prices these layers by kind (``concertina_hf.planning.mixers``: linear in tokens, a cost per
+slice, a state per split slice).
 
 Cost: per slice one scan call (a packed chunk of many short documents makes many small calls) and
 one convolution over the chunk; per non-final slice and layer, ``H * Dk * Dv`` float32 plus
