@@ -20,6 +20,12 @@ then one of:
 - **MISMATCH** / **CRASH**: a bug (to fix, or a refusal to add); the script exits with status 1;
 - **does not build**: the tiny config or the model cannot be built on this CPU (reason given).
 
+A composite type of :data:`concertina_hf.runtime.composite.COMPOSITE_TYPES` (Gemma3's vision tower
+and language model) is checked as ``ConcertinaTrainer`` trains it: its language model
+(:func:`~concertina_hf.runtime.composite.text_view`) built from the tiny config of its text type
+(less the logit work the composite's forward does not do, which the view refuses) beside a
+one-layer vision tower, against the composite's own forward.
+
 Each type runs in a worker process (restarted after a type that times out or kills it).
 Usage::
 
@@ -55,6 +61,9 @@ SIZES = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attentio
 OUTSIDE = dict(embedding_multiplier=4.0, logit_scale=0.5, logits_scaling=3.0, final_logit_softcapping=2.0,
                # inside the attention: at these scales the scores are ~1, so a cap of 50 would be the identity
                attn_logit_softcapping=1.0)
+#: a composite's vision tower, as small as it builds (never run: only its language model is checked)
+TINY_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                   patch_size=4, head_dim=8)
 #: attributes set even when the default config leaves them None (rotary code needs a head size, MoE
 #: layers their sizes)
 ALWAYS = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "n_routed_experts", "moe_intermediate_size",
@@ -93,6 +102,26 @@ def tiny_config(model_type: str, **overrides):
         put("layer_types", [kinds[i % len(kinds)] for i in range(cfg.num_hidden_layers)])
     for k, v in overrides.items():
         setattr(cfg, k, v)
+    return cfg
+
+
+def tiny_composite_config(model_type: str, **overrides):
+    """A composite config: :func:`tiny_config` of its text type (without the logit work the
+    composite's forward does not do), :data:`TINY_VISION`, one image as 4 tokens."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cfg = CONFIG_MAPPING[model_type]()
+    no_logit_work = dict(final_logit_softcapping=None, logit_scale=None, logits_scaling=None)
+    cfg.text_config = tiny_config(cfg.get_text_config().model_type, **{**no_logit_work, **overrides})
+    for k, v in TINY_VISION.items():
+        if hasattr(cfg.vision_config, k):
+            setattr(cfg.vision_config, k, v)
+    if hasattr(cfg, "mm_tokens_per_image"):
+        cfg.mm_tokens_per_image = 4
+    for k in list(vars(cfg)):
+        value = getattr(cfg, k, None)
+        if k.endswith(("token_id", "token_index")) and isinstance(value, int) and value >= VOCAB:
+            setattr(cfg, k, 0)
     return cfg
 
 
@@ -221,15 +250,18 @@ def check_type(model_type: str, **overrides) -> dict:
     from concertina_hf.planning import CostModel, StageLayout
     from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
     from concertina_hf.training.run_setup import check_model_family
+    from concertina_hf.runtime.composite import COMPOSITE_TYPES, text_view
     from concertina_hf.runtime.families import UnsupportedModelError, check_config
 
     row = {"type": model_type, "class": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]}
+    composite = COMPOSITE_TYPES.get(model_type)
     try:
-        cfg = tiny_config(model_type, **overrides)
+        cfg = tiny_composite_config(model_type, **overrides) if composite else tiny_config(model_type, **overrides)
     except Exception as exc:
         return dict(row, verdict="does not build", note=f"config: {type(exc).__name__}: {exc}")
     try:
-        check_config(cfg)  # composite configs are refused before their (large) sub-models are built
+        if composite is None:
+            check_config(cfg)  # composite configs are refused before their (large) sub-models are built
     except UnsupportedModelError as exc:
         return dict(row, verdict="refused", note=str(exc))
     try:
@@ -237,19 +269,24 @@ def check_type(model_type: str, **overrides) -> dict:
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
     except Exception as exc:
         return dict(row, verdict="does not build", note=f"model: {type(exc).__name__}: {exc}")
+    whole = model  # the reference: a composite's own forward
     try:
+        model = text_view(model) if composite else model  # what ConcertinaTrainer trains of a composite
         check_model_family(model)  # ConcertinaTrainer's first check
     except UnsupportedModelError as exc:
         return dict(row, verdict="refused", note=str(exc))
     try:  # ConcertinaTrainer plans with the analytic cost model of the config
-        CostModel.from_hf_config(cfg, dtype_bytes=4)
+        CostModel.from_hf_config(model.config, dtype_bytes=4)
     except Exception as exc:
         return dict(row, verdict="CRASH", note=f"CostModel.from_hf_config: {type(exc).__name__}: {exc}")
     ids, labels = batch()
     n = sum(int((lab[1:] != -100).sum()) for lab in labels)
     try:
-        model.train()
-        ref_loss, ref_grads = reference(model, ids, labels)
+        whole.train()
+        ref_loss, ref_grads = reference(whole, ids, labels)
+        if composite:  # the composite's names -> its language model's (model.X, lm_head.X)
+            names = {composite.text_key(k): k for k in ref_grads}
+            ref_grads = {t: ref_grads[k] for t, k in names.items() if t is not None}
     except Exception as exc:
         return dict(row, verdict="does not build", note=f"HF reference: {type(exc).__name__}: {exc}")
     try:
@@ -379,7 +416,9 @@ def table(rows: list[dict], command: str) -> str:
         "`PipelineExecutor` on one stage (pp=1) and as 2 stages run one after the other (pp=2). Figures: relative "
         "loss difference / worst relative gradient difference over the parameters (bounds 1e-5 / 1e-4). "
         "**does not build**: the tiny config or model cannot be built on the CPU (not a verdict on the model). "
-        "Every supported type also passes the trainer's own self-check (`concertina_self_check`). Each refusal "
+        "Every supported type also passes the trainer's own self-check (`concertina_self_check`). A composite type "
+        "of `src/concertina_hf/runtime/composite.py` is checked on its language model (its text type's tiny config, "
+        "a one-layer vision tower) against the composite's forward. Each refusal "
         "message ends with the supported layout, left out of the table: \"" + SUPPORTED_LAYOUT + "\". See "
         "`src/concertina_hf/runtime/families.py` for what is reproduced and what is refused, and why.",
         "",

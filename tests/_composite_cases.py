@@ -1,9 +1,12 @@
-"""The tiny composite (multimodal) model of the composite tests, and its ``Trainer`` reference.
+"""The tiny composite (multimodal) models of the composite tests, and their ``Trainer`` reference.
 
-A ``Gemma3ForConditionalGeneration``: a one-layer SigLIP vision tower, the projector, a 4-layer
-Gemma3 text model (sliding and full attention layers, tied embeddings) on the 64-token vocabulary
-of ``tests/_models.py``. The reference is ``Trainer`` on the composite object on text
-(``DataCollatorWithFlattening``, eager attention), with the settings of :data:`_models.NO_SAVE`.
+``gemma3``: a ``Gemma3ForConditionalGeneration``, a one-layer SigLIP vision tower, the projector, a
+4-layer Gemma3 text model (sliding and full attention layers, tied embeddings) on the 64-token
+vocabulary of ``tests/_models.py``; ``mistral3`` the same way (a one-layer Pixtral tower, a
+Mistral text model, tied embeddings). The reference is ``Trainer`` on the composite object on text
+(``DataCollatorWithFlattening``, eager attention), with :data:`SETTINGS`: the sequences in dataset
+order, since Trainer's random order depends on what consumed the global random stream before it
+(building a model may).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import os
 
 import torch
 
+from _models import NO_SAVE
+
 TEXT = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, sliding_window=8, max_position_embeddings=256,
             layer_types=["sliding_attention", "full_attention"] * 2)
@@ -20,13 +25,26 @@ VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_att
               patch_size=4)
 
 
-def tiny_composite():
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+#: the text model of the Mistral3 composite
+PLAIN_TEXT = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+#: the Trainer settings of the composite tests (:data:`_models.NO_SAVE`, the sequences in dataset order)
+SETTINGS = dict(NO_SAVE, train_sampling_strategy="sequential")
+#: the composite model types the tests train
+TYPES = ("gemma3", "mistral3")
+
+
+def tiny_composite(model_type: str = "gemma3"):
+    from transformers import AutoModelForImageTextToText, Gemma3Config, Mistral3Config
 
     torch.manual_seed(0)
-    cfg = Gemma3Config(text_config=TEXT, vision_config=VISION, mm_tokens_per_image=4, image_token_id=63,
-                       boi_token_id=61, eoi_token_id=62)
-    return Gemma3ForConditionalGeneration(cfg)
+    if model_type == "gemma3":
+        cfg = Gemma3Config(text_config=TEXT, vision_config=VISION, mm_tokens_per_image=4, image_token_id=63,
+                           boi_token_id=61, eoi_token_id=62)
+    else:
+        cfg = Mistral3Config(text_config=dict(model_type="mistral", **PLAIN_TEXT, sliding_window=None),
+                             vision_config=dict(model_type="pixtral", head_dim=8, **VISION), image_token_index=63)
+    return AutoModelForImageTextToText.from_config(cfg)
 
 
 def saved_tensors(directory: str) -> dict[str, torch.Tensor]:
@@ -53,12 +71,12 @@ def composite_key(view_key: str) -> str:
 
 def trainer_reference(source: str, out: str) -> dict:
     """``Trainer`` on the composite loaded from ``source``: losses, gradient norms, final state."""
-    from transformers import DataCollatorWithFlattening, Gemma3ForConditionalGeneration, Trainer, TrainingArguments
+    from transformers import AutoModelForImageTextToText, DataCollatorWithFlattening, Trainer, TrainingArguments
 
-    from _models import NO_SAVE, losses_of, tiny_dataset
+    from _models import losses_of, tiny_dataset
 
-    model = Gemma3ForConditionalGeneration.from_pretrained(source, attn_implementation="eager")
-    ref = Trainer(model=model, args=TrainingArguments(output_dir=out, **NO_SAVE), train_dataset=tiny_dataset(),
+    model = AutoModelForImageTextToText.from_pretrained(source, attn_implementation="eager")
+    ref = Trainer(model=model, args=TrainingArguments(output_dir=out, **SETTINGS), train_dataset=tiny_dataset(),
                   data_collator=DataCollatorWithFlattening())
     ref.train()
     return {"losses": losses_of(ref), "grad_norms": [h["grad_norm"] for h in ref.state.log_history if "loss" in h],

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from _composite_cases import composite_key, saved_tensors, tiny_composite, trainer_reference
+from _composite_cases import SETTINGS, composite_key, saved_tensors, tiny_composite, trainer_reference
 from _helpers import run_ranks
 
 KW = dict(concertina_pipeline_size=2, concertina_max_tokens_per_chunk=16, concertina_self_check=False,
@@ -66,7 +66,7 @@ def _worker(source: str, out: str) -> None:
     from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
     from concertina_hf.training import stage_loading
 
-    from _models import NO_SAVE, losses_of, tiny_dataset
+    from _models import losses_of, tiny_dataset
 
     read = []
     readinto = stage_loading._readinto
@@ -76,7 +76,7 @@ def _worker(source: str, out: str) -> None:
         return readinto(fh, tensor, nbytes, path)
 
     stage_loading._readinto = counted
-    args = ConcertinaTrainingArguments(output_dir=os.path.join(out, "run"), **dict(NO_SAVE, **KW))
+    args = ConcertinaTrainingArguments(output_dir=os.path.join(out, "run"), **dict(SETTINGS, **KW))
     trainer = ConcertinaTrainer(model=source, args=args, train_dataset=tiny_dataset())
     rank = trainer.topology.rank
     params = dict(trainer.model.named_parameters())
@@ -87,7 +87,7 @@ def _worker(source: str, out: str) -> None:
     info["grad_norms"] = [h["grad_norm"] for h in trainer.state.log_history if "loss" in h]
     torch.save({k: p.detach().clone() for k, p in params.items()}, os.path.join(out, f"trained-rank{rank}.pt"))
     trainer.save_model(os.path.join(out, "run", "final"))
-    args = ConcertinaTrainingArguments(output_dir=os.path.join(out, "resumed"), **dict(NO_SAVE, **KW))
+    args = ConcertinaTrainingArguments(output_dir=os.path.join(out, "resumed"), **dict(SETTINGS, **KW))
     resumed = ConcertinaTrainer(model=source, args=args, train_dataset=tiny_dataset())
     resumed.train(resume_from_checkpoint=os.path.join(out, "run", "checkpoint-2"))
     torch.save({k: p.detach().clone() for k, p in resumed.model.named_parameters()},

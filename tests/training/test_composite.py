@@ -1,6 +1,6 @@
 """A composite (multimodal) checkpoint trained on text, on one process: ``ConcertinaTrainer`` trains
-the language model of a Gemma3 vision-language checkpoint as ``Trainer`` trains the whole
-composite on text, and saves the checkpoint in its own layout.
+the language model of a vision-language checkpoint (Gemma3, Mistral3) as ``Trainer`` trains
+the whole composite on text, and saves the checkpoint in its own layout.
 
 The composite and the reference: ``tests/_composite_cases.py``; the concertina run reads the
 directory by stage and splits the long sequences into chunks. The same at pp=2:
@@ -12,31 +12,37 @@ from __future__ import annotations
 import datasets
 import pytest
 import torch
-from transformers import Gemma3ForConditionalGeneration
+from transformers import AutoModelForImageTextToText, Gemma3ForConditionalGeneration
 
 from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
 from concertina_hf.runtime.composite import text_view
 from concertina_hf.runtime.families import UnsupportedModelError
 
-from _composite_cases import composite_key, saved_tensors, tiny_composite, trainer_reference
-from _models import NO_SAVE, losses_of, tiny_dataset
+from _composite_cases import SETTINGS, TYPES, composite_key, saved_tensors, tiny_composite, trainer_reference
+from _models import losses_of, tiny_dataset
 
 
 def _rel(a, b):
     return ((a - b).norm() / a.norm().clamp_min(1e-12)).item()
 
 
-@pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("gemma3-composite"))
-    tiny_composite().save_pretrained(out)
+def _source(tmp_path_factory, model_type: str) -> str:
+    out = str(tmp_path_factory.mktemp(f"{model_type}-composite"))
+    tiny_composite(model_type).save_pretrained(out)
     return out
 
 
-def test_language_model_trains_as_trainer_and_saves_the_composite(source, tmp_path):
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return _source(tmp_path_factory, "gemma3")
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_language_model_trains_as_trainer_and_saves_the_composite(tmp_path_factory, tmp_path, model_type):
+    source = _source(tmp_path_factory, model_type)
     ref = trainer_reference(source, str(tmp_path / "ref"))
     args = ConcertinaTrainingArguments(output_dir=str(tmp_path / "run"), concertina_max_tokens_per_chunk=16,
-                                       **NO_SAVE)
+                                       **SETTINGS)
     trainer = ConcertinaTrainer(model=source, args=args, train_dataset=tiny_dataset())
     assert not any("vision" in k or "multi_modal" in k for k in trainer.model.state_dict())
     trainer.train()
@@ -57,7 +63,8 @@ def test_language_model_trains_as_trainer_and_saves_the_composite(source, tmp_pa
     assert set(after) == set(before)
     towers = [k for k in before if not k.startswith("language_model.")]
     assert towers and all(before[k].dtype == after[k].dtype and torch.equal(before[k], after[k]) for k in towers)
-    loaded = Gemma3ForConditionalGeneration.from_pretrained(out)
+    loaded = AutoModelForImageTextToText.from_pretrained(out)
+    assert type(loaded).__name__ == type(tiny_composite(model_type)).__name__
     assert loaded.config.text_config._attn_implementation != "concertina"
     got = loaded.state_dict()
     assert all(torch.equal(got[k], v) for k, v in state.items())
@@ -66,7 +73,7 @@ def test_language_model_trains_as_trainer_and_saves_the_composite(source, tmp_pa
     rows = [dict(r, pixel_values=torch.zeros(3, 16, 16).tolist()) for r in tiny_dataset(6)]
     trainer.train_dataset = datasets.Dataset.from_list(rows)
     with pytest.raises(ValueError, match="a batch with pixel_values: ConcertinaTrainer trains the language model "
-                                         "of the composite model type 'gemma3' on text only"):
+                                         f"of the composite model type '{model_type}' on text only"):
         next(iter(trainer.get_train_dataloader()))
     trainer.end()
 
@@ -74,7 +81,7 @@ def test_language_model_trains_as_trainer_and_saves_the_composite(source, tmp_pa
 def test_model_object_saves_the_checkpoints_names(source, tmp_path):
     """A composite object: the names save_pretrained gives, its towers' tensors unchanged."""
     model = Gemma3ForConditionalGeneration.from_pretrained(source)
-    args = ConcertinaTrainingArguments(output_dir=str(tmp_path / "run"), **dict(NO_SAVE, max_steps=1))
+    args = ConcertinaTrainingArguments(output_dir=str(tmp_path / "run"), **dict(SETTINGS, max_steps=1))
     trainer = ConcertinaTrainer(model=model, args=args, train_dataset=tiny_dataset(6))
     trainer.train()
     out = str(tmp_path / "final")

@@ -151,8 +151,9 @@ def check_config(config: Any, model: nn.Module | None = None, router_aux_loss: s
     subs = [k for k in ("text_config", "vision_config", "audio_config", "decoder_config") if
             getattr(config, k, None) is not None]
     if subs:
-        hint = ("; train its text model (e.g. AutoModelForCausalLM.from_config(config.text_config))"
-                if "text_config" in subs else "")
+        hint = ("; train its text model (e.g. AutoModelForCausalLM.from_config(config.text_config)); "
+                "ConcertinaTrainer trains the language model of the composite types of runtime/composite.py "
+                "given the composite model, its name or directory" if "text_config" in subs else "")
         raise _refuse(config, model, f"a composite config with {', '.join(subs)} (several models in one) is not "
                                      f"supported{hint}")
     types = getattr(config, "layer_types", None)

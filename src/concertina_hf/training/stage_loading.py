@@ -287,7 +287,7 @@ def model_source(name: str | os.PathLike, model_init_kwargs: dict[str, Any] | st
         raise ValueError(f"model_init_kwargs {unknown} cannot be honoured when the model is loaded by stage (each "
                          "rank reads its own stage's tensors); remove them, or pass a model object "
                          "(AutoModelForCausalLM.from_pretrained(...)) as model")
-    checkpoint_tied = bool(getattr(config, "tie_word_embeddings", False))
+    checkpoint_tied = bool(getattr(outer, "tie_word_embeddings", False))  # a composite's own tie
     for k, v in kw.items():  # from_pretrained's config overrides (a composite's: its text config's)
         setattr(config, k, v)
     config = outer
