@@ -11,6 +11,8 @@ and without rotary embeddings, Lara-Mini).
   ``A_log``, ``dt_bias`` and the convolution weights of both linear layers among them; a
   forward-only step gives the same loss.
 - **The self-check** at construction passes for it.
+- **The analytic activation memory** of the linear layers (``planning/mixers.py``, HF's torch
+  scan) within 0.85x-1.05x of the measured peak of saved tensors (a whole sequence and a split one).
 - **Refusals**: other hybrid families keep theirs (naming the layer type); sequence parallelism
   and segment-level training are refused by the mixer, naming the feature.
 
@@ -142,3 +144,31 @@ def test_layout_auto_leaves_sequence_parallelism_out(model, tmp_path):
     refused = auto_layout._runtime_refusals(args, model, 4)
     assert set(refused) == {Layout(1, 2, 2), Layout(2, 2, 1), Layout(1, 4, 1)}
     assert all("sequence parallel size 1 only" in why for why in refused.values())
+
+
+@pytest.mark.parametrize("model_type, tokens, split", [("qwen3_next", 1024, False), ("olmo_hybrid", 256, False),
+                                                       ("qwen3_next", 512, True)])
+def test_analytic_activation_memory_within_bounds(model_type, tokens, split):
+    """The analytic cost model's activation memory (``planning/mixers.py``: HF's torch scan on CPU)
+    against the step's measured peak of saved tensors, one stage, float32, the linear layers at
+    their default sizes (32 value heads of 128, 16 key heads): measured within 0.85x-1.05x of the
+    prediction, the bounds of ``tests/runtime/test_analytic_memory.py``; a split sequence keeps the
+    earlier slice's state and convolution tail."""
+    from transformers import AutoModelForCausalLM
+
+    from concertina_hf.planning import CostModel, DeviceSpec
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cases.model_support.tiny_config(model_type)).float()
+    layout = StageLayout.even(model.config.num_hidden_layers, 1)
+    half = tokens // 2
+    spec = (((0, 0, half),), ((0, half, tokens - half),)) if split else (((0, 0, tokens),),)
+    plan = cases.make_plan(layout, "none", spec, (tokens,))
+    ids = [torch.randint(0, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1))]
+    res = PipelineExecutor(PipelineWrapper(model, layout, 0)).run_step(plan, ids)
+    cost = CostModel.from_hf_config(model.config, DeviceSpec.cpu(), dtype_bytes=4, attention_kernel="sdpa-cpu-flash")
+    assert cost.layer_kinds.count("linear") == 2
+    predicted = sum(cost.act_memory(layout, 0, c) for c in plan.chunks)
+    ratio = res.peak_activation_bytes / predicted
+    print(model_type, tokens, split, res.peak_activation_bytes, int(predicted), round(ratio, 3))
+    assert 0.85 <= ratio <= 1.05, (res.peak_activation_bytes, predicted, ratio)

@@ -15,11 +15,12 @@ are priced here, the others as attention layers (:mod:`.coefficients`). What dif
   kernel HF maps ``torch_chunk_gated_delta_rule`` to (:data:`SCAN_KERNELS`): flash-linear-attention's
   on CUDA (``"fla"``, with the CUDA attention kernels) saves q, k, v, the decays, ``beta`` and one
   ``SCAN_CHUNK``-wide matrix per token and head and recomputes the rest in backward; HF's torch
-  reference (``"torch"``, on CPU) saves float32 queries and keys repeated to the value heads,
-  L2-normalized, scaled and decayed, ``beta``-weighted keys and values, three
-  ``SCAN_CHUNK``-wide matrices per token (the pairwise decays, the triangular system, the
-  intra-chunk scores), the solved values and keys, the output, and a ``[Hv, Dk, Dv]`` float32
-  state per scan chunk;
+  reference (``"torch"``, on CPU) saves float32 queries and keys repeated to the value heads
+  (before and after their L2 norm, padded, decayed; per scan chunk again in the loop's products),
+  ``beta``-weighted keys, the solved values and keys, the new values, five ``SCAN_CHUNK``-wide
+  matrices per token (the pairwise decays, the triangular system before and after the decays, the
+  intra-chunk scores likewise) and a ``[Hv, Dk, Dv]`` float32 state per scan chunk: measured on
+  CPU (``tests/runtime/test_linear_attention.py``) within the bounds of the attention layers';
 - **carry per split slice**: a non-final slice keeps, per linear layer, its final state
   (``Hv x Dk x Dv`` float32) and the convolution's last ``k - 1`` inputs (``conv_dim`` wide) for
   the next slice, whatever its length (an attention layer keeps K/V per token), and their
@@ -96,7 +97,7 @@ def linear_layer_fields(get: Callable[[str], Any], flops: float, mem_bandwidth: 
     # moves: the torch reference writes and reads its float32 tensors, the fused kernel its inputs
     # and the per-chunk states it recomputes in backward, about three passes
     if scan_kernel(attention_kernel) == "torch":
-        scan_bytes = 4 * hv * (6 * dk + 5 * dv + 2 + 3 * c + dk * dv / c)
+        scan_bytes = 4 * hv * (8 * dk + 7 * dv + 6 + 5 * c + dk * dv / c)
         moved = 2 * scan_bytes
     else:
         scan_bytes = a * (2 * key_dim + value_dim + hv + hv * c) + 4 * (hv + 2 * hk)
@@ -104,7 +105,7 @@ def linear_layer_fields(get: Callable[[str], Any], flops: float, mem_bandwidth: 
     mixer_bytes = (a * (conv_dim + value_dim + 2 * hv)  # projection outputs (conv input, gate, b, a)
                    + a * conv_dim  # the convolution's output (its activation's input)
                    + scan_bytes
-                   + 12 * value_dim + 4 * hv  # the gated norm's float32 input, gate, activation, statistics
+                   + 16 * value_dim + 4 * hv  # the gated norm's float32 tensors (input, normed, gate's copy, ...)
                    + a * value_dim + a * h)  # the output projection's input; the mixer's input
     # an attention layer's q, k, v, output, log-sum-exp and its input, which a linear layer has not
     n_heads = int(get("num_attention_heads"))
