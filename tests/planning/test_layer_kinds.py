@@ -18,7 +18,7 @@ import itertools
 from concertina_hf.planning import Chunk, ChunkKind, CostModel, DeviceSpec, Slice, StageLayout
 from concertina_hf.planning.partition import partition_layers, stage_times
 from concertina_hf.planning.presets import MODEL_PRESETS
-from concertina_hf.planning.strategies import plan_step
+from concertina_hf.planning.strategies import ideal_step_time, plan_step
 
 HYBRID = MODEL_PRESETS["hybrid-7b"]
 ATTENTION = dict(HYBRID, layer_types=["full_attention"] * HYBRID["num_hidden_layers"])
@@ -105,3 +105,7 @@ def test_at_64k_the_hybrid_model_splits_and_recomputes_less():
     print(rows)
     (h_split, h_rec, h_step), (a_split, a_rec, a_step) = rows["hybrid"], rows["attention"]
     assert h_split < a_split and h_rec < a_rec and h_step < a_step, rows
+    # the lower bound prices the linear layers at their own rate too (and stays below the plan)
+    hybrid, attention = CostModel.from_hf_config(HYBRID, dev), CostModel.from_hf_config(ATTENTION, dev)
+    lay = StageLayout.even(32, 4)
+    assert ideal_step_time(LENGTHS, hybrid, lay) < min(h_step, ideal_step_time(LENGTHS, attention, lay))

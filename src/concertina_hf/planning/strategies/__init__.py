@@ -86,11 +86,14 @@ def ideal_step_time(seq_lens: Sequence[int], cost: CostModel, layout: StageLayou
     """A lower bound of the step time: forward and backward of every token through every layer,
     the embedding and the head, with no recompute, no per-chunk overhead (``beta``), no bubble
     and no communication, spread evenly over the stages (and, the coefficients being per GPU,
-    over each stage's ``cost.sp`` GPUs)."""
+    over each stage's ``cost.sp`` GPUs). Linear-attention layers (``cost.layer_kinds``) at their own rate."""
     per_token = cost.embed_time_per_token + cost.head_time_per_token
+    n_lin = sum(k == "linear" for k in cost.layer_kinds)
     total = 0.0
     for n in seq_lens:
-        total += cost.num_layers * (cost.alpha_attn * n * n + cost.alpha_tok * n) + per_token * n
+        total += (cost.num_layers - n_lin) * (cost.alpha_attn * n * n + cost.alpha_tok * n) + per_token * n
+        if n_lin:
+            total += n_lin * cost.lin_alpha_tok * n
     return (1.0 + cost.bwd_factor) * total / layout.num_stages
 
 
