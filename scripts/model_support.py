@@ -63,7 +63,7 @@ OUTSIDE = dict(embedding_multiplier=4.0, logit_scale=0.5, logits_scaling=3.0, fi
                attn_logit_softcapping=1.0)
 #: a composite's vision tower, as small as it builds (never run: only its language model is checked)
 TINY_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16,
-                   patch_size=4, head_dim=8)
+                   patch_size=4, head_dim=8, depth=1, num_heads=2)
 #: attributes set even when the default config leaves them None (rotary code needs a head size, MoE
 #: layers their sizes)
 ALWAYS = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "n_routed_experts", "moe_intermediate_size",
@@ -266,7 +266,13 @@ def check_type(model_type: str, **overrides) -> dict:
         return dict(row, verdict="refused", note=str(exc))
     try:
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
+        if composite:  # the composite class (AutoModelForCausalLM may build the text model alone)
+            from transformers import AutoModelForImageTextToText
+
+            model = AutoModelForImageTextToText.from_config(cfg, attn_implementation="eager").float()
+            row["class"] = type(model).__name__
+        else:
+            model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
     except Exception as exc:
         return dict(row, verdict="does not build", note=f"model: {type(exc).__name__}: {exc}")
     whole = model  # the reference: a composite's own forward

@@ -3,10 +3,14 @@
 ``gemma3``: a ``Gemma3ForConditionalGeneration``, a one-layer SigLIP vision tower, the projector, a
 4-layer Gemma3 text model (sliding and full attention layers, tied embeddings) on the 64-token
 vocabulary of ``tests/_models.py``; ``mistral3`` the same way (a one-layer Pixtral tower, a
-Mistral text model, tied embeddings). The reference is ``Trainer`` on the composite object on text
+Mistral text model, tied embeddings); ``qwen3_5`` (a one-layer vision tower, a Qwen3.5 text model
+of Gated DeltaNet and attention layers). The reference is ``Trainer`` on the composite object on text
 (``DataCollatorWithFlattening``, eager attention), with :data:`SETTINGS`: the sequences in dataset
 order, since Trainer's random order depends on what consumed the global random stream before it
-(building a model may).
+(building a model may). Qwen3.5's composite class tells ``Trainer`` it takes no loss keywords
+(``accepts_loss_kwargs = False``: Trainer then averages each micro-batch's mean loss); the
+reference is Trainer's token-weighted loss, the one ``ConcertinaTrainer`` trains (and Trainer
+trains for the text model), on one sequence per micro-batch (:func:`settings`).
 """
 
 from __future__ import annotations
@@ -31,14 +35,32 @@ PLAIN_TEXT = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidde
 #: the Trainer settings of the composite tests (:data:`_models.NO_SAVE`, the sequences in dataset order)
 SETTINGS = dict(NO_SAVE, train_sampling_strategy="sequential")
 #: the composite model types the tests train
-TYPES = ("gemma3", "mistral3")
+TYPES = ("gemma3", "mistral3", "qwen3_5")
+
+
+def settings(model_type: str) -> dict:
+    """The Trainer settings of ``model_type``'s tests: :data:`SETTINGS`; Qwen3.5's one sequence per
+    micro-batch (6 micro-batches a step)."""
+    if model_type == "qwen3_5":
+        return dict(SETTINGS, per_device_train_batch_size=1, gradient_accumulation_steps=6)
+    return SETTINGS
 
 
 def tiny_composite(model_type: str = "gemma3"):
-    from transformers import AutoModelForImageTextToText, Gemma3Config, Mistral3Config
+    from transformers import AutoModelForImageTextToText, Gemma3Config, Mistral3Config, Qwen3_5Config
 
     torch.manual_seed(0)
-    if model_type == "gemma3":
+    if model_type == "qwen3_5":
+        cfg = Qwen3_5Config()
+        for k, v in dict(PLAIN_TEXT, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                         linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"] * 2).items():
+            setattr(cfg.text_config, k, v)
+        for k, v in dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                         patch_size=4).items():
+            setattr(cfg.vision_config, k, v)
+        for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+            setattr(cfg, k, 60)
+    elif model_type == "gemma3":
         cfg = Gemma3Config(text_config=TEXT, vision_config=VISION, mm_tokens_per_image=4, image_token_id=63,
                            boi_token_id=61, eoi_token_id=62)
     else:
@@ -69,14 +91,15 @@ def composite_key(view_key: str) -> str:
     return view_key if view_key.startswith("lm_head.") else "model.language_model." + view_key[len("model."):]
 
 
-def trainer_reference(source: str, out: str) -> dict:
+def trainer_reference(source: str, out: str, model_type: str = "gemma3") -> dict:
     """``Trainer`` on the composite loaded from ``source``: losses, gradient norms, final state."""
     from transformers import AutoModelForImageTextToText, DataCollatorWithFlattening, Trainer, TrainingArguments
 
     from _models import losses_of, tiny_dataset
 
     model = AutoModelForImageTextToText.from_pretrained(source, attn_implementation="eager")
-    ref = Trainer(model=model, args=TrainingArguments(output_dir=out, **SETTINGS), train_dataset=tiny_dataset(),
+    model.accepts_loss_kwargs = True  # Trainer's token-weighted loss over the step (see the module docstring)
+    ref = Trainer(model=model, args=TrainingArguments(output_dir=out, **settings(model_type)), train_dataset=tiny_dataset(),
                   data_collator=DataCollatorWithFlattening())
     ref.train()
     return {"losses": losses_of(ref), "grad_norms": [h["grad_norm"] for h in ref.state.log_history if "loss" in h],

@@ -1,5 +1,5 @@
 """A composite (multimodal) checkpoint trained on text, on one process: ``ConcertinaTrainer`` trains
-the language model of a vision-language checkpoint (Gemma3, Mistral3) as ``Trainer`` trains
+the language model of a vision-language checkpoint (Gemma3, Mistral3, Qwen3.5) as ``Trainer`` trains
 the whole composite on text, and saves the checkpoint in its own layout.
 
 The composite and the reference: ``tests/_composite_cases.py``; the concertina run reads the
@@ -18,7 +18,8 @@ from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
 from concertina_hf.runtime.composite import text_view
 from concertina_hf.runtime.families import UnsupportedModelError
 
-from _composite_cases import SETTINGS, TYPES, composite_key, saved_tensors, tiny_composite, trainer_reference
+from _composite_cases import SETTINGS, TYPES, composite_key, saved_tensors, settings, tiny_composite, \
+    trainer_reference
 from _models import losses_of, tiny_dataset
 
 
@@ -40,9 +41,9 @@ def source(tmp_path_factory):
 @pytest.mark.parametrize("model_type", TYPES)
 def test_language_model_trains_as_trainer_and_saves_the_composite(tmp_path_factory, tmp_path, model_type):
     source = _source(tmp_path_factory, model_type)
-    ref = trainer_reference(source, str(tmp_path / "ref"))
+    ref = trainer_reference(source, str(tmp_path / "ref"), model_type)
     args = ConcertinaTrainingArguments(output_dir=str(tmp_path / "run"), concertina_max_tokens_per_chunk=16,
-                                       **SETTINGS)
+                                       **settings(model_type))
     trainer = ConcertinaTrainer(model=source, args=args, train_dataset=tiny_dataset())
     assert not any("vision" in k or "multi_modal" in k for k in trainer.model.state_dict())
     trainer.train()
@@ -53,15 +54,18 @@ def test_language_model_trains_as_trainer_and_saves_the_composite(tmp_path_facto
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert all(h["concertina/chunks_split"] + h["concertina/chunks_hybrid"] > 0 for h in logs)
     state = {composite_key(k): v for k, v in trainer.model.state_dict().items()}
+    # each parameter relative to its norm; Qwen3.5's Gated DeltaNet: 1e-3 (the bound of
+    # tests/launch/test_linear_attention_launch.py), since Adam's normalised step turns the float differences
+    # of the scan's near-zero A_log and dt_bias gradients into visible ones
     worst = max(_rel(ref["state"][k], v) for k, v in state.items())
-    assert worst < 1e-4, worst
+    assert worst < (1e-3 if model_type == "qwen3_5" else 1e-4), worst
 
     # saved in the composite's layout: same tensor names, the vision tower and projector byte for byte
     out = str(tmp_path / "final")
     trainer.save_model(out)
     before, after = saved_tensors(source), saved_tensors(out)
     assert set(after) == set(before)
-    towers = [k for k in before if not k.startswith("language_model.")]
+    towers = [k for k in before if "language_model." not in k and not k.startswith("lm_head.")]
     assert towers and all(before[k].dtype == after[k].dtype and torch.equal(before[k], after[k]) for k in towers)
     loaded = AutoModelForImageTextToText.from_pretrained(out)
     assert type(loaded).__name__ == type(tiny_composite(model_type)).__name__

@@ -11,7 +11,7 @@ view holds no reference to the other towers: on a rank that drops the composite,
 Every refusal of the text type still applies (:func:`~.families.inspect_model` sees the view).
 
 :data:`COMPOSITE_TYPES` lists the composite model types whose text-only ``forward`` has been
-checked against the view (Gemma3, Mistral3; its inputs for other modalities: :attr:`CompositeLayout.other_inputs`,
+checked against the view (Gemma3, Mistral3, Qwen3.5; its inputs for other modalities: :attr:`CompositeLayout.other_inputs`,
 refused in a batch by :func:`refuse_other_modalities`). Checkpoint names: a composite's files may
 name tensors otherwise than its modules (Gemma3's ``language_model.model.layers.0...`` for the
 module ``model.language_model.layers.0...``); :func:`module_names` and :func:`saved_names` apply
@@ -55,6 +55,10 @@ class CompositeLayout:
 COMPOSITE_TYPES = {
     "gemma3": CompositeLayout("gemma3", other_inputs=("pixel_values", "mm_encoder_outputs", "inputs_embeds")),
     "mistral3": CompositeLayout("mistral3", other_inputs=("pixel_values", "image_sizes", "inputs_embeds")),
+    # hybrid text layers (Gated DeltaNet and attention): supported as their text type is
+    "qwen3_5": CompositeLayout("qwen3_5", other_inputs=("pixel_values", "pixel_values_videos", "inputs_embeds")),
+    "qwen3_5_moe": CompositeLayout("qwen3_5_moe",
+                                   other_inputs=("pixel_values", "pixel_values_videos", "inputs_embeds")),
 }
 #: what the pipeline gets in a text batch: any other entry of the composite's forward is refused
 _TEXT_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "labels", "use_cache", "cache",
@@ -133,6 +137,10 @@ def text_view(model: nn.Module) -> TextView | None:
     logits that its text type's would not is refused."""
     layout = composite_layout(getattr(model, "config", None))
     if layout is None:
+        return None
+    try:
+        model.get_submodule(layout.language_model), model.get_submodule(layout.lm_head)
+    except AttributeError:  # built otherwise (e.g. the text causal LM of a composite config)
         return None
     from .families import UnsupportedModelError
 
