@@ -17,6 +17,10 @@ name tensors otherwise than its modules (Gemma3's ``language_model.model.layers.
 module ``model.language_model.layers.0...``); :func:`module_names` and :func:`saved_names` apply
 transformers' own renamings (loading, saving), :meth:`CompositeLayout.text_key` maps a module
 name to the view's. Cost: a walk over the names, once.
+
+The loss is the pipeline's token-weighted one over the step, what ``Trainer`` computes for the text
+type's causal LM; Qwen3.5's composite class declares ``accepts_loss_kwargs = False``, with which
+``Trainer`` would average each micro-batch's mean loss instead.
 """
 
 from __future__ import annotations
