@@ -11,6 +11,11 @@ torchrun sets them), each in a session of its own, its stderr and stdout in file
 are forked from a fork server that imported torch, transformers and the package once
 (``tests/_preload.py``): a rank starts in ~0.1 s instead of ~5 CPU-seconds of imports. Inside a
 worker, :func:`gloo_rank` joins the group, runs the checks and writes the rank's report.
+
+A launch test declares its jobs in a module table ``LAUNCHES`` (name -> :class:`Launch`) and reads
+each through the ``launched`` fixture: the session starts them in the background from its start
+(:class:`Launches`, conftest.py). Jobs whose subject is time (a fault's exits, a fitted link) or
+that need the test process first start in the test itself.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import pathlib
 import signal
 import socket
 import sys
+import threading
 import time
 
 TESTS = pathlib.Path(__file__).resolve().parent
@@ -59,21 +65,29 @@ def worker_env(**extra: str) -> dict[str, str]:
 PRELOAD = ["_preload"]
 
 
+_FORK_SERVER = threading.Lock()
+_fork_server_started = False
+
+
 def _fork_context():
-    """The ``forkserver`` context, its server started (once per test process) with the workers'
-    environment and :data:`PRELOAD` imported."""
+    """The ``forkserver`` context, its server started (once per test process, from whichever
+    thread asks first) with the workers' environment and :data:`PRELOAD` imported."""
     import multiprocessing
     import multiprocessing.forkserver
 
+    global _fork_server_started
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    saved = dict(os.environ)
-    os.environ.update(worker_env())  # what the server imports under (one thread, offline)
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    with _FORK_SERVER:
+        if not _fork_server_started:
+            ctx.set_forkserver_preload(PRELOAD)
+            saved = dict(os.environ)
+            os.environ.update(worker_env())  # what the server imports under (one thread, offline)
+            try:
+                multiprocessing.forkserver.ensure_running()
+            finally:
+                os.environ.clear()
+                os.environ.update(saved)
+            _fork_server_started = True
     return ctx
 
 
@@ -201,6 +215,104 @@ def run_ranks(world: int, fn, *args, logs, env: dict[str, str] | None = None, ti
     """:func:`start_ranks`, waiting for the ranks; fails the test with their stderr unless every
     rank exits 0 (``timeout`` only ends a hung launch)."""
     return start_ranks(world, fn, *args, logs=logs, env=env).check(timeout)
+
+
+class Launch:
+    """One multi-process job of a launch test, a row of its module's ``LAUNCHES`` table (name ->
+    :class:`Launch`): ``fn(out, *args)`` on ``world`` ranks (:func:`start_ranks`, ``env`` on top),
+    ``out`` a folder of its own. ``check``: every rank must exit 0 (else the test that reads it
+    fails with their stderr); without it the test reads the exit codes itself.
+
+    The table shows which jobs a module launches, and lets the session start them early: the
+    launches of the selected tests run one after another in the background from the start of the
+    session (:class:`Launches`), beside the one-process tiers, which use one core of the machine's
+    two; a test waits for its own (starting it at once if the background has not reached it)."""
+
+    def __init__(self, world: int, fn, *args, env: dict[str, str] | None = None, check: bool = True,
+                 timeout: float = 1500) -> None:
+        self.world, self.fn, self.args, self.env, self.check, self.timeout = world, fn, args, env or {}, check, timeout
+
+
+class Launched:
+    """A finished :class:`Launch`: its folder, each rank's exit code and stderr."""
+
+    def __init__(self, out: pathlib.Path, codes: list[int | None], stderr: list[str]) -> None:
+        self.out, self.codes, self.stderr = out, codes, stderr
+
+
+class Launches:
+    """The session's launches by ``module::name``: :meth:`prefetch` runs them one after another in a
+    background thread, :meth:`get` waits for one (running it in the calling thread if nobody has
+    started it). Nothing of torch runs in this process for them: the ranks are forked processes."""
+
+    def __init__(self, root) -> None:
+        import threading
+
+        self.root = pathlib.Path(root)
+        self._table: dict[str, Launch] = {}
+        self._state: dict[str, object] = {}  # key -> threading.Event (running) | Launched | str (failure)
+        self._lock = threading.Lock()
+        self._running: list[Ranks] = []
+        self._closed = False
+
+    def declare(self, module: str, table: dict[str, Launch]) -> list[str]:
+        keys = [f"{module}::{name}" for name in table]
+        self._table.update(zip(keys, table.values()))
+        return keys
+
+    def prefetch(self, keys: list[str]) -> None:
+        """Run ``keys`` one after another in a daemon thread (each unless a test took it first)."""
+        import threading
+
+        if keys:
+            _fork_context()  # the fork server starts here, in the main thread
+            threading.Thread(target=lambda: [self._run(k) for k in keys if not self._closed], daemon=True,
+                             name="launches").start()
+
+    def get(self, key: str) -> Launched:
+        """The finished launch ``key`` (fails the test with the ranks' stderr if it must succeed
+        and did not)."""
+        self._run(key)
+        state = self._state[key]
+        if hasattr(state, "wait"):
+            state.wait()
+            state = self._state[key]
+        if isinstance(state, str):
+            raise AssertionError(state)
+        return state
+
+    def close(self) -> None:
+        """End the launches still running (the session is over)."""
+        self._closed = True
+        for ranks in list(self._running):
+            ranks.kill()
+
+    def _run(self, key: str) -> None:
+        import threading
+
+        with self._lock:
+            if key in self._state:
+                return
+            done = self._state[key] = threading.Event()
+        launch = self._table[key]
+        out = self.root / key.replace("::", "-").replace("/", "-")
+        try:
+            ranks = start_ranks(launch.world, launch.fn, str(out), *launch.args, logs=out / "logs", env=launch.env)
+            self._running.append(ranks)
+            try:
+                codes = ranks.wait(launch.timeout, grace=30 if launch.check else None)
+            finally:
+                self._running.remove(ranks)
+            stderr = [ranks.stderr(r) for r in range(launch.world)]
+            if launch.check and codes != [0] * launch.world:
+                tails = "\n".join(f"--- rank {r} (exit {c}):\n{stderr[r][-6000:]}" for r, c in enumerate(codes))
+                self._state[key] = f"launch {key} ({ranks.what}): ranks failed (exit codes {codes}):\n{tails}"
+            else:
+                self._state[key] = Launched(out, codes, stderr)
+        except BaseException as exc:  # noqa: BLE001 (reported to the test that reads it)
+            self._state[key] = f"launch {key} did not run: {type(exc).__name__}: {exc}"
+        finally:
+            done.set()
 
 
 def fork_pool(processes: int):

@@ -1,6 +1,11 @@
 """Test tiers, cheapest first: the pure planner (no torch.distributed, milliseconds), then the
 single-process runtime and trainer, then the ``slow`` multi-process launches (gloo on CPU,
-``accelerate launch``). A failure in a cheap tier shows before the launches start.
+``accelerate launch``). A failure in a cheap tier shows before the launch tests run.
+
+The jobs the selected launch tests declare (their modules' ``LAUNCHES`` tables,
+:class:`_helpers.Launch`) start at the start of the session, one after another in the background:
+the cheap tiers run one process and leave the second core of a 2-core machine to them. The test
+reads its job through the ``launched`` fixture, waiting for it if it still runs.
 
 The environment every test expects is set here too: no Hub access, no wandb, one tokenizer thread.
 """
@@ -16,7 +21,9 @@ import pathlib
 
 import pytest
 
-import _helpers  # noqa: F401  (shared helpers; puts tests/ and the tier folders on sys.path)
+import _helpers  # shared helpers; puts tests/ and the tier folders on sys.path
+
+LAUNCHES = pytest.StashKey["_helpers.Launches"]()
 
 #: a test's tier is its folder's (a test file at the top of tests/ is tier 0); tier 2 is ``slow``
 TIERS = {"planning": 0, "runtime": 1, "training": 1, "launch": 2, "benchmarks": 2}
@@ -37,3 +44,39 @@ def pytest_collection_modifyitems(config, items):
         if tier(item) == 2:
             item.add_marker(pytest.mark.slow)
     items.sort(key=tier)  # stable: the order inside a tier is the collection order
+
+
+def pytest_collection_finish(session):
+    """Start the jobs of the selected launch tests in the background (module docstring)."""
+    if session.config.option.collectonly:
+        return
+    modules = []
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if tier(item) == 2 and hasattr(module, "LAUNCHES") and module not in modules:
+            modules.append(module)
+    if not modules:
+        return
+    launches = _helpers.Launches(session.config._tmp_path_factory.mktemp("launches"))
+    session.config.stash[LAUNCHES] = launches
+    launches.prefetch([key for m in modules for key in launches.declare(m.__name__, m.LAUNCHES)])
+
+
+def pytest_sessionfinish(session):
+    launches = session.config.stash.get(LAUNCHES, None)
+    if launches is not None:
+        launches.close()
+
+
+@pytest.fixture
+def launched(request):
+    """``launched(name)``: the finished job ``name`` of the test module's ``LAUNCHES``
+    (:class:`_helpers.Launched`: its folder, exit codes and stderr); a job that must succeed and
+    did not fails the test with the ranks' stderr."""
+    launches = request.config.stash.get(LAUNCHES, None)
+    module = request.module
+    if launches is None:  # the module was not among the selected ones at collection (or collect-only)
+        launches = _helpers.Launches(request.getfixturevalue("tmp_path"))
+        request.config.stash[LAUNCHES] = launches
+    launches.declare(module.__name__, module.LAUNCHES)
+    return lambda name: launches.get(f"{module.__name__}::{name}")

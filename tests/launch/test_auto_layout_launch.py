@@ -19,7 +19,7 @@ import os
 
 import pytest
 
-from _helpers import run_ranks
+from _helpers import Launch
 from _models import load_saved, logged, tiny_dataset, tiny_model
 
 COMMON = dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=3, learning_rate=2e-3,
@@ -68,9 +68,9 @@ def _reference(out):
     return logged(ref), {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
 
 
-def test_auto_layout_on_4_processes_equals_trainer_with_4x_the_batch(tmp_path):
-    run_ranks(4, _worker, str(tmp_path), logs=tmp_path / "logs")
-    ranks = [json.loads((tmp_path / f"info-rank{r}.json").read_text()) for r in range(4)]
+def test_auto_layout_on_4_processes_equals_trainer_with_4x_the_batch(launched, tmp_path):
+    out = launched("auto").out
+    ranks = [json.loads((out / f"info-rank{r}.json").read_text()) for r in range(4)]
     want, ref_state = _reference(tmp_path / "ref")
     init = tiny_model("llama").state_dict()
     for name in ("auto", "auto_sp2"):
@@ -82,12 +82,12 @@ def test_auto_layout_on_4_processes_equals_trainer_with_4x_the_batch(tmp_path):
         assert all(r[name]["losses"] == ranks[0][name]["losses"] for r in ranks)
         got = ranks[0][name]["losses"]
         assert len(got) == 3 and max(abs(a - b) for a, b in zip(got, want["losses"])) < 1e-5, (name, pick, got, want)
-        final = load_saved(tmp_path / name / "final")
+        final = load_saved(out / name / "final")
         worst = max((((final[k] - init[k]) - (ref_state[k] - init[k])).norm()
                      / (ref_state[k] - init[k]).norm().clamp_min(1e-12)).item() for k in ref_state)
         assert worst < 1e-3, (name, pick, worst)
     # resume: the recorded layout, and the uninterrupted run's steps 2 and 3
-    meta = json.loads((tmp_path / "auto" / "checkpoint-1" / "concertina.json").read_text())
+    meta = json.loads((out / "auto" / "checkpoint-1" / "concertina.json").read_text())
     choice = ranks[0]["auto"]["choice"]
     assert meta["layout_choice"]["source"] == "auto" and meta["layout_choice"]["table"]
     assert [meta["pipeline_size"], meta["sequence_parallel_size"], meta["data_parallel_size"]] == choice
@@ -104,5 +104,8 @@ def test_auto_layout_on_4_processes_equals_trainer_with_4x_the_batch(tmp_path):
     with pytest.raises(ValueError, match=rf"written by 4 processes \(pp={pp} x sp={sp} x dp={dp}\), this run has 1: "
                                          r".*resume with 4 processes"):
         ConcertinaTrainer(model=tiny_model("llama"), train_dataset=tiny_dataset(), args=_args(
-            str(tmp_path / "one"), resume_from_checkpoint=str(tmp_path / "auto" / "checkpoint-1")))
+            str(tmp_path / "one"), resume_from_checkpoint=str(out / "auto" / "checkpoint-1")))
 
+
+#: the launch (started by the session, read through the ``launched`` fixture)
+LAUNCHES = {"auto": Launch(4, _worker)}

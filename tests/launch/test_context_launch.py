@@ -19,7 +19,15 @@ import json
 
 import pytest
 
-from _helpers import reports as read_reports, run_ranks
+import _context_trainer
+import _dist_context
+from _helpers import Launch, reports as read_reports
+
+#: NCCL's rendezvous semantics on the P2P between stages (module docstring)
+EMULATED = {"CONCERTINA_EMULATE_NCCL": "direction", "CONCERTINA_EMULATE_NCCL_TIMEOUT_S": "120"}
+LAUNCHES = {f"pp{pp}-sp{sp}": Launch(pp * sp, _dist_context.worker, pp, sp, env=EMULATED if pp > 1 else None)
+            for pp, sp in [(1, 2), (2, 2), (1, 4)]}
+LAUNCHES["trainer"] = Launch(4, _context_trainer.main)
 
 
 #: plans whose every rank's allocated activation peak lies within 10% of the profiled model's
@@ -35,14 +43,8 @@ MEMORY_WITHIN_10 = ("whole-doc/none", "with-ulysses/partial", "empty-ranks/parti
 
 
 @pytest.mark.parametrize("pp,sp", [(1, 2), (2, 2), (1, 4)])
-def test_placed_chunks_match_hf(pp, sp, tmp_path):
-    import _dist_context
-
-    # NCCL's rendezvous semantics on the P2P between stages (module docstring)
-    env = {"CONCERTINA_EMULATE_NCCL": "direction", "CONCERTINA_EMULATE_NCCL_TIMEOUT_S": "120"} if pp > 1 else {}
-    world = pp * sp
-    run_ranks(world, _dist_context.worker, str(tmp_path), pp, sp, logs=tmp_path / "logs", env=env)
-    reports = read_reports(tmp_path, world)
+def test_placed_chunks_match_hf(pp, sp, launched):
+    reports = read_reports(launched(f"pp{pp}-sp{sp}").out, pp * sp)
     for r in reports:
         print(f"rank {r['rank']}: {len(r['cases'])} cases; activation peak per plan (bytes: saved-tensor meter; llama: "
               "allocated, and the profiled model's prediction of this rank):")
@@ -72,20 +74,18 @@ def test_placed_chunks_match_hf(pp, sp, tmp_path):
         assert sum(c.endswith("empty-ranks/partial eval") for c in r["cases"]) == models
 
 
-def test_trainer_pp2_sp2_with_planner_modes(tmp_path):
+def test_trainer_pp2_sp2_with_planner_modes(launched, tmp_path):
     """ConcertinaTrainer at pp=2 x sp=2 with the modes the planner chooses (whole-doc / per-doc
     chunks among them) equals Trainer on one process after 3 steps: logged losses 1e-5, gradient
     norms 1e-4, evaluation loss 1e-5, run_clm's accuracy and predict() (argmax ids; raw logits
     1e-4) on every rank."""
     import torch
 
-    import _context_trainer
     from _context_trainer import STEPS
-    from _helpers import run_ranks
     from _models import train_reference
 
-    run_ranks(4, _context_trainer.main, str(tmp_path), logs=tmp_path / "logs")
-    ranks = [json.loads((tmp_path / f"info-rank{r}.json").read_text()) for r in range(4)]
+    out = launched("trainer").out
+    ranks = [json.loads((out / f"info-rank{r}.json").read_text()) for r in range(4)]
     print("modes run:", ranks[0]["train_modes"], ranks[0]["modes"])
     assert {"whole-doc", "per-doc"} & set(ranks[0]["train_modes"]), ranks[0]["train_modes"]
     ref_info, _ = train_reference("llama", tmp_path / "ref", metrics=True, max_steps=STEPS)
@@ -98,5 +98,5 @@ def test_trainer_pp2_sp2_with_planner_modes(tmp_path):
         assert r["eval_accuracy"] == ref_info["eval_accuracy"]
         assert r["predicted_ids"] == ref_info["predicted_ids"]
         assert abs(r["test_loss"] - ref_info["test_loss"]) < 1e-5
-        got = torch.load(tmp_path / f"logits-rank{rank}.pt")
+        got = torch.load(out / f"logits-rank{rank}.pt")
         torch.testing.assert_close(got["logits"], want["logits"], atol=1e-4, rtol=1e-4)

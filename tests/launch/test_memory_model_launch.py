@@ -9,7 +9,7 @@ import copy
 
 import torch
 
-from _helpers import gloo_rank, reports as read_reports, run_ranks
+from _helpers import Launch, gloo_rank, reports as read_reports
 from concertina_hf.planning import Chunk, ChunkKind, Plan, Slice, StageLayout, build_schedule, simulate
 from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
 from concertina_hf.runtime.profiler import profile_cost_model
@@ -53,13 +53,16 @@ def _two_stages(rows: list) -> None:
         rows.append((name, allocated_step_peak(ex, plan), predicted))
 
 
-def test_two_stage_allocated_peaks_within_5_percent(tmp_path):
+def test_two_stage_allocated_peaks_within_5_percent(launched):
     """Two gloo ranks (one launch): both stages' allocated peaks within 5% of the prediction, with
     many chunks (the stage outputs that sends kept alive) and short ones."""
-    run_ranks(2, _two_stage_worker, str(tmp_path), logs=tmp_path / "logs")
-    reports = read_reports(tmp_path, 2)
+    reports = read_reports(launched("pp2").out, 2)
     assert [r["failures"] for r in reports] == [[], []]
     for rank, r in enumerate(reports):
         for name, got, predicted in r["rows"]:
             print(f"stage {rank} {name:<10} allocated {got:>9} predicted {predicted:>11.0f} x{got / predicted:.3f}")
             assert got <= 1.05 * predicted and predicted <= 1.05 * got, (rank, name, got, predicted)
+
+
+#: the launch (started by the session, read through the ``launched`` fixture)
+LAUNCHES = {"pp2": Launch(2, _two_stage_worker)}

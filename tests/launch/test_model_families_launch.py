@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from _helpers import TESTS, run_ranks
+from _helpers import TESTS, Launch
 
 sys.path.insert(0, str(TESTS.parent / "scripts"))
 
@@ -65,22 +65,26 @@ def _worker(out: str) -> None:
     trainer.end()
 
 
-def test_pp2_matches_trainer_for_one_model_per_failure_class(tmp_path):
+def test_pp2_matches_trainer_for_one_model_per_failure_class(launched, tmp_path):
     from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, Trainer, TrainingArguments
 
-    run_ranks(2, _worker, str(tmp_path), logs=tmp_path / "logs")
+    out = launched("pp2").out
     for arch in ARCHS:
         ref = Trainer(model=_model(arch), args=TrainingArguments(output_dir=str(tmp_path / f"ref-{arch}"), **COMMON),
                       train_dataset=_dataset(), data_collator=DataCollatorWithFlattening())
         start = {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
         ref.train()
         want = [h["loss"] for h in ref.state.log_history if "loss" in h]
-        info = json.loads((tmp_path / arch / "info-rank0.json").read_text())
+        info = json.loads((out / arch / "info-rank0.json").read_text())
         assert len(info["losses"]) == len(want) == 3, (arch, info, want)
         assert all(n > 0 for n in info["split"]), (arch, info["split"])  # the long sequences were split
         assert max(abs(a - b) / abs(b) for a, b in zip(info["losses"], want)) < 1e-5, (arch, info["losses"], want)
-        got = AutoModelForCausalLM.from_pretrained(str(tmp_path / arch / "final")).state_dict()
+        got = AutoModelForCausalLM.from_pretrained(str(out / arch / "final")).state_dict()
         final = ref.model.state_dict()
         worst = max((float((got[k] - final[k]).norm() / (final[k] - start[k]).norm().clamp_min(1e-12)), k)
                     for k in final if k in got and (final[k] - start[k]).norm() > 0)
         assert worst[0] < 1e-3, (arch, worst)  # relative to the update
+
+
+#: the launch (started by the session, read through the ``launched`` fixture)
+LAUNCHES = {"pp2": Launch(2, _worker)}

@@ -19,25 +19,24 @@ import os
 import re
 
 import _dist_runtime
-from _helpers import reports as read_reports, run_ranks
+from _helpers import Launch, reports as read_reports, run_ranks
 
 
-def _runtime_cases(num_stages: int, out, mode: str, timeout_s: int) -> list[dict]:
-    env = {"CONCERTINA_EMULATE_NCCL": mode, "CONCERTINA_EMULATE_NCCL_TIMEOUT_S": str(timeout_s)}
-    run_ranks(num_stages, _dist_runtime.worker, str(out), logs=out / "logs", env=env)
-    return read_reports(out, num_stages)
+def _emulated(mode: str, timeout_s: int) -> dict[str, str]:
+    return {"CONCERTINA_EMULATE_NCCL": mode, "CONCERTINA_EMULATE_NCCL_TIMEOUT_S": str(timeout_s)}
 
 
-def test_runtime_cases_run_on_the_executors_channels(tmp_path):
+def test_runtime_cases_run_on_the_executors_channels(launched):
     for p in (2, 4):
-        (tmp_path / str(p)).mkdir()
-        reports = _runtime_cases(p, tmp_path / str(p), "direction", 60)
+        reports = read_reports(launched(f"runtime-pp{p}").out, p)
         assert [f for r in reports for f in r["failures"]] == []
         assert all(r["cases"] >= 2 * 11 + 2 * 2 + 3 for r in reports)
 
 
 def test_one_channel_per_pair_deadlocks_on_a_split_chain(tmp_path):
-    reports = _runtime_cases(2, tmp_path, "pair", 5)
+    # its own launch, in the test: the 5 s the emulation waits for a receive is the subject
+    run_ranks(2, _dist_runtime.worker, str(tmp_path), logs=tmp_path / "logs", env=_emulated("pair", 5))
+    reports = read_reports(tmp_path, 2)
     first = [r["failures"][0] for r in reports]
     # stage 0 queued the forward after the chain ahead of the chain's first backward; stage 1
     # receives that forward only after sending the chain's backwards
@@ -52,21 +51,20 @@ def test_one_channel_per_pair_deadlocks_on_a_split_chain(tmp_path):
 LAYOUTS = {"pp2": (2, 1), "pp4": (4, 1), "pp2sp2": (2, 2)}
 
 
-def test_trainer_on_the_executors_channels_matches_trainer(tmp_path):
+def test_trainer_on_the_executors_channels_matches_trainer(launched, tmp_path):
     from _models import train_reference
 
-    env = {"CONCERTINA_EMULATE_NCCL": "direction", "CONCERTINA_EMULATE_NCCL_TIMEOUT_S": "120"}
     ref, _ = train_reference("llama", tmp_path / "ref", metrics=False)
     for name, (pp, sp) in LAYOUTS.items():
-        run_ranks(pp * sp, _worker, name, str(tmp_path / name), logs=tmp_path / name / "logs", env=env)
-        ranks = [json.loads((tmp_path / name / f"info-rank{r}.json").read_text()) for r in range(pp * sp)]
+        out = launched(f"trainer-{name}").out
+        ranks = [json.loads((out / f"info-rank{r}.json").read_text()) for r in range(pp * sp)]
         assert all(r["emulated"] == "direction" for r in ranks)
         assert sum(ranks[0]["split_chunks"]) > 0, name  # the steps ran split chains
         diffs = [abs(a - b) for a, b in zip(ranks[0]["losses"], ref["losses"])]
         assert len(diffs) == len(ref["losses"]) and max(diffs) < 1e-5, (name, ranks[0]["losses"], ref["losses"])
 
 
-def _worker(name: str, out: str) -> None:
+def _worker(out: str, name: str) -> None:
     from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
     from _models import COMMON, logged, tiny_dataset, tiny_model
 
@@ -80,3 +78,8 @@ def _worker(name: str, out: str) -> None:
     with open(os.path.join(out, f"info-rank{args.process_index}.json"), "w") as f:
         json.dump(info, f)
 
+
+#: the launches (started by the session, read through the ``launched`` fixture)
+LAUNCHES = {f"runtime-pp{p}": Launch(p, _dist_runtime.worker, env=_emulated("direction", 60)) for p in (2, 4)}
+LAUNCHES.update({f"trainer-{name}": Launch(pp * sp, _worker, name, env=_emulated("direction", 120))
+                 for name, (pp, sp) in LAYOUTS.items()})

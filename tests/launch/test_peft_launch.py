@@ -14,16 +14,16 @@ import torch
 
 peft = pytest.importorskip("peft")
 
-from _helpers import run_ranks  # noqa: E402
+from _helpers import Launch  # noqa: E402
 from _peft_cases import CASES, base_model, check_adapter, losses_and_norms, peft_reference, peft_trainer  # noqa: E402
 
 
-def test_pp2_lora_matches_trainer_with_every_stage_in_the_adapter(tmp_path):
-    run_ranks(2, _worker_pp2, str(tmp_path), logs=tmp_path / "logs", timeout=900)
+def test_pp2_lora_matches_trainer_with_every_stage_in_the_adapter(launched, tmp_path):
+    out = launched("pp2").out
     from concertina_hf.training.manifest import verify_checkpoint
 
     for case in sorted(CASES):
-        d = tmp_path / case
+        d = out / case
         ranks = [json.loads((d / f"info-rank{r}.json").read_text()) for r in (0, 1)]
         assert ranks[0]["losses"] == ranks[1]["losses"] and ranks[0]["grad_norms"] == ranks[1]["grad_norms"]
         # each stage trains its own adapters; the optimizer holds state for them only
@@ -71,3 +71,7 @@ def _worker_pp2(out: str) -> None:
         with open(os.path.join(d, f"info-rank{rank}.json"), "w") as fh:
             json.dump(info, fh)
     trainer.end()
+
+
+#: the launch (started by the session, read through the ``launched`` fixture)
+LAUNCHES = {"pp2": Launch(2, _worker_pp2, timeout=900)}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from _helpers import gloo_rank, reports as read_reports, run_ranks
+from _helpers import Launch, gloo_rank, reports as read_reports
 from concertina_hf.planning import StageLayout, simulate
 from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
 from concertina_hf.runtime.profiler import profile_cost_model
@@ -40,13 +40,12 @@ def _stage(rows: list) -> None:
         rows.append((name, predicted, meter, live))
 
 
-def test_two_stage_peaks_stay_within_the_prediction(tmp_path):
+def test_two_stage_peaks_stay_within_the_prediction(launched):
     """Two gloo ranks, 2 layers each: stage 0 keeps each chunk's output for its backward (the
     profiled ``output_bytes_per_token``), stage 1 its input and the head. Measured (live
     tensors, and the executor's meter) <= predicted on both stages for every recompute setting,
     within 10% (measured: 3-6%)."""
-    run_ranks(2, _stage_worker, str(tmp_path), logs=tmp_path / "logs")
-    reports = read_reports(tmp_path, 2)
+    reports = read_reports(launched("pp2").out, 2)
     assert [r["failures"] for r in reports] == [[], []], reports
     print("\nstage plan        predicted       live      meter  error(live)")
     for r in reports:
@@ -54,3 +53,7 @@ def test_two_stage_peaks_stay_within_the_prediction(tmp_path):
             print(f"{r['rank']:5d} {name:9s} {pred:10.0f} {live:10d} {meter:10d} {(pred - live) / pred:11.2%}")
             assert meter <= pred + SCALAR_BYTES and live <= pred + SCALAR_BYTES, (r["rank"], name, pred, meter, live)
             assert (pred - live) / pred < 0.10, (r["rank"], name, pred, live)
+
+
+#: the launch (started by the session, read through the ``launched`` fixture)
+LAUNCHES = {"pp2": Launch(2, _stage_worker)}

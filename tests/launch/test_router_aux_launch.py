@@ -24,7 +24,7 @@ import random
 import pytest
 import torch
 
-from _helpers import run_ranks  # noqa: E402
+from _helpers import Launch  # noqa: E402
 
 STEPS = 20
 COEF = 1.0
@@ -96,15 +96,15 @@ def _expert_load_cv(path) -> list[float]:
     return cvs
 
 
-def test_per_chunk_router_loss_balances_the_experts_of_both_stages(tmp_path):
-    run_ranks(2, _worker, str(tmp_path), logs=tmp_path / "logs", timeout=900)
-    cv = {case: _expert_load_cv(tmp_path / case / "final") for case in ("off", "on")}
+def test_per_chunk_router_loss_balances_the_experts_of_both_stages(launched):
+    out = launched("pp2").out
+    cv = {case: _expert_load_cv(out / case / "final") for case in ("off", "on")}
     mean = {case: sum(v) / len(v) for case, v in cv.items()}
     print(f"expert load, coefficient of variation per layer after {STEPS} steps: {cv}; mean {mean}")
     assert all(a < b for a, b in zip(cv["on"], cv["off"])), cv  # every layer, both stages' routers
     assert mean["on"] < RATIO * mean["off"], mean
-    off = [json.loads((tmp_path / "off" / f"info-rank{r}.json").read_text()) for r in (0, 1)]
-    on = [json.loads((tmp_path / "on" / f"info-rank{r}.json").read_text()) for r in (0, 1)]
+    off = [json.loads((out / "off" / f"info-rank{r}.json").read_text()) for r in (0, 1)]
+    on = [json.loads((out / "on" / f"info-rank{r}.json").read_text()) for r in (0, 1)]
     assert all(v is None for r in off for v in r["shares"] + r["logged"]), off
     logged = on[0]["logged"]  # the planner rank's log history
     assert len(logged) == STEPS and all(isinstance(v, float) for v in logged), logged
@@ -113,3 +113,7 @@ def test_per_chunk_router_loss_balances_the_experts_of_both_stages(tmp_path):
         assert all(s > 0 for s in shares), (step, shares)
         assert value == pytest.approx(sum(shares), rel=1e-6), (step, value, shares)
     assert logged[-1] < 0.8 * logged[0], logged
+
+
+#: the launch (started by the session, read through the ``launched`` fixture)
+LAUNCHES = {"pp2": Launch(2, _worker, timeout=900)}

@@ -12,13 +12,14 @@ from __future__ import annotations
 import pytest
 
 import _dist_runtime
-from _helpers import reports as read_reports, run_ranks
+from _helpers import Launch, reports as read_reports
+
+LAUNCHES = {f"pp{n}": Launch(n, _dist_runtime.worker) for n in (2, 4)}
 
 
 @pytest.mark.parametrize("num_stages", [2, 4])
-def test_pipeline_matches_hf(num_stages, tmp_path):
-    run_ranks(num_stages, _dist_runtime.worker, str(tmp_path), logs=tmp_path / "logs")
-    reports = read_reports(tmp_path, num_stages)
+def test_pipeline_matches_hf(num_stages, launched):
+    reports = read_reports(launched(f"pp{num_stages}").out, num_stages)
     for r in reports:
         print(f"rank {r['rank']}: {r['cases']} cases; measured vs predicted activation peak (bytes):")
         for name, measured, predicted in r["memory"]:

@@ -8,13 +8,14 @@ from __future__ import annotations
 import pytest
 
 import _dist_segments
-from _helpers import reports as read_reports, run_ranks
+from _helpers import Launch, reports as read_reports
+
+LAUNCHES = {f"pp{n}": Launch(n, _dist_segments.worker) for n in (2, 4)}
 
 
 @pytest.mark.parametrize("num_stages", [2, 4])
-def test_segment_training_matches_the_segment_reference(num_stages, tmp_path):
-    run_ranks(num_stages, _dist_segments.worker, str(tmp_path), logs=tmp_path / "logs")
-    reports = read_reports(tmp_path, num_stages)
+def test_segment_training_matches_the_segment_reference(num_stages, launched):
+    reports = read_reports(launched(f"pp{num_stages}").out, num_stages)
     failures = [f for r in reports for f in r["failures"]]
     assert failures == []
     assert all(r["cases"] == 2 * (7 * 4 + 2) for r in reports)

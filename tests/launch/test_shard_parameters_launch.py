@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from _helpers import run_ranks
+from _helpers import Launch
 from _models import load_saved, train_reference, worst_relative
 
 STEPS = 3
@@ -21,9 +21,9 @@ SIZES = dict(concertina_pipeline_size=1, concertina_sequence_parallel_size=2, co
              concertina_max_tokens_per_chunk=16)
 
 
-def test_shard_parameters_sp2_dp2_matches_trainer_and_resumes(tmp_path):
-    run_ranks(4, _worker, str(tmp_path), logs=tmp_path / "logs")
-    ranks = [json.loads((tmp_path / f"info-rank{r}.json").read_text()) for r in range(4)]
+def test_shard_parameters_sp2_dp2_matches_trainer_and_resumes(launched, tmp_path):
+    out = launched("zero3").out
+    ranks = [json.loads((out / f"info-rank{r}.json").read_text()) for r in range(4)]
     # one process with both replicas' sequences per step
     ref_info, ref_state = train_reference("llama", tmp_path / "ref", per_device_train_batch_size=6,
                                      **TRAIN)
@@ -32,7 +32,7 @@ def test_shard_parameters_sp2_dp2_matches_trainer_and_resumes(tmp_path):
     assert len(info["losses"]) == STEPS
     assert max(abs(a - b) for a, b in zip(info["losses"], ref_info["losses"])) < 1e-5, (info, ref_info)
     assert max(abs(a - b) for a, b in zip(info["grad_norms"], ref_info["grad_norms"])) < 1e-4
-    worst, name = worst_relative(ref_state, load_saved(tmp_path / "final"))  # full HF weights, the update within 1e-3
+    worst, name = worst_relative(ref_state, load_saved(out / "final"))  # full HF weights, the update within 1e-3
     assert worst < 1e-3, (name, worst)
     # the two sp ranks of each replica hold half of each tensor each: their shards cover the stage once
     total = info["elements"] * 4
@@ -46,7 +46,7 @@ def test_shard_parameters_sp2_dp2_matches_trainer_and_resumes(tmp_path):
     # resumed at step 2: the uninterrupted run's step 3 and weights
     for r in ranks:
         assert r["resumed_losses"] == pytest.approx(info["losses"], abs=1e-6), r["resumed_losses"]
-    got, resumed = load_saved(tmp_path / "final"), load_saved(tmp_path / "resumed")
+    got, resumed = load_saved(out / "final"), load_saved(out / "resumed")
     assert max(((resumed[k] - got[k]).norm() / got[k].norm().clamp_min(1e-12)).item() for k in got) < 1e-6
 
 
@@ -89,3 +89,7 @@ def _worker(out: str) -> None:
     with open(os.path.join(out, f"info-rank{t.rank}.json"), "w") as fh:
         json.dump(info, fh)
     resumed.end()
+
+
+#: the launch (started by the session, read through the ``launched`` fixture)
+LAUNCHES = {"zero3": Launch(4, _worker)}

@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 
-from _helpers import run_ranks
+from _helpers import Launch
 from _models import load_saved, tiny_model, train_reference
 
 STEPS = 4
@@ -27,18 +27,18 @@ DP2 = dict(concertina_pipeline_size=1, concertina_data_parallel_size=2, concerti
 
 
 
-def test_sharded_optimizer_sp2_matches_trainer_checkpoints_and_resumes(tmp_path):
+def test_sharded_optimizer_sp2_matches_trainer_checkpoints_and_resumes(launched, tmp_path):
     from concertina_hf.training.manifest import CheckpointError, verify_checkpoint
 
-    run_ranks(2, _worker, str(tmp_path), logs=tmp_path / "logs")
-    ranks = [json.loads((tmp_path / f"info-rank{r}.json").read_text()) for r in range(2)]
+    out = launched("zero").out
+    ranks = [json.loads((out / f"info-rank{r}.json").read_text()) for r in range(2)]
     ref_info, ref_state = train_reference("llama", tmp_path / "ref", **TRAIN)
     info = ranks[0]
     assert all(r["losses"] == info["losses"] for r in ranks)
     assert len(info["losses"]) == STEPS
     assert max(abs(a - b) for a, b in zip(info["losses"], ref_info["losses"])) < 1e-5, (info, ref_info)
     init = tiny_model("llama").state_dict()
-    got = load_saved(tmp_path / "final")
+    got = load_saved(out / "final")
     worst = max((((got[k] - init[k]) - (ref_state[k] - init[k])).norm()
                  / (ref_state[k] - init[k]).norm().clamp_min(1e-12)).item() for k in ref_state)
     assert worst < 1e-3, worst
@@ -50,7 +50,7 @@ def test_sharded_optimizer_sp2_matches_trainer_checkpoints_and_resumes(tmp_path)
     assert all(r["state_elements"] < 1.5 * info["param_elements"] for r in ranks), [r["state_elements"] for r in ranks]
     # the checkpoint: one DCP shard file per rank (each about its share), no consolidated file;
     # all of them in the manifest, which verifies, and a damaged shard is refused by name
-    ckpt = tmp_path / "checkpoint-2"
+    ckpt = out / "checkpoint-2"
     dcp_dir = ckpt / "optimizer.stage0-of-1.dcp"
     assert sorted(os.listdir(dcp_dir)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert not (ckpt / "optimizer.stage0-of-1.pt").exists()
@@ -77,12 +77,12 @@ def test_sharded_optimizer_sp2_matches_trainer_checkpoints_and_resumes(tmp_path)
     with pytest.raises(CheckpointError, match=r"__1_0.distcp does not match"):
         verify_checkpoint(str(damaged))
     # resumed at step 2: the uninterrupted run's last two steps and weights
-    plain_file = tmp_path.parent / f"{tmp_path.name}-resumed-plain" / "checkpoint-3" / "optimizer.stage0-of-1.pt"
+    plain_file = out.parent / f"{out.name}-resumed-plain" / "checkpoint-3" / "optimizer.stage0-of-1.pt"
     assert plain_file.is_file()  # a plain optimizer's checkpoint: one file per stage
     for case in ("same", "plain", "dp2", "from_plain"):
         for r in ranks:
             assert r[f"resumed_losses_{case}"] == pytest.approx(info["losses"], abs=1e-5), (case, r)
-        resumed = load_saved(tmp_path / f"resumed-{case}")
+        resumed = load_saved(out / f"resumed-{case}")
         worst = max(((resumed[k] - got[k]).norm() / got[k].norm().clamp_min(1e-12)).item() for k in got)
         assert worst < (1e-6 if case != "dp2" else 1e-5), (case, worst)
     for r in ranks:  # refused on every rank, before a step, naming the setting
@@ -148,3 +148,7 @@ def _worker(out: str) -> None:
     with open(os.path.join(out, f"info-rank{rank}.json"), "w") as fh:
         json.dump(info, fh)
     refused.end()
+
+
+#: the launch (started by the session, read through the ``launched`` fixture)
+LAUNCHES = {"zero": Launch(2, _worker)}

@@ -1,5 +1,5 @@
 """Safety of a step on two processes (pp = 2, gloo), one launch of the worker of
-``tests/training/test_step_safety.py`` on two ranks (:func:`_helpers.start_ranks`): a wrong model
+``tests/training/test_step_safety.py`` on two ranks (:data:`LAUNCHES`): a wrong model
 refused on both ranks with rank 0's verdict (caught, the ranks go on), each stage's own dropout
 stream, resume with dropout, a NaN on stage 1 skipped, then raised on both ranks.
 """
@@ -14,17 +14,16 @@ import time
 
 import torch
 
-from _helpers import start_ranks
+from _helpers import Launch
 from _step_safety import DROPOUT, NAN_STEP, NaNAt, bypassing_layer, realistic_model, snapshot
 
 
-def test_pp2_dropout_streams_resume_and_nonfinite_steps(tmp_path):
-    ranks = start_ranks(2, _worker, str(tmp_path), logs=tmp_path)
-    codes = ranks.wait(600)  # the timeout only ends a hung run
-    stderr = [ranks.stderr(r) for r in range(2)]
+def test_pp2_dropout_streams_resume_and_nonfinite_steps(launched):
+    run = launched("pp2")
+    out, codes, stderr = run.out, run.codes, run.stderr
     infos = []
     for r in range(2):
-        path = tmp_path / f"info-rank{r}.json"
+        path = out / f"info-rank{r}.json"
         assert path.exists(), f"rank {r} did not finish the first scenarios:\n{stderr[r][-6000:]}"
         infos.append(json.loads(path.read_text()))
 
@@ -133,3 +132,8 @@ def _worker(out: str) -> None:
     t, _ = nan_trainer("raise")
     t.train()
     print("raise mode trained through the NaN", file=sys.stderr, flush=True)
+
+
+#: the launch (started by the session, read through the ``launched`` fixture); its ranks exit
+#: non-zero by design (the "raise" scenario), the test reads the codes (the timeout only ends a hung run)
+LAUNCHES = {"pp2": Launch(2, _worker, check=False, timeout=600)}

@@ -29,9 +29,9 @@ Two launches, each checking many things:
   sequence fewer), and after 3 steps the losses (1e-5) and each parameter's update (1e-3
   relative) equal one ``Trainer`` process's.
 
-The reference trainings run in the pytest process; the workers are this file's ``_worker_*``
-functions on the ranks of :func:`_helpers.run_ranks` (without ``use_cpu``:
-ConcertinaTrainingArguments must turn it on by itself).
+The reference trainings run in the pytest process; the launches (:data:`LAUNCHES`) are this
+file's ``_worker_*`` functions on 2 or 4 ranks (without ``use_cpu``: ConcertinaTrainingArguments
+must turn it on by itself).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import random
 import pytest
 import torch
 
-from _helpers import run_ranks
+from _helpers import Launch
 from _models import COMMON, load_saved, logged, metrics_and_predictions, tiny_dataset, tiny_model, train_reference, worst_relative
 
 ARCHS = ("llama", "qwen2")
@@ -177,15 +177,19 @@ def _worker_dp2_pp1(out: str) -> None:
     trainer.end()
 
 
-def test_dp2_balanced_replicas_match_trainer(tmp_path):
-    _launch(2, "dp2pp1", tmp_path)
+#: the launches (started by the session, read through the ``launched`` fixture)
+LAUNCHES = {"pp2": Launch(2, _worker_pp2), "dp2": Launch(4, _worker_dp2), "dp2pp1": Launch(2, _worker_dp2_pp1)}
+
+
+def test_dp2_balanced_replicas_match_trainer(launched, tmp_path):
+    out = launched("dp2pp1").out
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
     ref = Trainer(model=tiny_model("llama"), train_dataset=_skewed_dataset(), data_collator=DataCollatorWithFlattening(),
                   args=TrainingArguments(output_dir=str(tmp_path / "ref"), save_strategy="no",
                                          **dict(BALANCED, per_device_train_batch_size=6)))
     ref.train()
-    ranks = [json.loads((tmp_path / f"info-rank{r}.json").read_text()) for r in range(2)]
+    ranks = [json.loads((out / f"info-rank{r}.json").read_text()) for r in range(2)]
     want = logged(ref)
     assert all(r["losses"] == ranks[0]["losses"] for r in ranks)
     diffs = [abs(a - b) for a, b in zip(ranks[0]["losses"], want["losses"])]
@@ -196,7 +200,7 @@ def test_dp2_balanced_replicas_match_trainer(tmp_path):
         assert len(a) + len(b) == 6 and len(a) != len(b), (a, b)
         assert len(a if max(a) > max(b) else b) < 3, (a, b)
     init = tiny_model("llama").state_dict()
-    got = load_saved(tmp_path / "final")
+    got = load_saved(out / "final")
     ref_state = ref.model.state_dict()
     worst = max((((got[k] - init[k]) - (ref_state[k] - init[k])).norm()
                  / (ref_state[k] - init[k]).norm().clamp_min(1e-12)).item() for k in ref_state)
@@ -204,17 +208,11 @@ def test_dp2_balanced_replicas_match_trainer(tmp_path):
 
 
 # ---------------------------------------------------------------------------------- launching
-def _launch(nproc: int, mode: str, out) -> None:
-    """This file's worker ``mode`` on ``nproc`` CPU ranks, writing to ``out``."""
-    workers = {"pp2": _worker_pp2, "dp2": _worker_dp2, "dp2pp1": _worker_dp2_pp1}
-    run_ranks(nproc, workers[mode], str(out), logs=out / "logs")
-
-
-def test_pp2_matches_trainer_for_llama_and_qwen2(tmp_path):
-    _launch(2, "pp2", tmp_path)
+def test_pp2_matches_trainer_for_llama_and_qwen2(launched, tmp_path):
+    out = launched("pp2").out
     for arch in ARCHS:
         ref_info, ref_state = train_reference(arch, tmp_path / f"ref-{arch}")
-        ranks = [json.loads((tmp_path / arch / f"info-rank{r}.json").read_text()) for r in (0, 1)]
+        ranks = [json.loads((out / arch / f"info-rank{r}.json").read_text()) for r in (0, 1)]
         info = ranks[0]
         # both stages report the same global values
         assert ranks[0]["losses"] == ranks[1]["losses"] and ranks[0]["grad_norms"] == ranks[1]["grad_norms"]
@@ -232,7 +230,7 @@ def test_pp2_matches_trainer_for_llama_and_qwen2(tmp_path):
         diffs = [abs(a - b) for a, b in zip(info["losses"], ref_info["losses"])]
         assert max(diffs) < 1e-5, (arch, diffs)
         assert max(abs(a - b) / b for a, b in zip(info["grad_norms"], ref_info["grad_norms"])) < 1e-4
-        worst, name = worst_relative(ref_state, load_saved(tmp_path / arch / "final"))
+        worst, name = worst_relative(ref_state, load_saved(out / arch / "final"))
         assert worst < 1e-4, (arch, name, worst)
         assert abs(info["eval_loss"] - ref_info["eval_loss"]) < 1e-5
         # throughput counts the sequences the one replica trained on (not once per pipeline rank)
@@ -249,21 +247,21 @@ def test_pp2_matches_trainer_for_llama_and_qwen2(tmp_path):
                 assert r["predicted_labels"] == ref_info["predicted_labels"]
                 assert r["test_accuracy"] == ref_info["test_accuracy"]
                 assert abs(r["test_loss"] - ref_info["test_loss"]) < 1e-5
-                got = torch.load(tmp_path / arch / f"logits-rank{ranks.index(r)}.pt")
+                got = torch.load(out / arch / f"logits-rank{ranks.index(r)}.pt")
                 want = torch.load(tmp_path / f"ref-{arch}" / "logits.pt")
                 assert got["logits"].shape == want["logits"].shape
                 # the trained weights already differ by up to 1e-4 (relative, see above): logits by ~5e-5
                 torch.testing.assert_close(got["logits"], want["logits"], atol=1e-4, rtol=1e-4)
                 assert torch.equal(got["labels"], want["labels"])
         # checkpoints: standard model files plus one optimizer shard per stage; resume = same end
-        names = set(os.listdir(tmp_path / arch / "checkpoint-2"))
+        names = set(os.listdir(out / arch / "checkpoint-2"))
         # the model in HF's sharded format, one shard per stage (each written by its stage)
         assert {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json",
                 "config.json", "optimizer.stage0-of-2.pt", "optimizer.stage1-of-2.pt",
                 "scheduler.pt", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth", "concertina.json",
                 "layout_cost_model.json"} <= names
         assert info["resumed_losses"] == pytest.approx(info["losses"], abs=1e-6)
-        worst, name = worst_relative(load_saved(tmp_path / arch / "final"), load_saved(tmp_path / arch / "resumed"))
+        worst, name = worst_relative(load_saved(out / arch / "final"), load_saved(out / arch / "resumed"))
         assert worst < 1e-6, (arch, "resume", name, worst)
 
 
@@ -271,41 +269,41 @@ def test_pp2_matches_trainer_for_llama_and_qwen2(tmp_path):
     from safetensors import safe_open
 
     ref_info, ref_state = train_reference("llama-tied", tmp_path / "ref-tied")
-    ranks = [json.loads((tmp_path / "tied" / f"info-rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = [json.loads((out / "tied" / f"info-rank{r}.json").read_text()) for r in (0, 1)]
     assert "model.embed_tokens.weight" in ranks[0]["stage_params"] and "lm_head.weight" in ranks[1]["stage_params"]
     assert ranks[0]["reloaded_tied_copy"] and ranks[1]["reloaded_tied_copy"]
     assert max(abs(a - b) for a, b in zip(ranks[0]["losses"], ref_info["losses"])) < 1e-5
     assert max(abs(a - b) / b for a, b in zip(ranks[0]["grad_norms"], ref_info["grad_norms"])) < 1e-4
-    first, last = (torch.load(tmp_path / "tied" / f"tied-rank{r}.pt") for r in (0, 1))
+    first, last = (torch.load(out / "tied" / f"tied-rank{r}.pt") for r in (0, 1))
     assert torch.equal(first, last)  # same gradients, same optimizer steps: the same bits
-    weight_map = json.loads((tmp_path / "tied" / "final" / "model.safetensors.index.json").read_text())["weight_map"]
+    weight_map = json.loads((out / "tied" / "final" / "model.safetensors.index.json").read_text())["weight_map"]
     assert "lm_head.weight" not in weight_map and weight_map["model.embed_tokens.weight"].startswith("model-00001-")
     for shard in sorted(set(weight_map.values())):
-        with safe_open(str(tmp_path / "tied" / "final" / shard), framework="pt") as fh:
+        with safe_open(str(out / "tied" / "final" / shard), framework="pt") as fh:
             assert "lm_head.weight" not in set(fh.keys())
-    loaded = load_saved(tmp_path / "tied" / "final")  # tie_word_embeddings: lm_head.weight is the embedding
+    loaded = load_saved(out / "tied" / "final")  # tie_word_embeddings: lm_head.weight is the embedding
     assert torch.equal(loaded["lm_head.weight"], first) and torch.equal(loaded["model.embed_tokens.weight"], first)
     worst, name = worst_relative(ref_state, loaded)
     assert worst < 1e-4, ("tied", name, worst)
 
     # bf16 autocast: within bf16 tolerances of Trainer(bf16=True) (see test_trainer.py)
     ref_info, _ = train_reference("llama", tmp_path / "ref-bf16", bf16=True, use_cpu=True)
-    info = json.loads((tmp_path / "bf16" / "info-rank0.json").read_text())
+    info = json.loads((out / "bf16" / "info-rank0.json").read_text())
     assert max(abs(a - b) / b for a, b in zip(info["losses"], ref_info["losses"])) < 2e-4
     assert max(abs(a - b) / b for a, b in zip(info["grad_norms"], ref_info["grad_norms"])) < 5e-3
 
 
-def test_pp2_dp2_matches_trainer_with_the_whole_global_batch(tmp_path):
-    _launch(4, "dp2", tmp_path)
+def test_pp2_dp2_matches_trainer_with_the_whole_global_batch(launched, tmp_path):
+    out = launched("dp2").out
     # one process with both replicas' sequences per step: per_device_train_batch_size x 2 (24 rows: whole
     # batches on both sides, so epochs end at the same step and no replica pads its last batch)
     ref_info, ref_state = train_reference("llama", tmp_path / "ref", per_device_train_batch_size=6)
-    ranks = [json.loads((tmp_path / f"info-rank{r}.json").read_text()) for r in range(4)]
+    ranks = [json.loads((out / f"info-rank{r}.json").read_text()) for r in range(4)]
     assert sorted(tuple(r["topology"]) for r in ranks) == [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
     assert all(r["losses"] == ranks[0]["losses"] for r in ranks)  # the global loss on every rank
     diffs = [abs(a - b) for a, b in zip(ranks[0]["losses"], ref_info["losses"])]
     assert len(diffs) == 4 and max(diffs) < 1e-5, diffs
-    worst, name = worst_relative(ref_state, load_saved(tmp_path / "final"))
+    worst, name = worst_relative(ref_state, load_saved(out / "final"))
     assert worst < 1e-4, (name, worst)
     # throughput over both replicas: 4 steps x 12 sequences = two epochs of the 24 rows
     for r in ranks:
@@ -318,6 +316,6 @@ def test_pp2_dp2_matches_trainer_with_the_whole_global_batch(tmp_path):
         assert r["eval_accuracy"] == ref_info["eval_accuracy"] and r["predicted_ids"] == ref_info["predicted_ids"]
         assert r["predicted_labels"] == ref_info["predicted_labels"]
         assert abs(r["test_loss"] - ref_info["test_loss"]) < 1e-5
-        got = torch.load(tmp_path / f"logits-rank{r['topology'][0]}.pt")
+        got = torch.load(out / f"logits-rank{r['topology'][0]}.pt")
         torch.testing.assert_close(got["logits"], want["logits"], atol=1e-4, rtol=1e-4)
 

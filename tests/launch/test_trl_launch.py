@@ -31,7 +31,7 @@ import torch
 
 trl = pytest.importorskip("trl")
 
-from _helpers import run_ranks  # noqa: E402
+from _helpers import Launch  # noqa: E402
 from _models import bundled_tokenizer, text_dataset, text_model  # noqa: E402
 
 SCRIPT = dict(packing=True, packing_strategy="bfd", padding_free=True, max_length=64, per_device_train_batch_size=2,
@@ -85,13 +85,13 @@ def _max_abs(ref: dict, got: dict) -> float:
     return max((ref[k] - got[k]).abs().max().item() for k in ref)
 
 
-def test_sft_script_with_only_the_swap_trains_what_sfttrainer_trains(tmp_path):
-    run_ranks(2, _worker, str(tmp_path), logs=tmp_path / "logs", timeout=900)
+def test_sft_script_with_only_the_swap_trains_what_sfttrainer_trains(launched, tmp_path):
+    out = launched("pp2").out
     refs = {case: _reference(case, tmp_path / f"ref-{case}") for case in CASES}
     gap = _max_abs(refs["bf16"][0], refs["fp32"][0])  # SFTTrainer's own bf16 vs fp32
     report = {"sfttrainer_bf16_vs_fp32": gap}
     for case in CASES:
-        d = tmp_path / case
+        d = out / case
         infos = [json.loads((d / f"info-rank{r}.json").read_text()) for r in (0, 1)]
         ours = {}
         for r in (0, 1):
@@ -108,3 +108,7 @@ def test_sft_script_with_only_the_swap_trains_what_sfttrainer_trains(tmp_path):
             assert worst < FP32_MARGIN, report
             assert infos[0]["train_loss"] == pytest.approx(ref_loss, rel=1e-6, abs=1e-7), (infos[0], ref_loss)
     print("max abs parameter difference after 3 steps:", report)
+
+
+#: the launch (started by the session, read through the ``launched`` fixture)
+LAUNCHES = {"pp2": Launch(2, _worker, timeout=900)}

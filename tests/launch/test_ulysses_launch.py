@@ -16,16 +16,18 @@ import os
 import pytest
 import torch
 
-from _helpers import reports as read_reports, run_ranks
+import _dist_ulysses
+import _ulysses_trainer
+from _helpers import Launch, reports as read_reports, run_ranks
+
+LAUNCHES = {f"dp{dp}-pp{pp}-sp{sp}": Launch(dp * pp * sp, _dist_ulysses.worker, pp, sp, dp)
+            for dp, pp, sp in [(1, 1, 2), (1, 2, 2), (2, 1, 2), (2, 2, 2)]}
+LAUNCHES["trainer"] = Launch(4, _ulysses_trainer.main)
 
 
 @pytest.mark.parametrize("dp,pp,sp", [(1, 1, 2), (1, 2, 2), (2, 1, 2), (2, 2, 2)])
-def test_ulysses_matches_hf(dp, pp, sp, tmp_path):
-    import _dist_ulysses
-
-    world = dp * pp * sp
-    run_ranks(world, _dist_ulysses.worker, str(tmp_path), pp, sp, dp, logs=tmp_path / "logs")
-    reports = read_reports(tmp_path, world)
+def test_ulysses_matches_hf(dp, pp, sp, launched):
+    reports = read_reports(launched(f"dp{dp}-pp{pp}-sp{sp}").out, dp * pp * sp)
     for r in reports:
         print(f"rank {r['rank']}: {len(r['cases'])} cases; activation peak at sp={sp}, at sp=1, predicted at sp={sp} "
               "(bytes):")
@@ -64,8 +66,6 @@ def test_allocated_peak_at_sp4_matches_prediction(tmp_path):
     Each all-to-all returns only once gloo has let go of its send buffer (200 calls a rank; without
     the runtime's wait one in four returned before, and a fresh-clone CI run read x1.033: one
     rank's q/k/v shard alive at the peak)."""
-    import _dist_ulysses
-
     profiles = _dist_ulysses.memory_profiles()
     run_ranks(4, _dist_ulysses.memory_worker, str(tmp_path), profiles, logs=tmp_path / "logs")
     reports = read_reports(tmp_path, 4)
@@ -82,7 +82,7 @@ def test_allocated_peak_at_sp4_matches_prediction(tmp_path):
         assert 0.90 * predicted <= peak <= 1.02 * predicted, (kv, sp, name, peak, predicted)
 
 
-def test_trainer_pp2_sp2_matches_trainer(tmp_path):
+def test_trainer_pp2_sp2_matches_trainer(launched, tmp_path):
     """ConcertinaTrainer on 4 processes (pp=2 x sp=2), given a model built differently on ranks 1-3
     (rank 0's weights are used, as DDP does), equals Trainer on one process after 3 steps:
     logged losses 1e-5, gradient norms 1e-4, every parameter of the saved model 1e-4 (relative),
@@ -90,12 +90,11 @@ def test_trainer_pp2_sp2_matches_trainer(tmp_path):
     rank; resuming from the step-2 checkpoint ends on the same model; a LoRA model trained with label
     smoothing (and the online cost-model refit each step) equals Trainer's (losses 1e-5, adapter
     update 1e-3)."""
-    import _ulysses_trainer
     from _ulysses_trainer import STEPS
     from _models import load_saved, tiny_dataset, train_reference, worst_relative
 
-    run_ranks(4, _ulysses_trainer.main, str(tmp_path), logs=tmp_path / "logs")
-    ranks = [json.loads((tmp_path / f"info-rank{r}.json").read_text()) for r in range(4)]
+    out = launched("trainer").out
+    ranks = [json.loads((out / f"info-rank{r}.json").read_text()) for r in range(4)]
     # dp x pp x sp, sp innermost: (rank, replica, stage, sp rank)
     assert [r["topology"] for r in ranks] == [[0, 0, 0, 0], [1, 0, 0, 1], [2, 0, 1, 0], [3, 0, 1, 1]]
     assert ranks[0]["stage_params"] == ranks[1]["stage_params"] != ranks[2]["stage_params"]
@@ -120,20 +119,20 @@ def test_trainer_pp2_sp2_matches_trainer(tmp_path):
         assert r["predicted_labels"] == ref_info["predicted_labels"]
         assert r["test_accuracy"] == ref_info["test_accuracy"]
         assert abs(r["test_loss"] - ref_info["test_loss"]) < 1e-5
-        got = torch.load(tmp_path / f"logits-rank{rank}.pt")
+        got = torch.load(out / f"logits-rank{rank}.pt")
         assert got["logits"].shape == want["logits"].shape
         torch.testing.assert_close(got["logits"], want["logits"], atol=1e-4, rtol=1e-4)
         assert torch.equal(got["labels"], want["labels"])
-    worst, name = worst_relative(ref_state, load_saved(tmp_path / "final"))
+    worst, name = worst_relative(ref_state, load_saved(out / "final"))
     assert worst < 1e-4, (name, worst)
     # the checkpoint: one optimizer shard per stage, every process's RNG; resuming ends the same
-    names = set(os.listdir(tmp_path / "checkpoint-2"))
+    names = set(os.listdir(out / "checkpoint-2"))
     assert {"optimizer.stage0-of-2.pt", "optimizer.stage1-of-2.pt", "model-00001-of-00002.safetensors",
             "model-00002-of-00002.safetensors", "model.safetensors.index.json"} <= names
     assert {f"rng_state_{r}.pth" for r in range(4)} <= names
-    assert json.loads((tmp_path / "checkpoint-2" / "concertina.json").read_text())["sequence_parallel_size"] == 2
+    assert json.loads((out / "checkpoint-2" / "concertina.json").read_text())["sequence_parallel_size"] == 2
     assert info["resumed_losses"] == pytest.approx(info["losses"], abs=1e-6)
-    worst, name = worst_relative(load_saved(tmp_path / "final"), load_saved(tmp_path / "resumed"))
+    worst, name = worst_relative(load_saved(out / "final"), load_saved(out / "resumed"))
     assert worst < 1e-6, ("resume", name, worst)
     # PEFT (LoRA on the embedding, q/v/down, lm_head trained) with label smoothing: Trainer's losses
     # and norms, the saved adapter holds Trainer's update (``_peft_cases.check_adapter``)
@@ -156,7 +155,7 @@ def test_trainer_pp2_sp2_matches_trainer(tmp_path):
                   args=TrainingArguments(output_dir=str(tmp_path / "ref-peft"), save_strategy="no",
                                          label_smoothing_factor=PEFT_SMOOTHING, **_peft_cases.COMMON))
     ref.train()
-    _peft_cases.check_adapter("embed-head", tmp_path / "peft", ref.model, info["peft"], _peft_cases.losses_and_norms(ref))
+    _peft_cases.check_adapter("embed-head", out / "peft", ref.model, info["peft"], _peft_cases.losses_and_norms(ref))
 
 
 def test_profiler_fits_the_all_to_all_on_a_real_group(tmp_path):
@@ -166,8 +165,6 @@ def test_profiler_fits_the_all_to_all_on_a_real_group(tmp_path):
     path on the mesh's sp group writes the fitted fields into ``cost_model.json``; the per-doc K/V
     all-gather and reduce-scatter (``profile_all_gather``) fitted and saved likewise, their bytes
     those the cost model counts. ~25 s (slow: timings under shared-core load)."""
-    import _dist_ulysses
-
     run_ranks(2, _dist_ulysses.a2a_worker, str(tmp_path), logs=tmp_path / "logs")
     assert [f for r in read_reports(tmp_path, 2) for f in r["failures"]] == []
     r = json.loads((tmp_path / "a2a.json").read_text())
