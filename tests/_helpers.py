@@ -24,6 +24,7 @@ import os
 import pathlib
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -50,12 +51,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_env(**extra: str) -> dict[str, str]:
-    """The environment of a worker process: one thread, no Hub, no wandb, no tokenizer threads,
-    the test path on ``PYTHONPATH``, and without ``ACCELERATE_USE_CPU`` (the trainer's arguments
-    must turn CPU on by themselves); ``extra`` on top."""
-    path = os.pathsep.join(PATHS + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled",
+def worker_env(base: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """The environment of a worker process: ``base`` (default: this process's environment now),
+    one thread, no Hub, no wandb, no tokenizer threads, the test path on ``PYTHONPATH``, and
+    without ``ACCELERATE_USE_CPU`` (the trainer's arguments must turn CPU on by themselves);
+    ``extra`` on top."""
+    base = dict(os.environ if base is None else base)
+    path = os.pathsep.join(PATHS + [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env = dict(base, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled",
                TOKENIZERS_PARALLELISM="false", PYTHONPATH=path, **extra)
     env.pop("ACCELERATE_USE_CPU", None)
     return env
@@ -131,8 +134,8 @@ def _rank_main(env: dict[str, str], logs: str, fn, args: tuple, fresh: bool) -> 
 class Ranks:
     """The processes of one launch (:func:`start_ranks`)."""
 
-    def __init__(self, procs: list, logs: pathlib.Path, what: str) -> None:
-        self.procs, self.logs, self.what = procs, logs, what
+    def __init__(self, procs: list, logs: pathlib.Path, what: str, stderr_name: str = "stderr-rank{r}.txt") -> None:
+        self.procs, self.logs, self.what, self.stderr_name = procs, logs, what, stderr_name
         self.started = time.time()
         #: when each rank was first seen ended (:meth:`poll`), ``time.time()``
         self.ended: list[float | None] = [None] * len(procs)
@@ -151,7 +154,7 @@ class Ranks:
         return [p.exitcode for p in self.procs]
 
     def stderr(self, rank: int) -> str:
-        path = self.logs / f"stderr-rank{rank}.txt"
+        path = self.logs / self.stderr_name.format(r=rank)
         return path.read_text(errors="replace") if path.exists() else ""
 
     def kill(self) -> None:
@@ -187,13 +190,15 @@ class Ranks:
         return self
 
 
-def start_ranks(world: int, fn, *args, logs, env: dict[str, str] | None = None, fresh: bool = False) -> Ranks:
+def start_ranks(world: int, fn, *args, logs, env: dict[str, str] | None = None, fresh: bool = False,
+                base_env: dict[str, str] | None = None) -> Ranks:
     """``fn(*args)`` on ``world`` processes (``fn`` a module-level function: the rank imports its
     module), with the rank in the environment as torchrun sets it, :func:`worker_env` and ``env``
     on top; each rank's stdout and stderr in ``logs`` (created). Returns at once. The ranks are
     forked from the fork server; ``fresh``: new interpreters instead, each paying its imports, for
     a test of what peers see while a failing rank's interpreter shuts down (a forked rank's
-    exit skips that shutdown)."""
+    exit skips that shutdown). ``base_env``: the environment the ranks' starts from (default:
+    this process's now)."""
     import multiprocessing
 
     logs = pathlib.Path(logs)
@@ -201,7 +206,7 @@ def start_ranks(world: int, fn, *args, logs, env: dict[str, str] | None = None, 
     ctx, port = multiprocessing.get_context("spawn") if fresh else _fork_context(), free_port()
     procs = []
     for rank in range(world):
-        rank_env = worker_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+        rank_env = worker_env(base_env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                               LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                               **(env or {}))
         proc = ctx.Process(target=_rank_main, args=(rank_env, str(logs), fn, args, fresh), name=f"rank{rank}")
@@ -232,6 +237,51 @@ class Launch:
                  timeout: float = 1500) -> None:
         self.world, self.fn, self.args, self.env, self.check, self.timeout = world, fn, args, env or {}, check, timeout
 
+    def start(self, out: pathlib.Path, base_env: dict[str, str]) -> "Ranks":
+        return start_ranks(self.world, self.fn, str(out), *self.args, logs=out / "logs", env=self.env,
+                           base_env=base_env)
+
+
+class Command(Launch):
+    """A job that is one command rather than ranks of a function (a launcher, a benchmark script):
+    ``argv`` in a process of its own session, in ``cwd``, with ``env`` on top of the environment
+    and ``unset`` taken out (``{out}`` in any of them: the job's folder); its stdout and stderr
+    together in ``<out>/output.txt``. Read as one rank: ``codes`` and ``stderr`` of one entry."""
+
+    def __init__(self, *argv: str, env: dict[str, str] | None = None, unset: tuple[str, ...] = (), cwd=None,
+                 check: bool = False, timeout: float = 1500) -> None:
+        super().__init__(1, None, env=env, check=check, timeout=timeout)
+        self.argv, self.unset, self.cwd = argv, unset, cwd
+
+    def start(self, out: pathlib.Path, base_env: dict[str, str]) -> "Ranks":
+        out.mkdir(parents=True, exist_ok=True)
+        def place(text) -> str:
+            return str(text).replace("{out}", str(out))
+
+        env = {k: place(v) for k, v in dict(base_env, **self.env).items() if k not in self.unset}
+        argv = [place(a) for a in self.argv]
+        with open(out / "output.txt", "w") as log:
+            proc = subprocess.Popen(argv, env=env, cwd=None if self.cwd is None else place(self.cwd), stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        return Ranks([_Process(proc)], out, " ".join(argv), stderr_name="output.txt")
+
+
+class _Process:
+    """A ``subprocess.Popen`` seen as a ``multiprocessing`` process (:class:`Ranks` reads these)."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc, self.pid = proc, proc.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.proc.poll()
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def join(self) -> None:
+        self.proc.wait()
+
 
 class Launched:
     """A finished :class:`Launch`: its folder, each rank's exit code and stderr."""
@@ -249,6 +299,9 @@ class Launches:
         import threading
 
         self.root = pathlib.Path(root)
+        #: the environment every job starts from: this process's at the session's start, not a
+        #: test's (a test's monkeypatched variable must not reach a job started meanwhile)
+        self.environ = dict(os.environ)
         self._table: dict[str, Launch] = {}
         self._state: dict[str, object] = {}  # key -> threading.Event (running) | Launched | str (failure)
         self._lock = threading.Lock()
@@ -297,7 +350,7 @@ class Launches:
         launch = self._table[key]
         out = self.root / key.replace("::", "-").replace("/", "-")
         try:
-            ranks = start_ranks(launch.world, launch.fn, str(out), *launch.args, logs=out / "logs", env=launch.env)
+            ranks = launch.start(out, self.environ)
             self._running.append(ranks)
             try:
                 codes = ranks.wait(launch.timeout, grace=30 if launch.check else None)

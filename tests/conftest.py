@@ -43,7 +43,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if tier(item) == 2:
             item.add_marker(pytest.mark.slow)
-    items.sort(key=tier)  # stable: the order inside a tier is the collection order
+    # stable: the order inside a tier is the collection order, except that in the slow tier the
+    # tests reading background jobs (the ``launched`` fixture) come first: those launching in the
+    # test itself, some timing what they launch (a fault's exits, a fitted link), run after them,
+    # once the background is idle
+    items.sort(key=lambda item: (tier(item), tier(item) == 2 and "launched" not in getattr(item, "fixturenames", ())))
 
 
 def pytest_collection_finish(session):
@@ -68,7 +72,7 @@ def pytest_sessionfinish(session):
         launches.close()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def launched(request):
     """``launched(name)``: the finished job ``name`` of the test module's ``LAUNCHES``
     (:class:`_helpers.Launched`: its folder, exit codes and stderr); a job that must succeed and
@@ -76,7 +80,7 @@ def launched(request):
     launches = request.config.stash.get(LAUNCHES, None)
     module = request.module
     if launches is None:  # the module was not among the selected ones at collection (or collect-only)
-        launches = _helpers.Launches(request.getfixturevalue("tmp_path"))
+        launches = _helpers.Launches(request.getfixturevalue("tmp_path_factory").mktemp("launches"))
         request.config.stash[LAUNCHES] = launches
     launches.declare(module.__name__, module.LAUNCHES)
     return lambda name: launches.get(f"{module.__name__}::{name}")

@@ -18,6 +18,8 @@ import sys
 import pytest
 import torch
 
+from _helpers import Command
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 
@@ -31,8 +33,17 @@ def _run(out: pathlib.Path, *extra: str, timeout: int) -> dict:
     return json.loads((out / "gpu_check.json").read_text())
 
 
-def test_cpu_smoke_runs_every_section(tmp_path):
-    rep = _run(tmp_path, "--cpu-smoke", timeout=300)
+#: the job (a command, started by the session in the background, read through ``launched``)
+LAUNCHES = {"cpu-smoke": Command(sys.executable, str(SCRIPT), "--cpu-smoke", "--out", "{out}", cwd=ROOT, timeout=300,
+                                 env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"})}
+
+
+def test_cpu_smoke_runs_every_section(launched):
+    run = launched("cpu-smoke")
+    tmp_path = run.out
+    assert run.codes == [0], run.stderr[0][-8000:]
+    assert (tmp_path / "gpu_check.md").stat().st_size > 0
+    rep = json.loads((tmp_path / "gpu_check.json").read_text())
     assert rep["mode"] == "cpu-smoke" and rep["dtype"] == "float32"
     assert rep["environment"]["torch"] == torch.__version__ and rep["environment"]["transformers"]
     assert set(rep["sections"]) == set("abcde")

@@ -7,21 +7,24 @@ budget rule on one process: ``tests/runtime/test_measured_sp_budget.py``.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
 import sys
+
+from _helpers import Command
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-def test_measured_sp_quick(tmp_path):
-    out = tmp_path / "measured_sp_quick"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "benchmarks/measured_sp.py", "--quick", "--out", str(out)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+#: the job (a command, started by the session in the background, read through ``launched``)
+LAUNCHES = {"quick": Command(sys.executable, "benchmarks/measured_sp.py", "--quick", "--out", "{out}/measured_sp_quick",
+                             cwd=ROOT, env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}, timeout=600)}
+
+
+def test_measured_sp_quick(launched):
+    run = launched("quick")
+    tmp_path = run.out
+    assert run.codes == [0], run.stderr[0][-6000:]
     for name in ("measured_sp_quick.md", "measured_sp_quick.json"):
         assert (tmp_path / name).stat().st_size > 0, name
     res = json.loads((tmp_path / "measured_sp_quick.json").read_text())

@@ -5,20 +5,23 @@ tiniest run; its packing and stage modules on one process: ``tests/runtime/test_
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
 import sys
+
+from _helpers import Command
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def test_torch_pipelining_peer_benchmark_tiny(tmp_path):
-    out = tmp_path / "peer_tiny"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "benchmarks/torch_pipelining_peer.py", "--tiny", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+#: the job (a command, started by the session in the background, read through ``launched``)
+LAUNCHES = {"tiny": Command(sys.executable, "benchmarks/torch_pipelining_peer.py", "--tiny", "--out", "{out}/peer_tiny",
+                            cwd=ROOT, env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}, timeout=600)}
+
+
+def test_torch_pipelining_peer_benchmark_tiny(launched):
+    run = launched("tiny")
+    out = run.out / "peer_tiny"
+    assert run.codes == [0], run.stderr[0][-6000:]
     res = json.loads(out.with_suffix(".json").read_text())
     assert "Schedule1F1B" in out.with_suffix(".md").read_text()
     (ctx,) = res["contexts"]

@@ -23,7 +23,7 @@ import sys
 
 import pytest
 
-from _helpers import free_port
+from _helpers import Command, free_port
 from _recipe import heldout_ids, heldout_loss
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -33,25 +33,26 @@ CPU_2PROC_ARGV = ["--max_steps", "6", "--max_files", "100", "--max_length", "256
                   "--eval_samples", "4", "--concertina_max_tokens_per_chunk", "128", "--concertina_gantt_steps", "3"]
 
 
+#: the job (a command, started by the session in the background, read through ``launched``)
+LAUNCHES = {"cpu_2proc": Command(
+    sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "cpu_2proc.yaml"), str(LAUNCH),
+    "--output_dir", "{out}/run", *CPU_2PROC_ARGV, cwd="{out}",
+    env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "HF_DATASETS_CACHE": "{out}/cache",
+         "TOKENIZERS_PARALLELISM": "false", "CONCERTINA_RANK_INFO_DIR": "{out}"},
+    unset=("ACCELERATE_USE_CPU",))}
+
+
 @pytest.fixture(scope="module")
-def cpu_2proc(tmp_path_factory) -> pathlib.Path:
+def cpu_2proc(launched) -> pathlib.Path:
     """The default recipe under ``accelerate launch --config_file cpu_2proc.yaml``, each rank's facts
-    in ``<dir>/ranks``; the folder (the run in ``run``, the datasets cache in ``cache``)."""
-    tmp_path = tmp_path_factory.mktemp("cpu_2proc")
-    (tmp_path / "ranks").mkdir()
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled",
-               HF_DATASETS_CACHE=str(tmp_path / "cache"), TOKENIZERS_PARALLELISM="false",
-               CONCERTINA_RANK_INFO_DIR=str(tmp_path / "ranks"))
-    env.pop("ACCELERATE_USE_CPU", None)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "cpu_2proc.yaml"),
-           str(LAUNCH), "--output_dir", str(tmp_path / "run"), *CPU_2PROC_ARGV]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500, cwd=str(tmp_path))
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return tmp_path
+    in ``<dir>/rank<r>.json``; the folder (the run in ``run``, the datasets cache in ``cache``)."""
+    run = launched("cpu_2proc")
+    assert run.codes == [0], run.stderr[0][-9000:]
+    return run.out
 
 
 def test_cpu_2proc_starts_two_ranks_sharing_one_process_group(cpu_2proc):
-    ranks = [json.loads((cpu_2proc / "ranks" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = [json.loads((cpu_2proc / f"rank{r}.json").read_text()) for r in (0, 1)]
     for info in ranks:
         assert info["env_world"] == info["world_size"] == info["args_world"] == 2, info
         assert info["use_cpu"] and "DISTRIBUTED" in info["parallel_mode"]

@@ -13,17 +13,31 @@ bound beside a stage of 0.25x, hence ~0.44 GB rather than less.
 
 from __future__ import annotations
 
+import json
 import pathlib
 import sys
+
+from _helpers import Command
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import stage_loading  # noqa: E402
 
+#: ``stage_loading.measure`` in a process of its own (it writes the checkpoint and starts torchrun);
+#: its record to ``<out>/record.json``
+MEASURE = ("import json, sys; sys.path.insert(0, 'benchmarks'); import stage_loading; "
+           "rec = stage_loading.measure('small', 4, '120MB', train_steps=2, keep=sys.argv[1], no_self_check=True); "
+           "json.dump(rec, open(sys.argv[1] + '/record.json', 'w'))")
+#: the job (a command, started by the session in the background, read through ``launched``)
+LAUNCHES = {"small-pp4": Command(sys.executable, "-c", MEASURE, "{out}", cwd=ROOT,
+                                 env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})}
 
-def test_stage_loading_bounds_and_equality(tmp_path):
-    rec = stage_loading.measure("small", 4, "120MB", train_steps=2, keep=str(tmp_path), no_self_check=True)
+
+def test_stage_loading_bounds_and_equality(launched):
+    run = launched("small-pp4")
+    assert run.codes == [0], run.stderr[0][-6000:]
+    rec = json.loads((run.out / "record.json").read_text())
     assert len([f for f in rec["checkpoint_files"] if f.endswith(".safetensors")]) >= 3  # sharded source
     assert rec["saved_differs"] == []
     assert rec["saved_loads_with_hf"]
