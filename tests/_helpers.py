@@ -1,8 +1,9 @@
 """Helpers shared by the tests: the import path, ports, and starting the ranks of a launch.
 
 conftest.py imports this module, which puts ``tests/`` and its tier folders on ``sys.path``: the
-test files are not packages; shared models, data and references live in ``tests/_models.py`` and
-the workers of the launches beside their tests.
+test files are not packages, and none imports another: what several share (models, data,
+references) lives in ``tests/_models.py`` and its ``tests/_*.py`` siblings, the workers of the
+launches beside their tests.
 
 One way to start a multi-process job: :func:`start_ranks` (and :func:`run_ranks`, which waits and
 fails the test with the ranks' stderr) runs a module-level function on ``world`` processes with
@@ -12,10 +13,11 @@ are forked from a fork server that imported torch, transformers and the package 
 (``tests/_preload.py``): a rank starts in ~0.1 s instead of ~5 CPU-seconds of imports. Inside a
 worker, :func:`gloo_rank` joins the group, runs the checks and writes the rank's report.
 
-A launch test declares its jobs in a module table ``LAUNCHES`` (name -> :class:`Launch`) and reads
-each through the ``launched`` fixture: the session starts them in the background from its start
-(:class:`Launches`, conftest.py). Jobs whose subject is time (a fault's exits, a fitted link) or
-that need the test process first start in the test itself.
+A launch test declares its jobs in a module table ``LAUNCHES`` (name -> :class:`Launch`, or
+:class:`Command` for a launcher or a benchmark script) and reads each through the ``launched``
+fixture: the session starts them in the background from its start (:class:`Launches`,
+conftest.py). Jobs whose subject is time (a fault's exits, a fitted link) or that need the test
+process first start in the test itself.
 """
 
 from __future__ import annotations
