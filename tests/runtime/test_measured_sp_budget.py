@@ -31,11 +31,13 @@ def test_budget_rule_and_plans_for_every_layout():
     assert [c.sp for c in costs] == [2, 4, 1] and all(c.state_shards == 1 for c in costs)
     stage_layouts = [partition_layers(c, lay["pp"]) for c, lay in zip(costs, LAYOUTS)]
     lens = [length, 200, 120, 64, 40]
-    # pp=2 x sp=2's own figure, raised (10% steps) where a layout cannot plan the batch: pp=4 x sp=1's
-    # last GPU holds the logits of a whole sequence (vocabulary 8192 vs hidden 64 here)
+    # pp=2 x sp=2's own figure, raised (10% steps) where a layout cannot plan a batch: the benchmark's
+    # batch, and a sequence twice the figure's length, which some layout cannot plan under it
     rule = activation_budget(costs, stage_layouts, length, 0.5, [lens])
-    assert rule["raised"] > 0
-    assert rule["budget"] == pytest.approx(rule["per_layout"][0]["at_frac"] * 1.1 ** rule["raised"])
+    longer = activation_budget(costs, stage_layouts, length, 0.5, [[2 * length]])
+    assert longer["raised"] > 0
+    for r in (rule, longer):
+        assert r["budget"] == pytest.approx(r["per_layout"][0]["at_frac"] * 1.1 ** r["raised"])
     assert activation_budget(costs, stage_layouts, length, 0.5)["raised"] == 0  # no batch: the figure itself
     for p in rule["per_layout"]:
         ends = (max(p["full_recompute"]), max(p["no_recompute"]))
