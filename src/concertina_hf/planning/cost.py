@@ -96,7 +96,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from .coefficients import DeviceSpec, analytic_coefficients
+from .coefficients import analytic_coefficients
 from .cost_parallel import ParallelCosts, whole_doc_carried_of
 from .segments import parse_heads
 from .types import Chunk, ChunkKind, Slice, StageLayout
@@ -249,21 +249,12 @@ class CostModel(ParallelCosts):
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def from_hf_config(
-        cls,
-        config: Any,
-        device: DeviceSpec | None = None,
-        dtype_bytes: int = 2,
-        static_bytes_per_param: float | None = None,
-        compute_dtype_bytes: int | None = None,
-        attention_kernel: str | None = None,
-    ) -> "CostModel":
-        """Analytic model from an HF decoder config (a ``PretrainedConfig`` or a dict) on
-        ``device``'s rates: :func:`~.coefficients.analytic_coefficients` (which names what it reads
-        and the defaults; ``compute_dtype_bytes``: autocast's dtype, ``attention_kernel``: the
-        runtime's kernel)."""
-        return cls(**analytic_coefficients(config, device, dtype_bytes, static_bytes_per_param,
-                                           compute_dtype_bytes, attention_kernel))
+    def from_hf_config(cls, config: Any, *args: Any, **kwargs: Any) -> "CostModel":
+        """Analytic model from an HF decoder config (a ``PretrainedConfig`` or a dict):
+        :func:`~.coefficients.analytic_coefficients`'s fields, with its arguments (``device``,
+        ``dtype_bytes``, ``static_bytes_per_param``, ``compute_dtype_bytes``: autocast's dtype,
+        ``attention_kernel``: the runtime's kernel)."""
+        return cls(**analytic_coefficients(config, *args, **kwargs))
 
     def for_plan(self, plan: Any) -> "CostModel":
         """The model a plan runs under: this one with the plan's segment K/V tail and global heads
