@@ -21,7 +21,9 @@ naming the model type and the feature:
   ``linear_attn``) of the model types of :data:`~.linear_attention.LINEAR_ATTENTION_TYPES`
   (Qwen3-Next, Qwen3.5, OLMo Hybrid, Lara-Mini), exactly HF's mixer class of each,
   which :mod:`.linear_attention` runs per document with its state carried across slices
-  (:attr:`ModelFamily.linear_attention`; sequence parallel size 1 only);
+  (:attr:`ModelFamily.linear_attention`; sequence parallel size 1 only), and the Mamba2 layers
+  (``linear_attention``, ``mamba``) of the model types of :data:`~.ssm.SSM_TYPES` (Granite-4.0
+  hybrid), exactly HF's mixer class of each, which :mod:`.ssm` runs likewise (:attr:`ModelFamily.ssm`);
 - **inputs the model's forward computes for its layers**: a decoder layer whose ``forward`` takes
   a parameter outside :data:`LAYER_INPUTS` (Beam's ``attention_scaling``, per-layer inputs), and
   the few model types of :data:`FORWARD_WORK` whose forward or attention does what neither the
@@ -69,6 +71,8 @@ import torch
 from torch import nn
 
 from .linear_attention import LINEAR_ATTENTION_TYPES, MIXER_ATTRIBUTE, mixer_class
+from .ssm import MAMBA2, SSM_TYPES
+from .ssm import mixer_class as ssm_mixer_class
 from .router_aux import ROUTER_AUX_LOSS_MODES, RouterAux, router_aux_of
 
 __all__ = [
@@ -108,7 +112,7 @@ NORM_BEFORE_LAYERS = frozenset({"nanochat"})
 NO_POSITION_LAYER_TYPES = {"lara_mini": frozenset({"full_attention"})}
 #: model types whose ``model.rotary_emb`` is None when ``config.rope_parameters`` has no ``rope_theta``
 #: (OLMo Hybrid's released checkpoints): then no layer gets position embeddings
-ROTARY_OPTIONAL = frozenset({"olmo_hybrid"})
+ROTARY_OPTIONAL = frozenset({"olmo_hybrid", "granitemoehybrid"})
 #: model types whose ``forward`` or attention does what no config attribute and no module
 #: structure reveals, and the runtime does not reproduce
 FORWARD_WORK = {
@@ -160,12 +164,13 @@ def check_config(config: Any, model: nn.Module | None = None, router_aux_loss: s
     if isinstance(types, (list, tuple)):
         kind = str(getattr(config, "model_type", "") or "")
         other = sorted({str(t) for t in types} - ATTENTION_LAYER_TYPES
-                       - ({"linear_attention"} if kind in LINEAR_ATTENTION_TYPES else set()))
+                       - ({"linear_attention"} if kind in LINEAR_ATTENTION_TYPES | SSM_TYPES else set()))
         if other:
             raise _refuse(config, model, f"config.layer_types has {', '.join(repr(t) for t in other)} layers, which "
                                          "the pipeline does not implement (only full_attention and "
                                          "sliding_attention, and linear_attention for the Gated DeltaNet of "
-                                         f"{', '.join(sorted(LINEAR_ATTENTION_TYPES))}): other recurrent, "
+                                         f"{', '.join(sorted(LINEAR_ATTENTION_TYPES))}, and for the Mamba2 of "
+                                         f"{', '.join(sorted(SSM_TYPES))}): other recurrent, "
                                          "linear-attention or convolutional mixers (Mamba2, short convolutions, "
                                          "KDA, lightning attention, ...) would carry state between packed sequences and lose it between slices of "
                                          "a split sequence; sparse, indexed or chunked attention selects keys the "
@@ -205,6 +210,8 @@ class ModelFamily:
     router_aux: RouterAux | None = None
     #: decoder layers mix tokens with a Gated DeltaNet (:mod:`.linear_attention`), sequence parallel size 1 only
     linear_attention: bool = False
+    #: decoder layers mix tokens with a Mamba2 (:mod:`.ssm`), sequence parallel size 1 only
+    ssm: bool = False
     #: indices of the decoder layers HF's forward passes no position embeddings (:data:`NO_POSITION_LAYER_TYPES`,
     #: :data:`ROTARY_OPTIONAL`); None: every layer (no rotary embedding)
     no_position_layers: frozenset[int] | None = frozenset()
@@ -276,21 +283,23 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
     if extra:
         raise _refuse(config, model, f"{', '.join(extra)} run(s) in the model's forward outside the decoder layers, "
                                      "which the pipeline does not reproduce")
-    linear = mixer_class(kind) if kind in LINEAR_ATTENTION_TYPES else None
+    linear, attribute = (mixer_class(kind), MIXER_ATTRIBUTE) if kind in LINEAR_ATTENTION_TYPES else (None, "")
+    if kind in SSM_TYPES:
+        linear, attribute = ssm_mixer_class(kind), MAMBA2[kind].attribute
     has_linear = False
     for i, layer in enumerate(inner.layers):
-        mixer = getattr(layer, MIXER_ATTRIBUTE, None)
+        mixer = getattr(layer, attribute, None) if attribute else None
         if linear is not None and mixer is not None:
             if type(mixer) is not linear:
-                raise _refuse(config, model, f"decoder layer {i}'s {MIXER_ATTRIBUTE} is a {type(mixer).__name__}, not "
-                                             f"HF's {linear.__name__}, the linear attention the pipeline implements")
+                raise _refuse(config, model, f"decoder layer {i}'s {attribute} is a {type(mixer).__name__}, not "
+                                             f"HF's {linear.__name__}, the recurrent mixer the pipeline implements")
             has_linear = True
         elif all(getattr(layer, n, None) is None for n in ATTENTION_MODULES):
             kids = ", ".join(n for n, _ in layer.named_children())
             raise _refuse(config, model, f"decoder layer {i} ({type(layer).__name__}) has no self_attn (its modules: "
                                          f"{kids}): a layer whose token mixer is not attention is not supported")
         conv = next((n for n, m in layer.named_modules() if isinstance(m, nn.Conv1d)
-                     and not (linear is not None and n.startswith(f"{MIXER_ATTRIBUTE}."))), None)
+                     and not (linear is not None and n.startswith(f"{attribute}."))), None)
         if conv is not None:
             raise _refuse(config, model, f"decoder layer {i} mixes tokens with a convolution ({conv}): its state "
                                          "would leak between packed sequences and be lost between slices")
@@ -343,7 +352,8 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
         rotary_layer_types=rotary_types,
         norm_before_layers=norm_first,
         router_aux=None if router_aux_loss is None else _router_aux(model),
-        linear_attention=has_linear,
+        linear_attention=has_linear and kind in LINEAR_ATTENTION_TYPES,
+        ssm=has_linear and kind in SSM_TYPES,
         no_position_layers=no_position,
     )
 

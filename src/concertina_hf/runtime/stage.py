@@ -26,8 +26,8 @@ Cohere, OLMo 1-3, DeepSeek-V3, Mixtral, StableLM, gpt-oss, ...: ``docs/supported
 every causal-LM model type of the installed transformers, checked numerically by
 ``scripts/model_support.py``). :func:`~.families.inspect_model` runs first: it refuses what the
 runtime cannot reproduce (other layouts, recurrent / linear-attention / convolutional mixers but
-the Gated DeltaNet classes of :mod:`.linear_attention`, whose modules
-:func:`~.linear_attention.install` routes through the chunk context, the
+the Gated DeltaNet classes of :mod:`.linear_attention` and the Mamba2 classes of :mod:`.ssm`, whose
+modules :func:`~.linear_attention.install` and :func:`~.ssm.install` route through the chunk context, the
 router auxiliary loss unless ``concertina_router_aux_loss='per_chunk'`` (then the stage records its
 routers' logits for the per-chunk term of :mod:`.router_aux`), work the model's ``forward`` does
 between the layers) with a message naming
@@ -57,6 +57,7 @@ from ..planning.types import StageLayout
 from .attention import ChunkAttentionContext, chunk_context, register_attention, step_active
 from .families import inspect_model
 from .linear_attention import install as install_linear_attention
+from .ssm import install as install_ssm
 from .param_sharding import full_state
 
 __all__ = ["EMBED_WEIGHT", "HEAD_WEIGHT", "PipelineWrapper"]
@@ -167,6 +168,8 @@ class PipelineWrapper(nn.Module):
             model.config._attn_implementation = name
         if self.family.linear_attention:  # Gated DeltaNet layers read the chunk context too (.linear_attention)
             install_linear_attention(model)
+        if self.family.ssm:  # Mamba2 layers likewise (.ssm)
+            install_ssm(model)
         # `model` is registered as a child so .to() / .train() reach it; names are delegated below
         self.model = model
         self.config = model.config

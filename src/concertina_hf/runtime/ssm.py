@@ -1,0 +1,215 @@
+"""Mamba2 (SSD) layers (a state space model with a recurrent state) in a pipeline chunk.
+
+A Mamba2 mixer (the ``mamba`` of Bamba and Granite-4.0 hybrid, :data:`MAMBA2`) projects each
+token to a gate, the convolution's input ``x | B | C`` and a time step ``dt``; a depthwise causal
+convolution of width ``k`` runs over ``x | B | C`` (each token reads the ``k - 1`` inputs before
+it), and the SSD scan carries a state per head (``[H, head_dim, d_state]``, float32) from token to
+token. HF's ``forward`` runs both over its whole input, so on a packed chunk one document's tokens
+would reach the next through either, and a split slice would start from zero instead of its
+sequence's earlier tokens.
+
+The classes differ only token-wise: how the hidden states become the projection (Falcon-H1
+multiplies by its mup factors) and the gated norm after the scan. One :class:`Adapter` per class
+says that; the per-document convolution, scan and carry are shared, as for the Gated DeltaNet
+(:mod:`.linear_attention`). HF's module-level functions are read from the class's own module:
+``causal_conv1d_fn`` and ``mamba2_chunk_scan`` (HF's torch chunked scan, ``segment_sum`` and all,
+which takes an initial state and returns the final one; a kernel HF maps there is used).
+
+:func:`install` replaces the ``forward`` of each such module of a model (an instance attribute;
+the class is untouched) with :func:`mamba2_forward`, which reads the chunk context that the
+runtime sets around each decoder-layer call (:func:`~.attention.context.current_context`, or the
+``concertina_ctx`` keyword). Per slice of the chunk:
+
+- **one document map**: the input projection, the gated norm and the output projection run over
+  the whole chunk (token-wise); the convolution runs once over the chunk with each slice preceded
+  by its own ``k - 1`` earlier inputs (zeros at a document start), and the scan runs per slice
+  from its own initial state (zero at a document start): no token of one document reaches
+  another, including the first ``k - 1`` tokens through the convolution;
+- **carry with gradient**: a non-final slice keeps, per layer, its final SSM state (float32,
+  ``[1, H, head_dim, d_state]``) and its convolution tail (the sequence's last ``k - 1``
+  pre-convolution inputs up to the slice's end; a slice shorter than ``k - 1`` takes the rest from
+  the tail it received) in the chunk's :class:`~.attention.KVStore` (``KVEntry.k``: the state,
+  ``KVEntry.v``: the tail), as a Gated DeltaNet layer does; the executor hands the gradient the
+  next slice's backward leaves on them to this slice's backward, and a recomputed layer's replay
+  reads the same leaves (the store is set-if-absent).
+
+Outside a chunk and outside a step (a plain ``model(...)``, ``generate``) the module's own
+``forward`` runs; inside a step without a chunk context it raises. Refused here with the feature
+named: sequence parallelism (a Ulysses or placed chunk's context) and segment-level training.
+
+Cost: per slice one scan call (HF's torch scan pads each call to a multiple of its
+``chunk_size``) and one convolution over the chunk; per non-final slice and layer,
+``H * head_dim * d_state`` float32 plus ``(k - 1) * conv_dim`` kept until the slice's backward.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .attention.context import ChunkAttentionContext, KVEntry, current_context, step_running
+
+__all__ = ["Adapter", "MAMBA2", "SSM_TYPES", "install", "mamba2_forward", "mixer_class"]
+
+
+def _project(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return mod.in_proj(x)
+
+
+def _gated_norm(mod: nn.Module, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return mod.norm(y, gate)
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """What one HF Mamba2 class does token-wise around the shared convolution and scan."""
+
+    module: str  #: the HF modeling module (its ``causal_conv1d_fn``, ``mamba2_chunk_scan``)
+    cls: str  #: the mixer class in it
+    attribute: str = "mamba"  #: the attribute of a decoder layer holding the mixer
+    #: ``(mod, x [1, T, hidden])`` -> ``gate | x B C | dt`` ``[1, T, intermediate + conv_dim + heads]``
+    project: Callable[[nn.Module, torch.Tensor], torch.Tensor] = _project
+    #: ``(mod, scan output [1, T, intermediate], gate)`` -> the output projection's input
+    gated_norm: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = _gated_norm
+
+
+_HF = "transformers.models"
+#: model type -> the :class:`Adapter` of its Mamba2 mixer, the classes this module implements
+MAMBA2 = {
+    "bamba": Adapter(f"{_HF}.bamba.modeling_bamba", "BambaMixer"),
+    "granitemoehybrid": Adapter(f"{_HF}.granitemoehybrid.modeling_granitemoehybrid", "GraniteMoeHybridMambaLayer"),
+}
+#: model types whose Mamba2 layers (``config.layer_types`` ``linear_attention``) run here
+SSM_TYPES = frozenset(MAMBA2)
+
+
+def mixer_class(model_type: str) -> type | None:
+    """The HF class of ``model_type``'s Mamba2 mixer (``None``: not implemented here, or not in the
+    installed transformers)."""
+    entry = MAMBA2.get(model_type)
+    if entry is None:
+        return None
+    try:
+        return getattr(importlib.import_module(entry.module), entry.cls, None)
+    except ImportError:
+        return None
+
+
+def _adapter(mod: nn.Module) -> Adapter:
+    cls = type(mod)
+    for entry in MAMBA2.values():
+        if entry.cls == cls.__name__ and entry.module == cls.__module__:
+            return entry
+    raise TypeError(f"{cls.__module__}.{cls.__name__} is not a Mamba2 class of MAMBA2")
+
+
+def install(model: nn.Module) -> int:
+    """Route every Mamba2 module of ``model`` (of the class :func:`mixer_class` names for its model
+    type) through :func:`mamba2_forward`; returns how many. Idempotent."""
+    cls = mixer_class(str(getattr(getattr(model, "config", None), "model_type", "")))
+    if cls is None:
+        return 0
+    n = 0
+    for mod in model.modules():
+        if type(mod) is cls:
+            if not isinstance(mod.__dict__.get("forward"), types.MethodType):
+                mod.forward = types.MethodType(_forward, mod)
+            n += 1
+    return n
+
+
+def _forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = None,
+             attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+    ctx = kwargs.pop("concertina_ctx", None)
+    ctx = ctx if ctx is not None else current_context()
+    if ctx is None:
+        if step_running():
+            raise RuntimeError(
+                f"{type(self).__name__} (layer {getattr(self, 'layer_idx', '?')}) ran without a chunk context while a "
+                "pipeline step runs: its state would cross packed sequences and miss earlier slices")
+        return type(self).forward(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    if cache is not None or attention_mask is not None:
+        raise ValueError(f"{type(self).__name__} got a cache or an attention_mask inside a concertina chunk, whose "
+                         "documents the chunk context defines")
+    return mamba2_forward(self, hidden_states, ctx)
+
+
+def _refusal(ctx: Any) -> str | None:
+    if type(ctx) is not ChunkAttentionContext:
+        return ("Mamba2 (SSD) layers run with sequence parallel size 1 only (a chunk sharded over a stage's ranks "
+                "would need the SSM state passed between them); set concertina_sequence_parallel_size=1")
+    store = ctx.store
+    if store.gradient != "full" or store.kv_tail is not None or store.global_heads:
+        return ("segment-level training (concertina_segment_*) is not implemented for Mamba2 (SSD) layers: their "
+                "SSM state carries every earlier token; train without the segment options")
+    return None
+
+
+def mamba2_forward(mod: nn.Module, hidden_states: torch.Tensor, ctx: ChunkAttentionContext) -> torch.Tensor:
+    """HF's Mamba2 mixer ``forward`` (no cache, its torch path) on one chunk ``[1, T, hidden]``, per
+    slice (see the module docstring). ``mod``: the HF module, whose submodules and parameters are
+    used as is."""
+    why = _refusal(ctx)
+    if why is not None:
+        raise ValueError(why)
+    hf = sys.modules[type(mod).__module__]  # HF's module-level functions (a kernel mapped there included)
+    layer = mod.layer_idx
+    x = hidden_states
+    if x.shape[0] != 1 or x.shape[1] != ctx.num_tokens:
+        raise ValueError(f"{type(mod).__name__} expects one packed row of {ctx.num_tokens} tokens, got "
+                         f"{tuple(x.shape)}")
+    dtype = x.dtype
+    adapter = _adapter(mod)
+    gate, xbc, dt = adapter.project(mod, x).split([mod.intermediate_size, mod.conv_dim, mod.num_heads], dim=-1)
+    mixed = xbc.transpose(1, 2)  # [1, C, T]
+    width = int(mod.conv1d.kernel_size[0]) - 1  # the earlier inputs each token's convolution reads
+    channels = mixed.shape[1]
+    store, grad = ctx.store, ctx.requires_grad
+    carried: dict[int, KVEntry] = {}  # slice index -> the entry of its sequence's previous slice
+    tails: dict[int, torch.Tensor] = {}  # slice index -> its convolution tail (non-final slices)
+    parts, spans, at = [], [], 0
+    for i, s in enumerate(ctx.slices):
+        own = mixed[:, :, s.offset:s.offset + s.length]
+        if s.start == 0:
+            head = mixed.new_zeros(1, channels, width)
+        else:
+            prev = store.previous(s.seq, s.start, layer)
+            if prev is None:
+                raise RuntimeError(f"the SSM state of sequence {s.seq} before token {s.start} on layer {layer} is "
+                                   "missing: an earlier slice did not run forward on this stage first")
+            carried[i] = prev
+            head = prev.v_leaf.to(own.dtype)
+        parts += [head, own]
+        spans.append((at + width, at + width + s.length))
+        at += width + s.length
+        if not s.final:  # the sequence's last `width` pre-convolution inputs, for the next slice
+            tails[i] = torch.cat([head, own], dim=-1)[:, :, head.shape[-1] + s.length - width:]
+    conv = hf.causal_conv1d_fn(torch.cat(parts, dim=-1), mod.conv1d.weight.squeeze(1), mod.conv1d.bias,
+                               activation=mod.activation)
+    xbc = torch.cat([conv[:, :, lo:hi] for lo, hi in spans], dim=-1).transpose(1, 2)  # [1, T, C]
+    groups = mod.n_groups * mod.ssm_state_size
+    hs, b, c = torch.split(xbc, [mod.intermediate_size, groups, groups], dim=-1)
+    a = -torch.exp(mod.A_log.float())
+    outs = []
+    for i, s in enumerate(ctx.slices):
+        sl, n = slice(s.offset, s.offset + s.length), s.length
+        initial = carried[i].k_leaf if i in carried else None
+        out = hf.mamba2_chunk_scan(
+            hs[:, sl].reshape(1, n, mod.num_heads, mod.head_dim), dt[:, sl], a,
+            b[:, sl].reshape(1, n, mod.n_groups, mod.ssm_state_size),
+            c[:, sl].reshape(1, n, mod.n_groups, mod.ssm_state_size),
+            chunk_size=mod.chunk_size, D=mod.D, z=None, return_final_states=not s.final, dt_bias=mod.dt_bias,
+            dt_softplus=True, initial_states=initial, dt_limit=mod.time_step_limit)
+        if not s.final:
+            out, state = out
+            store.put_if_absent(s.seq, s.start, layer, state, tails[i], grad)
+        outs.append(out.reshape(1, n, mod.intermediate_size))
+    y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    y = adapter.gated_norm(mod, y, gate)
+    return mod.out_proj(y.to(dtype))
