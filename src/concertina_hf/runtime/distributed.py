@@ -430,6 +430,10 @@ class _AbortWatch:
             pass
 
     def stop(self) -> None:
+        """End the watch. A rank that raised the flag first stays until its peers have polled it
+        twice: its exit may close the store they read it from (it hosts the rendezvous store)."""
+        if self.raised_at is not None and not self._stop.is_set():
+            time.sleep(max(0.0, self.raised_at + 2 * ABORT_POLL_S - time.monotonic()))
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * ABORT_POLL_S)
