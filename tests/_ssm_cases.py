@@ -1,0 +1,56 @@
+"""Cases of the Mamba2 (SSD) tests (``runtime/ssm.py``), shared by the one-process test
+(``tests/runtime/test_ssm.py``, pp=1) and the launch (``tests/launch/test_linear_attention_launch.py``, pp=2).
+
+A tiny model per Mamba2 class (:data:`MODELS`: Granite-4.0 hybrid with MoE layers and rotary-free
+attention; 4 decoder layers, Mamba2 at layers 0 and 2, attention at 1 and 3, 4 heads of 32 over
+2 groups, ``d_state`` 16, scan chunk 32, convolution width 4: each token reads 3 earlier inputs,
+float32, ``initializer_range`` 0.2). The batch, the chunks (split at tokens 50, 52 and 101 of a
+150-token sequence: none a multiple of 32, the 2-token slice shorter than the convolution's
+window), the recompute settings, the reference (HF on the right-padded batch) and the bounds
+(loss 1e-5, every gradient 1e-4) are those of :mod:`_linear_attention_cases`; the Mamba2 layers'
+``A_log``, ``dt_bias``, ``D`` and convolution weights are reported by name.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from _linear_attention_cases import (CHUNKS, GRAD_TOL, LOSS_TOL, RECOMPUTE, SEQ_LENS, batch, gradient_errors,  # noqa: F401
+                                     make_plan, model_support, num_items, padded_reference)
+
+#: the Mamba2 layers' own parameters every case reports by name
+MIXER_PARAMS = ("mamba.A_log", "mamba.dt_bias", "mamba.D", "mamba.conv1d.weight")
+LAYER_TYPES = ["linear_attention", "full_attention"] * 2
+SIZES = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=2, mamba_expand=2, mamba_d_conv=4,
+             mamba_chunk_size=32, layer_types=LAYER_TYPES, layers_block_type=LAYER_TYPES)
+#: case name -> (model type, config overrides): one per Mamba2 class
+MODELS = {
+    "granitemoehybrid": ("granitemoehybrid", {}),
+}
+
+
+def build_model(name: str = "granitemoehybrid"):
+    from transformers import AutoModelForCausalLM
+
+    model_type, overrides = MODELS[name]
+    cfg = model_support.tiny_config(model_type, **{**SIZES, **overrides})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().train()
+    assert [getattr(layer, "mamba", None) is not None for layer in model.model.layers] == [True, False, True, False]
+    return model
+
+
+def check_case(name: str, loss: float, ref_loss: float, errors: dict[str, float],
+               grad_tol: float = GRAD_TOL) -> tuple[dict, list[str]]:
+    """A case's figures (loss difference, worst gradient, the Mamba2 parameters') and its failures."""
+    loss_err = abs(loss - ref_loss) / abs(ref_loss)
+    mixer = {k: v for k, v in errors.items() if any(k.endswith(m) for m in MIXER_PARAMS)}
+    row = {"case": name, "loss": loss_err, "grad": max(errors.values()), "mixer": max(mixer.values(), default=None),
+           "mixer_params": len(mixer)}
+    failures = []
+    if not loss_err < LOSS_TOL:
+        failures.append(f"{name}: loss differs by {loss_err:.2e}")
+    bad = {k: v for k, v in errors.items() if not v < grad_tol}
+    if bad:
+        failures.append(f"{name}: gradients differ: {sorted(bad.items(), key=lambda kv: -kv[1])[:5]}")
+    return row, failures
