@@ -59,10 +59,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention.context import ChunkAttentionContext, KVEntry, current_context, step_running
+from .attention.context import ChunkAttentionContext, current_context, step_running
+from .causal_conv import per_document_conv
+from .ulysses import UlyssesContext
 
 __all__ = ["Adapter", "GATED_DELTANET", "LINEAR_ATTENTION_TYPES", "gated_deltanet_forward", "install",
-           "mixer_class"]
+           "mixer_class", "sequence_parallel_refusal"]
 
 Projected = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -167,11 +169,12 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = None,
 
 
 def _refusal(ctx: Any) -> str | None:
-    if type(ctx) is not ChunkAttentionContext:
-        return ("linear-attention (Gated DeltaNet) layers run with sequence parallel size 1 only (a chunk sharded "
-                "over a stage's ranks would need the recurrent state passed between them); set "
-                "concertina_sequence_parallel_size=1")
-    store = ctx.store
+    inner = getattr(ctx, "inner", None) if type(ctx) is UlyssesContext else ctx
+    if type(inner) is not ChunkAttentionContext:
+        return ("linear-attention (Gated DeltaNet) layers run under Ulysses sequence parallelism or none: a "
+                "whole-doc / per-doc placed chunk would need the recurrent state passed between a stage's ranks; "
+                "set concertina_sequence_parallel_mode='ulysses' (or concertina_sequence_parallel_size=1)")
+    store = inner.store
     if store.gradient != "full" or store.kv_tail is not None or store.global_heads:
         return ("segment-level training (concertina_segment_*) is not implemented for linear-attention (Gated "
                 "DeltaNet) layers: their recurrent state carries every earlier token; train without the segment "
@@ -179,62 +182,111 @@ def _refusal(ctx: Any) -> str | None:
     return None
 
 
-def gated_deltanet_forward(mod: nn.Module, hidden_states: torch.Tensor, ctx: ChunkAttentionContext) -> torch.Tensor:
-    """HF's Gated DeltaNet ``forward`` (no cache) on one chunk ``[1, T, hidden]``, per slice (see
-    the module docstring). ``mod``: the HF module, whose submodules and parameters are used as is."""
+def sequence_parallel_refusal(config: Any, sp: int, mode: str = "ulysses") -> str | None:
+    """Why a stage of ``sp`` ranks cannot run the Gated DeltaNet layers of ``config`` under
+    ``concertina_sequence_parallel_mode`` ``mode`` (``None``: it can, or it has none). Ulysses splits their heads:
+    ``sp`` must divide ``linear_num_key_heads`` (each rank then holds whole key heads and the value
+    heads that read them); the whole-doc / per-doc placements are not implemented for them."""
+    kind = getattr(config, "model_type", "?")
+    types = getattr(config, "layer_types", None) or ()
+    if sp <= 1 or kind not in GATED_DELTANET or "linear_attention" not in types:
+        return None
+    if mode != "ulysses":
+        return (f"model type {kind!r}: linear-attention (Gated DeltaNet) layers run under Ulysses sequence "
+                f"parallelism only (concertina_sequence_parallel_mode={mode!r} may place chunks whole-doc / per-doc, "
+                "which would need the recurrent state passed between a stage's ranks); set "
+                "concertina_sequence_parallel_mode='ulysses'")
+    hk = int(getattr(config, "linear_num_key_heads", None) or 16)
+    hv = int(getattr(config, "linear_num_value_heads", None) or 32)
+    if hk % sp or hv % sp:
+        return (f"model type {kind!r}: Ulysses splits the linear-attention (Gated DeltaNet) heads over the stage's "
+                f"ranks, but linear_num_key_heads={hk} (value heads {hv}) is not a multiple of "
+                f"concertina_sequence_parallel_size={sp}: choose a sequence parallel size dividing {hk}")
+    return None
+
+
+def gated_deltanet_forward(mod: nn.Module, hidden_states: torch.Tensor, ctx: Any) -> torch.Tensor:
+    """HF's Gated DeltaNet ``forward`` (no cache) on one chunk ``[1, T, hidden]`` (a
+    :class:`~.attention.ChunkAttentionContext`), per slice, or on a rank's local tokens under
+    Ulysses (a :class:`~.ulysses.UlyssesContext`: :func:`_ulysses_core`); see the module docstring.
+    ``mod``: the HF module, whose submodules and parameters are used as is."""
     why = _refusal(ctx)
     if why is not None:
         raise ValueError(why)
-    hf = sys.modules[type(mod).__module__]  # HF's module-level functions (a kernel mapped there included)
-    layer = mod.layer_idx
     x = hidden_states
-    if x.shape[0] != 1 or x.shape[1] != ctx.num_tokens:
-        raise ValueError(f"{type(mod).__name__} expects one packed row of {ctx.num_tokens} tokens, got "
-                         f"{tuple(x.shape)}")
-    tokens = x.shape[1]
+    tokens = ctx.local_tokens if type(ctx) is UlyssesContext else ctx.num_tokens
+    if x.shape[0] != 1 or x.shape[1] != tokens:
+        raise ValueError(f"{type(mod).__name__} expects one packed row of {tokens} tokens, got {tuple(x.shape)}")
     adapter = _adapter(mod)
     qkv, z, beta, a = adapter.project(mod, x)
-    mixed = qkv.transpose(1, 2)  # [1, C, T]
+    if type(ctx) is UlyssesContext:
+        core = _ulysses_core(mod, qkv, beta, a, ctx)
+    else:
+        core = _core(mod, qkv, beta, a, ctx, slice(None), (slice(None), slice(None)))
+    core = getattr(mod, adapter.norm)(core.reshape(-1, mod.head_v_dim), z.reshape(-1, mod.head_v_dim))
+    return getattr(mod, adapter.out)(core.reshape(1, tokens, -1))
+
+
+def _core(mod: nn.Module, qkv: torch.Tensor, beta: torch.Tensor, a: torch.Tensor, ctx: ChunkAttentionContext,
+          channels: torch.Tensor | slice, heads: tuple[slice, slice]) -> torch.Tensor:
+    """The convolution and the scan per slice of ``ctx`` over the channels ``channels`` of the
+    convolution (``qkv`` ``[1, T, C]`` holds those only) and the value heads ``heads[1]`` (``beta``,
+    ``a`` ``[1, T, h]``; ``heads[0]``: the key heads, for nothing but the shapes) -> the scan's
+    output ``[1, T, h, Dv]``. Carried states and tails are those of these heads and channels."""
+    hf = sys.modules[type(mod).__module__]  # HF's module-level functions (a kernel mapped there included)
+    layer, tokens = mod.layer_idx, qkv.shape[1]
     width = int(mod.conv1d.kernel_size[0]) - 1  # the earlier inputs each token's convolution reads
-    channels = mixed.shape[1]
-    store, grad = ctx.store, ctx.requires_grad
-    carried: dict[int, KVEntry] = {}  # slice index -> the entry of its sequence's previous slice
-    tails: dict[int, torch.Tensor] = {}  # slice index -> its convolution tail (non-final slices)
-    parts, spans, at = [], [], 0
-    for i, s in enumerate(ctx.slices):
-        own = mixed[:, :, s.offset:s.offset + s.length]
-        if s.start == 0:
-            head = mixed.new_zeros(1, channels, width)
-        else:
-            prev = store.previous(s.seq, s.start, layer)
-            if prev is None:
-                raise RuntimeError(f"the recurrent state of sequence {s.seq} before token {s.start} on layer {layer} "
-                                   "is missing: an earlier slice did not run forward on this stage first")
-            carried[i] = prev
-            head = prev.v_leaf.to(own.dtype)
-        parts += [head, own]
-        spans.append((at + width, at + width + s.length))
-        at += width + s.length
-        if not s.final:  # the sequence's last `width` pre-convolution inputs, for the next slice
-            tails[i] = torch.cat([head, own], dim=-1)[:, :, head.shape[-1] + s.length - width:]
-    conv = hf.causal_conv1d_fn(torch.cat(parts, dim=-1), mod.conv1d.weight.squeeze(1), mod.conv1d.bias,
-                               activation=mod.activation)
-    mixed = torch.cat([conv[:, :, lo:hi] for lo, hi in spans], dim=-1).transpose(1, 2)  # [1, T, C]
-    query, key, value = torch.split(mixed, [mod.key_dim, mod.key_dim, mod.value_dim], dim=-1)
+    weight = mod.conv1d.weight.squeeze(1)[channels]
+    bias = None if mod.conv1d.bias is None else mod.conv1d.bias[channels]
+    conv = per_document_conv(qkv.transpose(1, 2), ctx, layer, width, lambda t: hf.causal_conv1d_fn(
+        t, weight, bias, activation=mod.activation), "recurrent state")
+    mixed = conv.out.transpose(1, 2)  # [1, T, C]
+    key_dim = (mixed.shape[-1] - beta.shape[-1] * mod.head_v_dim) // 2
+    query, key, value = torch.split(mixed, [key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
     query = query.reshape(1, tokens, -1, mod.head_k_dim)
     key = key.reshape(1, tokens, -1, mod.head_k_dim)
     value = value.reshape(1, tokens, -1, mod.head_v_dim)
-    g = -mod.A_log.float().exp() * F.softplus(a.float() + mod.dt_bias)
+    g = -mod.A_log[heads[1]].float().exp() * F.softplus(a.float() + mod.dt_bias[heads[1]])
     outs = []
     for i, s in enumerate(ctx.slices):
         sl = slice(s.offset, s.offset + s.length)
-        initial = carried[i].k_leaf if i in carried else None
+        initial = conv.carried[i].k_leaf if i in conv.carried else None
         out, state = hf.torch_chunk_gated_delta_rule(
             query[:, sl], key[:, sl], value[:, sl], g=g[:, sl], beta=beta[:, sl], initial_state=initial,
             output_final_state=not s.final, use_qk_l2norm_in_kernel=True)
         outs.append(out)
         if not s.final:
-            store.put_if_absent(s.seq, s.start, layer, state, tails[i], grad)
-    core = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-    core = getattr(mod, adapter.norm)(core.reshape(-1, mod.head_v_dim), z.reshape(-1, mod.head_v_dim))
-    return getattr(mod, adapter.out)(core.reshape(1, tokens, -1))
+            ctx.store.put_if_absent(s.seq, s.start, layer, state, conv.tails[i], ctx.requires_grad)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def _ulysses_core(mod: nn.Module, qkv: torch.Tensor, beta: torch.Tensor, a: torch.Tensor,
+                  ctx: UlyssesContext) -> torch.Tensor:
+    """Ulysses around :func:`_core`: ``qkv``, ``beta``, ``a`` of the rank's ``t`` local tokens and
+    every head go through one all-to-all to all ``T`` tokens of the rank's heads (key heads
+    ``[r Hk / sp, (r + 1) Hk / sp)`` and the value heads reading them: their convolution channels
+    of ``q``, ``k`` and ``v``, and their ``beta``, ``a``); the convolution and the scan run per
+    slice on those, with this rank's carried states and tails (its heads' only); the scan's output
+    goes back by the inverse all-to-all -> ``[1, t, Hv, Dv]`` of the local tokens."""
+    from .ulysses import all_to_all
+
+    sp, rank, group = ctx.sp.size, ctx.sp.rank, ctx.sp.group
+    hk, hv = mod.key_dim // mod.head_k_dim, mod.value_dim // mod.head_v_dim
+    kr, vr = hk // sp, hv // sp
+    t, n = ctx.local_tokens, ctx.num_tokens
+
+    def channels(j: int) -> torch.Tensor:
+        kd, vd = kr * mod.head_k_dim, vr * mod.head_v_dim
+        return torch.cat([torch.arange(j * kd, (j + 1) * kd), torch.arange(mod.key_dim + j * kd, mod.key_dim + (j + 1) * kd),
+                          torch.arange(2 * mod.key_dim + j * vd, 2 * mod.key_dim + (j + 1) * vd)])
+
+    send = torch.stack([torch.cat([qkv[0][:, channels(j)], beta[0, :, j * vr:(j + 1) * vr],
+                                   a[0, :, j * vr:(j + 1) * vr].to(qkv.dtype)], dim=-1) for j in range(sp)])
+    got = all_to_all(send, group).reshape(1, sp * t, -1)[:, :n]  # [1, T, C_r + 2 vr]: all tokens, my heads
+    c = got.shape[-1] - 2 * vr
+    mine = slice(rank * vr, (rank + 1) * vr)
+    core = _core(mod, got[..., :c], got[..., c:c + vr], got[..., c + vr:], ctx.inner, channels(rank),
+                 (slice(rank * kr, (rank + 1) * kr), mine))  # [1, T, vr, Dv]
+    core = F.pad(core, (0, 0, 0, 0, 0, sp * t - n)).reshape(sp, t, vr, mod.head_v_dim)
+    back = all_to_all(core.contiguous(), group)  # block j: my tokens of rank j's heads
+    return back.permute(1, 0, 2, 3).reshape(1, t, hv, mod.head_v_dim)
