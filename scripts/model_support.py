@@ -70,6 +70,15 @@ ALWAYS = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "n_routed_ex
           *OUTSIDE)
 
 
+#: settings of a type whose default config would leave a feature idle at the tiny sizes: Llama 4's
+#: chunks of 8 tokens (below the batch's lengths, not dividing its slice boundaries 12 and 22),
+#: rotary / chunked and NoPE / full layers alternating as its config derives them, and the NoPE
+#: layers' temperature growing within the sequences (floor_scale 4, not 8192)
+TINY_TYPE_SETTINGS = {"llama4_text": dict(attention_chunk_size=8, no_rope_layers=[1, 0, 1, 0],
+                                          layer_types=["chunked_attention", "full_attention"] * 2,
+                                          moe_layers=[0, 1, 2, 3], floor_scale=4, attn_scale=0.5)}
+
+
 def tiny_config(model_type: str, **overrides):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -100,7 +109,7 @@ def tiny_config(model_type: str, **overrides):
     if default_types:  # every layer type of the default config, in turn
         kinds = list(dict.fromkeys(default_types))
         put("layer_types", [kinds[i % len(kinds)] for i in range(cfg.num_hidden_layers)])
-    for k, v in overrides.items():
+    for k, v in {**TINY_TYPE_SETTINGS.get(model_type, {}), **overrides}.items():
         setattr(cfg, k, v)
     return cfg
 

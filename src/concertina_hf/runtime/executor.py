@@ -102,6 +102,7 @@ from .distributed import group_timeout, p2p_channels
 from .p2p import TIED_GRAD_TAG, StageComm, activation_tag, gradient_tag
 from .rng import StageRNG
 from .stage import PipelineWrapper
+from .attention.chunked import sequence_parallel_refusal as chunked_sp_refusal
 from .context_parallel import EMPTY_RANK_TOKENS, ContextParallelContext
 from .ulysses import SequenceParallel
 
@@ -208,6 +209,9 @@ class PipelineExecutor:
                     "chunk's router statistics); set concertina_sequence_parallel_size=1 (with "
                     "concertina_layout='auto': concertina_pipeline_size x concertina_data_parallel_size = the "
                     "number of processes), or concertina_router_aux_loss=None")
+            chunked_why = chunked_sp_refusal(wrapper.config, dist.get_world_size(sp_group))
+            if chunked_why is not None:  # Llama 4: attention/chunked.py
+                raise ValueError(chunked_why)
             if wrapper.family.linear_attention:
                 raise ValueError(
                     f"model type {wrapper.family.model_type!r} has linear-attention (Gated DeltaNet) layers, which run "

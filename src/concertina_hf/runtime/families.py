@@ -14,8 +14,9 @@ naming the model type and the feature:
   embedding norm, per-layer inputs or shared blocks, runs in ``forward`` between the pieces);
 - **mixers that are not attention** (Mamba, Mamba2, linear attention, KDA, short convolutions:
   Jamba, Falcon-H1, LFM2, Kimi-Linear, ...) and attention the backend does not implement
-  (indexed / sparse / chunked): ``config.layer_types`` naming anything but ``full_attention`` /
-  ``sliding_attention``, a decoder layer without ``self_attn`` (or JetMoe's ``self_attention``),
+  (indexed / sparse): ``config.layer_types`` naming anything but ``full_attention`` /
+  ``sliding_attention`` / ``chunked_attention`` (Llama 4's, :mod:`.attention.chunked`), a
+  decoder layer without ``self_attn`` (or JetMoe's ``self_attention``),
   or a token-mixing ``Conv1d`` in a layer. Their state would leak between packed sequences and be
   lost between slices. The exception: the Gated DeltaNet layers (``linear_attention``,
   ``linear_attn``) of the model types of :data:`~.linear_attention.LINEAR_ATTENTION_TYPES`
@@ -97,8 +98,9 @@ SUPPORTED_LAYOUT = (
     "interface (Llama, Mistral, Qwen2/3, Gemma, Granite, Cohere, OLMo, DeepSeek, Mixtral, ...; see "
     "docs/supported_models.md)"
 )
-#: ``config.layer_types`` entries that are attention the runtime's backend implements
-ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+#: ``config.layer_types`` entries that are attention the runtime's backend implements (``chunked_attention``:
+#: Llama 4's, within ``config.attention_chunk_size`` tokens of the document, :mod:`.attention.chunked`)
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 #: the name of a decoder layer's attention module (HF's ``self_attn``; JetMoe's ``self_attention``)
 ATTENTION_MODULES = ("self_attn", "self_attention")
 #: model types whose ``forward`` multiplies the logits by ``config.logits_scaling`` (Granite and
@@ -167,13 +169,13 @@ def check_config(config: Any, model: nn.Module | None = None, router_aux_loss: s
                        - ({"linear_attention"} if kind in LINEAR_ATTENTION_TYPES | SSM_TYPES else set()))
         if other:
             raise _refuse(config, model, f"config.layer_types has {', '.join(repr(t) for t in other)} layers, which "
-                                         "the pipeline does not implement (only full_attention and "
-                                         "sliding_attention, and linear_attention for the Gated DeltaNet of "
+                                         "the pipeline does not implement (only full_attention, "
+                                         "sliding_attention and chunked_attention, and linear_attention for the Gated DeltaNet of "
                                          f"{', '.join(sorted(LINEAR_ATTENTION_TYPES))}, and for the Mamba2 of "
                                          f"{', '.join(sorted(SSM_TYPES))}): other recurrent, "
                                          "linear-attention or convolutional mixers (Mamba2, short convolutions, "
                                          "KDA, lightning attention, ...) would carry state between packed sequences and lose it between slices of "
-                                         "a split sequence; sparse, indexed or chunked attention selects keys the "
+                                         "a split sequence; sparse or indexed attention selects keys the "
                                          "pipeline's attention does not")
     if router_aux_loss is not None and router_aux_loss not in ROUTER_AUX_LOSS_MODES:
         raise ValueError(f"concertina_router_aux_loss={router_aux_loss!r}: choose None (no router auxiliary loss) "

@@ -305,24 +305,50 @@ class ChunkAttentionContext:
     """
 
     def __init__(self, slices: Sequence[SliceSpec], store: KVStore, device: torch.device | str,
-                 requires_grad: bool) -> None:
+                 requires_grad: bool, attention_chunk: int | None = None) -> None:
         self.slices = tuple(slices)
         self.store = store
         self.requires_grad = requires_grad
         self.device = torch.device(device)
+        #: chunked attention's chunk size (:meth:`chunked`: the slices are then pieces within one chunk each)
+        self.attention_chunk = attention_chunk
+        self._chunked: dict[int, ChunkAttentionContext] = {}
         self.num_tokens = sum(s.length for s in self.slices)
         pos = [torch.arange(s.start, s.start + s.length) for s in self.slices] or [torch.zeros(0, dtype=torch.long)]
         self.position_ids = torch.cat(pos).to(self.device).unsqueeze(0)  # [1, 0]: no slice (a placed chunk's empty rank)
-        self.has_context = any(s.start > 0 for s in self.slices)
+        self.has_context = any(s.start > _chunk_lo(s.start, attention_chunk) for s in self.slices)
         self.cu_seqlens_q = torch.tensor([0] + _cumsum([s.length for s in self.slices]), dtype=torch.int32,
                                          device=self.device)
-        keys = [s.start - _tail_lo(s.start, store.kv_tail) + s.length for s in self.slices]
+        keys = [s.start - max(_tail_lo(s.start, store.kv_tail), _chunk_lo(s.start, attention_chunk)) + s.length
+                for s in self.slices]
         self.cu_seqlens_k = torch.tensor([0] + _cumsum(keys), dtype=torch.int32, device=self.device)
         self.max_seqlen_q = max((s.length for s in self.slices), default=0)
         self.max_seqlen_k = max(keys, default=0)
 
+    def chunked(self, chunk: int) -> "ChunkAttentionContext":
+        """The context of a chunked-attention layer (chunk size ``chunk``): each slice cut at the
+        chunk edges of its document (positions ``k * chunk``) into pieces, each one segment whose
+        queries see the keys of their own chunk only: a piece starting on an edge its own keys
+        (causal), a slice's first piece starting inside a chunk also the earlier slices' keys from
+        that chunk's edge on. Reads the store (the own K/V are stored by this context, with the
+        slices), never writes it; built once per chunk size."""
+        view = self._chunked.get(chunk)
+        if view is None:
+            pieces = []
+            for s in self.slices:
+                a, end = s.start, s.start + s.length
+                while a < end:
+                    b = min((a // chunk + 1) * chunk, end)
+                    pieces.append(SliceSpec(s.seq, a, b - a, s.offset + a - s.start, s.final))
+                    a = b
+            view = ChunkAttentionContext(pieces, self.store, self.device, self.requires_grad, attention_chunk=chunk)
+            self._chunked[chunk] = view
+        return view
+
     def store_own(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Keep this chunk's non-final slices' K/V (set-if-absent) for their later slices."""
+        if self.attention_chunk is not None:
+            raise RuntimeError("a chunked-attention view reads the K/V store; its context stores the slices' K/V")
         for s in self.slices:
             if not s.final:
                 self.store.put_if_absent(s.seq, s.start, layer, key[:, :, s.offset:s.offset + s.length],
@@ -335,8 +361,9 @@ class ChunkAttentionContext:
         first key kept. Leaves stored in another dtype than ``dtype`` (earlier slices run under
         another autocast state; the runtime never does that within a step) are cast to it,
         through autograd, so their gradient still reaches the leaf."""
-        lo = max(_window_lo(s.start, window), _tail_lo(s.start, self.store.kv_tail))
-        if s.start == 0:
+        lo = max(_window_lo(s.start, window), _tail_lo(s.start, self.store.kv_tail),
+                 _chunk_lo(s.start, self.attention_chunk))
+        if s.start == 0 or (self.attention_chunk is not None and lo >= s.start):
             return [], 0, lo
         kept, cut = [], 0
         stored = self.store.prefix_parts(s.seq, s.start, layer)
@@ -386,6 +413,12 @@ class ChunkAttentionContext:
 def _window_lo(start: int, window: int | None) -> int:
     """Position of the first key the first query (position ``start``) of a segment sees."""
     return 0 if window is None else max(0, start - window + 1)
+
+
+def _chunk_lo(start: int, chunk: int | None) -> int:
+    """Position of the first key a segment starting at ``start`` sees under chunked attention:
+    its chunk's edge (a segment of :meth:`ChunkAttentionContext.chunked` lies within one chunk)."""
+    return 0 if chunk is None else (start // chunk) * chunk
 
 
 def _tail_lo(start: int, tail: int | None) -> int:

@@ -1,7 +1,9 @@
 """The attention-interface function: :func:`concertina_attention_forward`.
 
 Per layer, with the chunk's context (:mod:`.context`): check the keywords (:mod:`.keywords`),
-store the non-final slices' own K/V, then run the kernel :func:`~.kernels.choose_kernel` picks.
+store the non-final slices' own K/V, then run the kernel :func:`~.kernels.choose_kernel` picks (a
+chunked-attention layer on the context's pieces, a position-free Llama 4 layer with its queries'
+temperature at each token's own position: :mod:`.chunked`).
 Within a step it also raises on an ``attention_mask`` (the context defines the mask) and on
 ``is_causal=False``.
 
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 
 from . import kernels
+from .chunked import attention_chunk, temperature_fix, tempers_queries
 from .context import ChunkAttentionContext, current_context, step_running
 from .cpu import SegmentsCPU, cpu_segments
 from .keywords import check_keywords, model_type_of
@@ -66,6 +69,10 @@ def concertina_attention_forward(
         return _fallback(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
                          sink, is_causal, kwargs), None
     sp_attention = getattr(ctx, "sequence_parallel_attention", None)
+    if sp_attention is not None and tempers_queries(module):
+        raise ValueError(f"{type(module).__name__} (model type {model_type_of(module)!r}) scales its queries by the "
+                         "row index (attn_temperature_tuning), which a token shard of sequence parallelism does not "
+                         "reproduce; set concertina_sequence_parallel_size=1")
     if sp_attention is not None:  # Ulysses (runtime/ulysses.py): back here on all tokens of this rank's heads
         return sp_attention(concertina_attention_forward, module, query, key, value, attention_mask=attention_mask,
                             dropout=dropout, scaling=scaling, sliding_window=sliding_window, softcap=softcap,
@@ -91,12 +98,23 @@ def concertina_attention_forward(
         # query/key are often float32, value already bfloat16). Cast here, before the own K/V are
         # stored, so that stored K/V, later slices and every attention path share one dtype.
         query, key, value = (_autocast_cast(t, amp) for t in (query, key, value))
+    if tempers_queries(module):  # HF scaled by the row index; the scale of each token's own position
+        query = temperature_fix(module, query, ctx.position_ids)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     window = int(sliding_window) if sliding_window is not None and sliding_window > 0 else None
+    chunk = attention_chunk(module, layer)
+    if chunk is not None and window is not None:
+        raise ValueError(f"{type(module).__name__} (model type {model_type_of(module)!r}) layer {layer} is a "
+                         "chunked_attention layer and passes a sliding window; the backend does one or the other")
     kernel = kernels.choose_kernel(query.device, query.dtype, dropout, softcap, sink is not None, window,
                                    max(query.shape[-1], value.shape[-1]))  # the head dim after pad_head_dims
     kernels.note_kernel(kernel, query.device)
     ctx.store_own(layer, key, value)
+    if chunk is not None:  # each slice's pieces within one chunk of its document (.chunked)
+        if getattr(ctx.store, "global_heads", ()):
+            raise ValueError("concertina_segment_global_heads reads keys outside the attention chunk of a "
+                             f"chunked_attention layer (layer {layer}); leave it empty for this model")
+        ctx = ctx.chunked(chunk)
     if kernel in ("flash-attn", "torch-varlen"):
         out = varlen_path(kernel, ctx, layer, query, key, value, scale, window, dropout, softcap)
     else:
