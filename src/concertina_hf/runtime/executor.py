@@ -397,7 +397,8 @@ class PipelineExecutor:
                         # (.context_parallel), zeros in, nothing out (rank_program: no message)
                         empty = c in program.silent
                         if empty and (st > 0 if fwd else st < self.num_stages - 1):
-                            buf = torch.zeros((1, EMPTY_RANK_TOKENS, self.hidden_size), dtype=wire_dtype, device=dev)
+                            width = self.wrapper.in_width if fwd else self.wrapper.out_width
+                            buf = torch.zeros((1, EMPTY_RANK_TOKENS, width), dtype=wire_dtype, device=dev)
                         t_start = clock.mark()
                         if fwd:
                             out = step.forward(c, buf)
@@ -496,7 +497,8 @@ class PipelineExecutor:
                 # this rank's tokens of the chunk: all, Ulysses' even share, or its placed pieces
                 tokens = plan.chunks[c].num_tokens if self.sp is None else rank_tokens(plan.chunks[c], self.sp.size,
                                                                                        self.sp.rank)
-                shape = (1, tokens, self.hidden_size)
+                # the hidden states (and Gemma 4's per-layer inputs: PipelineWrapper.in_width / out_width)
+                shape = (1, tokens, self.wrapper.in_width if a.kind is ActionKind.RECV_F else self.wrapper.out_width)
                 buf = received[(a.kind, c)] = torch.empty(shape, dtype=wire_dtype, device=self.device)
                 recvs.append(self.comm.recv_op(buf, a.peer, tag))
         self.comm.exchange(sends, recvs, keys if msg_steps is not None else None)

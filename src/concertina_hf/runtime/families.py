@@ -74,6 +74,7 @@ from torch import nn
 from .linear_attention import LINEAR_ATTENTION_TYPES, MIXER_ATTRIBUTE, mixer_class
 from .ssm import MAMBA2, SSM_TYPES
 from .ssm import mixer_class as ssm_mixer_class
+from .per_layer import PER_LAYER_MODULES, PER_LAYER_PARAMETERS, PER_LAYER_TYPES, kv_sources, per_layer_input_size
 from .router_aux import ROUTER_AUX_LOSS_MODES, RouterAux, router_aux_of
 
 __all__ = [
@@ -217,6 +218,13 @@ class ModelFamily:
     #: indices of the decoder layers HF's forward passes no position embeddings (:data:`NO_POSITION_LAYER_TYPES`,
     #: :data:`ROTARY_OPTIONAL`); None: every layer (no rotary embedding)
     no_position_layers: frozenset[int] | None = frozenset()
+    #: ``D`` of Gemma 4's per-layer inputs (:mod:`.per_layer`; 0: none): the first stage computes them and
+    #: they travel with the hidden states
+    per_layer_input_size: int = 0
+    #: per decoder layer, the layer whose K/V it reads (:func:`.per_layer.kv_sources`); None: no KV sharing
+    kv_sources: tuple[int | None, ...] | None = None
+    #: the decoder layers take ``shared_kv_states`` (Gemma 4: the stage passes one dict per chunk)
+    shared_kv_states: bool = False
 
     def scale_embeddings(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.embedding_multiplier is not None:
@@ -281,7 +289,8 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
     if not isinstance(inner.layers, nn.ModuleList):
         raise _refuse(config, model, "model.model.layers is not a ModuleList of decoder layers")
     extra = [f"model.{n} ({type(m).__name__})" for n, m in model.named_children() if n not in _OUTER]
-    extra += [f"model.model.{n} ({type(m).__name__})" for n, m in inner.named_children() if n not in _INNER]
+    extra += [f"model.model.{n} ({type(m).__name__})" for n, m in inner.named_children()
+              if n not in _INNER and not (kind in PER_LAYER_TYPES and n in PER_LAYER_MODULES)]
     if extra:
         raise _refuse(config, model, f"{', '.join(extra)} run(s) in the model's forward outside the decoder layers, "
                                      "which the pipeline does not reproduce")
@@ -307,6 +316,7 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
                                          "would leak between packed sequences and be lost between slices")
         extra_inputs = sorted(n for n, prm in inspect.signature(layer.forward).parameters.items()
                               if n not in LAYER_INPUTS and not n.startswith("_")
+                              and not (kind in PER_LAYER_TYPES and n in PER_LAYER_PARAMETERS)
                               and prm.kind not in (prm.VAR_POSITIONAL, prm.VAR_KEYWORD))
         if extra_inputs:
             raise _refuse(config, model, f"decoder layer {i} ({type(layer).__name__}) takes "
@@ -340,6 +350,10 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
                 raise _refuse(config, model, f"its rotary embedding gives no position embeddings for layer type {t!r} "
                                              f"({type(exc).__name__}: {exc}): the model's forward computes them "
                                              "otherwise") from exc
+    per_layer = kind in PER_LAYER_TYPES
+    if per_layer and getattr(config, "use_bidirectional_attention", None) == "all":
+        raise _refuse(config, model, "use_bidirectional_attention='all' makes every layer attend both ways; the "
+                                     "pipeline's attention is causal (set config.use_bidirectional_attention = None)")
     norm_first = kind in NORM_BEFORE_LAYERS
     if norm_first and any(True for _ in inner.norm.parameters()):
         raise _refuse(config, model, "its forward applies the final norm to the embeddings too, and that norm has "
@@ -356,6 +370,9 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
         router_aux=None if router_aux_loss is None else _router_aux(model),
         linear_attention=has_linear and kind in LINEAR_ATTENTION_TYPES,
         ssm=has_linear and kind in SSM_TYPES,
+        per_layer_input_size=per_layer_input_size(model) if per_layer else 0,
+        kv_sources=kv_sources(config) if per_layer else None,
+        shared_kv_states=per_layer,
         no_position_layers=no_position,
     )
 

@@ -1,0 +1,113 @@
+"""Per-layer configs (``config.per_layer_config``): Gemma 4's text model against HF.
+
+A tiny ``gemma4_text`` (:func:`model_support.tiny_config`: sliding layers of head size 16 and 2 K/V
+heads, full layers of head size 32, per-layer inputs of 8 per layer) through the runtime's stage
+functions, as ``scripts/model_support.py`` checks every type: split, hybrid and packed chunks with
+one layer recomputed, ``PipelineExecutor`` on one stage and 2 stages run one after the other,
+against HF on each sequence alone (loss 1e-5, gradients 1e-4 relative). The per-layer inputs are
+computed on the first stage and travel with the hidden states (:mod:`concertina_hf.runtime.per_layer`);
+K/V shared between layers (``num_kv_shared_layers``) on one stage, with a layout keeping a layer and
+its source together; a layout splitting them, and bidirectional attention, are refused by message.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import model_support  # noqa: E402
+from concertina_hf.planning import StageLayout  # noqa: E402
+from concertina_hf.runtime import PipelineExecutor, PipelineWrapper  # noqa: E402
+from concertina_hf.runtime.families import UnsupportedModelError, inspect_model  # noqa: E402
+
+LOSS_TOL, GRAD_TOL = model_support.LOSS_TOL, model_support.GRAD_TOL
+
+
+def _model(**overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = model_support.tiny_config("gemma4_text", **overrides)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
+
+
+def _check(model, layout: StageLayout) -> tuple[tuple[float, float], tuple[float, float]]:
+    """(pp=1 through PipelineExecutor, ``layout``'s stages one after the other): (loss, gradient)
+    relative differences with HF on each sequence alone."""
+    ids, labels = model_support.batch()
+    n = sum(int((lab[1:] != -100).sum()) for lab in labels)
+    model.train()
+    ref_loss, ref_grads = model_support.reference(model, ids, labels)
+    num_layers = len(model.model.layers)
+    one = PipelineWrapper(copy.deepcopy(model), StageLayout.even(num_layers, 1), 0)
+    res = PipelineExecutor(one).run_step(model_support.make_plan(one.layout), ids, labels, num_items_in_batch=n)
+    pp1 = model_support.compare(res.loss, ref_loss, list(one.named_parameters()), ref_grads)
+    stages = [PipelineWrapper(copy.deepcopy(model), layout, s) for s in range(layout.num_stages)]
+    loss = model_support.run_sequential(stages, model_support.make_plan(layout), ids, labels, float(n))
+    params = [(k, p) for w in stages for k, p in w.named_parameters() if p is not stages[-1].tied_weight]
+    stages[0].tied_weight.grad += stages[-1].tied_weight.grad  # as sync_tied_gradients does
+    return pp1, model_support.compare(loss, ref_loss, params, ref_grads)
+
+
+def test_tiny_config_has_layers_of_different_shapes():
+    cfg = model_support.tiny_config("gemma4_text")
+    assert [cfg.per_layer_config[i].head_dim for i in range(4)] == [16, 32, 16, 32]
+    assert cfg.hidden_size_per_layer_input == 8
+    family = inspect_model(_model())
+    assert family.per_layer_input_size == 8 and family.kv_sources is None and family.shared_kv_states
+
+
+def test_gemma4_text_equals_hf():
+    """check_type (the table's row): pp=1 and pp=2, the self-check included."""
+    row = model_support.check_type("gemma4_text")
+    assert row["verdict"] == "supported", row
+    for loss, grad in (row["pp1"], row["pp2"]):
+        assert loss < LOSS_TOL and grad < GRAD_TOL, row
+
+
+def test_per_layer_inputs_travel_between_stages():
+    """Each stage's message: the hidden states and the per-layer inputs of the layers after it."""
+    model = _model()
+    layout = StageLayout(4, ((0, 1), (1, 3), (3, 4)))
+    widths = [(w.in_width, w.out_width) for w in
+              (PipelineWrapper(copy.deepcopy(model), layout, s) for s in range(3))]
+    assert widths == [(64 + 4 * 8, 64 + 3 * 8), (64 + 3 * 8, 64 + 8), (64 + 8, 64)]
+    pp1, pp3 = _check(model, layout)
+    assert pp1[0] < LOSS_TOL and pp1[1] < GRAD_TOL, pp1
+    assert pp3[0] < LOSS_TOL and pp3[1] < GRAD_TOL, pp3
+
+
+def test_shared_kv_within_a_stage_equals_hf():
+    """6 layers, the last 2 reading the K/V of layers 2 (sliding) and 3 (full), over split slices:
+    pp=1, and 2 stages keeping layers 2-5 together; the full layers' values are their keys (attention_k_eq_v)."""
+    model = _model(num_hidden_layers=6, num_kv_shared_layers=2, attention_k_eq_v=True,
+                   layer_types=["sliding_attention", "full_attention"] * 3)
+    assert model.model.layers[3].self_attn.v_proj is None and not hasattr(model.model.layers[5].self_attn, "k_proj")
+    family = inspect_model(model)
+    assert family.kv_sources == (None, None, None, None, 2, 3)
+    pp1, pp2 = _check(model, StageLayout(6, ((0, 2), (2, 6))))
+    assert pp1[0] < LOSS_TOL and pp1[1] < GRAD_TOL, pp1
+    assert pp2[0] < LOSS_TOL and pp2[1] < GRAD_TOL, pp2
+
+
+def test_shared_kv_across_stages_is_refused():
+    model = _model(num_hidden_layers=6, num_kv_shared_layers=2,
+                   layer_types=["sliding_attention", "full_attention"] * 3)
+    with pytest.raises(ValueError, match=r"decoder layer 4 reads the K/V of layer 2 \(KV sharing, "
+                                         r"config.num_kv_shared_layers\), but the stage layout \[\(0, 3\), \(3, 6\)\] "
+                                         r"puts them on two stages.*keeps layers 2-4 on one stage, or fewer stages "
+                                         r"\(concertina_pipeline_size\)"):
+        PipelineWrapper(model, StageLayout.even(6, 2), 1)
+
+
+def test_bidirectional_attention_is_refused():
+    with pytest.raises(UnsupportedModelError, match="use_bidirectional_attention='all' makes every layer attend "
+                                                    "both ways; the pipeline's attention is causal"):
+        inspect_model(_model(use_bidirectional_attention="all"))
