@@ -11,7 +11,8 @@ sequence's earlier tokens.
 The classes differ only token-wise: how the hidden states become the projection (Falcon-H1
 multiplies by its mup factors) and the gated norm after the scan. One :class:`Adapter` per class
 says that; the per-document convolution, scan and carry are shared, as for the Gated DeltaNet
-(:mod:`.linear_attention`). HF's module-level functions are read from the class's own module:
+(:mod:`.linear_attention`; the convolution is :func:`~.causal_conv.per_document_conv`). HF's
+module-level functions are read from the class's own module:
 ``causal_conv1d_fn`` and ``mamba2_chunk_scan`` (HF's torch chunked scan, ``segment_sum`` and all,
 which takes an initial state and returns the final one; a kernel HF maps there is used).
 
@@ -53,7 +54,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .attention.context import ChunkAttentionContext, KVEntry, current_context, step_running
+from .attention.context import ChunkAttentionContext, current_context, step_running
+from .causal_conv import per_document_conv
 
 __all__ = ["Adapter", "MAMBA2", "SSM_TYPES", "install", "mamba2_forward", "mixer_class"]
 
@@ -167,39 +169,17 @@ def mamba2_forward(mod: nn.Module, hidden_states: torch.Tensor, ctx: ChunkAttent
     dtype = x.dtype
     adapter = _adapter(mod)
     gate, xbc, dt = adapter.project(mod, x).split([mod.intermediate_size, mod.conv_dim, mod.num_heads], dim=-1)
-    mixed = xbc.transpose(1, 2)  # [1, C, T]
     width = int(mod.conv1d.kernel_size[0]) - 1  # the earlier inputs each token's convolution reads
-    channels = mixed.shape[1]
-    store, grad = ctx.store, ctx.requires_grad
-    carried: dict[int, KVEntry] = {}  # slice index -> the entry of its sequence's previous slice
-    tails: dict[int, torch.Tensor] = {}  # slice index -> its convolution tail (non-final slices)
-    parts, spans, at = [], [], 0
-    for i, s in enumerate(ctx.slices):
-        own = mixed[:, :, s.offset:s.offset + s.length]
-        if s.start == 0:
-            head = mixed.new_zeros(1, channels, width)
-        else:
-            prev = store.previous(s.seq, s.start, layer)
-            if prev is None:
-                raise RuntimeError(f"the SSM state of sequence {s.seq} before token {s.start} on layer {layer} is "
-                                   "missing: an earlier slice did not run forward on this stage first")
-            carried[i] = prev
-            head = prev.v_leaf.to(own.dtype)
-        parts += [head, own]
-        spans.append((at + width, at + width + s.length))
-        at += width + s.length
-        if not s.final:  # the sequence's last `width` pre-convolution inputs, for the next slice
-            tails[i] = torch.cat([head, own], dim=-1)[:, :, head.shape[-1] + s.length - width:]
-    conv = hf.causal_conv1d_fn(torch.cat(parts, dim=-1), mod.conv1d.weight.squeeze(1), mod.conv1d.bias,
-                               activation=mod.activation)
-    xbc = torch.cat([conv[:, :, lo:hi] for lo, hi in spans], dim=-1).transpose(1, 2)  # [1, T, C]
+    doc = per_document_conv(xbc.transpose(1, 2), ctx, layer, width, lambda cols: hf.causal_conv1d_fn(
+        cols, mod.conv1d.weight.squeeze(1), mod.conv1d.bias, activation=mod.activation), state="SSM state")
+    xbc = doc.out.transpose(1, 2)  # [1, T, C]
     groups = mod.n_groups * mod.ssm_state_size
     hs, b, c = torch.split(xbc, [mod.intermediate_size, groups, groups], dim=-1)
     a = -torch.exp(mod.A_log.float())
     outs = []
     for i, s in enumerate(ctx.slices):
         sl, n = slice(s.offset, s.offset + s.length), s.length
-        initial = carried[i].k_leaf if i in carried else None
+        initial = doc.carried[i].k_leaf if i in doc.carried else None
         out = hf.mamba2_chunk_scan(
             hs[:, sl].reshape(1, n, mod.num_heads, mod.head_dim), dt[:, sl], a,
             b[:, sl].reshape(1, n, mod.n_groups, mod.ssm_state_size),
@@ -208,7 +188,7 @@ def mamba2_forward(mod: nn.Module, hidden_states: torch.Tensor, ctx: ChunkAttent
             dt_softplus=True, initial_states=initial, dt_limit=mod.time_step_limit)
         if not s.final:
             out, state = out
-            store.put_if_absent(s.seq, s.start, layer, state, tails[i], grad)
+            ctx.store.put_if_absent(s.seq, s.start, layer, state, doc.tails[i], ctx.requires_grad)
         outs.append(out.reshape(1, n, mod.intermediate_size))
     y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     y = adapter.gated_norm(mod, y, gate)
