@@ -61,10 +61,15 @@ GRAD_TOL_OF = {"qwen3_5_moe_text": 2e-4}
 
 
 def build_model(name: str = "qwen3_next"):
+    return build_model_with(name)
+
+
+def build_model_with(name: str, **more):
+    """:func:`build_model` with the config overrides ``more`` on top of the case's."""
     from transformers import AutoModelForCausalLM
 
     model_type, overrides = MODELS[name]
-    cfg = model_support.tiny_config(model_type, **{**SIZES, **overrides})
+    cfg = model_support.tiny_config(model_type, **{**SIZES, **overrides, **more})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().train()
     assert (model.model.rotary_emb is None) == (name == "olmo_hybrid_nope")
@@ -136,10 +141,11 @@ def gradient_errors(params, ref_grads) -> dict[str, float]:
 
 
 def check_case(name: str, loss: float, ref_loss: float, errors: dict[str, float],
-               grad_tol: float = GRAD_TOL) -> tuple[dict, list[str]]:
-    """A case's figures (loss difference, worst gradient, the mixer parameters') and its failures."""
+               grad_tol: float = GRAD_TOL, mixer_params: tuple[str, ...] = MIXER_PARAMS) -> tuple[dict, list[str]]:
+    """A case's figures (loss difference, worst gradient, the mixer parameters', ``mixer_params``
+    naming them by suffix) and its failures."""
     loss_err = abs(loss - ref_loss) / abs(ref_loss)
-    mixer = {k: v for k, v in errors.items() if any(k.endswith(m) for m in MIXER_PARAMS)}
+    mixer = {k: v for k, v in errors.items() if any(k.endswith(m) for m in mixer_params)}
     row = {"case": name, "loss": loss_err, "grad": max(errors.values()), "mixer": max(mixer.values(), default=None),
            "mixer_params": len(mixer)}
     failures = []

@@ -55,7 +55,6 @@ def _build(model_type: str, **overrides):
     ("phi", "it has no `model.norm` (model.model has: embed_tokens, layers, rotary_emb, embed_dropout, "
             "final_layernorm)"),
     ("persimmon", "it has no `model.norm` (model.model has: embed_tokens, layers, final_layernorm, rotary_emb)"),
-    ("lfm2", "it has no `model.norm` (model.model has: embed_tokens, layers, rotary_emb, embedding_norm)"),
     ("granite_swa", "model.model.rotary_embs (ModuleList) run(s) in the model's forward outside the decoder layers"),
     ("beam", "takes attention_scaling, which the model's forward computes"),
     ("dory", "n_recurrent_loops"),

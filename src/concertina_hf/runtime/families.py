@@ -24,7 +24,10 @@ naming the model type and the feature:
   which :mod:`.linear_attention` runs per document with its state carried across slices
   (:attr:`ModelFamily.linear_attention`; sequence parallel size 1 only), and the Mamba2 layers
   (``linear_attention``, ``mamba``) of the model types of :data:`~.ssm.SSM_TYPES` (Granite-4.0
-  hybrid), exactly HF's mixer class of each, which :mod:`.ssm` runs likewise (:attr:`ModelFamily.ssm`);
+  hybrid), exactly HF's mixer class of each, which :mod:`.ssm` runs likewise (:attr:`ModelFamily.ssm`),
+  and the short convolutions (``conv``) of :data:`~.short_conv.SHORT_CONV_TYPES` (LFM2, LFM2-MoE,
+  LFM3), exactly HF's class of each, which :mod:`.short_conv` runs likewise
+  (:attr:`ModelFamily.short_conv`);
 - **inputs the model's forward computes for its layers**: a decoder layer whose ``forward`` takes
   a parameter outside :data:`LAYER_INPUTS` (Beam's ``attention_scaling``, per-layer inputs), and
   the few model types of :data:`FORWARD_WORK` whose forward or attention does what neither the
@@ -53,7 +56,10 @@ Reproduced outside the layers (:class:`ModelFamily`), each read from a config at
   cannot produce is refused);
 - nanochat's final norm applied to the embeddings too (:data:`NORM_BEFORE_LAYERS`; no config
   attribute says it);
-- layers without position embeddings: Lara-Mini's global layers (:data:`NO_POSITION_LAYER_TYPES`),
+- the final norm under another name than ``model.model.norm`` (LFM2's ``embedding_norm``, which runs
+  after the last layer, and LFM2-MoE's rotary embedding ``pos_emb``: :data:`MODULE_NAMES`);
+- layers without position embeddings: Lara-Mini's global layers, LFM3's convolutions
+  (:data:`NO_POSITION_LAYER_TYPES`),
   every layer of an OLMo Hybrid without a rotary embedding (:data:`ROTARY_OPTIONAL`).
 
 ``scripts/model_support.py`` checks every causal-LM model type of the installed transformers
@@ -74,7 +80,9 @@ from torch import nn
 from .linear_attention import LINEAR_ATTENTION_TYPES, MIXER_ATTRIBUTE, mixer_class
 from .ssm import MAMBA2, SSM_TYPES
 from .ssm import mixer_class as ssm_mixer_class
-from .per_layer import PER_LAYER_MODULES, PER_LAYER_PARAMETERS, PER_LAYER_TYPES, kv_sources, per_layer_input_size
+from .short_conv import MIXER_ATTRIBUTE as SHORT_CONV_ATTRIBUTE
+from .short_conv import SHORT_CONV_LAYER_TYPE, SHORT_CONV_TYPES
+from .short_conv import mixer_class as short_conv_mixer_class
 from .router_aux import ROUTER_AUX_LOSS_MODES, RouterAux, router_aux_of
 
 __all__ = [
@@ -83,6 +91,7 @@ __all__ = [
     "FORWARD_WORK",
     "LAYER_INPUTS",
     "LOGITS_SCALING_MULTIPLIES",
+    "MODULE_NAMES",
     "NORM_BEFORE_LAYERS",
     "NO_POSITION_LAYER_TYPES",
     "ROTARY_OPTIONAL",
@@ -90,6 +99,8 @@ __all__ = [
     "ModelFamily",
     "UnsupportedModelError",
     "check_config",
+    "final_norm",
+    "rotary_embedding",
     "inspect_model",
 ]
 
@@ -112,7 +123,7 @@ LOGITS_SCALING_MULTIPLIES = frozenset({"hyperclovax"})
 NORM_BEFORE_LAYERS = frozenset({"nanochat"})
 #: model types whose ``forward`` passes no position embeddings to the decoder layers of these types
 #: (no config attribute says it): Lara-Mini's global attention layers (only its sliding ones rotate)
-NO_POSITION_LAYER_TYPES = {"lara_mini": frozenset({"full_attention"})}
+NO_POSITION_LAYER_TYPES = {"lara_mini": frozenset({"full_attention"}), "lfm3": frozenset({"conv"})}
 #: model types whose ``model.rotary_emb`` is None when ``config.rope_parameters`` has no ``rope_theta``
 #: (OLMo Hybrid's released checkpoints): then no layer gets position embeddings
 ROTARY_OPTIONAL = frozenset({"olmo_hybrid", "granitemoehybrid"})
@@ -131,8 +142,13 @@ FORWARD_WORK = {
 LAYER_INPUTS = frozenset({"hidden_states", "attention_mask", "position_ids", "position_embeddings", "cache",
                           "past_key_values", "past_key_value", "use_cache", "cache_position", "output_attentions",
                           "output_router_logits", "kwargs", "args"})
+#: model types whose final norm or rotary embedding has another name in ``model.model`` than ``norm`` /
+#: ``rotary_emb`` (LFM2's ``embedding_norm`` runs after the last layer, not on the embeddings; LFM2-MoE's rotary
+#: embedding is ``pos_emb``): ``{model type: {layout name: the model's name}}``
+MODULE_NAMES = {"lfm2": {"norm": "embedding_norm"}, "lfm2_moe": {"norm": "embedding_norm", "rotary_emb": "pos_emb"},
+                "lfm3": {"norm": "embedding_norm"}}
 _LAYOUT = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
-_INNER = frozenset({"embed_tokens", "layers", "norm", "rotary_emb"})
+_INNER = frozenset({"embed_tokens", "layers"})
 _OUTER = frozenset({"model", "lm_head"})
 
 
@@ -167,13 +183,15 @@ def check_config(config: Any, model: nn.Module | None = None, router_aux_loss: s
     if isinstance(types, (list, tuple)):
         kind = str(getattr(config, "model_type", "") or "")
         other = sorted({str(t) for t in types} - ATTENTION_LAYER_TYPES
-                       - ({"linear_attention"} if kind in LINEAR_ATTENTION_TYPES | SSM_TYPES else set()))
+                       - ({"linear_attention"} if kind in LINEAR_ATTENTION_TYPES | SSM_TYPES else set())
+                       - ({SHORT_CONV_LAYER_TYPE} if kind in SHORT_CONV_TYPES else set()))
         if other:
             raise _refuse(config, model, f"config.layer_types has {', '.join(repr(t) for t in other)} layers, which "
                                          "the pipeline does not implement (only full_attention, "
                                          "sliding_attention and chunked_attention, and linear_attention for the Gated DeltaNet of "
                                          f"{', '.join(sorted(LINEAR_ATTENTION_TYPES))}, and for the Mamba2 of "
-                                         f"{', '.join(sorted(SSM_TYPES))}): other recurrent, "
+                                         f"{', '.join(sorted(SSM_TYPES))}, and conv for the short convolution of "
+                                         f"{', '.join(sorted(SHORT_CONV_TYPES))}): other recurrent, "
                                          "linear-attention or convolutional mixers (Mamba2, short convolutions, "
                                          "KDA, lightning attention, ...) would carry state between packed sequences and lose it between slices of "
                                          "a split sequence; sparse or indexed attention selects keys the "
@@ -215,16 +233,15 @@ class ModelFamily:
     linear_attention: bool = False
     #: decoder layers mix tokens with a Mamba2 (:mod:`.ssm`), sequence parallel size 1 only
     ssm: bool = False
+    #: decoder layers mix tokens with a short convolution (:mod:`.short_conv`), sequence parallel size 1 only
+    short_conv: bool = False
+    #: the final norm's name in ``model.model`` (:data:`MODULE_NAMES`)
+    final_norm: str = "norm"
+    #: the rotary embedding's name in ``model.model`` (:data:`MODULE_NAMES`)
+    rotary: str = "rotary_emb"
     #: indices of the decoder layers HF's forward passes no position embeddings (:data:`NO_POSITION_LAYER_TYPES`,
     #: :data:`ROTARY_OPTIONAL`); None: every layer (no rotary embedding)
     no_position_layers: frozenset[int] | None = frozenset()
-    #: ``D`` of Gemma 4's per-layer inputs (:mod:`.per_layer`; 0: none): the first stage computes them and
-    #: they travel with the hidden states
-    per_layer_input_size: int = 0
-    #: per decoder layer, the layer whose K/V it reads (:func:`.per_layer.kv_sources`); None: no KV sharing
-    kv_sources: tuple[int | None, ...] | None = None
-    #: the decoder layers take ``shared_kv_states`` (Gemma 4: the stage passes one dict per chunk)
-    shared_kv_states: bool = False
 
     def scale_embeddings(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.embedding_multiplier is not None:
@@ -262,6 +279,22 @@ class ModelFamily:
         return out
 
 
+def _module_name(model: nn.Module, name: str) -> str:
+    kind = str(getattr(getattr(model, "config", None), "model_type", "") or "")
+    return MODULE_NAMES.get(kind, {}).get(name, name)
+
+
+def final_norm(model: nn.Module) -> nn.Module:
+    """The norm an HF causal LM's ``forward`` applies after its last decoder layer (``model.model.norm``,
+    or the module :data:`MODULE_NAMES` names for its model type)."""
+    return getattr(model.model, _module_name(model, "norm"))
+
+
+def rotary_embedding(model: nn.Module) -> nn.Module | None:
+    """An HF causal LM's rotary embedding (``model.model.rotary_emb``, or as :data:`MODULE_NAMES` names it)."""
+    return getattr(model.model, _module_name(model, "rotary_emb"), None)
+
+
 def _number(config: Any, name: str) -> float | None:
     value = getattr(config, name, None)
     return None if value is None or isinstance(value, bool) else float(value)
@@ -275,7 +308,10 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
     check_config(config, model, router_aux_loss)
     kind = str(getattr(config, "model_type", "") or "")
     nope = kind in ROTARY_OPTIONAL and getattr(getattr(model, "model", None), "rotary_emb", 0) is None
+    names = MODULE_NAMES.get(kind, {})
+    norm_name, rotary_name = names.get("norm", "norm"), names.get("rotary_emb", "rotary_emb")
     for path in _LAYOUT:
+        path = path if not path.startswith("model.") else f"model.{names.get(path[6:], path[6:])}"
         if nope and path == "model.rotary_emb":
             continue
         cur, where = model, "model"
@@ -290,13 +326,15 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
         raise _refuse(config, model, "model.model.layers is not a ModuleList of decoder layers")
     extra = [f"model.{n} ({type(m).__name__})" for n, m in model.named_children() if n not in _OUTER]
     extra += [f"model.model.{n} ({type(m).__name__})" for n, m in inner.named_children()
-              if n not in _INNER and not (kind in PER_LAYER_TYPES and n in PER_LAYER_MODULES)]
+              if n not in _INNER and n not in (norm_name, rotary_name)]
     if extra:
         raise _refuse(config, model, f"{', '.join(extra)} run(s) in the model's forward outside the decoder layers, "
                                      "which the pipeline does not reproduce")
     linear, attribute = (mixer_class(kind), MIXER_ATTRIBUTE) if kind in LINEAR_ATTENTION_TYPES else (None, "")
     if kind in SSM_TYPES:
         linear, attribute = ssm_mixer_class(kind), MAMBA2[kind].attribute
+    if kind in SHORT_CONV_TYPES:
+        linear, attribute = short_conv_mixer_class(kind), SHORT_CONV_ATTRIBUTE
     has_linear = False
     for i, layer in enumerate(inner.layers):
         mixer = getattr(layer, attribute, None) if attribute else None
@@ -316,7 +354,6 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
                                          "would leak between packed sequences and be lost between slices")
         extra_inputs = sorted(n for n, prm in inspect.signature(layer.forward).parameters.items()
                               if n not in LAYER_INPUTS and not n.startswith("_")
-                              and not (kind in PER_LAYER_TYPES and n in PER_LAYER_PARAMETERS)
                               and prm.kind not in (prm.VAR_POSITIONAL, prm.VAR_KEYWORD))
         if extra_inputs:
             raise _refuse(config, model, f"decoder layer {i} ({type(layer).__name__}) takes "
@@ -334,7 +371,7 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
                                          f"{', '.join(sorted(free))} layers but config.layer_types does not give "
                                          "one type per decoder layer")
         no_position = frozenset(i for i in range(len(inner.layers)) if free and str(types[i]) in free)
-    params = inspect.signature(inner.rotary_emb.forward).parameters if not nope else {}
+    params = inspect.signature(getattr(inner, rotary_name).forward).parameters if not nope else {}
     if "layer_type" in params:
         types = getattr(config, "layer_types", None)
         if not isinstance(types, (list, tuple)) or len(types) < len(inner.layers):
@@ -342,18 +379,14 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
                                          "give one per decoder layer")
         rotary_types = tuple(str(t) for t in types)
         probe = torch.zeros(1, 1, 1)
-        for t in sorted(set(rotary_types)):
+        for t in sorted(set(rotary_types) - NO_POSITION_LAYER_TYPES.get(kind, frozenset())):
             try:
                 with torch.no_grad():
-                    inner.rotary_emb(probe, torch.zeros(1, 1, dtype=torch.long), t)
+                    getattr(inner, rotary_name)(probe, torch.zeros(1, 1, dtype=torch.long), t)
             except Exception as exc:
                 raise _refuse(config, model, f"its rotary embedding gives no position embeddings for layer type {t!r} "
                                              f"({type(exc).__name__}: {exc}): the model's forward computes them "
                                              "otherwise") from exc
-    per_layer = kind in PER_LAYER_TYPES
-    if per_layer and getattr(config, "use_bidirectional_attention", None) == "all":
-        raise _refuse(config, model, "use_bidirectional_attention='all' makes every layer attend both ways; the "
-                                     "pipeline's attention is causal (set config.use_bidirectional_attention = None)")
     norm_first = kind in NORM_BEFORE_LAYERS
     if norm_first and any(True for _ in inner.norm.parameters()):
         raise _refuse(config, model, "its forward applies the final norm to the embeddings too, and that norm has "
@@ -370,9 +403,9 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
         router_aux=None if router_aux_loss is None else _router_aux(model),
         linear_attention=has_linear and kind in LINEAR_ATTENTION_TYPES,
         ssm=has_linear and kind in SSM_TYPES,
-        per_layer_input_size=per_layer_input_size(model) if per_layer else 0,
-        kv_sources=kv_sources(config) if per_layer else None,
-        shared_kv_states=per_layer,
+        short_conv=has_linear and kind in SHORT_CONV_TYPES,
+        final_norm=norm_name,
+        rotary=rotary_name,
         no_position_layers=no_position,
     )
 

@@ -93,8 +93,8 @@ class _StageView:
         self.family = family  # what the model does outside the layers (scaling, rotary per layer type)
         self.layer_start, self.layer_end = layer_start, layer_start + len(self.decoder_layers)
         self._embedding_norm = norm if family.norm_before_layers else None
-        self.model = SimpleNamespace(model=SimpleNamespace(rotary_emb=rotary, norm=norm, embed_tokens=embed_tokens),
-                                     lm_head=lm_head)
+        self.model = SimpleNamespace(model=SimpleNamespace(embed_tokens=embed_tokens), lm_head=lm_head)
+        self.rotary_emb, self.final_norm = rotary, norm
 
 
 @dataclass
@@ -249,7 +249,7 @@ class Probe:
         head is not measured (0)."""
         params = [p for m in self.stage.decoder_layers for p in m.parameters()]
         if self.has_head:
-            params += [*self.stage.model.model.norm.parameters(), *self.stage.model.lm_head.parameters()]
+            params += [*self.stage.final_norm.parameters(), *self.stage.model.lm_head.parameters()]
         for p in params:  # gradients are static memory; accumulating into them is not a transient
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -319,7 +319,7 @@ class Probe:
         pos = torch.arange(tokens, device=self.device).unsqueeze(0)
         x = torch.zeros(1, tokens, self.hidden_size, dtype=self.dtype, device=self.device)
         with self._live_meter() as m, torch.no_grad(), self._fwd():
-            rotary = self.stage.family.position_embeddings(self.stage.model.model.rotary_emb, x, pos,
+            rotary = self.stage.family.position_embeddings(self.stage.rotary_emb, x, pos,
                                                            range(self.stage.layer_start, self.stage.layer_end))
             nbytes = m.current_bytes
         del rotary
@@ -445,13 +445,13 @@ def _probe_modules(model_or_wrapper: Any, num_layers: int | None, device: Any) -
         if not 1 <= n <= len(all_layers):
             raise ValueError(f"num_layers={num_layers}: the stage has {len(all_layers)} decoder layers")
         layers = all_layers[:n]
-        stage: Any = _StageView(layers, w.model.model.rotary_emb,
-                                w.model.model.norm if w.is_last else None, w.model.lm_head if w.is_last else None,
+        stage: Any = _StageView(layers, w.rotary_emb,
+                                w.final_norm if w.is_last else None, w.model.lm_head if w.is_last else None,
                                 w.model.model.embed_tokens if w.is_first else None, w.family, w.layer_start)
         has_head, has_embed = w.is_last, w.is_first
         config = w.config
         own = list(w.parameters())
-        head = [w.model.model.norm, w.model.lm_head] if has_head else []
+        head = [w.final_norm, w.model.lm_head] if has_head else []
         embed = [w.model.model.embed_tokens] if has_embed else []
     else:
         model = model_or_wrapper
@@ -460,7 +460,8 @@ def _probe_modules(model_or_wrapper: Any, num_layers: int | None, device: Any) -
                 raise ValueError(f"{type(model).__name__} is not an HF causal LM with model.layers and lm_head; "
                                  "pass such a model or a PipelineWrapper")
         inner = model.model
-        for path in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        family = inspect_model(model)
+        for path in ("embed_tokens", "layers", family.final_norm, family.rotary):
             if not hasattr(inner, path):
                 raise ValueError(f"{type(model).__name__}.model has no `{path}`; the profiler supports HF causal LMs "
                                  "with model.embed_tokens / .layers / .norm / .rotary_emb and lm_head")
@@ -470,7 +471,7 @@ def _probe_modules(model_or_wrapper: Any, num_layers: int | None, device: Any) -
         if not 1 <= n <= total:
             raise ValueError(f"num_layers={num_layers}: the model has {total} decoder layers")
         # copies of the profiled layers, switched to the concertina backend: the model is untouched
-        copies = copy.deepcopy(nn.ModuleList([*inner.layers[:n], inner.rotary_emb])).to(dev)
+        copies = copy.deepcopy(nn.ModuleList([*inner.layers[:n], getattr(inner, family.rotary)])).to(dev)
         for m in copies.modules():
             cfg = getattr(m, "config", None)
             if cfg is not None and hasattr(cfg, "_attn_implementation"):
@@ -478,10 +479,10 @@ def _probe_modules(model_or_wrapper: Any, num_layers: int | None, device: Any) -
             if getattr(m, "gradient_checkpointing", False) is True:  # the plan decides recompute
                 m.gradient_checkpointing = False
         layers = list(copies[:n])
-        norm, norm_own = _on(inner.norm, dev)
+        norm, norm_own = _on(getattr(inner, family.final_norm), dev)
         lm_head, head_own = _on(model.lm_head, dev)
         embed_tokens, embed_own = _on(inner.embed_tokens, dev)
-        stage = _StageView(layers, copies[n], norm, lm_head, embed_tokens, inspect_model(model))
+        stage = _StageView(layers, copies[n], norm, lm_head, embed_tokens, family)
         has_head = has_embed = True
         config = model.config
         own = [p for m, o in ((norm, norm_own), (lm_head, head_own), (embed_tokens, embed_own)) if o
@@ -494,7 +495,7 @@ def _probe_modules(model_or_wrapper: Any, num_layers: int | None, device: Any) -
     head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
     mods = [*layers, *head, *embed]
     exclude = [t for m in mods for t in (*m.parameters(), *m.buffers())]
-    exclude += list(stage.model.model.rotary_emb.buffers())
+    exclude += list(stage.rotary_emb.buffers())
     head_params = sum(p.numel() for m in head for p in m.parameters())
     if head and head[1].weight is (embed[0].weight if embed else None):  # tied: counted with the embedding
         head_params -= head[1].weight.numel()

@@ -57,8 +57,8 @@ from ..planning.types import StageLayout
 from .attention import ChunkAttentionContext, chunk_context, register_attention, step_active
 from .families import inspect_model
 from .linear_attention import install as install_linear_attention
-from .per_layer import PER_LAYER_MODULES, check_kv_sharing, embed_per_layer, message_width
 from .ssm import install as install_ssm
+from .short_conv import install as install_short_conv
 from .param_sharding import full_state
 
 __all__ = ["EMBED_WEIGHT", "HEAD_WEIGHT", "PipelineWrapper"]
@@ -136,7 +136,9 @@ class PipelineWrapper(nn.Module):
         self.tied_embeddings = bool(tied)
         # the final norm, for a model whose forward also applies it to the embeddings (parameter-free:
         # kept as a plain attribute, so stage 0 registers nothing more)
-        object.__setattr__(self, "_embedding_norm", model.model.norm if self.family.norm_before_layers else None)
+        norm_name = self.family.final_norm  # model.model.norm, or its name in this family
+        object.__setattr__(self, "_embedding_norm",
+                           getattr(model.model, norm_name) if self.family.norm_before_layers else None)
         self.layout = layout
         self.stage = stage
         self.is_first = layout.has_embedding(stage)
@@ -148,18 +150,9 @@ class PipelineWrapper(nn.Module):
                 layers[i] = _Placeholder(f"model.layers.{i}", f"stage {owner[i]}")
         if not self.is_first:
             model.model.embed_tokens = _Placeholder("model.embed_tokens", "stage 0")
-            if self.family.per_layer_input_size:  # Gemma 4's per-layer inputs come from stage 0 (.per_layer)
-                for name in PER_LAYER_MODULES:
-                    setattr(model.model, name, _Placeholder(f"model.{name}", "stage 0"))
-        check_kv_sharing(self.family.kv_sources, layout.layer_ranges, self.family.model_type)
-        #: numbers per token of this stage's input and output messages (hidden states, and Gemma 4's
-        #: per-layer inputs of the later layers: :func:`~.per_layer.message_width`)
-        self.in_width, self.out_width = (
-            message_width(int(model.config.hidden_size), self.family.per_layer_input_size, len(layers), b)
-            for b in (self.layer_start, self.layer_end))
         if not self.is_last:
             last = f"stage {layout.num_stages - 1}"
-            model.model.norm = _Placeholder("model.norm", last)
+            setattr(model.model, norm_name, _Placeholder(f"model.{norm_name}", last))
             model.lm_head = _Placeholder("lm_head", last)
         elif tied and not self.is_first:
             # the head's own copy of the shared weight (the embedding module is gone from this
@@ -180,6 +173,8 @@ class PipelineWrapper(nn.Module):
             install_linear_attention(model)
         if self.family.ssm:  # Mamba2 layers likewise (.ssm)
             install_ssm(model)
+        if self.family.short_conv:  # LFM2 short convolutions likewise (.short_conv)
+            install_short_conv(model)
         # `model` is registered as a child so .to() / .train() reach it; names are delegated below
         self.model = model
         self.config = model.config
@@ -236,6 +231,18 @@ class PipelineWrapper(nn.Module):
         return list(self.model.model.layers[self.layer_start:self.layer_end])
 
     @property
+    def final_norm(self) -> nn.Module:
+        """The final norm (``model.model.norm``, or the family's :attr:`~.families.ModelFamily.final_norm`;
+        a placeholder but on the last stage)."""
+        return getattr(self.model.model, self.family.final_norm)
+
+    @property
+    def rotary_emb(self) -> nn.Module | None:
+        """The rotary embedding (``model.model.rotary_emb``, or the family's
+        :attr:`~.families.ModelFamily.rotary`)."""
+        return getattr(self.model.model, self.family.rotary, None)
+
+    @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
@@ -247,10 +254,7 @@ class PipelineWrapper(nn.Module):
     def embed(self, input_ids_T: torch.Tensor) -> torch.Tensor:
         """Stage 0: token ids [T] -> hidden states [1, T, hidden]."""
         hidden = self.family.scale_embeddings(self.model.model.embed_tokens(input_ids_T.unsqueeze(0)))
-        hidden = hidden if self._embedding_norm is None else self._embedding_norm(hidden)
-        if self.family.per_layer_input_size:  # [1, T, hidden + L x D]: Gemma 4's per-layer inputs too
-            return embed_per_layer(self.model.model, input_ids_T.unsqueeze(0), hidden)
-        return hidden
+        return hidden if self._embedding_norm is None else self._embedding_norm(hidden)
 
     def run_layers(self, hidden: torch.Tensor, ctx: ChunkAttentionContext, num_recompute: int = 0,
                    router_logits: list[torch.Tensor] | None = None) -> torch.Tensor:
@@ -266,24 +270,14 @@ class PipelineWrapper(nn.Module):
         this chunk are appended to it, in layer order (a checkpointed layer's replay in backward
         runs after this returns, and is not recorded)."""
         pos = ctx.position_ids
-        ple_size, extra = self.family.per_layer_input_size, {}
-        if ple_size:  # the message [hidden | per-layer inputs of layers layer_start..L-1] (.per_layer)
-            width = int(self.config.hidden_size)
-            ple = hidden[..., width:].unflatten(-1, (-1, ple_size))
-            hidden = hidden[..., :width]
-        if self.family.shared_kv_states:  # K/V a layer stores for later layers of this chunk (.per_layer)
-            extra["shared_kv_states"] = {}
-        rotary = self.family.position_embeddings(self.model.model.rotary_emb, hidden, pos,
+        rotary = self.family.position_embeddings(self.rotary_emb, hidden, pos,
                                                  range(self.layer_start, self.layer_end))
         self._router_sink = router_logits
         try:
             with step_active():
                 for i, layer in enumerate(self.decoder_layers):
-                    if ple_size:
-                        extra["per_layer_input"] = ple[:, :, i]
                     call = functools.partial(_layer_call, layer, ctx, attention_mask=None, position_ids=pos,
-                                             position_embeddings=rotary[i], use_cache=False, concertina_ctx=ctx,
-                                             **extra)
+                                             position_embeddings=rotary[i], use_cache=False, concertina_ctx=ctx)
                     if i < num_recompute and torch.is_grad_enabled():
                         out = checkpoint(call, hidden, use_reentrant=False)
                     else:
@@ -291,8 +285,6 @@ class PipelineWrapper(nn.Module):
                     hidden = out[0] if isinstance(out, tuple) else out
         finally:
             self._router_sink = None
-        if ple_size and not self.is_last:  # the later stages' per-layer inputs travel on
-            hidden = torch.cat([hidden, ple[:, :, len(rotary):].flatten(2)], dim=-1)
         return hidden
 
     def _record_router_logits(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -314,7 +306,7 @@ class PipelineWrapper(nn.Module):
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Last stage: the logits of HF's ``forward`` for ``hidden``: final norm, LM head, and the
         model's logit scaling and soft-capping (:class:`~.families.ModelFamily`)."""
-        return self.family.transform_logits(self.model.lm_head(self.model.model.norm(hidden)))
+        return self.family.transform_logits(self.model.lm_head(self.final_norm(hidden)))
 
     def loss_sum(self, logits: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
         """The summed float32 token cross-entropy of ``logits`` (targets shifted; -100 ignored),

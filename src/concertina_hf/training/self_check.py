@@ -64,6 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..runtime.distributed import Topology, on_every_rank
+from ..runtime.families import final_norm
 from ..planning import Chunk, ChunkKind, Plan, Slice, StageLayout, build_schedule
 
 __all__ = ["PROBE_CHUNKS", "PROBE_LENGTHS", "SelfCheckError", "check_model", "probe_layers", "self_check"]
@@ -231,7 +232,9 @@ def _checked_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     out: dict[str, nn.Parameter] = {}
     for i in sorted({0, len(layers) - 1}):
         out.update({f"model.layers.{i}.{n}": p for n, p in layers[i].named_parameters() if p.is_floating_point()})
-    out.update({f"model.norm.{n}": p for n, p in model.model.norm.named_parameters() if p.is_floating_point()})
+    norm = final_norm(model)  # model.model.norm, or its name in this family
+    name = next(n for n, m in model.model.named_children() if m is norm)
+    out.update({f"model.{name}.{n}": p for n, p in norm.named_parameters() if p.is_floating_point()})
     return out
 
 
