@@ -55,7 +55,12 @@ SIZES = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attentio
              num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
              q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
              max_position_embeddings=256, sliding_window=16, initializer_range=0.2, first_k_dense_replace=1,
-             n_group=1, topk_group=1, num_experts_per_topk=2)
+             n_group=1, topk_group=1, num_experts_per_topk=2, vocab_size_per_layer_input=VOCAB,
+             hidden_size_per_layer_input=8)
+#: per-layer configs (``config.per_layer_config``, Gemma 4): the attributes a default config varies
+#: per layer, at these values on the layers of the type the default varies (16 / 2 elsewhere): layers
+#: of different head sizes and K/V heads
+PER_LAYER_SIZES = dict(head_dim=32, num_key_value_heads=1, num_attention_heads=2, kv_lora_rank=8, qk_nope_head_dim=16)
 #: work outside the decoder layers, at values far from the identity (set wherever the config has the
 #: attribute, even when its default is None: a model that does not use it then shows as a mismatch)
 OUTSIDE = dict(embedding_multiplier=4.0, logit_scale=0.5, logits_scaling=3.0, final_logit_softcapping=2.0,
@@ -87,6 +92,9 @@ def tiny_config(model_type: str, **overrides):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cfg = CONFIG_MAPPING[model_type]()
+    spec = cfg.__dict__.get("_heterogeneity_spec")  # a per-layer config: its attributes set globally first
+    if spec is not None:
+        cfg.allow_global_per_layer_attribute_access = True
     default_types = getattr(cfg, "layer_types", None)
     default_types = list(default_types) if isinstance(default_types, (list, tuple)) else []
 
@@ -116,7 +124,21 @@ def tiny_config(model_type: str, **overrides):
         put("layer_types", [kinds[i % len(kinds)] for i in range(cfg.num_hidden_layers)])
     for k, v in {**TINY_TYPE_SETTINGS.get(model_type, {}), **overrides}.items():
         setattr(cfg, k, v)
+    if spec is not None:
+        _tiny_per_layer(cfg, spec, default_types)
     return cfg
+
+
+def _tiny_per_layer(cfg, spec, default_types) -> None:
+    """The per-layer attributes of a default per-layer config at :data:`PER_LAYER_SIZES` on the tiny
+    layers of the type the default varies (odd layers without layer types)."""
+    first = min(spec.per_layer_overrides, default=None)
+    kind = default_types[first] if first is not None and first < len(default_types) else None
+    types = list(getattr(cfg, "layer_types", None) or [])
+    layers = [i for i in range(cfg.num_hidden_layers) if (types[i] == kind if kind and types else i % 2 == 1)]
+    attrs = {a: PER_LAYER_SIZES[a] for a in spec.per_layer_attributes if a in PER_LAYER_SIZES}
+    cfg.per_layer_config = {i: dict(attrs) for i in layers}
+    cfg.allow_global_per_layer_attribute_access = False
 
 
 def tiny_composite_config(model_type: str, **overrides):

@@ -83,6 +83,7 @@ from .ssm import mixer_class as ssm_mixer_class
 from .short_conv import MIXER_ATTRIBUTE as SHORT_CONV_ATTRIBUTE
 from .short_conv import SHORT_CONV_LAYER_TYPE, SHORT_CONV_TYPES
 from .short_conv import mixer_class as short_conv_mixer_class
+from .per_layer import PER_LAYER_MODULES, PER_LAYER_PARAMETERS, PER_LAYER_TYPES, kv_sources, per_layer_input_size
 from .router_aux import ROUTER_AUX_LOSS_MODES, RouterAux, router_aux_of
 
 __all__ = [
@@ -242,6 +243,13 @@ class ModelFamily:
     #: indices of the decoder layers HF's forward passes no position embeddings (:data:`NO_POSITION_LAYER_TYPES`,
     #: :data:`ROTARY_OPTIONAL`); None: every layer (no rotary embedding)
     no_position_layers: frozenset[int] | None = frozenset()
+    #: ``D`` of Gemma 4's per-layer inputs (:mod:`.per_layer`; 0: none): the first stage computes them and
+    #: they travel with the hidden states
+    per_layer_input_size: int = 0
+    #: per decoder layer, the layer whose K/V it reads (:func:`.per_layer.kv_sources`); None: no KV sharing
+    kv_sources: tuple[int | None, ...] | None = None
+    #: the decoder layers take ``shared_kv_states`` (Gemma 4: the stage passes one dict per chunk)
+    shared_kv_states: bool = False
 
     def scale_embeddings(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.embedding_multiplier is not None:
@@ -326,7 +334,8 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
         raise _refuse(config, model, "model.model.layers is not a ModuleList of decoder layers")
     extra = [f"model.{n} ({type(m).__name__})" for n, m in model.named_children() if n not in _OUTER]
     extra += [f"model.model.{n} ({type(m).__name__})" for n, m in inner.named_children()
-              if n not in _INNER and n not in (norm_name, rotary_name)]
+              if n not in _INNER and n not in (norm_name, rotary_name)
+              and not (kind in PER_LAYER_TYPES and n in PER_LAYER_MODULES)]
     if extra:
         raise _refuse(config, model, f"{', '.join(extra)} run(s) in the model's forward outside the decoder layers, "
                                      "which the pipeline does not reproduce")
@@ -354,6 +363,7 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
                                          "would leak between packed sequences and be lost between slices")
         extra_inputs = sorted(n for n, prm in inspect.signature(layer.forward).parameters.items()
                               if n not in LAYER_INPUTS and not n.startswith("_")
+                              and not (kind in PER_LAYER_TYPES and n in PER_LAYER_PARAMETERS)
                               and prm.kind not in (prm.VAR_POSITIONAL, prm.VAR_KEYWORD))
         if extra_inputs:
             raise _refuse(config, model, f"decoder layer {i} ({type(layer).__name__}) takes "
@@ -387,6 +397,10 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
                 raise _refuse(config, model, f"its rotary embedding gives no position embeddings for layer type {t!r} "
                                              f"({type(exc).__name__}: {exc}): the model's forward computes them "
                                              "otherwise") from exc
+    per_layer = kind in PER_LAYER_TYPES
+    if per_layer and getattr(config, "use_bidirectional_attention", None) == "all":
+        raise _refuse(config, model, "use_bidirectional_attention='all' makes every layer attend both ways; the "
+                                     "pipeline's attention is causal (set config.use_bidirectional_attention = None)")
     norm_first = kind in NORM_BEFORE_LAYERS
     if norm_first and any(True for _ in inner.norm.parameters()):
         raise _refuse(config, model, "its forward applies the final norm to the embeddings too, and that norm has "
@@ -406,6 +420,9 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
         short_conv=has_linear and kind in SHORT_CONV_TYPES,
         final_norm=norm_name,
         rotary=rotary_name,
+        per_layer_input_size=per_layer_input_size(model) if per_layer else 0,
+        kv_sources=kv_sources(config) if per_layer else None,
+        shared_kv_states=per_layer,
         no_position_layers=no_position,
     )
 

@@ -57,6 +57,7 @@ from ..planning.types import StageLayout
 from .attention import ChunkAttentionContext, chunk_context, register_attention, step_active
 from .families import inspect_model
 from .linear_attention import install as install_linear_attention
+from .per_layer import PER_LAYER_MODULES, check_kv_sharing, embed_per_layer, message_width
 from .ssm import install as install_ssm
 from .short_conv import install as install_short_conv
 from .param_sharding import full_state
@@ -150,6 +151,15 @@ class PipelineWrapper(nn.Module):
                 layers[i] = _Placeholder(f"model.layers.{i}", f"stage {owner[i]}")
         if not self.is_first:
             model.model.embed_tokens = _Placeholder("model.embed_tokens", "stage 0")
+            if self.family.per_layer_input_size:  # Gemma 4's per-layer inputs come from stage 0 (.per_layer)
+                for name in PER_LAYER_MODULES:
+                    setattr(model.model, name, _Placeholder(f"model.{name}", "stage 0"))
+        check_kv_sharing(self.family.kv_sources, layout.layer_ranges, self.family.model_type)
+        #: numbers per token of this stage's input and output messages (hidden states, and Gemma 4's
+        #: per-layer inputs of the later layers: :func:`~.per_layer.message_width`)
+        self.in_width, self.out_width = (
+            message_width(int(model.config.hidden_size), self.family.per_layer_input_size, len(layers), b)
+            for b in (self.layer_start, self.layer_end))
         if not self.is_last:
             last = f"stage {layout.num_stages - 1}"
             setattr(model.model, norm_name, _Placeholder(f"model.{norm_name}", last))
@@ -254,7 +264,10 @@ class PipelineWrapper(nn.Module):
     def embed(self, input_ids_T: torch.Tensor) -> torch.Tensor:
         """Stage 0: token ids [T] -> hidden states [1, T, hidden]."""
         hidden = self.family.scale_embeddings(self.model.model.embed_tokens(input_ids_T.unsqueeze(0)))
-        return hidden if self._embedding_norm is None else self._embedding_norm(hidden)
+        hidden = hidden if self._embedding_norm is None else self._embedding_norm(hidden)
+        if self.family.per_layer_input_size:  # [1, T, hidden + L x D]: Gemma 4's per-layer inputs too
+            return embed_per_layer(self.model.model, input_ids_T.unsqueeze(0), hidden)
+        return hidden
 
     def run_layers(self, hidden: torch.Tensor, ctx: ChunkAttentionContext, num_recompute: int = 0,
                    router_logits: list[torch.Tensor] | None = None) -> torch.Tensor:
@@ -270,14 +283,24 @@ class PipelineWrapper(nn.Module):
         this chunk are appended to it, in layer order (a checkpointed layer's replay in backward
         runs after this returns, and is not recorded)."""
         pos = ctx.position_ids
+        ple_size, extra = self.family.per_layer_input_size, {}
+        if ple_size:  # the message [hidden | per-layer inputs of layers layer_start..L-1] (.per_layer)
+            width = int(self.config.hidden_size)
+            ple = hidden[..., width:].unflatten(-1, (-1, ple_size))
+            hidden = hidden[..., :width]
+        if self.family.shared_kv_states:  # K/V a layer stores for later layers of this chunk (.per_layer)
+            extra["shared_kv_states"] = {}
         rotary = self.family.position_embeddings(self.rotary_emb, hidden, pos,
                                                  range(self.layer_start, self.layer_end))
         self._router_sink = router_logits
         try:
             with step_active():
                 for i, layer in enumerate(self.decoder_layers):
+                    if ple_size:
+                        extra["per_layer_input"] = ple[:, :, i]
                     call = functools.partial(_layer_call, layer, ctx, attention_mask=None, position_ids=pos,
-                                             position_embeddings=rotary[i], use_cache=False, concertina_ctx=ctx)
+                                             position_embeddings=rotary[i], use_cache=False, concertina_ctx=ctx,
+                                             **extra)
                     if i < num_recompute and torch.is_grad_enabled():
                         out = checkpoint(call, hidden, use_reentrant=False)
                     else:
@@ -285,6 +308,8 @@ class PipelineWrapper(nn.Module):
                     hidden = out[0] if isinstance(out, tuple) else out
         finally:
             self._router_sink = None
+        if ple_size and not self.is_last:  # the later stages' per-layer inputs travel on
+            hidden = torch.cat([hidden, ple[:, :, len(rotary):].flatten(2)], dim=-1)
         return hidden
 
     def _record_router_logits(self, module: nn.Module, args: Any, output: Any) -> None:
