@@ -81,7 +81,14 @@ ALWAYS = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "n_routed_ex
 #: layers' temperature growing within the sequences (floor_scale 4, not 8192)
 TINY_TYPE_SETTINGS = {"llama4_text": dict(attention_chunk_size=8, no_rope_layers=[1, 0, 1, 0],
                                           layer_types=["chunked_attention", "full_attention"] * 2,
-                                          moe_layers=[0, 1, 2, 3], floor_scale=4, attn_scale=0.5)}
+                                          moe_layers=[0, 1, 2, 3], floor_scale=4, attn_scale=0.5),
+                      # indexed attention: the top 8 keys of up to 30 (selection changes across slices), 8
+                      # indexer heads (with 2, many scores are exact zeros: ties topk breaks by row length)
+                      "deepseek_v32": dict(index_topk=8, index_head_dim=16, index_n_heads=8),
+                      # GLM's "shared" layers reuse the previous "full" layer's selection (each stage of 2
+                      # layers starts at a "full" one)
+                      "glm_moe_dsa": dict(index_topk=8, index_head_dim=16, index_n_heads=8,
+                                          indexer_types=["full", "shared"] * 2)}
 
 #: the layer kinds of model types whose default config does not name each of them (LFM2's default
 #: has only attention layers, LFM2-MoE's none: its layers would not build)

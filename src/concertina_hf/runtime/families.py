@@ -77,6 +77,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .attention.indexed import INDEXED_ATTENTION_TYPES, INDEXED_LAYER_INPUTS
 from .linear_attention import LINEAR_ATTENTION_TYPES, MIXER_ATTRIBUTE, mixer_class
 from .ssm import MAMBA2, SSM_TYPES
 from .ssm import mixer_class as ssm_mixer_class
@@ -185,7 +186,12 @@ def check_config(config: Any, model: nn.Module | None = None, router_aux_loss: s
         kind = str(getattr(config, "model_type", "") or "")
         other = sorted({str(t) for t in types} - ATTENTION_LAYER_TYPES
                        - ({"linear_attention"} if kind in LINEAR_ATTENTION_TYPES | SSM_TYPES else set())
-                       - ({SHORT_CONV_LAYER_TYPE} if kind in SHORT_CONV_TYPES else set()))
+                       - ({SHORT_CONV_LAYER_TYPE} if kind in SHORT_CONV_TYPES else set())
+                       - ({"indexed_attention"} if kind in INDEXED_ATTENTION_TYPES else set()))
+        if other == ["indexed_attention"]:  # top-k sparse attention: .attention.indexed runs these types' classes
+            raise _refuse(config, model, "its indexed_attention layers (top-k sparse attention) run in the pipeline "
+                                         f"only for the indexer classes of {', '.join(sorted(INDEXED_ATTENTION_TYPES))} "
+                                         f"(runtime/attention/indexed.py); {kind!r}'s indexer is not reproduced")
         if other:
             raise _refuse(config, model, f"config.layer_types has {', '.join(repr(t) for t in other)} layers, which "
                                          "the pipeline does not implement (only full_attention, "
@@ -234,6 +240,8 @@ class ModelFamily:
     linear_attention: bool = False
     #: decoder layers mix tokens with a Mamba2 (:mod:`.ssm`), sequence parallel size 1 only
     ssm: bool = False
+    #: decoder layers run top-k indexed attention (:mod:`.attention.indexed`), sequence parallel size 1 only
+    indexed_attention: bool = False
     #: decoder layers mix tokens with a short convolution (:mod:`.short_conv`), sequence parallel size 1 only
     short_conv: bool = False
     #: the final norm's name in ``model.model`` (:data:`MODULE_NAMES`)
@@ -363,6 +371,7 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
                                          "would leak between packed sequences and be lost between slices")
         extra_inputs = sorted(n for n, prm in inspect.signature(layer.forward).parameters.items()
                               if n not in LAYER_INPUTS and not n.startswith("_")
+                              and not (kind in INDEXED_ATTENTION_TYPES and n in INDEXED_LAYER_INPUTS)
                               and not (kind in PER_LAYER_TYPES and n in PER_LAYER_PARAMETERS)
                               and prm.kind not in (prm.VAR_POSITIONAL, prm.VAR_KEYWORD))
         if extra_inputs:
@@ -406,6 +415,7 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
         raise _refuse(config, model, "its forward applies the final norm to the embeddings too, and that norm has "
                                      "parameters the first and the last stage would both need")
     return ModelFamily(
+        indexed_attention=kind in INDEXED_ATTENTION_TYPES,
         model_type=kind,
         embedding_multiplier=_number(config, "embedding_multiplier"),
         logit_scale=_number(config, "logit_scale"),

@@ -55,6 +55,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..planning.types import StageLayout
 from .attention import ChunkAttentionContext, chunk_context, register_attention, step_active
+from .attention import indexed
 from .families import inspect_model
 from .linear_attention import install as install_linear_attention
 from .per_layer import PER_LAYER_MODULES, check_kv_sharing, embed_per_layer, message_width
@@ -185,6 +186,9 @@ class PipelineWrapper(nn.Module):
             install_ssm(model)
         if self.family.short_conv:  # LFM2 short convolutions likewise (.short_conv)
             install_short_conv(model)
+        if self.family.indexed_attention:  # top-k indexed attention's indexers (.attention.indexed)
+            indexed.check_stage(model.config, range(self.layer_start, self.layer_end))
+            indexed.install(model)
         # `model` is registered as a child so .to() / .train() reach it; names are delegated below
         self.model = model
         self.config = model.config

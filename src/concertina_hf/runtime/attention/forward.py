@@ -30,6 +30,7 @@ from . import kernels
 from .chunked import attention_chunk, temperature_fix, tempers_queries
 from .context import ChunkAttentionContext, current_context, step_running
 from .cpu import SegmentsCPU, cpu_segments
+from .indexed import UNMASKED, Selection, indexed_attention, mask_with_indices
 from .keywords import check_keywords, model_type_of
 from .segments import eager_attention, global_heads_attention, segments_math, segments_sdpa, sink_rows
 from .varlen import varlen_path
@@ -56,6 +57,7 @@ def concertina_attention_forward(
     """HF attention-interface function. ``query`` [1, H, T, D], ``key``/``value`` [1, K, T, D] /
     [1, K, T, Dv] (post-rotary); returns ``([1, T, H, Dv], None)``. See the module docstring."""
     ctx = concertina_ctx if concertina_ctx is not None else current_context()
+    selection = kwargs.pop("indices") if isinstance(kwargs.get("indices"), Selection) else None  # .indexed
     check_keywords(kwargs, module, ctx is not None)
     if s_aux is not None and sinks is not None:
         raise ValueError(f"{type(module).__name__} (model type {model_type_of(module)!r}) passes both s_aux and sinks")
@@ -77,7 +79,7 @@ def concertina_attention_forward(
         return sp_attention(concertina_attention_forward, module, query, key, value, attention_mask=attention_mask,
                             dropout=dropout, scaling=scaling, sliding_window=sliding_window, softcap=softcap,
                             sink=sink, is_causal=is_causal, **kwargs)
-    if attention_mask is not None:
+    if attention_mask is not None and not (selection is not None and attention_mask is UNMASKED):
         raise ValueError(
             f"{type(module).__name__} (model type {model_type_of(module)!r}) passes an attention_mask inside a "
             "concertina chunk, whose mask the chunk context defines; refusing to ignore it")
@@ -110,6 +112,8 @@ def concertina_attention_forward(
                                    max(query.shape[-1], value.shape[-1]))  # the head dim after pad_head_dims
     kernels.note_kernel(kernel, query.device)
     ctx.store_own(layer, key, value)
+    if selection is not None:  # top-k indexed attention: the indexer's selection is the mask (.indexed)
+        return indexed_attention(ctx, layer, query, key, value, scale, dropout, selection), None
     if chunk is not None:  # each slice's pieces within one chunk of its document (.chunked)
         if getattr(ctx.store, "global_heads", ()):
             raise ValueError("concertina_segment_global_heads reads keys outside the attention chunk of a "
@@ -134,7 +138,11 @@ def concertina_attention_forward(
 def _fallback(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, sink,
               is_causal, kwargs) -> torch.Tensor:
     """No chunk context, no step: HF's SDPA path; the eager formula with HF's mask when the
-    layer passes soft-capping or sinks (HF's SDPA refuses the first and ignores the second)."""
+    layer passes soft-capping or sinks (HF's SDPA refuses the first and ignores the second); HF's
+    top-k ``indices`` of an indexed layer masked as HF's eager path does."""
+    indices = kwargs.pop("indices", None)
+    if indices is not None:
+        attention_mask = mask_with_indices(attention_mask, indices, key.shape[2], query.dtype)
     if softcap is None and sink is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
