@@ -4,13 +4,16 @@
 4-layer Gemma3 text model (sliding and full attention layers, tied embeddings) on the 64-token
 vocabulary of ``tests/_models.py``; ``mistral3`` the same way (a one-layer Pixtral tower, a
 Mistral text model, tied embeddings); ``qwen3_5`` (a one-layer vision tower, a Qwen3.5 text model
-of Gated DeltaNet and attention layers). The reference is ``Trainer`` on the composite object on text
+of Gated DeltaNet and attention layers); ``llama4`` (a one-layer Llama 4 vision tower, the
+projector, :data:`LLAMA4_TEXT`). The reference is ``Trainer`` on the composite object on text
 (``DataCollatorWithFlattening``, eager attention), with :data:`SETTINGS`: the sequences in dataset
 order, since Trainer's random order depends on what consumed the global random stream before it
 (building a model may). Qwen3.5's composite class tells ``Trainer`` it takes no loss keywords
 (``accepts_loss_kwargs = False``: Trainer then averages each micro-batch's mean loss); the
 reference is Trainer's token-weighted loss, the one ``ConcertinaTrainer`` trains (and Trainer
-trains for the text model), on one sequence per micro-batch (:func:`settings`).
+trains for the text model), on one sequence per micro-batch (:func:`settings`); Llama 4's too, since
+HF's forward over a flattened batch counts its attention chunks and query temperature from the
+row's start, not each sequence's.
 """
 
 from __future__ import annotations
@@ -34,23 +37,33 @@ PLAIN_TEXT = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidde
                   num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
 #: the Trainer settings of the composite tests (:data:`_models.NO_SAVE`, the sequences in dataset order)
 SETTINGS = dict(NO_SAVE, train_sampling_strategy="sequential")
+#: the text model of the Llama 4 composite: chunked attention (chunks of 8 tokens, below the
+#: sequences' lengths) with rotary embeddings and QK norm at layers 0 and 2, full attention without
+#: rotary and with the query temperature (floor_scale 4: growing within the sequences) at 1 and 3,
+#: MoE feed-forward (4 experts, top-1, a shared expert)
+LLAMA4_TEXT = dict(PLAIN_TEXT, intermediate_size_mlp=64, num_local_experts=4, num_experts_per_tok=1,
+                   attention_chunk_size=8, no_rope_layers=[1, 0, 1, 0], floor_scale=4, attn_scale=0.5)
 #: the composite model types the tests train
-TYPES = ("gemma3", "mistral3", "qwen3_5")
+TYPES = ("gemma3", "mistral3", "qwen3_5", "llama4")
 
 
 def settings(model_type: str) -> dict:
     """The Trainer settings of ``model_type``'s tests: :data:`SETTINGS`; Qwen3.5's one sequence per
     micro-batch (6 micro-batches a step)."""
-    if model_type == "qwen3_5":
+    if model_type in ("qwen3_5", "llama4"):
         return dict(SETTINGS, per_device_train_batch_size=1, gradient_accumulation_steps=6)
     return SETTINGS
 
 
 def tiny_composite(model_type: str = "gemma3"):
-    from transformers import AutoModelForImageTextToText, Gemma3Config, Mistral3Config, Qwen3_5Config
+    from transformers import AutoModelForImageTextToText, Gemma3Config, Llama4Config, Mistral3Config, Qwen3_5Config
 
     torch.manual_seed(0)
-    if model_type == "qwen3_5":
+    if model_type == "llama4":
+        cfg = Llama4Config(text_config=LLAMA4_TEXT, vision_config=dict(
+            VISION, vision_output_dim=16, projector_input_dim=16, projector_output_dim=16, pixel_shuffle_ratio=0.5),
+            image_token_index=63, boi_token_index=61, eoi_token_index=62)
+    elif model_type == "qwen3_5":
         cfg = Qwen3_5Config()
         for k, v in dict(PLAIN_TEXT, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                          linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"] * 2).items():
@@ -86,9 +99,14 @@ def saved_tensors(directory: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def composite_key(view_key: str) -> str:
+def composite_key(view_key: str, model_type: str = "gemma3") -> str:
     """The composite module's name of a tensor of its text view (``model.X``, ``lm_head.X``)."""
-    return view_key if view_key.startswith("lm_head.") else "model.language_model." + view_key[len("model."):]
+    from concertina_hf.runtime.composite import COMPOSITE_TYPES
+
+    layout = COMPOSITE_TYPES[model_type]
+    if view_key.startswith("lm_head."):
+        return layout.lm_head + view_key[len("lm_head"):]
+    return layout.language_model + view_key[len("model"):]
 
 
 def trainer_reference(source: str, out: str, model_type: str = "gemma3") -> dict:

@@ -1,5 +1,5 @@
 """A composite (multimodal) checkpoint trained on text, on one process: ``ConcertinaTrainer`` trains
-the language model of a vision-language checkpoint (Gemma3, Mistral3, Qwen3.5) as ``Trainer`` trains
+the language model of a vision-language checkpoint (Gemma3, Mistral3, Qwen3.5, Llama 4) as ``Trainer`` trains
 the whole composite on text, and saves the checkpoint in its own layout.
 
 The composite and the reference: ``tests/_composite_cases.py``; the concertina run reads the
@@ -53,7 +53,7 @@ def test_language_model_trains_as_trainer_and_saves_the_composite(tmp_path_facto
     assert max(abs(a - b) / b for a, b in zip(norms, ref["grad_norms"])) < 1e-4
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert all(h["concertina/chunks_split"] + h["concertina/chunks_hybrid"] > 0 for h in logs)
-    state = {composite_key(k): v for k, v in trainer.model.state_dict().items()}
+    state = {composite_key(k, model_type): v for k, v in trainer.model.state_dict().items()}
     # each parameter relative to its norm; Qwen3.5's Gated DeltaNet: 1e-3 (the bound of
     # tests/launch/test_linear_attention_launch.py), since Adam's normalised step turns the float differences
     # of the scan's near-zero A_log and dt_bias gradients into visible ones

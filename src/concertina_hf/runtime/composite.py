@@ -11,7 +11,8 @@ view holds no reference to the other towers: on a rank that drops the composite,
 Every refusal of the text type still applies (:func:`~.families.inspect_model` sees the view).
 
 :data:`COMPOSITE_TYPES` lists the composite model types whose text-only ``forward`` has been
-checked against the view (Gemma3, Mistral3, Qwen3.5; its inputs for other modalities: :attr:`CompositeLayout.other_inputs`,
+checked against the view (Gemma3, Mistral3, Qwen3.5, Llama 4, whose language model is a whole causal LM at
+``language_model``; its inputs for other modalities: :attr:`CompositeLayout.other_inputs`,
 refused in a batch by :func:`refuse_other_modalities`). Checkpoint names: a composite's files may
 name tensors otherwise than its modules (Gemma3's ``language_model.model.layers.0...`` for the
 module ``model.language_model.layers.0...``); :func:`module_names` and :func:`saved_names` apply
@@ -63,6 +64,9 @@ COMPOSITE_TYPES = {
     "qwen3_5": CompositeLayout("qwen3_5", other_inputs=("pixel_values", "pixel_values_videos", "inputs_embeds")),
     "qwen3_5_moe": CompositeLayout("qwen3_5_moe",
                                    other_inputs=("pixel_values", "pixel_values_videos", "inputs_embeds")),
+    # a Llama4ForCausalLM inside: chunked attention and MoE layers, supported as llama4_text is
+    "llama4": CompositeLayout("llama4", language_model="language_model.model", lm_head="language_model.lm_head",
+                              other_inputs=("pixel_values", "mm_encoder_outputs", "inputs_embeds")),
 }
 #: what the pipeline gets in a text batch: any other entry of the composite's forward is refused
 _TEXT_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "labels", "use_cache", "cache",
