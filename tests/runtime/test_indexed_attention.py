@@ -121,8 +121,16 @@ def test_hf_layouts_agree(model_type):
             assert torch.equal(a, full[:n, :n] & causal), (model_type, i, layer)
 
 
+@pytest.fixture(scope="module")
+def glm():
+    return build("glm_moe_dsa")
+
+
 @pytest.mark.parametrize("recompute", ["none", "partial", "full"])
-def test_split_hybrid_and_packed_chunks_equal_hf(model, recompute):
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+def test_split_hybrid_and_packed_chunks_equal_hf(model, glm, model_type, recompute):
+    """pp=1; recompute none, the first 2 of the 4 layers (GLM: a "full" and its "shared" layer), all."""
+    model = model if model_type == "deepseek_v32" else glm
     ids, labels = model_support.batch()
     ref_loss, ref_grads = padded_reference(model, ids, labels)
     assert not any(".indexer." in k for k in ref_grads)  # HF's indexer runs without gradient
@@ -189,6 +197,8 @@ def test_what_is_not_built_is_refused(model):
             check_config(model_support.tiny_config(kind))
         feature = "compressed_sparse_attention" if kind == "deepseek_v4" else "indexed_attention"
         assert feature in str(exc.value) and repr(kind) in str(exc.value)
+        if kind == "hy_v4":
+            assert "hyper-connections" in str(exc.value) and "sinks" in str(exc.value)
     # a GLM stage starting at a "shared" layer would need the selection of the previous stage's layer
     glm = build("glm_moe_dsa", indexer_types=["full", "full", "shared", "full"])
     with pytest.raises(ValueError, match="decoder layer 2 reuses the top-k selection of layer 1"):
@@ -201,3 +211,6 @@ def test_what_is_not_built_is_refused(model):
     with pytest.raises(ValueError, match="segment-level training .* indexed"):
         w.run_layers(w.embed(ids[0][:12]), ctx)
     assert "concertina_sequence_parallel_size=1" in indexed.refusal(object())
+    why = indexed.sequence_parallel_refusal(model.config, 2)  # what PipelineExecutor raises at sp > 1
+    assert "indexed (top-k sparse) attention" in why and "concertina_sequence_parallel_size=1" in why
+    assert indexed.sequence_parallel_refusal(model.config, 1) is None

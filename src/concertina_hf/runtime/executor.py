@@ -103,6 +103,7 @@ from .p2p import TIED_GRAD_TAG, StageComm, activation_tag, gradient_tag
 from .rng import StageRNG
 from .stage import PipelineWrapper
 from .attention.chunked import sequence_parallel_refusal as chunked_sp_refusal
+from .attention.indexed import sequence_parallel_refusal as indexed_sp_refusal
 from .context_parallel import EMPTY_RANK_TOKENS, ContextParallelContext
 from .ulysses import SequenceParallel
 
@@ -212,6 +213,9 @@ class PipelineExecutor:
             chunked_why = chunked_sp_refusal(wrapper.config, dist.get_world_size(sp_group))
             if chunked_why is not None:  # Llama 4: attention/chunked.py
                 raise ValueError(chunked_why)
+            indexed_why = indexed_sp_refusal(wrapper.config, dist.get_world_size(sp_group))
+            if indexed_why is not None:  # top-k indexed attention: attention/indexed.py
+                raise ValueError(indexed_why)
             if wrapper.family.linear_attention:
                 raise ValueError(
                     f"model type {wrapper.family.model_type!r} has linear-attention (Gated DeltaNet) layers, which run "

@@ -77,7 +77,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .attention.indexed import INDEXED_ATTENTION_TYPES, INDEXED_LAYER_INPUTS
+from .attention.indexed import INDEXED_ATTENTION_TYPES, INDEXED_LAYER_INPUTS, NOT_REPRODUCED
 from .linear_attention import LINEAR_ATTENTION_TYPES, MIXER_ATTRIBUTE, mixer_class
 from .ssm import MAMBA2, SSM_TYPES
 from .ssm import mixer_class as ssm_mixer_class
@@ -191,7 +191,8 @@ def check_config(config: Any, model: nn.Module | None = None, router_aux_loss: s
         if other == ["indexed_attention"]:  # top-k sparse attention: .attention.indexed runs these types' classes
             raise _refuse(config, model, "its indexed_attention layers (top-k sparse attention) run in the pipeline "
                                          f"only for the indexer classes of {', '.join(sorted(INDEXED_ATTENTION_TYPES))} "
-                                         f"(runtime/attention/indexed.py); {kind!r}'s indexer is not reproduced")
+                                         "(runtime/attention/indexed.py); for this model type: "
+                                         + NOT_REPRODUCED.get(kind, "its attention is not reproduced"))
         if other:
             raise _refuse(config, model, f"config.layer_types has {', '.join(repr(t) for t in other)} layers, which "
                                          "the pipeline does not implement (only full_attention, "

@@ -59,8 +59,9 @@ from torch import nn
 from .context import ChunkAttentionContext, SliceSpec, current_context, step_running
 from .segments import pad_head_dims
 
-__all__ = ["INDEXED_ATTENTION", "INDEXED_ATTENTION_TYPES", "INDEXED_LAYER_INPUTS", "UNMASKED", "Selection",
-           "check_stage", "indexed_attention", "indexer_layer", "install", "mask_with_indices", "refusal"]
+__all__ = ["INDEXED_ATTENTION", "INDEXED_ATTENTION_TYPES", "INDEXED_LAYER_INPUTS", "NOT_REPRODUCED", "UNMASKED",
+           "Selection", "check_stage", "indexed_attention", "indexer_layer", "install", "mask_with_indices", "refusal",
+           "sequence_parallel_refusal"]
 
 _HF = "transformers.models"
 #: model type -> (HF modeling module, attention class, indexer class): the classes run here
@@ -70,6 +71,12 @@ INDEXED_ATTENTION = {
 }
 #: model types whose ``indexed_attention`` layers run here
 INDEXED_ATTENTION_TYPES = frozenset(INDEXED_ATTENTION)
+#: model types with ``indexed_attention`` layers not run here -> what else their forward does
+NOT_REPRODUCED = {
+    "hy_v4": "its hyper-connections (the hidden states widened to config.hc_mult streams before the decoder layers, "
+             "model.model.hc_head after them) run in the model's forward outside the decoder layers, and its "
+             "attention adds sinks (s_aux) to the top-k selection",
+}
 #: decoder-layer inputs the model's forward computes that :func:`install`'s modules supply themselves
 #: (GLM's selection of the previous ``"full"`` layer)
 INDEXED_LAYER_INPUTS = frozenset({"prev_topk_indices"})
@@ -157,6 +164,16 @@ def install(model: nn.Module) -> int:
         elif type(mod) is idx_cls and not isinstance(mod.__dict__.get("forward"), types.MethodType):
             mod.forward = types.MethodType(_indexer_forward, mod)
     return n
+
+
+def sequence_parallel_refusal(config: Any, sp: int) -> str | None:
+    """Why a stage of ``sp`` ranks cannot run ``config``'s indexed attention (``None``: it can, or it has none)."""
+    types = getattr(config, "layer_types", None) or ()
+    if sp <= 1 or "indexed_attention" not in types:
+        return None
+    return (f"model type {getattr(config, 'model_type', '?')!r}: indexed (top-k sparse) attention runs with sequence "
+            "parallel size 1 only (the indexer of a chunk sharded over a stage's ranks would score a share of the "
+            "keys); set concertina_sequence_parallel_size=1")
 
 
 def refusal(ctx: Any) -> str | None:
