@@ -10,6 +10,8 @@
   ``A_log``, ``dt_bias``, ``D`` and the convolution weights of both Mamba2 layers among them; a
   forward-only step gives the same loss.
 - **The self-check** at construction passes for it.
+- **The analytic activation memory** of the Mamba2 layers (``planning/mixers.py``, HF's torch
+  scan) within 0.85x-1.05x of the measured peak of saved tensors (whole, split and short sequences).
 - **Refusals**: Mamba2 families not mapped keep theirs (naming the layer type); sequence
   parallelism and segment-level training are refused by the mixer, naming the feature.
 """
@@ -125,3 +127,36 @@ def test_what_is_not_built_is_refused(model):
 
     with pytest.raises(ValueError, match="Mamba2 .SSD. layers run with sequence parallel size 1 only"):
         mamba2_forward(mixer, x, Sharded(spec, KVStore(), "cpu", True))
+
+
+@pytest.mark.parametrize("tokens, split", [(1024, False), (700, True), (300, False)])
+def test_analytic_activation_memory_within_bounds(tokens, split):
+    """The analytic cost model's activation memory (``planning/mixers.py``, HF's torch scan) against
+    the step's measured peak of saved tensors, one stage, float32, Granite-4.0 hybrid with dense
+    MLPs (2 Mamba2 and 2 attention layers; 8 heads of 64, ``d_state`` 128, scan chunk 256 as HF's
+    default): measured within 0.85x-1.05x of the prediction, the bounds of
+    ``tests/runtime/test_analytic_memory.py``; a whole sequence of four scan chunks, a split one
+    (two calls each padded to their chunk, the earlier slice's state and convolution tail kept) and
+    a short one (one padded chunk)."""
+    from transformers import AutoModelForCausalLM
+
+    from concertina_hf.planning import CostModel, DeviceSpec
+
+    cfg = cases.model_support.tiny_config(
+        "granitemoehybrid", hidden_size=256, intermediate_size=512, shared_intermediate_size=512, num_local_experts=0,
+        mamba_n_heads=8, mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1, mamba_expand=2, mamba_d_conv=4,
+        mamba_chunk_size=256, layer_types=cases.LAYER_TYPES)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float()
+    layout = StageLayout.even(cfg.num_hidden_layers, 1)
+    half = tokens // 2
+    spec = (((0, 0, half),), ((0, half, tokens - half),)) if split else (((0, 0, tokens),),)
+    plan = cases.make_plan(layout, "none", spec, (tokens,))
+    ids = [torch.randint(0, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1))]
+    res = PipelineExecutor(PipelineWrapper(model, layout, 0)).run_step(plan, ids)
+    cost = CostModel.from_hf_config(model.config, DeviceSpec.cpu(), dtype_bytes=4, attention_kernel="sdpa-cpu-flash")
+    assert cost.layer_kinds == ("linear", "attention") * 2 and cost.lin_scan_chunk == 256
+    predicted = sum(cost.act_memory(layout, 0, c) for c in plan.chunks)
+    ratio = res.peak_activation_bytes / predicted
+    print(tokens, split, res.peak_activation_bytes, int(predicted), round(ratio, 3))
+    assert 0.85 <= ratio <= 1.05, (res.peak_activation_bytes, predicted, ratio)

@@ -56,12 +56,14 @@ recomputed layer re-materializes its activations in backward, but the runtime re
 own (at least as many bytes): so this raises the backward's peak only when all the stage's layers
 recompute (``r == n``), by ``act_bytes_per_token`` per token.
 
-**Layer kinds.** A model with linear-attention (Gated DeltaNet) layers lists each layer's kind
+**Layer kinds.** A model with linear-attention (Gated DeltaNet) or Mamba2 layers lists each layer's kind
 (:attr:`CostModel.layer_kinds`, from ``config.layer_types``: :mod:`.mixers`); empty, every layer is
 an attention layer and nothing below changes. A linear layer's forward is
 ``lin_alpha_tok * sum(s_i) + lin_beta_segment * slices + beta`` (no context term: a slice reads a
 fixed-size state; a per-segment overhead: one scan call per slice); saved, it keeps
-``lin_act_bytes_per_token`` per token; recomputed, its input as an attention layer; it keeps no
+``lin_act_bytes_per_token`` per token (a Mamba2 layer also ``lin_act_bytes_per_slice`` per slice and
+``lin_pad_bytes_per_token`` per token of each slice's padding to ``lin_scan_chunk``); recomputed,
+its input as an attention layer; it keeps no
 K/V, but a non-final slice keeps its state and convolution tail (``lin_state_bytes`` per linear
 layer, saved or recomputed) and the later slices' backward its gradient. A stage's time, memory
 and parameters count its layers by kind (the partition balances per-layer costs). The recompute
@@ -245,6 +247,11 @@ class CostModel(ParallelCosts):
     lin_beta_segment: float = 0.0  # ... per slice of the chunk (one scan call each)
     lin_act_bytes_per_token: float = 0.0  # what a saved linear layer keeps per token
     lin_state_bytes: float = 0.0  # per linear layer and non-final slice: its state and convolution tail
+    # per saved linear layer and slice: what a scan call keeps besides its tokens' (a Mamba2 scan's
+    # initial state), and per token of the padding of each call to a multiple of lin_scan_chunk
+    lin_act_bytes_per_slice: float = 0.0
+    lin_scan_chunk: int = 0
+    lin_pad_bytes_per_token: float = 0.0
     lin_layer_params: int = 0  # parameters of a linear layer
 
     # ------------------------------------------------------------------ constructors
@@ -417,6 +424,10 @@ class CostModel(ParallelCosts):
             mem += (lin - lin_rec) * (self.lin_act_bytes_per_token - self.act_bytes_per_token) * tok
             mem -= lin_rec * self.kv_bytes_per_token * kv_tok
             mem += lin * self.lin_state_bytes * (chunk.kind is ChunkKind.SPLIT)
+            if self.lin_act_bytes_per_slice or self.lin_scan_chunk:
+                pad = sum(-s.length % self.lin_scan_chunk for s in chunk.slices) if self.lin_scan_chunk else 0
+                mem += (lin - lin_rec) * (self.lin_act_bytes_per_slice * len(chunk.slices)
+                                          + self.lin_pad_bytes_per_token * pad)
         if n:
             mem += self.stage_bytes_per_token * tok  # what the layers share (saved or replayed)
         mem += self.ids_bytes_per_token * tok * (layout.has_embedding(stage) + layout.has_head(stage))
@@ -550,6 +561,9 @@ class CostModel(ParallelCosts):
             for k in ("layer_kinds", "lin_alpha_tok", "lin_beta_segment", "lin_act_bytes_per_token",
                       "lin_state_bytes", "lin_layer_params"):
                 del d[k]
+        if not d["lin_act_bytes_per_slice"] and not d["lin_scan_chunk"]:  # only a Mamba2 scan has them
+            for k in ("lin_act_bytes_per_slice", "lin_scan_chunk", "lin_pad_bytes_per_token"):
+                d.pop(k, None)
         return d
 
     @classmethod

@@ -1,4 +1,4 @@
-"""Analytic costs of the decoder layers that are not attention: Gated DeltaNet (linear attention).
+"""Analytic costs of the decoder layers that are not attention: Gated DeltaNet (linear attention), Mamba2.
 
 A config's ``layer_types`` names each decoder layer's kind; ``linear_attention`` layers (the Gated
 DeltaNet of Qwen3-Next, Qwen3.5, OLMo Hybrid, Lara-Mini: ``concertina_hf.runtime.linear_attention``)
@@ -26,6 +26,20 @@ are priced here, the others as attention layers (:mod:`.coefficients`). What dif
   the next slice, whatever its length (an attention layer keeps K/V per token), and their
   gradients while the later slices run backward.
 
+**Mamba2 (SSD) layers** (``concertina_hf.runtime.ssm``: a config with ``mamba_d_state`` whose
+``layer_types`` name them ``linear_attention``, Bamba and Granite-4.0 hybrid) are the same kind,
+priced by :func:`ssm_layer_fields`: linear in tokens with a per-slice overhead; HF's torch chunked
+scan (``mamba2_chunk_scan``, on CPU) saves per token the projection, three convolution-wide tensors,
+three ``chunk``-wide float32 score matrices per head (the decays ``L``, ``C B^T`` and its masked copy),
+five float32 ``d_state``-wide tensors per head (``B`` and ``C`` repeated to the heads, padded, decayed,
+their copies for the batched products), eight float32 ``intermediate``-wide ones (the scan's and the
+gated norm's) and two ``[H, head_dim, d_state]`` float32 states per scan chunk; per scan call one more
+state (its initial one) and the padding of its last chunk (:attr:`~.cost.CostModel.lin_act_bytes_per_slice`,
+:attr:`~.cost.CostModel.lin_pad_bytes_per_token`); measured on CPU (``tests/runtime/test_ssm.py``)
+within the attention layers' bounds. On CUDA (``mamba_chunk_scan_combined``) the scan saves its inputs,
+its output and the decays' cumulative sums. A non-final slice keeps ``H x head_dim x d_state`` float32
+and the convolution's last ``k - 1`` inputs (``conv_dim`` wide).
+
 Pure Python; no torch.
 """
 
@@ -33,7 +47,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["LINEAR_KIND", "SCAN_CHUNK", "SCAN_KERNELS", "layer_kinds", "linear_layer_fields", "scan_kernel"]
+__all__ = ["LINEAR_KIND", "SCAN_CHUNK", "SCAN_KERNELS", "layer_kinds", "linear_layer_fields", "scan_kernel",
+           "ssm_layer_fields"]
 
 #: a layer kind of :attr:`~.cost.CostModel.layer_kinds` (the other: ``"attention"``)
 LINEAR_KIND = "linear"
@@ -74,6 +89,9 @@ def linear_layer_fields(get: Callable[[str], Any], flops: float, mem_bandwidth: 
     kinds = layer_kinds(get)
     if not kinds:
         return {}
+    if get("mamba_d_state") is not None:  # the linear_attention layers are Mamba2's
+        return ssm_layer_fields(get, flops, mem_bandwidth, kernel_overhead_s, dtype_bytes, compute_dtype_bytes,
+                                attention_layer_bytes, mlp_width, attention_kernel)
     r = int(dtype_bytes)
     a = int(compute_dtype_bytes or dtype_bytes)
     h = int(get("hidden_size"))
@@ -122,4 +140,76 @@ def linear_layer_fields(get: Callable[[str], Any], flops: float, mem_bandwidth: 
         lin_act_bytes_per_token=float(act),
         lin_state_bytes=float(4 * hv * dk * dv + a * (width - 1) * conv_dim),
         lin_layer_params=int(params),
+    )
+
+
+def _attention_part(get: Callable[[str], Any], a: int, h: int) -> float:
+    """What an attention layer saves per token that a recurrent layer has not: q, k, v, output,
+    log-sum-exp and its input."""
+    n_heads = int(get("num_attention_heads"))
+    n_kv = int(get("num_key_value_heads") or n_heads)
+    head_dim = int(get("head_dim") or h // n_heads)
+    return a * (2 * n_heads * head_dim + 2 * n_kv * head_dim) + 4 * n_heads + a * h
+
+
+def ssm_layer_fields(get: Callable[[str], Any], flops: float, mem_bandwidth: float, kernel_overhead_s: float,
+                     dtype_bytes: int, compute_dtype_bytes: int | None, attention_layer_bytes: float,
+                     mlp_width: int, attention_kernel: str | None = None) -> dict[str, Any]:
+    """The :class:`~.cost.CostModel` fields of a config's Mamba2 layers (the ``linear_attention``
+    entries of ``layer_types``; ``{}``: none), as :func:`linear_layer_fields`. Reads ``hidden_size``,
+    ``mamba_n_heads``, ``mamba_d_head`` (``"auto"``: the intermediate size over the heads),
+    ``mamba_d_state``, ``mamba_n_groups``, ``mamba_expand``, ``mamba_d_conv``, ``mamba_chunk_size``
+    (HF's defaults where absent: 128, 64, 256, 1, 2, 4, 256)."""
+    kinds = layer_kinds(get)
+    if not kinds:
+        return {}
+    r = int(dtype_bytes)
+    a = int(compute_dtype_bytes or dtype_bytes)
+    h = int(get("hidden_size"))
+    heads = int(get("mamba_n_heads") or 128)
+    inter = int(float(get("mamba_expand") or 2) * h)
+    head_dim = get("mamba_d_head")
+    p = inter // heads if head_dim in (None, "auto") else int(head_dim)
+    n = int(get("mamba_d_state") or 256)
+    g = int(get("mamba_n_groups") or 1)
+    width = int(get("mamba_d_conv") or 4)
+    c = int(get("mamba_chunk_size") or 256)
+    conv_dim = inter + 2 * g * n
+    # parameters: the input projection (gate, x B C, dt), the depthwise convolution, A_log, dt_bias,
+    # D, the gated norm, the output projection; the MLP and two norms as an attention layer's
+    mixer_params = h * (inter + conv_dim + heads) + conv_dim * (width + 1) + 3 * heads + inter + inter * h
+    params = mixer_params + 3 * h * mlp_width + 2 * h
+    # the scan's FLOPs per token and head: the chunk's C B^T and its product with x (full chunk-wide
+    # einsums), the chunk state's update and its read
+    scan_flops = heads * 2 * (c * (n + p) + 2 * n * p)
+    state = 4 * heads * p * n
+    if scan_kernel(attention_kernel) == "torch":
+        # module docstring: the score matrices, the d_state-wide and intermediate-wide float32
+        # tensors, two states per scan chunk, small per-head tensors
+        scan_bytes = 4 * (3 * heads * c + 5 * heads * n + 4 * inter + 6 * heads) + 2 * state / c
+        pad_bytes = 4 * (3 * heads * c + 5 * heads * n + 3 * inter)
+        per_slice = state
+        moved = 2 * scan_bytes
+    else:
+        scan_bytes = a * (2 * inter + 2 * g * n + heads) + 4 * heads
+        pad_bytes = per_slice = 0.0
+        moved = 3 * (scan_bytes + state / c)
+    mixer_bytes = (a * h + a * (inter + conv_dim + heads)  # its input, the projection
+                   + 3 * a * conv_dim  # the convolution's input, its output before and after the activation
+                   + scan_bytes
+                   + 4 * (4 * inter + g)  # the gated norm's float32 tensors
+                   + a * inter)  # the output projection's input
+    act = max(0.0, attention_layer_bytes - _attention_part(get, a, h)) + mixer_bytes
+    elementwise = r * (10 * h + 4 * mlp_width) + moved
+    per_token_scan = scan_flops / flops + moved / mem_bandwidth
+    return dict(
+        layer_kinds=kinds,
+        lin_alpha_tok=2.0 * params / flops + scan_flops / flops + elementwise / mem_bandwidth,
+        lin_beta_segment=SEGMENT_CALL_SHARE * kernel_overhead_s + (c / 2) * per_token_scan,
+        lin_act_bytes_per_token=float(act),
+        lin_state_bytes=float(state + a * (width - 1) * conv_dim),
+        lin_layer_params=int(params),
+        lin_act_bytes_per_slice=float(per_slice),
+        lin_scan_chunk=c if pad_bytes else 0,
+        lin_pad_bytes_per_token=float(pad_bytes),
     )
