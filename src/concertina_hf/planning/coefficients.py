@@ -171,6 +171,17 @@ def _config_fields(config: Any) -> tuple[Mapping[str, Any], Callable[[str], Any]
     return c, get
 
 
+def _chunked_fields(get: Callable[[str], Any]) -> dict[str, Any]:
+    """``chunked_layers`` and ``attention_chunk`` of a config whose ``layer_types`` name
+    ``chunked_attention`` layers (``attention_chunk_size`` tokens each); ``{}`` without any."""
+    types = get("layer_types")
+    chunk = get("attention_chunk_size")
+    if not isinstance(types, (list, tuple)) or not chunk or "chunked_attention" not in types:
+        return {}
+    return dict(chunked_layers=tuple(i for i, t in enumerate(types) if str(t) == "chunked_attention"),
+                attention_chunk=int(chunk))
+
+
 def _active_moe_width(get: Any) -> int | None:
     """The MLP width a token goes through in a config without ``intermediate_size`` (MoE only):
     its routed experts' widths plus the shared experts'."""
@@ -302,6 +313,8 @@ def analytic_coefficients(
         inter_node_bandwidth=dev.inter_node_bandwidth,
         inter_node_latency_s=dev.inter_node_latency_s,
         gpus_per_node=dev.gpus_per_node,
+        # chunked-attention layers (Llama 4) named by config.layer_types: attention within the chunk (cost.py)
+        **_chunked_fields(get),
         # linear-attention (Gated DeltaNet) layers named by config.layer_types, priced apart (mixers.py)
         **linear_layer_fields(get, dev.flops, dev.mem_bandwidth, dev.kernel_overhead_s, b, compute_dtype_bytes,
                               saved.layer, inter, attention_kernel),

@@ -6,7 +6,9 @@ Per decoder layer, for a chunk whose slices have lengths ``s_i`` and contexts ``
     backward = bwd_factor * forward          (+ one more forward per recomputed layer)
 
 The attention term counts (query, key) pairs under the causal mask, so a late slice of a long
-sequence costs more than an early one of the same length. The first stage adds the embedding,
+sequence costs more than an early one of the same length; a chunked-attention layer (Llama 4's,
+:attr:`CostModel.chunked_layers`) counts those within its chunk of ``attention_chunk`` tokens
+only (:func:`attn_pairs`), linear in a long sequence's length. The first stage adds the embedding,
 the last the head and loss: ``embed_time_per_token * T + embed_time_per_call`` forward (and
 ``head_...`` likewise), backward ``bwd_factor`` times it. Activation memory per layer is
 ``act_bytes_per_token * tokens`` when the layer saves its activations and
@@ -109,19 +111,40 @@ __all__ = ["CostModel", "attn_pairs"]
 _RETIRED_FIELDS = ("alpha_mask", "mask_bytes_per_pair")
 
 
-def attn_pairs(slices: Iterable[Slice], kv_tail: int | None = None) -> int:
+def attn_pairs(slices: Iterable[Slice], kv_tail: int | None = None, chunk: int | None = None) -> int:
     """(query, key) pairs of causal attention: ``sum((C+s)^2 - C^2)`` (twice the true count,
     a constant absorbed by ``alpha_attn``): a late slice costs more than an early one. Under a
     segment K/V tail ``W`` (segment-level training) a slice attends to ``min(C, W)`` earlier keys.
+    Under chunked attention (chunks of ``chunk`` tokens of the document, Llama 4) a query attends
+    within its chunk only: per piece of a slice within one chunk, its keys from the chunk's edge,
+    so a long sequence's pairs grow linearly in its length.
 
     >>> attn_pairs([Slice(0, 0, 4)]), attn_pairs([Slice(0, 8, 4)]), attn_pairs([Slice(0, 8, 4)], 2)
     (16, 80, 32)
+    >>> attn_pairs([Slice(0, 0, 16)], chunk=8), attn_pairs([Slice(0, 6, 4)], chunk=8)
+    (128, 32)
     """
+    if chunk is not None:
+        return sum(_chunked_pairs(s.context, s.length, chunk, kv_tail) for s in slices)
     if kv_tail is None:
         return sum((s.context + s.length) ** 2 - s.context**2 for s in slices)
     return sum((min(s.context, kv_tail) + s.length) ** 2 - min(s.context, kv_tail) ** 2 for s in slices)
 
 
+
+
+def _chunked_pairs(context: int, length: int, chunk: int, kv_tail: int | None) -> int:
+    """:func:`attn_pairs` of one slice under chunked attention: per piece ``[a, b)`` within the
+    chunk starting at ``e``, ``(c_in + b - a)^2 - c_in^2`` with ``c_in`` its earlier keys in the
+    chunk (``a - e``, nonzero only for the slice's first piece; at most ``W`` under a K/V tail)."""
+    total, a, end = 0, context, context + length
+    while a < end:
+        e = (a // chunk) * chunk
+        b = min(e + chunk, end)
+        c_in = a - e if kv_tail is None else min(a - e, kv_tail)
+        total += (c_in + b - a) ** 2 - c_in**2
+        a = b
+    return total
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,6 +266,11 @@ class CostModel(ParallelCosts):
     # each decoder layer's kind, "attention" or "linear" (a Gated DeltaNet: module docstring,
     # :mod:`.mixers`); empty: every layer attention. to_dict leaves these out while empty
     layer_kinds: tuple[str, ...] = ()
+    # chunked-attention layers (Llama 4's, config.layer_types "chunked_attention"): their indices and
+    # the chunk size; their attention term counts the pairs within the chunk (attn_pairs). to_dict
+    # leaves these out while empty
+    chunked_layers: tuple[int, ...] = ()
+    attention_chunk: int = 0
     lin_alpha_tok: float = 0.0  # a linear layer's forward seconds per token
     lin_beta_segment: float = 0.0  # ... per slice of the chunk (one scan call each)
     lin_act_bytes_per_token: float = 0.0  # what a saved linear layer keeps per token
@@ -300,6 +328,19 @@ class CostModel(ParallelCosts):
         """Forward of one linear-attention layer (sp = 1): linear in tokens, per slice an overhead."""
         return self.lin_alpha_tok * sum(s.length for s in slices) + self.lin_beta_segment * len(slices) + self.beta
 
+    def chunked_saving(self, slices: Sequence[Slice]) -> float:
+        """Forward compute a chunked-attention layer saves against a full one on ``slices``."""
+        if not self.chunked_layers:
+            return 0.0
+        pairs = attn_pairs(slices, self.segment_kv_tail) - attn_pairs(slices, self.segment_kv_tail,
+                                                                      self.attention_chunk)
+        return self.alpha_attn * pairs
+
+    def num_chunked(self, layout: StageLayout, stage: int) -> int:
+        """Chunked-attention layers of ``stage``."""
+        a, b = layout.layer_ranges[stage]
+        return sum(1 for i in self.chunked_layers if a <= i < b)
+
     def layer_kind_counts(self, layout: StageLayout, stage: int, first: int | None = None) -> tuple[int, int]:
         """``(attention, linear)`` decoder layers of ``stage`` (of its ``first`` layers when given)."""
         a, b = layout.layer_ranges[stage]
@@ -339,6 +380,8 @@ class CostModel(ParallelCosts):
         t = n_attn * self.layer_fwd_time(chunk.slices)
         if n_lin:
             t += n_lin * self.linear_layer_time(chunk.slices)
+        if self.chunked_layers:  # attention within the chunk only
+            t -= self.num_chunked(layout, stage) * self.chunked_saving(chunk.slices)
         if layout.has_embedding(stage):
             t += self.embed_time_per_token * chunk.num_tokens + self.embed_time_per_call
         if layout.has_head(stage):
@@ -368,6 +411,8 @@ class CostModel(ParallelCosts):
         if self.sp == 1 and not self.zero3:
             return self.bwd_factor * self.fwd_time(layout, stage, chunk) + self.recompute_time(chunk, recompute_layers)
         t = layout.num_stage_layers(stage) * self.layer_bwd_time(chunk.slices)
+        if self.chunked_layers:
+            t -= self.bwd_factor * self.num_chunked(layout, stage) * self.chunked_saving(chunk.slices)
         if layout.has_embedding(stage):
             t += self.bwd_factor * (self.embed_time_per_token * chunk.num_tokens + self.embed_time_per_call)
         if layout.has_head(stage):
@@ -382,6 +427,8 @@ class CostModel(ParallelCosts):
             return self._placed_recompute(chunk, recompute_layers)
         if self.sp == 1 and not self.zero3:
             layer = self.layer_fwd_time(chunk.slices)
+            if self.chunked_layers:  # the model's mean layer, as for the kinds below
+                layer -= len(self.chunked_layers) / self.num_layers * self.chunked_saving(chunk.slices)
             share = self._mean_linear_share()
             if share:  # the model's mean layer (the stage is not known here: module docstring)
                 layer = (1.0 - share) * layer + share * self.linear_layer_time(chunk.slices)
@@ -557,6 +604,8 @@ class CostModel(ParallelCosts):
             del d["sp_rank"]
         if not d["whole_doc_carried"]:
             del d["whole_doc_carried"]
+        if not d["chunked_layers"]:
+            del d["chunked_layers"], d["attention_chunk"]
         if not d["layer_kinds"]:  # an attention model's file stays as it was
             for k in ("layer_kinds", "lin_alpha_tok", "lin_beta_segment", "lin_act_bytes_per_token",
                       "lin_state_bytes", "lin_layer_params"):
@@ -581,6 +630,8 @@ class CostModel(ParallelCosts):
             d["head_time_points"] = tuple((float(t), float(s)) for t, s in d["head_time_points"])
         if "whole_doc_carried" in d:
             d["whole_doc_carried"] = tuple(tuple(int(x) for x in e) for e in d["whole_doc_carried"])
+        if "chunked_layers" in d:
+            d["chunked_layers"] = tuple(int(i) for i in d["chunked_layers"])
         if "layer_kinds" in d:
             d["layer_kinds"] = tuple(str(k) for k in d["layer_kinds"])
         return cls(**d)
