@@ -111,3 +111,15 @@ def test_bidirectional_attention_is_refused():
     with pytest.raises(UnsupportedModelError, match="use_bidirectional_attention='all' makes every layer attend "
                                                     "both ways; the pipeline's attention is causal"):
         inspect_model(_model(use_bidirectional_attention="all"))
+
+
+def test_cost_model_reads_each_layer():
+    """The analytic cost model of the HF config: the full layers (head size 32) at twice the sliding
+    layers' attention FLOPs per pair and K/V bytes; the same from the config's dict."""
+    from concertina_hf.planning import CostModel
+
+    cfg = model_support.tiny_config("gemma4_text")
+    cost = CostModel.from_hf_config(cfg, dtype_bytes=4)
+    assert [row[0] for row in cost.layer_scales] == [1.0, 2.0, 1.0, 2.0]
+    assert [row[3] for row in cost.layer_scales] == [1.0, 2.0, 1.0, 2.0]
+    assert CostModel.from_hf_config(cfg.to_dict(), dtype_bytes=4) == cost

@@ -28,7 +28,7 @@ from .mixers import linear_layer_fields
 from .types import PlanError
 
 __all__ = ["DEVICE_PRESETS", "ChunkShape", "DeviceSpec", "ProfileSample", "analytic_coefficients",
-           "check_model_config"]
+           "check_model_config", "layer_fields"]
 
 #: the GPUs :meth:`DeviceSpec.preset` (and ``concertina plan --device``) knows, and ``cpu``
 DEVICE_PRESETS = ("a800", "h100", "h200", "b200", "cpu")
@@ -212,7 +212,9 @@ def check_model_config(config: Any) -> None:
     (a ``PretrainedConfig`` or a dict) lacks: ``hidden_size``, ``num_attention_heads``,
     ``vocab_size``, ``num_hidden_layers``, and ``intermediate_size`` unless the config is MoE
     (``moe_intermediate_size``: the active experts' width stands for it)."""
-    _check_fields(*_config_fields(config))
+    c, get = _config_fields(config)
+    layers = layer_fields(config)
+    _check_fields(c, layers[0] if layers else get)
 
 
 def analytic_coefficients(
@@ -238,6 +240,9 @@ def analytic_coefficients(
     :func:`~.activations.default_kernel`).
     """
     c, get = _config_fields(config)
+    layers = layer_fields(config)  # per-layer configs: the model's attention layer is layer 0's
+    if layers:
+        get = layers[0]
     _check_fields(c, get)
     dev = device or DeviceSpec()
     h = int(get("hidden_size"))
@@ -248,13 +253,8 @@ def analytic_coefficients(
     vocab = int(get("vocab_size"))
     n_layers = int(get("num_hidden_layers"))
     q_dim, kv_dim = n_heads * head_dim, n_kv * head_dim
-    layer_params = h * (q_dim + 2 * kv_dim) + q_dim * h + 3 * h * inter + 2 * h
     b = dtype_bytes
-    # matmul FLOPs per token: 2 per weight; attention: QK^T and AV, 2 FLOPs each per
-    # (query, key, head_dim) -> 4 * q_dim per pair; attn_pairs counts pairs twice.
-    alpha_attn = 2.0 * q_dim / dev.flops
-    elementwise_bytes = b * (10 * h + 4 * inter)  # norms, residuals, rotary, activation
-    alpha_tok = 2.0 * layer_params / dev.flops + elementwise_bytes / dev.mem_bandwidth
+    alpha_attn, alpha_tok, layer_params = _layer_terms(get, dev, b)
     # what autograd saves per token, each storage once in its dtype (activations.py)
     saved = saved_bytes(get, b, compute_dtype_bytes, attention_kernel)
     static = 16.0 if static_bytes_per_param is None else static_bytes_per_param
@@ -318,4 +318,67 @@ def analytic_coefficients(
         # linear-attention (Gated DeltaNet) layers named by config.layer_types, priced apart (mixers.py)
         **linear_layer_fields(get, dev.flops, dev.mem_bandwidth, dev.kernel_overhead_s, b, compute_dtype_bytes,
                               saved.layer, inter, attention_kernel),
+        # per-layer configs: each attention layer's shape against layer 0's (CostModel.layer_scales)
+        **_layer_scales(layers, dev, b, compute_dtype_bytes, attention_kernel),
     )
+
+
+def _layer_terms(get: Callable[[str], Any], dev: DeviceSpec, b: int) -> tuple[float, float, int]:
+    """``(alpha_attn, alpha_tok, parameters)`` of one attention layer of the config ``get`` reads."""
+    h = int(get("hidden_size"))
+    n_heads = int(get("num_attention_heads"))
+    n_kv = int(get("num_key_value_heads") or n_heads)
+    head_dim = int(get("head_dim") or h // n_heads)
+    inter = int(_mlp_width(get))
+    q_dim, kv_dim = n_heads * head_dim, n_kv * head_dim
+    layer_params = h * (q_dim + 2 * kv_dim) + q_dim * h + 3 * h * inter + 2 * h
+    # matmul FLOPs per token: 2 per weight; attention: QK^T and AV, 2 FLOPs each per
+    # (query, key, head_dim) -> 4 * q_dim per pair; attn_pairs counts pairs twice.
+    alpha_attn = 2.0 * q_dim / dev.flops
+    elementwise_bytes = b * (10 * h + 4 * inter)  # norms, residuals, rotary, activation
+    alpha_tok = 2.0 * layer_params / dev.flops + elementwise_bytes / dev.mem_bandwidth
+    return alpha_attn, alpha_tok, layer_params
+
+
+def layer_fields(config: Any) -> list[Callable[[str], Any]]:
+    """Per decoder layer, a reader of its config fields, for a per-layer config (HF's
+    ``config.per_layer_config``, in a dict the ``per_layer_config`` entry of HF's ``to_dict()``:
+    ``{layer index: {field: value}}``, the layer's values over the global ones); empty otherwise."""
+    c, get = _config_fields(config)
+    raw = c.get("per_layer_config")
+    if not isinstance(raw, Mapping) or not raw:
+        return []
+    overrides = {int(k): dict(v) for k, v in raw.items()}
+    view = None if isinstance(config, Mapping) else getattr(config, "per_layer_config", None)
+
+    def reader(i: int) -> Callable[[str], Any]:
+        own = overrides.get(i, {})
+
+        def read(key: str) -> Any:
+            if key in own:
+                return own[key]
+            if view is not None:  # HF's view of layer i: the global value of a field no layer varies
+                try:
+                    return getattr(view[i], key, None)
+                except Exception:
+                    pass
+            return get(key)
+        return read
+
+    return [reader(i) for i in range(int(get("num_hidden_layers")))]
+
+
+def _layer_scales(layers: list[Callable[[str], Any]], dev: DeviceSpec, b: int, compute_dtype_bytes: int | None,
+                  attention_kernel: str | None) -> dict[str, Any]:
+    """``{"layer_scales": ...}``: each layer's ``(alpha_attn, alpha_tok, saved bytes, K/V bytes,
+    parameters)`` over layer 0's; ``{}`` when every layer has layer 0's."""
+    if not layers:
+        return {}
+    rows = []
+    for get in layers:
+        attn, tok, params = _layer_terms(get, dev, b)
+        saved = saved_bytes(get, b, compute_dtype_bytes, attention_kernel)
+        rows.append((attn, tok, saved.layer, saved.kv, float(params)))
+    base = rows[0]
+    scales = tuple(tuple(x / y if y else 1.0 for x, y in zip(row, base)) for row in rows)
+    return {} if all(row == (1.0,) * 5 for row in scales) else {"layer_scales": scales}

@@ -281,6 +281,11 @@ class CostModel(ParallelCosts):
     lin_scan_chunk: int = 0
     lin_pad_bytes_per_token: float = 0.0
     lin_layer_params: int = 0  # parameters of a linear layer
+    # per decoder layer, its attention shape against the model's attention layer (per-layer configs:
+    # heads, K/V heads, head size per layer; :func:`~.coefficients.layer_fields`): factors on
+    # (alpha_attn, alpha_tok, act_bytes_per_token, kv_bytes_per_token, layer_params); empty: all alike.
+    # to_dict leaves it out while empty
+    layer_scales: tuple[tuple[float, float, float, float, float], ...] = ()
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -350,6 +355,24 @@ class CostModel(ParallelCosts):
         lin = sum(1 for i in range(a, b) if i < len(kinds) and kinds[i] == "linear") if kinds else 0
         return b - a - lin, lin
 
+    def shape_sums(self, layout: StageLayout, stage: int) -> tuple[float, ...]:
+        """The factors of :attr:`layer_scales` summed over ``stage``'s attention layers (its
+        attention layer count each, without per-layer shapes)."""
+        a, b = layout.layer_ranges[stage]
+        kinds = self.layer_kinds
+        rows = [self.layer_scales[i] if i < len(self.layer_scales) else (1.0,) * 5 for i in range(a, b)
+                if not (i < len(kinds) and kinds[i] == "linear")]
+        return tuple(sum(r[k] for r in rows) for k in range(5))
+
+    def _shape_extra_time(self, n_attn: float, sums: Sequence[float], slices: Sequence[Slice]) -> float:
+        """Forward compute of attention layers of the shape factors ``sums`` beyond ``n_attn`` model layers."""
+        pairs = attn_pairs(slices, self.segment_kv_tail)
+        if self.segment_global_fraction:
+            g = self.segment_global_fraction
+            pairs = (1.0 - g) * pairs + g * attn_pairs(slices)
+        tok = sum(s.length for s in slices)
+        return (sums[0] - n_attn) * self.alpha_attn * pairs + (sums[1] - n_attn) * self.alpha_tok * tok
+
     def _mean_linear_share(self) -> float:
         kinds = self.layer_kinds
         return sum(k == "linear" for k in kinds) / len(kinds) if kinds else 0.0
@@ -378,6 +401,8 @@ class CostModel(ParallelCosts):
             return self._placed_fwd(layout, stage, chunk)
         n_attn, n_lin = self.layer_kind_counts(layout, stage)
         t = n_attn * self.layer_fwd_time(chunk.slices)
+        if self.layer_scales:  # per-layer attention shapes: the stage's own layers
+            t += self._shape_extra_time(n_attn, self.shape_sums(layout, stage), chunk.slices)
         if n_lin:
             t += n_lin * self.linear_layer_time(chunk.slices)
         if self.chunked_layers:  # attention within the chunk only
@@ -411,6 +436,9 @@ class CostModel(ParallelCosts):
         if self.sp == 1 and not self.zero3:
             return self.bwd_factor * self.fwd_time(layout, stage, chunk) + self.recompute_time(chunk, recompute_layers)
         t = layout.num_stage_layers(stage) * self.layer_bwd_time(chunk.slices)
+        if self.layer_scales:
+            n_attn = self.layer_kind_counts(layout, stage)[0]
+            t += self.bwd_factor * self._shape_extra_time(n_attn, self.shape_sums(layout, stage), chunk.slices)
         if self.chunked_layers:
             t -= self.bwd_factor * self.num_chunked(layout, stage) * self.chunked_saving(chunk.slices)
         if layout.has_embedding(stage):
@@ -429,6 +457,10 @@ class CostModel(ParallelCosts):
             layer = self.layer_fwd_time(chunk.slices)
             if self.chunked_layers:  # the model's mean layer, as for the kinds below
                 layer -= len(self.chunked_layers) / self.num_layers * self.chunked_saving(chunk.slices)
+            if self.layer_scales:  # the model's mean attention layer, as for the kinds below
+                n = len(self.layer_scales)
+                layer += self._shape_extra_time(1.0, [sum(r[k] for r in self.layer_scales) / n for k in range(2)],
+                                                chunk.slices)
             share = self._mean_linear_share()
             if share:  # the model's mean layer (the stage is not known here: module docstring)
                 layer = (1.0 - share) * layer + share * self.linear_layer_time(chunk.slices)
@@ -475,6 +507,14 @@ class CostModel(ParallelCosts):
                 pad = sum(-s.length % self.lin_scan_chunk for s in chunk.slices) if self.lin_scan_chunk else 0
                 mem += (lin - lin_rec) * (self.lin_act_bytes_per_slice * len(chunk.slices)
                                           + self.lin_pad_bytes_per_token * pad)
+        if self.layer_scales and n:  # per-layer shapes: the stage's mean attention layer's bytes
+            # (linear in r, as the kinds above; exact at r = 0 and r = n)
+            n_attn = self.layer_kind_counts(layout, stage)[0]
+            sums = self.shape_sums(layout, stage)
+            if n_attn:
+                act_f, kv_f = sums[2] / n_attn - 1.0, sums[3] / n_attn - 1.0
+                mem += act_f * attn_saved * self.act_bytes_per_token * tok
+                mem += kv_f * (n_attn * recompute_layers / n) * self.kv_bytes_per_token * kv_tok
         if n:
             mem += self.stage_bytes_per_token * tok  # what the layers share (saved or replayed)
         mem += self.ids_bytes_per_token * tok * (layout.has_embedding(stage) + layout.has_head(stage))
@@ -505,7 +545,8 @@ class CostModel(ParallelCosts):
         """Bytes of K/V gradient buffers for ``earlier_tokens`` tokens of earlier slices, alive
         while a split sequence's later slices run backward (a linear layer: its carried state's)."""
         n_attn, n_lin = self.layer_kind_counts(layout, stage)
-        mem = n_attn * self.kv_bytes_per_token * earlier_tokens
+        kv_layers = self.shape_sums(layout, stage)[3] if self.layer_scales else n_attn
+        mem = kv_layers * self.kv_bytes_per_token * earlier_tokens
         if n_lin and earlier_tokens:
             mem += n_lin * self.lin_state_bytes
         return mem
@@ -575,7 +616,8 @@ class CostModel(ParallelCosts):
 
     def _stage_params(self, layout: StageLayout, stage: int) -> int:
         n_attn, n_lin = self.layer_kind_counts(layout, stage)
-        params = n_attn * self.layer_params + n_lin * self.lin_layer_params
+        attn_params = self.shape_sums(layout, stage)[4] if self.layer_scales else n_attn
+        params = round(attn_params * self.layer_params) + n_lin * self.lin_layer_params
         if layout.has_embedding(stage):
             params += self.embed_params
         if layout.has_head(stage):
@@ -606,6 +648,8 @@ class CostModel(ParallelCosts):
             del d["whole_doc_carried"]
         if not d["chunked_layers"]:
             del d["chunked_layers"], d["attention_chunk"]
+        if not d["layer_scales"]:
+            del d["layer_scales"]
         if not d["layer_kinds"]:  # an attention model's file stays as it was
             for k in ("layer_kinds", "lin_alpha_tok", "lin_beta_segment", "lin_act_bytes_per_token",
                       "lin_state_bytes", "lin_layer_params"):
@@ -634,4 +678,6 @@ class CostModel(ParallelCosts):
             d["chunked_layers"] = tuple(int(i) for i in d["chunked_layers"])
         if "layer_kinds" in d:
             d["layer_kinds"] = tuple(str(k) for k in d["layer_kinds"])
+        if "layer_scales" in d:
+            d["layer_scales"] = tuple(tuple(float(x) for x in row) for row in d["layer_scales"])
         return cls(**d)

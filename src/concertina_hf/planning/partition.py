@@ -6,7 +6,9 @@ tokens at context 0 (forward plus backward, no recompute)::
     (b - a) * layer_time  +  [s == 0] * embedding_time  +  [s == p - 1] * (head + loss)_time
 
 With layers of several kinds (:attr:`~.cost.CostModel.layer_kinds`: attention and linear
-attention) ``(b - a) * layer_time`` is the sum of the stage's own layers' times, each at its kind's.
+attention) or attention layers of several shapes (:attr:`~.cost.CostModel.layer_scales`: per-layer
+configs, Gemma 4's full layers of twice the head size) ``(b - a) * layer_time`` is the sum of the
+stage's own layers' times, each at its kind's and shape's.
 
 The layout minimizing the slowest stage comes from an exact dynamic program over split points,
 ``best[k][j]`` = the smallest possible maximum stage time when the first ``k`` stages own the
@@ -64,13 +66,19 @@ def partition_layers(cost: CostModel, num_stages: int, num_layers: int | None = 
         )
     if tokens_hint < 1:
         raise PlanError(f"tokens_hint must be positive, got {tokens_hint}")
-    if cost.layer_kinds:  # each layer at its kind's time (the checks of _unit_times on each kind)
-        layer, embed, head = _unit_times(dataclasses.replace(cost, layer_kinds=()), tokens_hint)
-        linear = _unit_times(dataclasses.replace(cost, layer_kinds=("linear",) * 3), tokens_hint)[0]
+    if cost.layer_kinds or cost.layer_scales:  # each layer at its kind's and shape's time (the checks
+        # of _unit_times on each)
+        layer, embed, head = _unit_times(dataclasses.replace(cost, layer_kinds=(), layer_scales=()), tokens_hint)
+        times: dict[tuple, float] = {}
         prefix = [0.0]
         for i in range(L):
             kind = cost.layer_kinds[i] if i < len(cost.layer_kinds) else "attention"
-            prefix.append(prefix[-1] + (linear if kind == "linear" else layer))
+            shape = cost.layer_scales[i] if i < len(cost.layer_scales) else (1.0,) * 5
+            if (kind, shape) not in times:
+                one = dataclasses.replace(cost, layer_kinds=(kind,) * 3 if cost.layer_kinds else (),
+                                          layer_scales=(shape,) * 3 if cost.layer_scales else ())
+                times[kind, shape] = _unit_times(one, tokens_hint)[0]
+            prefix.append(prefix[-1] + times[kind, shape])
     else:
         layer, embed, head = _unit_times(cost, tokens_hint)
         prefix = None

@@ -1,0 +1,75 @@
+"""The cost model of per-layer configs (``per_layer_config``: Gemma 4's head size per layer).
+
+- A config whose layers differ gets :attr:`~concertina_hf.planning.cost.CostModel.layer_scales`:
+  each layer's attention shape against layer 0's (``per-layer-7b``: the full layers' head size 512
+  and one K/V head, twice the sliding layers' attention FLOPs per pair, the same K/V bytes); a
+  config without it (or with every layer alike) none, and its file is unchanged.
+- A stage's time, K/V and parameters are its own layers'; the partition follows the per-layer
+  costs: on ``per-layer-7b`` at 32K tokens a boundary moves against the uniform-layer partition,
+  and its slowest stage (priced per layer) is faster than the uniform partition's.
+- ``concertina plan --model-config per-layer-7b`` plans with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from concertina_hf.planning import Chunk, ChunkKind, CostModel, DeviceSpec, Slice, StageLayout
+from concertina_hf.planning.partition import partition_layers, stage_times
+from concertina_hf.planning.presets import MODEL_PRESETS
+from concertina_hf.tools import cli
+
+PER_LAYER = MODEL_PRESETS["per-layer-7b"]
+FULL = [i for i, t in enumerate(PER_LAYER["layer_types"]) if t == "full_attention"]
+
+
+def test_layers_of_other_shapes_are_scaled():
+    cost = CostModel.from_hf_config(PER_LAYER, DeviceSpec.preset("h100"))
+    assert FULL == [5, 11, 17, 23, 29] and len(cost.layer_scales) == 30
+    for i, row in enumerate(cost.layer_scales):
+        if i in FULL:  # 8 query heads of 512 (2x the FLOPs per pair), 1 K/V head of 512 (the same K/V bytes)
+            assert row[0] == 2.0 and row[3] == 1.0 and row[1] > 1.0 and row[4] > 1.0
+        else:
+            assert row == (1.0,) * 5
+    assert CostModel.from_dict(cost.to_dict()) == cost
+    plain = {k: v for k, v in PER_LAYER.items() if k != "per_layer_config"}
+    uniform = CostModel.from_hf_config(plain, DeviceSpec.preset("h100"))
+    assert uniform.layer_scales == () and "layer_scales" not in uniform.to_dict()
+    same = dict(PER_LAYER, per_layer_config={i: dict(head_dim=256) for i in FULL})  # every layer alike
+    assert CostModel.from_hf_config(same, DeviceSpec.preset("h100")) == uniform
+    assert dataclasses.replace(cost, layer_scales=()) == uniform  # layer 0 is the model's attention layer
+
+
+def test_a_stage_is_priced_by_its_own_layers():
+    cost = CostModel.from_hf_config(PER_LAYER, DeviceSpec.preset("h100"))
+    uniform = dataclasses.replace(cost, layer_scales=())
+    chunk = Chunk(0, ChunkKind.SPLIT, (Slice(0, 16384, 8192),))
+    lay = StageLayout(30, ((0, 5), (5, 6), (6, 30)))  # stage 0: five sliding layers, stage 1: one full layer
+    assert cost.fwd_time(lay, 0, chunk) == uniform.fwd_time(lay, 0, chunk)
+    one = uniform.layer_fwd_time(chunk.slices)
+    full = cost.fwd_time(lay, 1, chunk)
+    tok = chunk.num_tokens
+    attention = one - cost.alpha_tok * tok - cost.beta  # alpha_attn x the slice's pairs
+    want = one + attention + (cost.layer_scales[5][1] - 1) * cost.alpha_tok * tok  # twice the pairs' FLOPs
+    assert abs(full - want) < 1e-9 * full
+    assert cost.kv_grad_memory(lay, 1, 4096) == uniform.kv_grad_memory(lay, 1, 4096)  # one K/V head of 512
+    more = round((cost.layer_scales[5][4] - 1) * cost.layer_params) * cost.static_bytes_per_param
+    assert abs(cost.static_memory(lay, 1) - uniform.static_memory(lay, 1) - more) < 1e-6 * more
+
+
+def test_the_partition_follows_the_per_layer_costs():
+    cost = CostModel.from_hf_config(PER_LAYER, DeviceSpec.preset("h100"))
+    uniform = dataclasses.replace(cost, layer_scales=())
+    per_layer = partition_layers(cost, 2, tokens_hint=32768)
+    even = partition_layers(uniform, 2, tokens_hint=32768)
+    assert per_layer.layer_ranges == ((0, 16), (16, 30)) and even.layer_ranges == ((0, 15), (15, 30))
+    assert max(stage_times(cost, per_layer, 32768)) < max(stage_times(cost, even, 32768))
+
+
+def test_concertina_plan_takes_the_preset(tmp_path, capsys):
+    lens = tmp_path / "lens.txt"
+    lens.write_text("\n".join(map(str, [32768, 8192, 4096, 2048, 1024, 1024, 512])) + "\n")
+    rc = cli.main(["plan", "--lengths", str(lens), "--model-config", "per-layer-7b", "--pp", "2", "--device", "h100",
+                   "--strategy", "packed", "--time-limit", "0.5"])
+    assert rc == 0
+    assert "packed" in capsys.readouterr().out
