@@ -19,6 +19,7 @@ test asserts on them.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import sys
@@ -118,6 +119,7 @@ def _run(rank: int, world: int, pp: int, sp: int, dp: int, report: dict) -> None
         _replicas(topo, report)
         return
     _sink_layouts(topo, report)
+    _linear_attention(topo, pp, report)
     ids, labels = batch()
     layout = StageLayout.even(NUM_LAYERS, pp)
     plans = {f"{name}/{rec}": make_plan(SEQ_LENS, CHUNKINGS[name], layout, rec) for name, rec in PLANS
@@ -190,6 +192,50 @@ def _run(rank: int, world: int, pp: int, sp: int, dp: int, report: dict) -> None
         report["cases"].append(f"{kind} eval")
         if not _rel(res.loss, ref_loss) < LOSS_TOL:
             fail.append(f"{kind} eval: loss {res.loss} vs {ref_loss}")
+
+
+def _linear_attention(topo, pp: int, report: dict) -> None:
+    """Gated DeltaNet layers under Ulysses: the models of :mod:`_linear_attention_cases` (Qwen3-Next,
+    Qwen3.5; 2 key heads for 4 value heads, one key head per rank) on their split, hybrid and packed
+    chunks under recompute none / partial / full, against HF on the right-padded batch, the
+    gradients reduced over the stage's ranks; then a placed (whole-doc) chunk is refused, naming
+    the mode to set."""
+    import _linear_attention_cases as cases
+    from concertina_hf.planning import PlanError, StageLayout
+    from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
+    from concertina_hf.runtime.distributed import reduce_gradients
+
+    ids, labels = cases.batch()
+    layout = StageLayout.even(4, pp)
+    for kind in ("qwen3_next", "qwen3_5_text"):
+        model = cases.build_model(kind)
+        ref_loss, ref_grads = cases.padded_reference(model, ids, labels)
+        w = PipelineWrapper(copy.deepcopy(model), layout, topo.stage)
+        ex = PipelineExecutor(w, pp_group=topo.pp_group, sp_group=topo.sp_group, channels=topo.p2p_channels)
+        params = [p for p in w.parameters() if p.requires_grad]
+        for recompute in cases.RECOMPUTE:
+            w.zero_grad(set_to_none=True)
+            res = ex.run_step(cases.make_plan(layout, recompute), ids, labels, num_items_in_batch=cases.num_items(labels))
+            reduce_gradients(params, topo, average=False)
+            ex.sync_tied_gradients()
+            errors = cases.gradient_errors(w.named_parameters(), ref_grads)
+            if model.config.tie_word_embeddings:  # each end stage holds its part
+                errors = {k: v for k, v in errors.items() if k not in ("model.embed_tokens.weight", "lm_head.weight")}
+            name = f"gated deltanet {kind} pp={pp} sp={topo.sequence_parallel_size} stage {topo.stage} {recompute}"
+            row, bad = cases.check_case(name, res.loss, ref_loss, errors)
+            report["cases"].append(name)
+            report["failures"].extend(bad)
+            if row["mixer_params"] != 3 * (2 // pp):  # A_log, dt_bias, conv1d.weight of the stage's linear layers
+                report["failures"].append(f"{name}: {row['mixer_params']} Gated DeltaNet parameters compared")
+    plan = cases.make_plan(layout, "none", chunks=(((0, 0, 9), (1, 0, 7)),), seq_lens=(9, 7))
+    placed = dataclasses.replace(plan, chunks=tuple(dataclasses.replace(c, placement=(0, 1)) for c in plan.chunks))
+    try:
+        ex.run_step(placed.validate(), ids[1:3], labels[1:3])
+        report["failures"].append("a whole-doc chunk of a Gated DeltaNet model was not refused")
+    except PlanError as exc:
+        if "concertina_sequence_parallel_mode='ulysses'" not in str(exc):
+            report["failures"].append(f"the placed-chunk refusal does not name the mode: {exc}")
+    report["cases"].append("gated deltanet placed chunk refused")
 
 
 def _sink_layouts(topo, report: dict) -> None:

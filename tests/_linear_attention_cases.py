@@ -155,3 +155,33 @@ def check_case(name: str, loss: float, ref_loss: float, errors: dict[str, float]
     if bad:
         failures.append(f"{name}: gradients differ: {sorted(bad.items(), key=lambda kv: -kv[1])[:5]}")
     return row, failures
+
+
+#: the Trainer settings of the trainer runs (pp=2: the linear-attention launch; pp=2 x sp=2: the Ulysses one)
+COMMON = dict(per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=3, learning_rate=2e-3,
+              logging_steps=1, report_to=[], disable_tqdm=True, seed=3, save_strategy="no")
+LENGTHS = (5, 9, 17, 40, 70)
+
+
+def dataset(n=12, seed=0):
+    import random
+
+    import datasets
+
+    rng = random.Random(seed)
+    return datasets.Dataset.from_list([{"input_ids": [rng.randrange(model_support.VOCAB)
+                                                      for _ in range(rng.choice(LENGTHS))]} for _ in range(n)])
+
+
+def padded(rows):
+    """Right padding, labels -100 on it: HF's Qwen3-Next then computes each row as its sequence alone."""
+    import torch
+
+    n = max(len(r["input_ids"]) for r in rows)
+    ids = torch.zeros(len(rows), n, dtype=torch.long)
+    mask = torch.zeros(len(rows), n, dtype=torch.long)
+    labels = torch.full((len(rows), n), -100, dtype=torch.long)
+    for i, r in enumerate(rows):
+        t = torch.tensor(r["input_ids"])
+        ids[i, :len(t)], mask[i, :len(t)], labels[i, :len(t)] = t, 1, t
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}

@@ -3,7 +3,8 @@ CPU ranks: ``ConcertinaTrainer`` at pp=2 x sp=2 (Ulysses inside each stage; the 
 ranks 1-3, so rank 0's weights must reach them) for 3 steps with sequences split into 16-token
 chunks, then evaluation (run_clm's metrics, ``predict()``), ``save_model`` and a run resumed from the
 step-2 checkpoint, and a LoRA model (``_peft_cases``' "embed-head") trained with label smoothing and
-the online cost-model refit; each rank writes what it saw to ``<out>/info-rank<r>.json``. The
+the online cost-model refit, and a Gated DeltaNet model (Qwen3-Next, ``_linear_attention_cases``)
+for 3 steps; each rank writes what it saw to ``<out>/info-rank<r>.json``. The
 models, data and Trainer settings are ``_models``', so ``_models.train_reference`` (``Trainer`` on one
 process) is the reference.
 """
@@ -73,6 +74,15 @@ def main(out: str) -> None:
     # ... whose all-to-alls were timed on the sp group at the start (the refit takes them from the model)
     info["peft_link"] = [stats.cost_model.intra_node_latency_s, stats.cost_model.intra_node_bandwidth]
     lora.save_model(os.path.join(out, "peft"))
+    # Gated DeltaNet layers (Qwen3-Next) at pp=2 x sp=2: Ulysses splits their heads too
+    import _linear_attention_cases as lin
+
+    linear = ConcertinaTrainer(model=lin.build_model(), train_dataset=lin.dataset(), args=ConcertinaTrainingArguments(
+        output_dir=out + "-linear", concertina_pipeline_size=2, concertina_sequence_parallel_size=2,
+        concertina_max_tokens_per_chunk=32, **lin.COMMON))
+    linear.train()
+    info["linear"] = logged(linear)
+    linear.save_model(os.path.join(out, "linear"))
     with open(os.path.join(out, f"info-rank{t.rank}.json"), "w") as fh:
         json.dump(info, fh)
     resumed.end()

@@ -7,7 +7,8 @@ reference on the right-padded batch itself and runs on its stage (layers 0-1: a 
 an attention layer; 2-3: the same) the split, hybrid and packed chunks of :mod:`_linear_attention_cases`
 under recompute none / partial / full, and the adaptive planner's plan; loss 1e-5 and its
 stage's every gradient 1e-4 (``A_log``, ``dt_bias``, the convolution weights among them). Then a
-stage of 2 sequence-parallel ranks is refused, naming the feature. The one-process tests (pp=1,
+stage of 2 sequence-parallel ranks over one key head is refused, naming the setting (Ulysses
+itself: ``tests/launch/test_ulysses_launch.py``). The one-process tests (pp=1,
 the leak test, the self-check): ``tests/runtime/test_linear_attention.py``.
 """
 
@@ -17,37 +18,6 @@ import copy
 import os
 
 from _helpers import reports as read_reports, run_ranks
-
-
-COMMON = dict(per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=3, learning_rate=2e-3,
-              logging_steps=1, report_to=[], disable_tqdm=True, seed=3, save_strategy="no")
-LENGTHS = (5, 9, 17, 40, 70)
-
-
-def _dataset(n=12, seed=0):
-    import random
-
-    import datasets
-
-    from _linear_attention_cases import model_support
-
-    rng = random.Random(seed)
-    return datasets.Dataset.from_list([{"input_ids": [rng.randrange(model_support.VOCAB)
-                                                      for _ in range(rng.choice(LENGTHS))]} for _ in range(n)])
-
-
-def _padded(rows):
-    """Right padding, labels -100 on it: HF's Qwen3-Next then computes each row as its sequence alone."""
-    import torch
-
-    n = max(len(r["input_ids"]) for r in rows)
-    ids = torch.zeros(len(rows), n, dtype=torch.long)
-    mask = torch.zeros(len(rows), n, dtype=torch.long)
-    labels = torch.full((len(rows), n), -100, dtype=torch.long)
-    for i, r in enumerate(rows):
-        t = torch.tensor(r["input_ids"])
-        ids[i, :len(t)], mask[i, :len(t)], labels[i, :len(t)] = t, 1, t
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 def _worker(outdir: str) -> None:
@@ -63,8 +33,8 @@ def _worker(outdir: str) -> None:
     trainer = None
     try:
         args = ConcertinaTrainingArguments(output_dir=os.path.join(outdir, "trainer"),
-                                           concertina_max_tokens_per_chunk=32, **COMMON)
-        trainer = ConcertinaTrainer(model=cases.build_model(), args=args, train_dataset=_dataset())
+                                           concertina_max_tokens_per_chunk=32, **cases.COMMON)
+        trainer = ConcertinaTrainer(model=cases.build_model(), args=args, train_dataset=cases.dataset())
         trainer.train()
         logs = [h for h in trainer.state.log_history if "loss" in h]
         trainer.save_model(os.path.join(outdir, "trainer", "final"))
@@ -114,14 +84,14 @@ def _run(report: dict) -> None:
             if row["mixer_params"] != 3:  # A_log, dt_bias, conv1d.weight of the stage's linear layer
                 report["failures"].append(f"{kind} {name}: {row['mixer_params']} Gated DeltaNet parameters compared")
             report["cases"] += 1
-    model = cases.build_model()
+    model = cases.build_model_with("qwen3_next", linear_num_key_heads=1)  # one key head: Ulysses cannot split it
     one = PipelineWrapper(copy.deepcopy(model), StageLayout.even(4, 1), 0)
     try:
         PipelineExecutor(one, sp_group=dist.group.WORLD)
-        report["failures"].append("a stage of 2 sequence-parallel ranks was not refused")
+        report["failures"].append("a stage of 2 sequence-parallel ranks over 1 key head was not refused")
     except ValueError as exc:
-        if "sequence parallel size 1 only" not in str(exc) or "qwen3_next" not in str(exc):
-            report["failures"].append(f"the sequence-parallel refusal does not name the feature: {exc}")
+        if "linear_num_key_heads=1" not in str(exc) or "concertina_sequence_parallel_size=2" not in str(exc):
+            report["failures"].append(f"the sequence-parallel refusal does not name the setting: {exc}")
     report["cases"] += 1
 
 
@@ -142,8 +112,8 @@ def test_pp2_split_hybrid_and_packed_chunks_equal_hf(tmp_path):
     assert {"split", "hybrid", "packed"} <= kinds, kinds
     # ConcertinaTrainer at pp=2 against Trainer on right-padded batches: loss 1e-5, every parameter 1e-3
     # relative to its update (the bounds of tests/launch/test_model_families_launch.py)
-    ref = Trainer(model=cases.build_model(), args=TrainingArguments(output_dir=str(tmp_path / "ref"), **COMMON),
-                  train_dataset=_dataset(), data_collator=_padded)
+    ref = Trainer(model=cases.build_model(), args=TrainingArguments(output_dir=str(tmp_path / "ref"), **cases.COMMON),
+                  train_dataset=cases.dataset(), data_collator=cases.padded)
     start = {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
     ref.train()
     want = [h["loss"] for h in ref.state.log_history if "loss" in h]

@@ -5,7 +5,8 @@ pp=1 x sp=2 (2 processes), pp=2 x sp=2 and dp=2 x sp=2 (4 processes), dp=2 x pp=
 processes, one model and one step), each rank comparing many plans with the single-process HF
 model (``_dist_ulysses.py``); the allocated peak at sp=4 against the prediction; the profiler's
 all-to-all fit on a 2-process group; ``ConcertinaTrainer`` at pp=2 x sp=2 against ``Trainer``
-(``_ulysses_trainer.py``'s ``main`` on 4 ranks).
+(``_ulysses_trainer.py``'s ``main`` on 4 ranks). Gated DeltaNet layers (Qwen3-Next, Qwen3.5) at
+pp=1 x sp=2 and pp=2 x sp=2 in the same launches (``_dist_ulysses._linear_attention``).
 """
 
 from __future__ import annotations
@@ -52,8 +53,10 @@ def test_ulysses_matches_hf(dp, pp, sp, launched):
         for name, at_sp, alone, predicted, _ in r["allocated"]:
             assert at_sp <= 0.6 * alone, (r["rank"], name, at_sp, alone)
             assert abs(predicted - at_sp) <= 0.10 * at_sp, (r["rank"], name, at_sp, predicted)
-    cases = (1 if pp > 1 else 2 * 2) if dp > 1 else 5 * 5 + 1 + 1  # + the sink layouts
+    # + the sink layouts; + Gated DeltaNet (2 models x 3 recomputes, the placed chunk's refusal)
+    cases = (1 if pp > 1 else 2 * 2) if dp > 1 else 5 * 5 + 1 + 1 + 2 * 3 + 1
     assert all(len(r["cases"]) == cases for r in reports)
+    assert dp > 1 or all(sum(c.startswith("gated deltanet") for c in r["cases"]) == 7 for r in reports)
 
 
 def test_allocated_peak_at_sp4_matches_prediction(tmp_path):
@@ -89,7 +92,8 @@ def test_trainer_pp2_sp2_matches_trainer(launched, tmp_path):
     evaluation loss 1e-5, run_clm's accuracy and predict() (argmax ids, raw logits 1e-4) on every
     rank; resuming from the step-2 checkpoint ends on the same model; a LoRA model trained with label
     smoothing (and the online cost-model refit each step) equals Trainer's (losses 1e-5, adapter
-    update 1e-3)."""
+    update 1e-3); a Gated DeltaNet model (Qwen3-Next: Ulysses splits its linear-attention heads)
+    equals Trainer on right-padded batches (losses 1e-5, parameters 1e-3 of their update)."""
     from _ulysses_trainer import STEPS
     from _models import load_saved, tiny_dataset, train_reference, worst_relative
 
@@ -156,6 +160,25 @@ def test_trainer_pp2_sp2_matches_trainer(launched, tmp_path):
                                          label_smoothing_factor=PEFT_SMOOTHING, **_peft_cases.COMMON))
     ref.train()
     _peft_cases.check_adapter("embed-head", out / "peft", ref.model, info["peft"], _peft_cases.losses_and_norms(ref))
+    # Gated DeltaNet (Qwen3-Next) at pp=2 x sp=2 against Trainer on right-padded batches: losses
+    # 1e-5 (relative), every parameter 1e-3 relative to its update (the pp=2 launch's bounds)
+    import _linear_attention_cases as lin
+
+    ref = Trainer(model=lin.build_model(), train_dataset=lin.dataset(), data_collator=lin.padded,
+                  args=TrainingArguments(output_dir=str(tmp_path / "ref-linear"), **lin.COMMON))
+    start = {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
+    ref.train()
+    want = [h["loss"] for h in ref.state.log_history if "loss" in h]
+    got = info["linear"]
+    print("Gated DeltaNet pp=2 x sp=2 losses", got["losses"], "Trainer", want)
+    assert all(r["linear"]["losses"] == got["losses"] and r["linear"]["grad_norms"] == got["grad_norms"] for r in ranks)
+    assert len(got["losses"]) == len(want) == 3 and all(n > 0 for n in got["split_chunks"]), got
+    assert max(abs(a - b) / abs(b) for a, b in zip(got["losses"], want)) < lin.LOSS_TOL, (got["losses"], want)
+    final, saved = ref.model.state_dict(), load_saved(out / "linear")
+    worst = max((float((saved[k] - final[k]).norm() / (final[k] - start[k]).norm().clamp_min(1e-12)), k)
+                for k in final if (final[k] - start[k]).norm() > 0)
+    print("Gated DeltaNet pp=2 x sp=2: worst parameter, relative to its update", worst)
+    assert worst[0] < 1e-3, worst
 
 
 def test_profiler_fits_the_all_to_all_on_a_real_group(tmp_path):

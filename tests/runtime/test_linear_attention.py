@@ -13,8 +13,10 @@ and without rotary embeddings, Lara-Mini).
 - **The self-check** at construction passes for it.
 - **The analytic activation memory** of the linear layers (``planning/mixers.py``, HF's torch
   scan) within 0.85x-1.05x of the measured peak of saved tensors (a whole sequence and a split one).
-- **Refusals**: other hybrid families keep theirs (naming the layer type); sequence parallelism
-  and segment-level training are refused by the mixer, naming the feature.
+- **Refusals**: other hybrid families keep theirs (naming the layer type); whole-doc / per-doc
+  placed chunks and segment-level training are refused by the mixer, naming the feature; the
+  layout search keeps the sequence parallel sizes the heads divide by, under Ulysses only.
+  Ulysses itself (pp=1 and pp=2 at sp=2): ``tests/launch/test_ulysses_launch.py``.
 
 pp=2: ``tests/launch/test_linear_attention_launch.py``.
 """
@@ -131,19 +133,28 @@ def test_what_is_not_built_is_refused(model):
     class Sharded(ChunkAttentionContext):
         pass
 
-    with pytest.raises(ValueError, match="sequence parallel size 1 only"):
+    with pytest.raises(ValueError, match="run under Ulysses sequence parallelism or none.*"
+                                         "concertina_sequence_parallel_mode='ulysses'"):
         gated_deltanet_forward(mixer, x, Sharded(spec, KVStore(), "cpu", True))
 
 
-def test_layout_auto_leaves_sequence_parallelism_out(model, tmp_path):
+def test_layout_auto_keeps_the_sequence_parallel_sizes_the_heads_divide_by(model, tmp_path):
+    """Ulysses splits the 2 key heads (4 value heads): sp=2 kept, sp=4 refused naming the head count;
+    under the whole-doc / per-doc mode every sp > 1 is refused, naming the mode to set."""
     from concertina_hf import ConcertinaTrainingArguments
     from concertina_hf.planning.layouts import Layout
     from concertina_hf.training import auto_layout
 
     args = ConcertinaTrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
     refused = auto_layout._runtime_refusals(args, model, 4)
+    assert set(refused) == {Layout(1, 4, 1)}
+    assert "linear_num_key_heads=2 (value heads 4) is not a multiple of concertina_sequence_parallel_size=4" in (
+        refused[Layout(1, 4, 1)])
+    args = ConcertinaTrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True,
+                                       concertina_sequence_parallel_mode="context")
+    refused = auto_layout._runtime_refusals(args, model, 4)
     assert set(refused) == {Layout(1, 2, 2), Layout(2, 2, 1), Layout(1, 4, 1)}
-    assert all("sequence parallel size 1 only" in why for why in refused.values())
+    assert all("set concertina_sequence_parallel_mode='ulysses'" in why for why in refused.values())
 
 
 @pytest.mark.parametrize("model_type, tokens, split", [("qwen3_next", 1024, False), ("olmo_hybrid", 256, False),

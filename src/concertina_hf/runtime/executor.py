@@ -105,6 +105,7 @@ from .stage import PipelineWrapper
 from .attention.chunked import sequence_parallel_refusal as chunked_sp_refusal
 from .attention.indexed import sequence_parallel_refusal as indexed_sp_refusal
 from .context_parallel import EMPTY_RANK_TOKENS, ContextParallelContext
+from .linear_attention import sequence_parallel_refusal as linear_sp_refusal
 from .ulysses import SequenceParallel
 
 __all__ = ["PipelineExecutor", "StepResult"]
@@ -216,12 +217,10 @@ class PipelineExecutor:
             indexed_why = indexed_sp_refusal(wrapper.config, dist.get_world_size(sp_group))
             if indexed_why is not None:  # top-k indexed attention: attention/indexed.py
                 raise ValueError(indexed_why)
-            if wrapper.family.linear_attention:
-                raise ValueError(
-                    f"model type {wrapper.family.model_type!r} has linear-attention (Gated DeltaNet) layers, which run "
-                    "with sequence parallel size 1 only (a chunk sharded over a stage's "
-                    f"{dist.get_world_size(sp_group)} ranks would need the recurrent state passed between them); set "
-                    "concertina_sequence_parallel_size=1")
+            why = linear_sp_refusal(wrapper.config, dist.get_world_size(sp_group)) if (
+                wrapper.family.linear_attention) else None  # Ulysses splits their heads too
+            if why is not None:
+                raise ValueError(why)
             self.sp = SequenceParallel(sp_group)
             try:
                 self.sp.check_model(wrapper.config)
@@ -323,6 +322,10 @@ class PipelineExecutor:
             if why is not None:
                 raise PlanError(f"the plan's whole-doc / per-doc placements cannot run on this stage's "
                                 f"{self.sp.size} sequence-parallel ranks: {why}")
+            if self.wrapper.family.linear_attention and any(c.placement for c in plan.chunks):
+                raise PlanError("whole-doc / per-doc placed chunks are not implemented for linear-attention (Gated "
+                                "DeltaNet) layers (a placed chunk would need the recurrent state passed between the "
+                                "stage's ranks); set concertina_sequence_parallel_mode='ulysses'")
             if self._ulysses_refusal is not None and any(not c.placement for c in plan.chunks):
                 raise PlanError(f"{self._ulysses_refusal}; or plan every chunk whole-doc / per-doc "
                                 "(concertina_sequence_parallel_mode='context'), which has no head-count rule")

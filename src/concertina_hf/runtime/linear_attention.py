@@ -37,15 +37,25 @@ the ``concertina_ctx`` keyword), exactly as the attention backend does. Per slic
   the same leaves (the store is set-if-absent).
 
 Outside a chunk and outside a step (a plain ``model(...)``, ``generate``) the module's own
-``forward`` runs; inside a step without a chunk context it raises. Not implemented, and refused
-here with the feature named: sequence parallelism (a Ulysses or placed chunk's context), and
-segment-level training (a store that reads earlier slices detached or within a tail). The cost
+``forward`` runs; inside a step without a chunk context it raises.
+
+**Ulysses** (a stage of ``sp`` ranks, each holding ``t`` local tokens): the projections run on the
+local tokens; one all-to-all gives each rank all the chunk's tokens of its heads (key heads
+``[r Hk / sp, (r + 1) Hk / sp)`` and the value heads reading them: their convolution channels,
+``beta`` and the decay's input), the convolution and the scan run per slice as above with the
+rank's own carried states and tails, and the inverse all-to-all returns the scan's output of all
+heads to the local tokens for the gated norm and the output projection. ``sp`` must divide the key
+heads (:func:`sequence_parallel_refusal`, checked at construction). Not implemented, and refused
+with the feature named: whole-doc / per-doc placed chunks (the state would pass between ranks),
+and segment-level training (a store that reads earlier slices detached or within a tail). The cost
 model prices these layers by kind (``concertina_hf.planning.mixers``: linear in tokens, a cost per
 slice, a state per split slice).
 
 Cost: per slice one scan call (a packed chunk of many short documents makes many small calls) and
 one convolution over the chunk; per non-final slice and layer, ``H * Dk * Dv`` float32 plus
-``(k - 1) * conv channels`` kept until the slice's backward.
+``(k - 1) * conv channels`` kept until the slice's backward (divided by ``sp`` under Ulysses, which
+adds two all-to-alls per layer forward and two backward: the convolution's input with ``beta`` and
+``a``, and the scan's output).
 """
 
 from __future__ import annotations

@@ -194,25 +194,20 @@ def _runtime_refusals(args: ConcertinaTrainingArguments, model: torch.nn.Module,
     ``concertina_shard_parameters=True`` with tied embeddings on one stage (``pp=1``, ``sp > 1``:
     :func:`~concertina_hf.runtime.param_sharding.shard_stage`). ``pp > 1`` under parameter
     sharding is the planner's refusal (``rank_layouts(shard_parameters=True)``). Linear-attention
-    (Gated DeltaNet) layers: every ``sp > 1`` (:mod:`~concertina_hf.runtime.linear_attention`)."""
-    out = {}
-    if _has_linear_attention(model):
-        out = {Layout(pp, sp, world // (pp * sp)): "refused: linear-attention (Gated DeltaNet) layers run with sequence "
-               "parallel size 1 only" for sp in range(2, world + 1) for pp in range(1, world + 1)
-               if world % (pp * sp) == 0}
+    (Gated DeltaNet) layers: an ``sp > 1`` their heads do not divide by, or any ``sp > 1`` outside
+    Ulysses (:func:`~concertina_hf.runtime.linear_attention.sequence_parallel_refusal`)."""
+    from ..integrations.peft import base_model_of
+    from ..runtime.linear_attention import sequence_parallel_refusal
+
+    out, config = {}, base_model_of(model).config
+    for sp in range(2, world + 1):
+        why = sequence_parallel_refusal(config, sp, args.sequence_parallel_mode)
+        out.update({Layout(pp, sp, world // (pp * sp)): f"refused: {why}" for pp in range(1, world + 1)
+                    if why is not None and world % (pp * sp) == 0})
     if not args.concertina_shard_parameters or not ties_embeddings(model):
         return out
     return {**out, **{Layout(1, sp, world // sp): f"refused: {TIED_EMBEDDINGS_REFUSAL}"
                       for sp in range(2, world + 1) if world % sp == 0}}
-
-
-def _has_linear_attention(model: torch.nn.Module) -> bool:
-    from ..integrations.peft import base_model_of
-    from ..runtime.linear_attention import mixer_class
-
-    hf = base_model_of(model)
-    cls = mixer_class(str(getattr(hf.config, "model_type", "") or ""))
-    return cls is not None and any(type(m) is cls for m in hf.modules())
 
 
 def _budget(args: ConcertinaTrainingArguments, device_memory: int) -> int:
