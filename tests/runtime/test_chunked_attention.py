@@ -184,3 +184,19 @@ def test_a_window_with_chunks_is_refused(model):
     with pytest.raises(ValueError, match="chunked_attention layer and passes a sliding window"):
         forward.concertina_attention_forward(attn, q, q[:, :2], q[:, :2], None, sliding_window=4,
                                              concertina_ctx=ctx)
+
+
+def test_output_router_logits_adds_nothing_to_llama4s_loss(model):
+    """Llama 4's forward returns the router logits and adds no load-balancing loss: the flag is
+    accepted (no refusal) and HF's loss is the same with it."""
+    from concertina_hf.runtime.families import check_config, inspect_model
+
+    ids, labels = _batch()
+    flagged = copy.deepcopy(model)
+    flagged.config.output_router_logits = True
+    check_config(flagged.config)
+    assert inspect_model(flagged).router_aux is None
+    with torch.no_grad():
+        a = model(input_ids=ids[0][None], labels=labels[0][None], use_cache=False).loss
+        b = flagged(input_ids=ids[0][None], labels=labels[0][None], use_cache=False, output_router_logits=True)
+    assert b.router_logits is not None and torch.equal(a, b.loss)

@@ -32,7 +32,8 @@ naming the model type and the feature:
   a parameter outside :data:`LAYER_INPUTS` (Beam's ``attention_scaling``, per-layer inputs), and
   the few model types of :data:`FORWARD_WORK` whose forward or attention does what neither the
   config nor the module structure reveals (DiffLlama, Doge, Dory);
-- **the router auxiliary loss** (``output_router_logits=True``: Mixtral, Qwen3-MoE, ...): HF adds
+- **the router auxiliary loss** (``output_router_logits=True``: Mixtral, Qwen3-MoE, ...; Llama 4's
+  forward adds none, :data:`NO_ROUTER_AUX_LOSS`): HF adds
   ``coef * num_experts * sum_e(f_e * P_e)`` to the training loss, with ``f_e`` and ``P_e`` means
   over the tokens of the forward call *and over all layers at once*. Neither is a sum over
   stages or chunks: the stages would have to exchange per-expert statistics, and a chunk is not
@@ -96,6 +97,7 @@ __all__ = [
     "MODULE_NAMES",
     "NORM_BEFORE_LAYERS",
     "NO_POSITION_LAYER_TYPES",
+    "NO_ROUTER_AUX_LOSS",
     "ROTARY_OPTIONAL",
     "SUPPORTED_LAYOUT",
     "ModelFamily",
@@ -129,6 +131,9 @@ NO_POSITION_LAYER_TYPES = {"lara_mini": frozenset({"full_attention"}), "lfm3": f
 #: model types whose ``model.rotary_emb`` is None when ``config.rope_parameters`` has no ``rope_theta``
 #: (OLMo Hybrid's released checkpoints): then no layer gets position embeddings
 ROTARY_OPTIONAL = frozenset({"olmo_hybrid", "granitemoehybrid"})
+#: model types whose ``forward`` adds no router auxiliary loss whatever ``output_router_logits`` says
+#: (Llama 4 returns the router logits only): that flag changes nothing the runtime reproduces
+NO_ROUTER_AUX_LOSS = frozenset({"llama4_text"})
 #: model types whose ``forward`` or attention does what no config attribute and no module
 #: structure reveals, and the runtime does not reproduce
 FORWARD_WORK = {
@@ -207,7 +212,8 @@ def check_config(config: Any, model: nn.Module | None = None, router_aux_loss: s
     if router_aux_loss is not None and router_aux_loss not in ROUTER_AUX_LOSS_MODES:
         raise ValueError(f"concertina_router_aux_loss={router_aux_loss!r}: choose None (no router auxiliary loss) "
                          f"or one of {', '.join(map(repr, ROUTER_AUX_LOSS_MODES))}")
-    if router_aux_loss is None and getattr(config, "output_router_logits", False):
+    if router_aux_loss is None and getattr(config, "output_router_logits", False) and (
+            str(getattr(config, "model_type", "") or "") not in NO_ROUTER_AUX_LOSS):
         raise _refuse(config, model, "output_router_logits=True adds the router auxiliary (load-balancing) loss "
                                      "to HF's training loss, over the statistics of every token of the forward "
                                      "call, which a 1F1B pipeline cannot compute (each chunk's backward starts "
