@@ -2,7 +2,7 @@
 (``tests/runtime/test_ssm.py``, pp=1) and the launch (``tests/launch/test_linear_attention_launch.py``, pp=2).
 
 A tiny model per Mamba2 class (:data:`MODELS`: Granite-4.0 hybrid with MoE layers and rotary-free
-attention; 4 decoder layers, Mamba2 at layers 0 and 2, attention at 1 and 3, 4 heads of 32 over
+attention, Bamba with its final norm ``final_layernorm`` and partial rotary; 4 decoder layers, Mamba2 at layers 0 and 2, attention at 1 and 3, 4 heads of 32 over
 2 groups, ``d_state`` 16, scan chunk 32, convolution width 4: each token reads 3 earlier inputs,
 float32, ``initializer_range`` 0.2). The batch, the chunks (split at tokens 50, 52 and 101 of a
 150-token sequence: none a multiple of 32, the 2-token slice shorter than the convolution's
@@ -22,10 +22,11 @@ from _linear_attention_cases import (CHUNKS, GRAD_TOL, LOSS_TOL, RECOMPUTE, SEQ_
 MIXER_PARAMS = ("mamba.A_log", "mamba.dt_bias", "mamba.D", "mamba.conv1d.weight")
 LAYER_TYPES = ["linear_attention", "full_attention"] * 2
 SIZES = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=2, mamba_expand=2, mamba_d_conv=4,
-             mamba_chunk_size=32, layer_types=LAYER_TYPES, layers_block_type=LAYER_TYPES)
+             mamba_chunk_size=32)
 #: case name -> (model type, config overrides): one per Mamba2 class
 MODELS = {
-    "granitemoehybrid": ("granitemoehybrid", {}),
+    "granitemoehybrid": ("granitemoehybrid", dict(layer_types=LAYER_TYPES)),
+    "bamba": ("bamba", dict(attn_layer_indices=[1, 3])),  # its layer_types derive from these
 }
 
 

@@ -1,5 +1,5 @@
 """Mamba2 (SSD) layers through the runtime, one process (pp=1), for each class
-(:data:`_ssm_cases.MODELS`: Granite-4.0 hybrid).
+(:data:`_ssm_cases.MODELS`: Granite-4.0 hybrid, Bamba).
 
 - **No leak between documents**: in a packed chunk (and in the hybrid chunk, after a split
   sequence's tail) changing one document's tokens, its labels ignored, leaves the loss and every

@@ -23,8 +23,8 @@ naming the model type and the feature:
   (Qwen3-Next, Qwen3.5, OLMo Hybrid, Lara-Mini), exactly HF's mixer class of each,
   which :mod:`.linear_attention` runs per document with its state carried across slices
   (:attr:`ModelFamily.linear_attention`; sequence parallel size 1 only), and the Mamba2 layers
-  (``linear_attention``, ``mamba``) of the model types of :data:`~.ssm.SSM_TYPES` (Granite-4.0
-  hybrid), exactly HF's mixer class of each, which :mod:`.ssm` runs likewise (:attr:`ModelFamily.ssm`),
+  (``linear_attention``, ``mamba``) of the model types of :data:`~.ssm.SSM_TYPES` (Bamba,
+  Granite-4.0 hybrid), exactly HF's mixer class of each, which :mod:`.ssm` runs likewise (:attr:`ModelFamily.ssm`),
   and the short convolutions (``conv``) of :data:`~.short_conv.SHORT_CONV_TYPES` (LFM2, LFM2-MoE,
   LFM3), exactly HF's class of each, which :mod:`.short_conv` runs likewise
   (:attr:`ModelFamily.short_conv`);
@@ -58,7 +58,8 @@ Reproduced outside the layers (:class:`ModelFamily`), each read from a config at
 - nanochat's final norm applied to the embeddings too (:data:`NORM_BEFORE_LAYERS`; no config
   attribute says it);
 - the final norm under another name than ``model.model.norm`` (LFM2's ``embedding_norm``, which runs
-  after the last layer, and LFM2-MoE's rotary embedding ``pos_emb``: :data:`MODULE_NAMES`);
+  after the last layer, Bamba's ``final_layernorm``, and LFM2-MoE's rotary embedding ``pos_emb``:
+  :data:`MODULE_NAMES`);
 - layers without position embeddings: Lara-Mini's global layers, LFM3's convolutions
   (:data:`NO_POSITION_LAYER_TYPES`),
   every layer of an OLMo Hybrid without a rotary embedding (:data:`ROTARY_OPTIONAL`).
@@ -153,7 +154,7 @@ LAYER_INPUTS = frozenset({"hidden_states", "attention_mask", "position_ids", "po
 #: ``rotary_emb`` (LFM2's ``embedding_norm`` runs after the last layer, not on the embeddings; LFM2-MoE's rotary
 #: embedding is ``pos_emb``): ``{model type: {layout name: the model's name}}``
 MODULE_NAMES = {"lfm2": {"norm": "embedding_norm"}, "lfm2_moe": {"norm": "embedding_norm", "rotary_emb": "pos_emb"},
-                "lfm3": {"norm": "embedding_norm"}}
+                "lfm3": {"norm": "embedding_norm"}, "bamba": {"norm": "final_layernorm"}}
 _LAYOUT = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
 _INNER = frozenset({"embed_tokens", "layers"})
 _OUTER = frozenset({"model", "lm_head"})
