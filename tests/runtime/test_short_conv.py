@@ -148,3 +148,49 @@ def test_what_is_not_built_is_refused(model):
 
     with pytest.raises(ValueError, match="short-convolution .* sequence parallel size 1 only"):
         short_conv_forward(mixer, x, Sharded(spec, KVStore(), "cpu", True))
+
+
+@pytest.mark.parametrize("model_type, tokens, split", [("lfm2", 1024, False), ("lfm3", 512, False),
+                                                       ("lfm2", 512, True)])
+def test_analytic_activation_memory_within_bounds(model_type, tokens, split):
+    """The analytic cost model's activation memory (``planning/mixers.py``'s short convolutions, LFM3's
+    norms after each block) against the step's measured peak of saved tensors, one stage, float32,
+    hidden size 256: within 0.85x-1.05x of the prediction, the bounds of
+    ``tests/runtime/test_analytic_memory.py``; a split sequence keeps the earlier slice's tail."""
+    from transformers import AutoModelForCausalLM
+
+    from concertina_hf.planning import CostModel, DeviceSpec
+
+    torch.manual_seed(0)
+    cfg = cases.model_support.tiny_config(model_type, hidden_size=256, intermediate_size=384)
+    model = AutoModelForCausalLM.from_config(cfg).float()
+    layout = StageLayout.even(model.config.num_hidden_layers, 1)
+    half = tokens // 2
+    spec = (((0, 0, half),), ((0, half, tokens - half),)) if split else (((0, 0, tokens),),)
+    plan = cases.make_plan(layout, "none", spec, (tokens,))
+    ids = [torch.randint(0, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1))]
+    res = PipelineExecutor(PipelineWrapper(model, layout, 0)).run_step(plan, ids)
+    cost = CostModel.from_hf_config(model.config, DeviceSpec.cpu(), dtype_bytes=4, attention_kernel="sdpa-cpu-flash")
+    assert cost.layer_kinds.count("linear") == 2
+    predicted = sum(cost.act_memory(layout, 0, c) for c in plan.chunks)
+    ratio = res.peak_activation_bytes / predicted
+    print(model_type, tokens, split, res.peak_activation_bytes, int(predicted), round(ratio, 3))
+    assert 0.85 <= ratio <= 1.05, (res.peak_activation_bytes, predicted, ratio)
+
+
+def test_the_cost_model_prices_the_convolutions_by_kind():
+    """A ``conv`` layer of an LFM2 config is linear: no context term, a small cost per slice, a
+    ``(k - 1) x hidden`` tail per split slice and no K/V."""
+    from concertina_hf.planning import CostModel, DeviceSpec, Slice
+    from concertina_hf.planning.mixers import layer_kinds
+
+    cfg = cases.model_support.tiny_config("lfm2", hidden_size=256)
+    cost = CostModel.from_hf_config(cfg, DeviceSpec.preset("h100"), dtype_bytes=2)
+    assert cost.layer_kinds == ("linear", "attention") * 2
+    assert cost.lin_state_bytes == 2 * (cfg.conv_L_cache - 1) * 256
+    early, late = [Slice(0, 0, 4096)], [Slice(0, 60000, 4096)]
+    assert cost.linear_layer_time(late) == cost.linear_layer_time(early) < cost.layer_fwd_time(late)
+    # a slice costs a small launch, not a scan call
+    assert 0 < cost.lin_beta_segment < 0.1 * min(cost.linear_layer_time(early), cost.beta)
+    # "conv" names a short convolution only in a config that has one
+    assert layer_kinds({"layer_types": ["conv", "full_attention"]}.get) == ()

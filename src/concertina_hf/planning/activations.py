@@ -98,7 +98,7 @@ SINKS = frozenset({"gpt_oss"})
 ROTARY_COPIES = {"ernie4_5": 4, "ernie4_5_moe": 4, "glm": 4, "glm4": 4, "helium": 4, "ministral3": 1.125}
 #: one rotary per layer type (:class:`concertina_hf.runtime.families.ModelFamily`'s
 #: ``rotary_layer_types``)
-ROTARY_PER_LAYER_TYPE = frozenset({"gemma3_text", "olmo3"})
+ROTARY_PER_LAYER_TYPE = frozenset({"gemma3_text", "olmo3", "lfm3"})
 #: the final norm applied to the embeddings too (``runtime.families.NORM_BEFORE_LAYERS``)
 NORM_BEFORE_LAYERS = frozenset({"nanochat"})
 
@@ -183,6 +183,8 @@ def saved_bytes(get: Callable[[str], Any], dtype_bytes: int, compute_dtype_bytes
     pre, post = NORM_PLACES.get(kind, (2, 0))
     if kind == "stablelm" and get("use_parallel_residual"):
         pre = 1
+    if get("use_sandwich_norm"):  # LFM3: a norm after each block too
+        post = 2
     # ------------------------------------------------------------------ attention
     attn = 0.0
     if get("kv_lora_rank"):  # MLA

@@ -48,7 +48,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 __all__ = ["LINEAR_KIND", "SCAN_CHUNK", "SCAN_KERNELS", "layer_kinds", "linear_layer_fields", "scan_kernel",
-           "ssm_layer_fields"]
+           "short_conv_layer_fields", "ssm_layer_fields"]
 
 #: a layer kind of :attr:`~.cost.CostModel.layer_kinds` (the other: ``"attention"``)
 LINEAR_KIND = "linear"
@@ -59,6 +59,12 @@ SCAN_CHUNK = 64
 SEGMENT_CALL_SHARE = 0.5
 #: the scan kernels the analytic model knows
 SCAN_KERNELS = ("fla", "torch")
+#: the ``config.layer_types`` entry of LFM2's short convolutions
+SHORT_CONV_LAYER_TYPE = "conv"
+#: a slice's fixed cost in a short-convolution layer, in layer calls (``DeviceSpec.kernel_overhead_s``):
+#: the zeros of its head, one of a layer's ~20 launches (the concatenations and the convolution are one
+#: call over the chunk)
+SHORT_CONV_SLICE_SHARE = 0.05
 
 
 def scan_kernel(attention_kernel: str | None) -> str:
@@ -69,12 +75,14 @@ def scan_kernel(attention_kernel: str | None) -> str:
 
 
 def layer_kinds(get: Callable[[str], Any]) -> tuple[str, ...]:
-    """Each decoder layer's kind from ``config.layer_types`` (``linear_attention``: linear, any
-    other: attention); empty when no layer is linear (an attention model's cost model unchanged)."""
+    """Each decoder layer's kind from ``config.layer_types`` (``linear_attention``, and ``conv`` in a
+    config with ``conv_L_cache`` (LFM2's short convolutions): linear, any other: attention); empty
+    when no layer is linear (an attention model's cost model unchanged)."""
     types = get("layer_types")
-    if not isinstance(types, (list, tuple)) or "linear_attention" not in types:
+    linear = {"linear_attention"} | ({SHORT_CONV_LAYER_TYPE} if get("conv_L_cache") is not None else set())
+    if not isinstance(types, (list, tuple)) or not linear & {str(t) for t in types}:
         return ()
-    return tuple(LINEAR_KIND if str(t) == "linear_attention" else "attention" for t in types)
+    return tuple(LINEAR_KIND if str(t) in linear else "attention" for t in types)
 
 
 def linear_layer_fields(get: Callable[[str], Any], flops: float, mem_bandwidth: float, kernel_overhead_s: float,
@@ -89,6 +97,9 @@ def linear_layer_fields(get: Callable[[str], Any], flops: float, mem_bandwidth: 
     kinds = layer_kinds(get)
     if not kinds:
         return {}
+    if get("conv_L_cache") is not None:  # LFM2's short convolutions
+        return short_conv_layer_fields(get, flops, mem_bandwidth, kernel_overhead_s, dtype_bytes,
+                                       compute_dtype_bytes, attention_layer_bytes, mlp_width)
     if get("mamba_d_state") is not None:  # the linear_attention layers are Mamba2's
         return ssm_layer_fields(get, flops, mem_bandwidth, kernel_overhead_s, dtype_bytes, compute_dtype_bytes,
                                 attention_layer_bytes, mlp_width, attention_kernel)
@@ -212,4 +223,43 @@ def ssm_layer_fields(get: Callable[[str], Any], flops: float, mem_bandwidth: flo
         lin_act_bytes_per_slice=float(per_slice),
         lin_scan_chunk=c if pad_bytes else 0,
         lin_pad_bytes_per_token=float(pad_bytes),
+    )
+
+
+def short_conv_layer_fields(get: Callable[[str], Any], flops: float, mem_bandwidth: float, kernel_overhead_s: float,
+                            dtype_bytes: int, compute_dtype_bytes: int | None, attention_layer_bytes: float,
+                            mlp_width: int) -> dict[str, Any]:
+    """The :class:`~.cost.CostModel` fields of a config's LFM2 short convolutions (the ``conv``
+    entries of ``layer_types``; ``{}``: none), as :func:`linear_layer_fields`. Reads ``hidden_size``,
+    ``conv_L_cache`` (the convolution's width ``k``), ``conv_bias``.
+
+    A layer: ``in_proj`` (``hidden -> 3 hidden``: ``B, C, x``), ``B * x`` through a depthwise causal
+    convolution of width ``k``, ``C`` times its output, ``out_proj``; one convolution call over the
+    chunk (``concertina_hf.runtime.short_conv``). Time: its matmuls and the convolution, linear in
+    tokens; per slice its head's ``k - 1`` columns and a few launches (:data:`SHORT_CONV_SLICE_SHARE`).
+    Saved per token: its input, ``in_proj``'s output (``B``, ``C``, ``x``: one tensor), the
+    convolution's input and output, ``out_proj``'s input (7 ``hidden``-wide tensors); the MLP and the
+    norms as an attention layer's. A non-final slice keeps the convolution's last ``k - 1`` inputs."""
+    kinds = layer_kinds(get)
+    if not kinds:
+        return {}
+    r = int(dtype_bytes)
+    a = int(compute_dtype_bytes or dtype_bytes)
+    h = int(get("hidden_size"))
+    k = int(get("conv_L_cache") or 3)
+    bias = bool(get("conv_bias"))
+    mixer_params = 4 * h * h + k * h + (5 * h if bias else 0)
+    params = mixer_params + 3 * h * mlp_width + 2 * h
+    conv_flops = 2 * k * h + 2 * h  # the convolution, the two gates
+    act = max(0.0, attention_layer_bytes - _attention_part(get, a, h)) + 7 * a * h
+    elementwise = r * (10 * h + 4 * mlp_width) + r * 6 * h  # norms, residuals, MLP; the gates, the convolution
+    per_token = (2.0 * params + conv_flops) / flops + elementwise / mem_bandwidth
+    return dict(
+        layer_kinds=kinds,
+        lin_alpha_tok=per_token,
+        lin_beta_segment=SHORT_CONV_SLICE_SHARE * kernel_overhead_s + (k - 1) * (conv_flops / flops + 2 * r * h
+                                                                                  / mem_bandwidth),
+        lin_act_bytes_per_token=float(act),
+        lin_state_bytes=float(a * (k - 1) * h),
+        lin_layer_params=int(params),
     )
