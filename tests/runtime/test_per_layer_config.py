@@ -123,3 +123,12 @@ def test_cost_model_reads_each_layer():
     assert [row[0] for row in cost.layer_scales] == [1.0, 2.0, 1.0, 2.0]
     assert [row[3] for row in cost.layer_scales] == [1.0, 2.0, 1.0, 2.0]
     assert CostModel.from_hf_config(cfg.to_dict(), dtype_bytes=4) == cost
+
+
+def test_composite_gemma4_trains_its_language_model_as_its_forward():
+    """Gemma4ForConditionalGeneration on text (runtime/composite.py): its language model through the
+    pipeline against the composite's own forward, which soft-caps the logits as gemma4_text's does."""
+    row = model_support.check_type("gemma4", final_logit_softcapping=2.0)
+    assert row["verdict"] == "supported" and row["class"] == "Gemma4ForConditionalGeneration", row
+    for loss, grad in (row["pp1"], row["pp2"]):
+        assert loss < LOSS_TOL and grad < GRAD_TOL, row

@@ -12,7 +12,7 @@ Every refusal of the text type still applies (:func:`~.families.inspect_model` s
 
 :data:`COMPOSITE_TYPES` lists the composite model types whose text-only ``forward`` has been
 checked against the view (Gemma3, Mistral3, Qwen3.5, Llama 4, whose language model is a whole causal LM at
-``language_model``; its inputs for other modalities: :attr:`CompositeLayout.other_inputs`,
+``language_model``, Gemma 4, whose forward soft-caps the logits as its text type's; its inputs for other modalities: :attr:`CompositeLayout.other_inputs`,
 refused in a batch by :func:`refuse_other_modalities`). Checkpoint names: a composite's files may
 name tensors otherwise than its modules (Gemma3's ``language_model.model.layers.0...`` for the
 module ``model.language_model.layers.0...``); :func:`module_names` and :func:`saved_names` apply
@@ -46,6 +46,9 @@ class CompositeLayout:
     lm_head: str = "lm_head"
     #: batch entries that carry another modality (refused: the pipeline runs the text model only)
     other_inputs: tuple[str, ...] = ("pixel_values",)
+    #: the composite's forward soft-caps the logits by ``text_config.final_logit_softcapping`` (Gemma 4),
+    #: as its text type's does; otherwise such a cap is refused
+    softcaps_logits: bool = False
 
     def text_key(self, module_key: str) -> str | None:
         """The view's name of a composite module's tensor (``None``: not the language model's or head's)."""
@@ -67,6 +70,10 @@ COMPOSITE_TYPES = {
     # a Llama4ForCausalLM inside: chunked attention and MoE layers, supported as llama4_text is
     "llama4": CompositeLayout("llama4", language_model="language_model.model", lm_head="language_model.lm_head",
                               other_inputs=("pixel_values", "mm_encoder_outputs", "inputs_embeds")),
+    # Gemma 4: per-layer inputs computed by its language model from the token ids, as gemma4_text's
+    "gemma4": CompositeLayout("gemma4", other_inputs=("pixel_values", "pixel_values_videos", "input_features",
+                                                      "mm_encoder_outputs", "inputs_embeds", "per_layer_inputs"),
+                              softcaps_logits=True),
 }
 #: what the pipeline gets in a text batch: any other entry of the composite's forward is refused
 _TEXT_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "labels", "use_cache", "cache",
@@ -107,6 +114,9 @@ class TextView(nn.Module):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=use_cache, **kwargs)
         logits = self.lm_head(out.last_hidden_state)
+        cap = getattr(self.config, "final_logit_softcapping", None) if self.layout.softcaps_logits else None
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         loss = None
         if labels is not None:
             loss = ForCausalLMLoss(logits, labels, self.config.vocab_size, num_items_in_batch=num_items)
@@ -154,6 +164,8 @@ def text_view(model: nn.Module) -> TextView | None:
 
     text = model.config.get_text_config()
     for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        if name == "final_logit_softcapping" and layout.softcaps_logits:
+            continue
         if getattr(text, name, None) is not None:
             raise UnsupportedModelError(
                 f"model type {layout.model_type!r} ({type(model).__name__}): its text_config.{name} is "
