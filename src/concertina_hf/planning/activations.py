@@ -48,6 +48,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .mixers import indexed_pair_bytes
+
 __all__ = ["KERNEL_KINDS", "SavedBytes", "saved_bytes"]
 
 #: how a model type's norms save (besides their output), ``w`` the width, ``d`` the bytes of the
@@ -288,6 +290,6 @@ def saved_bytes(get: Callable[[str], Any], dtype_bytes: int, compute_dtype_bytes
     head_bwd = 8 * vocab + (a * vocab if a != 4 else 0) + capped + 2 * r * h
     return SavedBytes(layer=float(layer), head=float(head), stage=float(stage), output=float(r * h),
                       layer_input=float(r * h), kv=float(a * (k_dim + v_kept)), context=float(context),
-                      pair=float(pair), layer_bwd=float(layer_bwd),
+                      pair=float(pair) + indexed_pair_bytes(get, a), layer_bwd=float(layer_bwd),
                       pair_bwd=float(n_heads * (8 + (a if a != 4 else 0))) if pair else 0.0,
                       head_bwd=float(head_bwd), logits_grad=float(a * vocab))

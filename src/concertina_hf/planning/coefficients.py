@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from .activations import saved_bytes
-from .mixers import linear_layer_fields
+from .mixers import indexer_pair_flops, linear_layer_fields
 from .types import PlanError
 
 __all__ = ["DEVICE_PRESETS", "ChunkShape", "DeviceSpec", "ProfileSample", "analytic_coefficients",
@@ -334,7 +334,7 @@ def _layer_terms(get: Callable[[str], Any], dev: DeviceSpec, b: int) -> tuple[fl
     layer_params = h * (q_dim + 2 * kv_dim) + q_dim * h + 3 * h * inter + 2 * h
     # matmul FLOPs per token: 2 per weight; attention: QK^T and AV, 2 FLOPs each per
     # (query, key, head_dim) -> 4 * q_dim per pair; attn_pairs counts pairs twice.
-    alpha_attn = 2.0 * q_dim / dev.flops
+    alpha_attn = (2.0 * q_dim + indexer_pair_flops(get)) / dev.flops  # an indexed layer's indexer too (mixers.py)
     elementwise_bytes = b * (10 * h + 4 * inter)  # norms, residuals, rotary, activation
     alpha_tok = 2.0 * layer_params / dev.flops + elementwise_bytes / dev.mem_bandwidth
     return alpha_attn, alpha_tok, layer_params

@@ -47,7 +47,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["LINEAR_KIND", "SCAN_CHUNK", "SCAN_KERNELS", "layer_kinds", "linear_layer_fields", "scan_kernel",
+__all__ = ["LINEAR_KIND", "SCAN_CHUNK", "SCAN_KERNELS", "indexed_pair_bytes", "indexer_pair_flops",
+           "layer_kinds", "linear_layer_fields", "scan_kernel",
            "short_conv_layer_fields", "ssm_layer_fields"]
 
 #: a layer kind of :attr:`~.cost.CostModel.layer_kinds` (the other: ``"attention"``)
@@ -152,6 +153,37 @@ def linear_layer_fields(get: Callable[[str], Any], flops: float, mem_bandwidth: 
         lin_state_bytes=float(4 * hv * dk * dv + a * (width - 1) * conv_dim),
         lin_layer_params=int(params),
     )
+
+
+def indexer_pair_flops(get: Callable[[str], Any]) -> float:
+    """Top-k indexed attention (``indexed_attention`` layers, ``concertina_hf.runtime.attention.indexed``):
+    the indexer's FLOPs per score entry, in the units of an attention layer's ``2 * q_dim`` (the
+    analytic ``alpha_attn`` times the device's FLOPs), averaged over the decoder layers; 0 without
+    such layers. The indexer scores each (query, key) entry forward only (HF runs it without
+    gradient), ``2 * H_idx * (D_idx + 1)`` FLOPs, where ``alpha_attn`` prices two entries and twice
+    more in backward: a sixth of that per entry. The attention itself runs dense over the keys, the
+    selection as its mask (no sparse kernel), so costs an attention layer's. GLM's ``"shared"``
+    layers reuse another layer's selection and run no indexer."""
+    types = list(get("layer_types") or ())
+    if "indexed_attention" not in types:
+        return 0.0
+    kinds = list(get("indexer_types") or ())
+    running = sum(1 for i, t in enumerate(types) if t == "indexed_attention"
+                  and (i >= len(kinds) or kinds[i] != "shared"))
+    heads, dim = int(get("index_n_heads") or 0), int(get("index_head_dim") or 0)
+    return 2.0 * heads * (dim + 1) / 6.0 * running / len(types)
+
+
+def indexed_pair_bytes(get: Callable[[str], Any], compute_bytes: int) -> float:
+    """Bytes an ``indexed_attention`` layer saves per score entry of a slice (``s x (C + s)``): the
+    selection, which SDPA keeps as a mask of the compute dtype for backward (averaged over the
+    layers), and GLM's boolean selection per ``"full"`` layer while the chunk lives; 0 without."""
+    types = list(get("layer_types") or ())
+    if "indexed_attention" not in types:
+        return 0.0
+    kinds = list(get("indexer_types") or ())
+    full = sum(1 for i, t in enumerate(types) if t == "indexed_attention" and i < len(kinds) and kinds[i] == "full")
+    return (compute_bytes * sum(t == "indexed_attention" for t in types) + full) / len(types)
 
 
 def _attention_part(get: Callable[[str], Any], a: int, h: int) -> float:
