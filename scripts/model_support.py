@@ -75,6 +75,8 @@ ALWAYS = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "n_routed_ex
           *OUTSIDE)
 
 
+#: a Mamba2 mixer's sizes at hidden 64 (mamba_expand 2: 4 heads of 32)
+MAMBA2_SIZES = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=16)
 #: settings of a type whose default config would leave a feature idle at the tiny sizes: Llama 4's
 #: chunks of 8 tokens (below the batch's lengths, not dividing its slice boundaries 12 and 22),
 #: rotary / chunked and NoPE / full layers alternating as its config derives them, and the NoPE
@@ -88,7 +90,11 @@ TINY_TYPE_SETTINGS = {"llama4_text": dict(attention_chunk_size=8, no_rope_layers
                       # GLM's "shared" layers reuse the previous "full" layer's selection (each stage of 2
                       # layers starts at a "full" one)
                       "glm_moe_dsa": dict(index_topk=8, index_head_dim=16, index_n_heads=8,
-                                          indexer_types=["full", "shared"] * 2)}
+                                          indexer_types=["full", "shared"] * 2),
+                      # Mamba2 layers beside attention layers: 4 heads of 32 in 2 groups, scan chunks of 16 (the
+                      # split slices start off a chunk's edge); Bamba's layer types derive from attn_layer_indices
+                      "bamba": dict(attn_layer_indices=[1, 3], **MAMBA2_SIZES),
+                      "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"] * 2, **MAMBA2_SIZES)}
 
 #: the layer kinds of model types whose default config does not name each of them (LFM2's default
 #: has only attention layers, LFM2-MoE's none: its layers would not build)
