@@ -132,3 +132,13 @@ def test_composite_gemma4_trains_its_language_model_as_its_forward():
     assert row["verdict"] == "supported" and row["class"] == "Gemma4ForConditionalGeneration", row
     for loss, grad in (row["pp1"], row["pp2"]):
         assert loss < LOSS_TOL and grad < GRAD_TOL, row
+
+
+def test_the_profiler_refuses_per_layer_inputs():
+    from concertina_hf.runtime.probe import build_probe
+
+    model = _model()
+    for target in (model, PipelineWrapper(copy.deepcopy(model), StageLayout.even(4, 2), 1)):
+        with pytest.raises(ValueError, match="the profiler does not measure layers fed per-layer inputs or shared "
+                                             "K/V .*set concertina_cost_model='analytic'"):
+            build_probe(target)

@@ -70,6 +70,7 @@ from .attention import (
 )
 from .memory import CudaPeakMeter, LiveTensorMeter
 from .families import ModelFamily, inspect_model
+from .per_layer import PER_LAYER_TYPES
 from .stage import PipelineWrapper
 
 __all__ = ["Probe", "build_probe"]
@@ -410,10 +411,21 @@ def build_probe(model_or_wrapper: Any, num_layers: int | None = None, device: An
     if isinstance(model_or_wrapper, Probe):
         pr = model_or_wrapper
     else:
+        _refuse_per_layer_inputs(model_or_wrapper)
         pr = _probe_modules(model_or_wrapper, num_layers, device)
     if autocast_dtype == "caller":
         autocast_dtype = _caller_autocast(pr.device.type)
     return dataclasses.replace(pr, amp=autocast_dtype)
+
+
+def _refuse_per_layer_inputs(model_or_wrapper: Any) -> None:
+    """The probe feeds its layers hidden states alone: Gemma 4's per-layer inputs and shared K/V
+    (:mod:`.per_layer`) are not measured."""
+    inner = getattr(getattr(model_or_wrapper, "model", None), "model", None)
+    kind = str(getattr(getattr(model_or_wrapper, "config", None), "model_type", "") or "")
+    if kind in PER_LAYER_TYPES or getattr(inner, "embed_tokens_per_layer", None) is not None:
+        raise ValueError(f"model type {kind!r}: the profiler does not measure layers fed per-layer inputs or shared "
+                         "K/V (runtime/per_layer.py); set concertina_cost_model='analytic'")
 
 
 def _layer_idx(layer: nn.Module) -> int:
