@@ -250,3 +250,15 @@ def test_activation_memory_within_bounds_of_the_analytic_count(model_type, split
     cost = CostModel.from_hf_config(m.config, DeviceSpec.cpu(), dtype_bytes=4, attention_kernel="sdpa-cpu-flash")
     ratio = res.peak_activation_bytes / sum(cost.act_memory(layout, 0, c) for c in plan.chunks)
     assert 0.8 <= ratio <= 1.05, ratio
+
+
+def test_layout_auto_leaves_sequence_parallelism_out(model, tmp_path):
+    from concertina_hf import ConcertinaTrainingArguments
+    from concertina_hf.planning.layouts import Layout
+    from concertina_hf.training import auto_layout
+
+    args = ConcertinaTrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    refused = auto_layout._runtime_refusals(args, model, 4)
+    assert set(refused) == {Layout(1, 2, 2), Layout(2, 2, 1), Layout(1, 4, 1)}
+    assert all("indexed (top-k sparse) attention runs with sequence parallel size 1 only" in why
+               for why in refused.values())

@@ -204,6 +204,13 @@ def _runtime_refusals(args: ConcertinaTrainingArguments, model: torch.nn.Module,
         why = sequence_parallel_refusal(config, sp, args.sequence_parallel_mode)
         out.update({Layout(pp, sp, world // (pp * sp)): f"refused: {why}" for pp in range(1, world + 1)
                     if why is not None and world % (pp * sp) == 0})
+    from ..integrations.peft import base_model_of
+    from ..runtime.attention.indexed import sequence_parallel_refusal as indexed_sp_refusal
+
+    for sp in range(2, world + 1):  # top-k indexed attention: sp = 1 only (runtime/attention/indexed.py)
+        why = indexed_sp_refusal(base_model_of(model).config, sp)
+        out.update({Layout(pp, sp, world // (pp * sp)): f"refused: {why}" for pp in range(1, world + 1)
+                    if why is not None and world % (pp * sp) == 0})
     if not args.concertina_shard_parameters or not ties_embeddings(model):
         return out
     return {**out, **{Layout(1, sp, world // sp): f"refused: {TIED_EMBEDDINGS_REFUSAL}"
