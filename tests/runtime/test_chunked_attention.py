@@ -13,7 +13,10 @@ hybrid chunk (the tail plus sequence 1 whole) and a packed chunk (sequences 2, 3
   (``model_support.run_sequential``) under recompute none / partial / full against HF on the
   right-padded batch: loss 1e-5, every gradient 1e-4; with the chunks or the temperature ignored
   the same comparison fails.
+- **The other kernels**: the CUDA varlen layout of the pieces (through a CPU stand-in of torch's
+  ``varlen_attn``), per-segment SDPA and eager, against HF.
 - **No leak between documents** of the packed and the hybrid chunk.
+- **output_router_logits**: Llama 4 adds no router loss; accepted.
 - **The pieces**: a slice's pieces and their keys (``ChunkAttentionContext.chunked``).
 - **Refusals**: sequence parallelism (named), a window with chunks.
 - **Cost**: a chunked layer's attention term is that of the pairs within the chunk (linear in a
@@ -200,3 +203,44 @@ def test_output_router_logits_adds_nothing_to_llama4s_loss(model):
         a = model(input_ids=ids[0][None], labels=labels[0][None], use_cache=False).loss
         b = flagged(input_ids=ids[0][None], labels=labels[0][None], use_cache=False, output_router_logits=True)
     assert b.router_logits is not None and torch.equal(a, b.loss)
+
+
+def _varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=(-1, 0), enable_gqa=False):
+    """torch's ``varlen_attn`` on CPU (FlashAttention-2's bottom-right causal convention, densely):
+    segment ``i`` is queries ``cu_q[i]:cu_q[i+1]`` against keys ``cu_k[i]:cu_k[i+1]``."""
+    assert window_size == (-1, 0) and (enable_gqa or k.shape[1] == q.shape[1])
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    outs = []
+    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(cu_q) - 1):
+        qs, ks, vs = q[cu_q[i]:cu_q[i + 1]], k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]]
+        allowed = torch.ones(qs.shape[0], ks.shape[0], dtype=torch.bool).tril(ks.shape[0] - qs.shape[0])
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        outs.append(torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), vs))
+    return torch.cat(outs, dim=0)
+
+
+@pytest.mark.parametrize("kernel", ["torch-varlen", "sdpa-per-segment", "eager-per-segment"])
+def test_the_other_kernels_take_the_pieces(model, monkeypatch, kernel):
+    """The CUDA varlen layout of the pieces (``cu_seqlens`` of the chunked view, its keys), through
+    a CPU stand-in of torch's ``varlen_attn``, and the per-segment SDPA and eager paths: HF's loss
+    and gradients at pp=1 (the real CUDA kernels: not run on this machine)."""
+    from concertina_hf.runtime.attention import kernels, varlen
+
+    monkeypatch.setattr(kernels, "choose_kernel", lambda *a, **k: kernel)
+    calls = []
+
+    def stand_in(*args, **kw):
+        calls.append(args[4].tolist())  # cu_seqlens_k
+        return _varlen_stand_in(*args, **kw)
+
+    monkeypatch.setattr(varlen, "torch_varlen", lambda: (stand_in, frozenset({"scale", "window_size", "enable_gqa"})))
+    ids, labels = _batch()
+    ref_loss, ref_grads = cases.padded_reference(model, ids, labels)
+    loss, grads = _pp1(model, ids, labels, "partial")
+    errors = cases.gradient_errors([(k, _Grad(g)) for k, g in grads.items()], ref_grads)
+    _, failures = cases.check_case(kernel, loss, ref_loss, errors, mixer_params=())
+    assert failures == []
+    # the slice at 12 (7 tokens) on a chunked layer: its pieces 12..15 (keys from 8) and 16..18
+    assert (kernel == "torch-varlen") == ([0, 8, 11] in calls)
