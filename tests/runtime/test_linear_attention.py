@@ -10,7 +10,8 @@ and without rotary embeddings, Lara-Mini).
   none / partial / full against HF on the right-padded batch, loss 1e-5 and every gradient 1e-4;
   ``A_log``, ``dt_bias`` and the convolution weights of both linear layers among them; a
   forward-only step gives the same loss.
-- **The self-check** at construction passes for it.
+- **The self-check** at construction passes for it; its recurrent probe catches a convolution tail
+  that misses the tail a 2-token slice received, which the attention models' probe does not.
 - **The analytic activation memory** of the linear layers (``planning/mixers.py``, HF's torch
   scan) within 0.85x-1.05x of the measured peak of saved tensors (a whole sequence and a split one).
 - **Refusals**: other hybrid families keep theirs (naming the layer type); whole-doc / per-doc
@@ -112,6 +113,35 @@ def test_the_self_check_passes(model):
     types = list(m.config.layer_types)
     assert probe_layers(m) == max(2, 1 + max(types.index(t) for t in types))  # every kind of layer
     check_model(m)
+
+
+def test_the_self_check_probes_a_slice_shorter_than_the_convolution_window(monkeypatch):
+    """A convolution tail cut to its own slice's tokens (zeros where a slice shorter than the
+    window should take the rest from the tail it received) passes HF's check on whole slices of
+    10 tokens and more, but not the probe of recurrent models: its 2-token slice is caught."""
+    from concertina_hf.runtime import linear_attention
+    from concertina_hf.training import self_check
+    from concertina_hf.training.self_check import PROBE, SelfCheckError, check_model, probe_for
+
+    model = cases.build_model("qwen3_next")
+    probe = probe_for(model)
+    assert probe != PROBE and probe.lengths[0] > 2 * 64 and min(n for c in probe.chunks for _, _, n in c) == 2
+    real = linear_attention.per_document_conv
+
+    def own_tokens_only(mixed, ctx, layer, width, conv, state="state"):
+        out = real(mixed, ctx, layer, width, conv, state)
+        for i, s in enumerate(ctx.slices):
+            if i in out.tails and s.length < width:
+                out.tails[i] = torch.cat([torch.zeros_like(out.tails[i][..., s.length:]),
+                                          out.tails[i][..., width - s.length:]], dim=-1)
+        return out
+
+    monkeypatch.setattr(linear_attention, "per_document_conv", own_tokens_only)
+    with pytest.raises(SelfCheckError, match="slice losses differ on 2 of 8 probe slices.*worst: loss of sequence 0, "
+                                             "tokens 69:119"):
+        check_model(copy.deepcopy(model))
+    monkeypatch.setattr(self_check, "probe_for", lambda m: PROBE)  # the attention models' probe misses it
+    check_model(copy.deepcopy(model))
 
 
 def test_what_is_not_built_is_refused(model):

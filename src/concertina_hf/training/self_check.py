@@ -15,7 +15,11 @@ replica 0 (global rank 0):
 1. **Probe.** Four random sequences (24, 7, 5 and 6 tokens, ids from a fixed seed) in three
    chunks: a *split* chunk (the first 10 tokens of sequence 0), a *hybrid* chunk (its other 14
    tokens, which attend to the first 10 through the stored K/V, plus sequence 1 whole), and a
-   *packed* chunk (sequences 2 and 3), the hybrid chunk's first layer recomputed in backward.
+   *packed* chunk (sequences 2 and 3), the hybrid chunk's first layer recomputed in backward
+   (:data:`PROBE`). A model with recurrent or convolutional mixers gets a longer probe
+   (:func:`recurrent_probe`: a sequence over two scan chunks split at non-multiples of the scan
+   chunk, a slice shorter than a convolution window, three short packed documents; every chunk
+   reading an earlier slice recomputes its first layer).
    The model runs in its dtype on the training device (only the probed modules are moved there,
    and back: a model still on the CPU when the trainer is built is not copied whole to the GPU),
    in eval mode (no dropout), through a shallow prefix of its decoder layers: the shortest one holding every kind of layer the model has
@@ -46,7 +50,7 @@ Mixtral router loss with the default coefficient adds ``5e-4`` relative).
 Nothing of the model changes: weights are only read, gradients and ``requires_grad`` flags,
 train/eval mode, the attention implementation, the layer list and every random generator state
 are restored. Cost: 6 forwards and 5 backwards of at most 42 tokens through the prefix layers,
-the embedding and the head, on rank 0 only (``benchmarks`` / CHANGELOG give the measured share of
+the embedding and the head (the recurrent probe: about 10 and 9 of at most ``2 c + 22``), on rank 0 only (``benchmarks`` / CHANGELOG give the measured share of
 ``ConcertinaTrainer`` start-up); the other ranks wait for the verdict.
 ``concertina_self_check=False`` skips it.
 """
@@ -67,13 +71,50 @@ from ..runtime.distributed import Topology, on_every_rank
 from ..runtime.families import final_norm
 from ..planning import Chunk, ChunkKind, Plan, Slice, StageLayout, build_schedule
 
-__all__ = ["PROBE_CHUNKS", "PROBE_LENGTHS", "SelfCheckError", "check_model", "probe_layers", "self_check"]
+__all__ = ["PROBE", "Probe", "SelfCheckError", "check_model", "probe_for", "probe_layers", "self_check"]
 
 logger = logging.getLogger(__name__)
 
-PROBE_LENGTHS = (24, 7, 5, 6)
-#: (seq, start, length) per chunk: split, hybrid (tail + whole sequence), packed
-PROBE_CHUNKS = (((0, 0, 10),), ((0, 10, 14), (1, 0, 7)), ((2, 0, 5), (3, 0, 6)))
+
+
+@dataclass(frozen=True)
+class Probe:
+    """The probe batch: sequence lengths, and per chunk its ``(seq, start, length)`` slices."""
+
+    lengths: tuple[int, ...]
+    chunks: tuple[tuple[tuple[int, int, int], ...], ...]
+
+    def recomputed(self, i: int) -> bool:
+        """Chunk ``i`` recomputes its first layer: every chunk with a slice reading an earlier one."""
+        return any(start > 0 for _, start, _ in self.chunks[i])
+
+
+#: attention models: split, hybrid (tail + whole sequence), packed
+PROBE = Probe((24, 7, 5, 6), (((0, 0, 10),), ((0, 10, 14), (1, 0, 7)), ((2, 0, 5), (3, 0, 6))))
+
+
+def recurrent_probe(scan_chunk: int) -> Probe:
+    """Models with recurrent or convolutional mixers: a sequence longer than two scan chunks of
+    ``scan_chunk`` tokens, split at tokens ``c + 3``, ``c + 5`` and ``2 c - 9`` (none a multiple of
+    ``c``; the second slice, 2 tokens, shorter than a convolution window, so the third reads two
+    slices back), its tail in a hybrid chunk with a whole sequence, and a packed chunk of three short
+    documents (the last, 3 tokens, shorter than a window)."""
+    c = scan_chunk
+    return Probe((2 * c + 22, 7, 5, 6, 3), (((0, 0, c + 3),), ((0, c + 3, 2),), ((0, c + 5, c - 14),),
+                                          ((0, 2 * c - 9, 31), (1, 0, 7)), ((2, 0, 5), (3, 0, 6), (4, 0, 3))))
+
+
+def probe_for(model: nn.Module) -> Probe:
+    """:data:`PROBE`, or :func:`recurrent_probe` for a model whose decoder layers mix tokens with a
+    convolution or a recurrent state (a ``Conv1d``, or ``linear_attention`` in ``config.layer_types``),
+    its scan chunk from the config (``chunk_size`` / ``mamba_chunk_size``; 64, HF's Gated DeltaNet
+    torch scan's, by default)."""
+    types = getattr(model.config, "layer_types", None) or ()
+    if "linear_attention" not in types and not any(isinstance(m, nn.Conv1d) for m in model.model.layers.modules()):
+        return PROBE
+    chunk = max(int(getattr(model.config, n, 0) or 0) for n in ("chunk_size", "mamba_chunk_size"))
+    return recurrent_probe(chunk or 64)
+
 _PROBE_SEED = 20240917
 _TOL = {torch.float32: (1e-4, 1e-3), torch.float64: (1e-4, 1e-3)}
 _TOL_LOW = (5e-2, 2e-1)  # bfloat16 / float16
@@ -137,7 +178,8 @@ def check_model(model: nn.Module, device: torch.device | str | None = None,
         dev = home
     dtype = next(hf.parameters()).dtype
     loss_tol, grad_tol = _TOL.get(dtype, _TOL_LOW)
-    ids, labels = _probe_batch(int(hf.config.vocab_size), dev)
+    probe = probe_for(hf)
+    ids, labels = _probe_batch(probe, int(hf.config.vocab_size), dev)
     with _preserved(hf, home), torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), \
             without_router_logits(hf, router_aux_loss is not None):
         k = probe_layers(hf)
@@ -152,10 +194,10 @@ def check_model(model: nn.Module, device: torch.device | str | None = None,
         hf.train()
         aux = _auxiliary_loss_finding(hf, ids, labels)
         hf.eval()
-        hf_slices, hf_grads = _hf_reference(hf, ids, labels, checked)
+        hf_slices, hf_grads = _hf_reference(probe, hf, ids, labels, checked)
         for p in checked.values():
             p.grad = None
-        rt_slices, rt_grads = _runtime(model, ids, labels, k, checked)
+        rt_slices, rt_grads = _runtime(probe, model, ids, labels, k, checked)
     problems: list[str] = []
     if aux is not None:
         problems.append(
@@ -207,19 +249,19 @@ def probe_layers(model: nn.Module) -> int:
     return min(len(layers), max(2, max(first.values(), default=0) + 1))
 
 
-def _probe_batch(vocab: int, dev: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _probe_batch(probe: Probe, vocab: int, dev: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     g = torch.Generator().manual_seed(_PROBE_SEED)
-    ids = [torch.randint(0, vocab, (n,), generator=g).to(dev) for n in PROBE_LENGTHS]
+    ids = [torch.randint(0, vocab, (n,), generator=g).to(dev) for n in probe.lengths]
     labels = [t.clone() for t in ids]
     return ids, labels
 
 
-def _slice_groups() -> dict[str, tuple[int, int, int]]:
+def _slice_groups(probe: Probe) -> dict[str, tuple[int, int, int]]:
     """Name -> (seq, first token, end token) of each probe slice; its targets are its tokens'."""
     out = {}
-    for chunk in PROBE_CHUNKS:
+    for chunk in probe.chunks:
         for seq, start, length in chunk:
-            n = PROBE_LENGTHS[seq]
+            n = probe.lengths[seq]
             name = (f"sequence {seq} ({n} tokens)" if length == n else
                     f"sequence {seq}, tokens {start}:{start + length} (after {start} tokens of context in an "
                     "earlier chunk)" if start else f"sequence {seq}, tokens {start}:{start + length} (split)")
@@ -259,7 +301,7 @@ def _auxiliary_loss_finding(model: nn.Module, ids: Sequence[torch.Tensor],
     return _Finding("sequence 0", ce, hf)
 
 
-def _hf_reference(model: nn.Module, ids: Sequence[torch.Tensor], labels: Sequence[torch.Tensor],
+def _hf_reference(probe: Probe, model: nn.Module, ids: Sequence[torch.Tensor], labels: Sequence[torch.Tensor],
                   checked: dict[str, nn.Parameter]) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     """Per-slice loss sums and the checked parameters' gradients of HF's model on each sequence alone."""
     total = sum(int((lab[1:] != -100).sum()) for lab in labels)
@@ -270,14 +312,14 @@ def _hf_reference(model: nn.Module, ids: Sequence[torch.Tensor], labels: Sequenc
         (losses.sum() / total).backward()
         per_token.append(losses.detach())
     slices = {}
-    for name, (seq, a, b) in _slice_groups().items():
+    for name, (seq, a, b) in _slice_groups(probe).items():
         # token t of [a, b) predicts label t + 1; the sequence's last token predicts nothing
-        slices[name] = float(per_token[seq][a:min(b, PROBE_LENGTHS[seq] - 1)].sum())
+        slices[name] = float(per_token[seq][a:min(b, probe.lengths[seq] - 1)].sum())
     grads = {n: p.grad.detach().clone() for n, p in checked.items() if p.grad is not None}
     return slices, grads
 
 
-def _runtime(model: nn.Module, ids: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], k: int,
+def _runtime(probe: Probe, model: nn.Module, ids: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], k: int,
              checked: dict[str, nn.Parameter]) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The same through the runtime, in one training run of the executor: the stage's head is
     also called, without gradient, on each slice's targets alone to give the per-slice losses."""
@@ -287,13 +329,14 @@ def _runtime(model: nn.Module, ids: Sequence[torch.Tensor], labels: Sequence[tor
     layout = StageLayout.even(k, 1)
     wrapper, _ = pipeline_stage(model, layout, 0)  # a PeftModel: its HF model, adapters in place
     executor = PipelineExecutor(wrapper)
-    plan = _probe_plan(layout, num_recompute=1)
-    names = list(_slice_groups())
+    plan = _probe_plan(probe, layout, num_recompute=1)
+    groups = _slice_groups(probe)
+    names = list(groups)
     per_chunk = []  # per chunk: (slice name, its token range in the chunk)
-    for chunk in PROBE_CHUNKS:
+    for chunk in probe.chunks:
         spans, offset = [], 0
         for seq, start, length in chunk:
-            spans.append((names.index(next(n for n, g in _slice_groups().items() if g == (seq, start, start + length))),
+            spans.append((names.index(next(n for n, g in groups.items() if g == (seq, start, start + length))),
                           offset, offset + length))
             offset += length
         per_chunk.append(spans)
@@ -318,14 +361,15 @@ def _runtime(model: nn.Module, ids: Sequence[torch.Tensor], labels: Sequence[tor
     return losses, grads
 
 
-def _probe_plan(layout: StageLayout, num_recompute: int) -> Plan:
+def _probe_plan(probe: Probe, layout: StageLayout, num_recompute: int) -> Plan:
     chunks = []
-    for i, spec in enumerate(PROBE_CHUNKS):
+    for i, spec in enumerate(probe.chunks):
         slices = tuple(Slice(*s) for s in spec)
-        chunks.append(Chunk(i, ChunkKind.of(slices, PROBE_LENGTHS), slices))
+        chunks.append(Chunk(i, ChunkKind.of(slices, probe.lengths), slices))
     groups = (tuple(range(len(chunks))),)
-    recompute = ((0, min(num_recompute, layout.num_layers), 0),)
-    plan = Plan(strategy="self-check", seq_lens=PROBE_LENGTHS, layout=layout, chunks=tuple(chunks), groups=groups,
+    r = min(num_recompute, layout.num_layers)
+    recompute = (tuple(r if probe.recomputed(i) else 0 for i in range(len(chunks))),)
+    plan = Plan(strategy="self-check", seq_lens=probe.lengths, layout=layout, chunks=tuple(chunks), groups=groups,
                 schedule=build_schedule(chunks, groups, 1), recompute=recompute)
     return plan.validate()
 
