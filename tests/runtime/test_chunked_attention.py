@@ -178,6 +178,17 @@ def test_sequence_parallelism_is_refused_by_name(model):
     assert sequence_parallel_refusal(model_support.tiny_config("llama"), 2) is None
 
 
+def test_layout_auto_leaves_sequence_parallelism_out(model, tmp_path):
+    from concertina_hf import ConcertinaTrainingArguments
+    from concertina_hf.planning.layouts import Layout
+    from concertina_hf.training import auto_layout
+
+    args = ConcertinaTrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    refused = auto_layout._runtime_refusals(args, model, 4)
+    assert set(refused) == {Layout(1, 2, 2), Layout(2, 2, 1), Layout(1, 4, 1)}
+    assert all("chunked_attention layers" in why for why in refused.values())
+
+
 def test_a_window_with_chunks_is_refused(model):
     from concertina_hf.runtime.attention import ChunkAttentionContext, KVStore, SliceSpec, forward
 

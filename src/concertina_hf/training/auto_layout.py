@@ -195,7 +195,9 @@ def _runtime_refusals(args: ConcertinaTrainingArguments, model: torch.nn.Module,
     :func:`~concertina_hf.runtime.param_sharding.shard_stage`). ``pp > 1`` under parameter
     sharding is the planner's refusal (``rank_layouts(shard_parameters=True)``). Linear-attention
     (Gated DeltaNet) layers: an ``sp > 1`` their heads do not divide by, or any ``sp > 1`` outside
-    Ulysses (:func:`~concertina_hf.runtime.linear_attention.sequence_parallel_refusal`)."""
+    Ulysses (:func:`~concertina_hf.runtime.linear_attention.sequence_parallel_refusal`). Chunked
+    attention and Llama 4's query temperature: any ``sp > 1``
+    (:func:`~concertina_hf.runtime.attention.chunked.sequence_parallel_refusal`)."""
     from ..integrations.peft import base_model_of
     from ..runtime.linear_attention import sequence_parallel_refusal
 
@@ -209,6 +211,12 @@ def _runtime_refusals(args: ConcertinaTrainingArguments, model: torch.nn.Module,
 
     for sp in range(2, world + 1):  # top-k indexed attention: sp = 1 only (runtime/attention/indexed.py)
         why = indexed_sp_refusal(base_model_of(model).config, sp)
+        out.update({Layout(pp, sp, world // (pp * sp)): f"refused: {why}" for pp in range(1, world + 1)
+                    if why is not None and world % (pp * sp) == 0})
+    from ..runtime.attention.chunked import sequence_parallel_refusal as chunked_sp_refusal
+
+    for sp in range(2, world + 1):  # chunked attention, query temperature (Llama 4): sp = 1 only
+        why = chunked_sp_refusal(base_model_of(model).config, sp)
         out.update({Layout(pp, sp, world // (pp * sp)): f"refused: {why}" for pp in range(1, world + 1)
                     if why is not None and world % (pp * sp) == 0})
     if not args.concertina_shard_parameters or not ties_embeddings(model):
