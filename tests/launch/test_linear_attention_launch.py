@@ -8,8 +8,10 @@ an attention layer; 2-3: the same) the split, hybrid and packed chunks of :mod:`
 under recompute none / partial / full, and the adaptive planner's plan; loss 1e-5 and its
 stage's every gradient 1e-4 (``A_log``, ``dt_bias``, the convolution weights among them). Then a
 stage of 2 sequence-parallel ranks over one key head is refused, naming the setting (Ulysses
-itself: ``tests/launch/test_ulysses_launch.py``). The one-process tests (pp=1,
-the leak test, the self-check): ``tests/runtime/test_linear_attention.py``.
+itself: ``tests/launch/test_ulysses_launch.py``). Then the Mamba2 (SSD) models of
+:data:`_ssm_cases.MODELS` (Granite-4.0 hybrid, Bamba) likewise, ``D`` among the compared parameters.
+The one-process tests (pp=1, the leak test, the self-check): ``tests/runtime/test_linear_attention.py``,
+``tests/runtime/test_ssm.py``.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def _worker(outdir: str) -> None:
                              "split": [h.get("concertina/chunks_split", 0.0) for h in logs],
                              "pp": trainer.topology.pipeline_size}
         _run(report)
+        _run_ssm(report)
     except Exception:
         report["failures"].append("crash:\n" + traceback.format_exc())
     with open(os.path.join(outdir, f"rank{report['rank']}.json"), "w") as fh:
@@ -95,11 +98,47 @@ def _run(report: dict) -> None:
     report["cases"] += 1
 
 
+def _run_ssm(report: dict) -> None:
+    """The Mamba2 (SSD) models of :data:`_ssm_cases.MODELS` at pp=2, as :func:`_run`: each stage a
+    Mamba2 layer and an attention layer, the last one Bamba's ``final_layernorm``."""
+    import _ssm_cases as cases
+    from concertina_hf.planning import CostModel, StageLayout
+    from concertina_hf.planning.strategies import plan_step
+    from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    ids, labels = cases.batch()
+    layout = StageLayout.even(4, world)
+    for kind in cases.MODELS:
+        model = cases.build_model(kind)
+        ref_loss, ref_grads = cases.padded_reference(model, ids, labels)
+        w = PipelineWrapper(copy.deepcopy(model), layout, rank)
+        ex = PipelineExecutor(w)
+        plans = [(f"recompute {r}", cases.make_plan(layout, r)) for r in cases.RECOMPUTE]
+        cost = CostModel.from_hf_config(model.config, dtype_bytes=4)
+        plans.append(("adaptive planner", plan_step(list(cases.SEQ_LENS), cost, layout, 0, "adaptive",
+                                                    max_tokens_per_chunk=40)))
+        for name, plan in plans:
+            w.zero_grad(set_to_none=True)
+            res = ex.run_step(plan, ids, labels, num_items_in_batch=cases.num_items(labels))
+            errors = cases.gradient_errors(w.named_parameters(), ref_grads)
+            if model.config.tie_word_embeddings:  # each end stage holds its part (the trainer adds them)
+                errors = {k: v for k, v in errors.items() if k not in ("model.embed_tokens.weight", "lm_head.weight")}
+            row, bad = cases.check_case(f"{kind} pp={world} stage {rank} {name}", res.loss, ref_loss, errors)
+            row["chunks"] = [c.kind.value for c in plan.chunks]
+            report["rows"].append(row)
+            report["failures"] += bad
+            if row["mixer_params"] != 4:  # A_log, dt_bias, D, conv1d.weight of the stage's Mamba2 layer
+                report["failures"].append(f"{kind} {name}: {row['mixer_params']} Mamba2 parameters compared")
+            report["cases"] += 1
+
+
 def test_pp2_split_hybrid_and_packed_chunks_equal_hf(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     import _linear_attention_cases as cases
+    import _ssm_cases
 
     run_ranks(2, _worker, str(tmp_path), logs=tmp_path / "logs", timeout=900)
     reports = read_reports(tmp_path, 2)
@@ -107,7 +146,7 @@ def test_pp2_split_hybrid_and_packed_chunks_equal_hf(tmp_path):
         for row in r["rows"]:
             print(row)
     assert [f for r in reports for f in r["failures"]] == []
-    assert all(r["cases"] == 4 * len(cases.MODELS) + 1 for r in reports)
+    assert all(r["cases"] == 4 * len(cases.MODELS) + 1 + 4 * len(_ssm_cases.MODELS) for r in reports)
     kinds = {k for r in reports for row in r["rows"] for k in row["chunks"]}
     assert {"split", "hybrid", "packed"} <= kinds, kinds
     # ConcertinaTrainer at pp=2 against Trainer on right-padded batches: loss 1e-5, every parameter 1e-3
