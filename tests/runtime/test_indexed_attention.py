@@ -262,3 +262,17 @@ def test_layout_auto_leaves_sequence_parallelism_out(model, tmp_path):
     assert set(refused) == {Layout(1, 2, 2), Layout(2, 2, 1), Layout(1, 4, 1)}
     assert all("indexed (top-k sparse) attention runs with sequence parallel size 1 only" in why
                for why in refused.values())
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+def test_outside_a_step_the_model_is_hf(model_type):
+    """A plain call of the stage's model (evaluation, ``generate``): the modules' own forward, HF's
+    top-k indices applied to the mask by the attention function (``indexed.mask_with_indices``)."""
+    m = build(model_type).eval()
+    w = PipelineWrapper(copy.deepcopy(m), StageLayout.even(4, 1), 0)
+    ids, labels = model_support.batch()
+    x, mask, _ = padded(ids, labels)
+    with torch.no_grad():
+        ref = m(input_ids=x, attention_mask=mask, use_cache=False).logits
+        got = w.model(input_ids=x, attention_mask=mask, use_cache=False).logits
+    assert float(((got - ref).abs() * mask[..., None]).max()) < 1e-4 * float(ref.abs().max())

@@ -40,6 +40,11 @@ within the attention layers' bounds. On CUDA (``mamba_chunk_scan_combined``) the
 its output and the decays' cumulative sums. A non-final slice keeps ``H x head_dim x d_state`` float32
 and the convolution's last ``k - 1`` inputs (``conv_dim`` wide).
 
+**Top-k indexed attention** (``indexed_attention`` layers: ``concertina_hf.runtime.attention.indexed``)
+is attention priced as such plus :func:`indexer_pair_flops` (the indexer's forward-only score per
+query and key) in ``alpha_attn`` and :func:`indexed_pair_bytes` (the selection, saved as a mask per
+score entry) in the saved bytes per entry: the runtime's attention is dense under that mask.
+
 Pure Python; no torch.
 """
 
