@@ -255,3 +255,24 @@ def test_the_other_kernels_take_the_pieces(model, monkeypatch, kernel):
     assert failures == []
     # the slice at 12 (7 tokens) on a chunked layer: its pieces 12..15 (keys from 8) and 16..18
     assert (kernel == "torch-varlen") == ([0, 8, 11] in calls)
+
+
+def test_the_self_check_probes_chunks_and_temperature_of_real_sizes(model, monkeypatch):
+    """With Llama 4's released sizes (chunks of 8192 tokens, a temperature step of 8192) the
+    self-check's probe of 24 tokens lowers both for its own time: it passes, restores them, and
+    refuses a runtime that ignored either."""
+    from concertina_hf.runtime.attention import forward
+    from concertina_hf.training.self_check import SelfCheckError, check_model
+
+    m = copy.deepcopy(model)
+    m.config.attention_chunk_size = 8192
+    attns = [layer.self_attn for layer in m.model.layers]
+    for a in attns:
+        a.floor_scale = 8192
+    check_model(m)
+    assert m.config.attention_chunk_size == 8192 and all(a.floor_scale == 8192 for a in attns)
+    for name, off in (("attention_chunk", lambda module, layer: None), ("tempers_queries", lambda module: False)):
+        with monkeypatch.context() as patch:
+            patch.setattr(forward, name, off)
+            with pytest.raises(SelfCheckError, match="does not reproduce model type 'llama4_text'"):
+                check_model(m)

@@ -19,7 +19,9 @@ replica 0 (global rank 0):
    (:data:`PROBE`). A model with recurrent or convolutional mixers gets a longer probe
    (:func:`recurrent_probe`: a sequence over two scan chunks split at non-multiples of the scan
    chunk, a slice shorter than a convolution window, three short packed documents; every chunk
-   reading an earlier slice recomputes its first layer).
+   reading an earlier slice recomputes its first layer). Chunked attention and Llama 4's query
+   temperature are probed at chunks of :data:`PROBE_CHUNK` tokens and a temperature step of
+   :data:`PROBE_FLOOR_SCALE` (lowered for the probe only: released sizes, 8192, exceed the probe).
    The model runs in its dtype on the training device (only the probed modules are moved there,
    and back: a model still on the CPU when the trainer is built is not copied whole to the GPU),
    in eval mode (no dropout), through a shallow prefix of its decoder layers: the shortest one holding every kind of layer the model has
@@ -181,7 +183,7 @@ def check_model(model: nn.Module, device: torch.device | str | None = None,
     probe = probe_for(hf)
     ids, labels = _probe_batch(probe, int(hf.config.vocab_size), dev)
     with _preserved(hf, home), torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), \
-            without_router_logits(hf, router_aux_loss is not None):
+            without_router_logits(hf, router_aux_loss is not None), _probe_scales(hf):
         k = probe_layers(hf)
         hf.model.layers = nn.ModuleList(list(hf.model.layers)[:k])
         hf.to(dev)  # the probed modules only (a no-op when the model is there already)
@@ -388,6 +390,35 @@ def _diagnose(bad: list[_Finding], num_slices: int) -> str:
 
 def _model_type(model: nn.Module) -> str:
     return str(getattr(getattr(model, "config", None), "model_type", type(model).__name__))
+
+
+#: what the probe lowers for its own time, so that its short sequences reach it: chunked attention's
+#: chunk (``config.attention_chunk_size``; 10-token slices then start inside a chunk) and Llama 4's
+#: temperature step (its attention modules' ``floor_scale``)
+PROBE_CHUNK, PROBE_FLOOR_SCALE = 8, 4
+
+
+@contextmanager
+def _probe_scales(model: nn.Module) -> Iterator[None]:
+    """Chunks of :data:`PROBE_CHUNK` tokens and a temperature step of :data:`PROBE_FLOOR_SCALE`
+    while the probe runs (HF and the runtime read both at call time), restored afterwards."""
+    saved: list[tuple[Any, str, Any]] = []
+    config = model.config
+    chunk = getattr(config, "attention_chunk_size", None)
+    if isinstance(chunk, int) and chunk > PROBE_CHUNK and "chunked_attention" in (getattr(config, "layer_types", None)
+                                                                                 or ()):
+        saved.append((config, "attention_chunk_size", chunk))
+    for m in model.modules():
+        step = getattr(m, "floor_scale", None)
+        if getattr(m, "attn_temperature_tuning", False) and isinstance(step, (int, float)) and step > PROBE_FLOOR_SCALE:
+            saved.append((m, "floor_scale", step))
+    try:
+        for obj, name, _ in saved:
+            setattr(obj, name, PROBE_CHUNK if name == "attention_chunk_size" else PROBE_FLOOR_SCALE)
+        yield
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
 
 
 @contextmanager
