@@ -29,7 +29,8 @@ naming the model type and the feature:
   LFM3), exactly HF's class of each, which :mod:`.short_conv` runs likewise
   (:attr:`ModelFamily.short_conv`);
 - **inputs the model's forward computes for its layers**: a decoder layer whose ``forward`` takes
-  a parameter outside :data:`LAYER_INPUTS` (Beam's ``attention_scaling``, per-layer inputs), and
+  a parameter outside :data:`LAYER_INPUTS` (Beam's ``attention_scaling``; Gemma 4's per-layer inputs and
+  shared K/V are reproduced, below), and
   the few model types of :data:`FORWARD_WORK` whose forward or attention does what neither the
   config nor the module structure reveals (DiffLlama, Doge, Dory);
 - **the router auxiliary loss** (``output_router_logits=True``: Mixtral, Qwen3-MoE, ...; Llama 4's
@@ -55,6 +56,9 @@ Reproduced outside the layers (:class:`ModelFamily`), each read from a config at
 - rotary embeddings per layer type (Gemma3, OLMo3: ``rotary_emb(x, position_ids, layer_type)``
   with ``config.layer_types``): each layer gets the cos/sin of its own type (a type the rotary
   cannot produce is refused);
+- Gemma 4's per-layer inputs (computed on the first stage, travelling with the hidden states) and
+  K/V shared between layers of one stage (:mod:`.per_layer`, :data:`~.per_layer.PER_LAYER_TYPES`;
+  bidirectional attention refused);
 - nanochat's final norm applied to the embeddings too (:data:`NORM_BEFORE_LAYERS`; no config
   attribute says it);
 - the final norm under another name than ``model.model.norm`` (LFM2's ``embedding_norm``, which runs

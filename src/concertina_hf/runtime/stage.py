@@ -34,7 +34,9 @@ between the layers) with a message naming
 the model type and the feature, and returns the :class:`~.families.ModelFamily` that
 :meth:`PipelineWrapper.embed`, :meth:`PipelineWrapper.run_layers` and
 :meth:`PipelineWrapper.head_logits` apply: the embedding multiplier, per-layer-type rotary
-embeddings, logit scaling and final soft-capping, read from the config.
+embeddings, logit scaling and final soft-capping, read from the config; Gemma 4's per-layer inputs
+(:mod:`.per_layer`) leave the first stage with the hidden states, a message of
+:attr:`PipelineWrapper.in_width` numbers per token.
 
 Cost: pruning frees the other stages' parameters (after the caller drops its own references);
 :meth:`PipelineWrapper.full_state_dict` moves every parameter once to pipeline rank 0. Tied
