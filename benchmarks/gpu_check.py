@@ -4,7 +4,7 @@
     python benchmarks/gpu_check.py --only a,b          # some sections only
     python benchmarks/gpu_check.py --cpu-smoke --out /tmp/smoke   # the same code, tiny shapes, CPU
 
-Five sections, each guarded (a failure is recorded and the others still run), timed, and skipped
+Six sections, each guarded (a failure is recorded and the others still run), timed, and skipped
 with a note once the global budget (``--budget-s``, default 450 s) is spent. On CUDA in bfloat16:
 
 a. **attention**: the ``"concertina"`` attention backend
@@ -41,6 +41,12 @@ e. **memory**: plans made with the cost model of (c) (profiled here if (c) did n
    executor: the predicted activation peak (the plan's simulated peak less static memory) against
    ``torch.cuda.max_memory_allocated`` less what was allocated before the step (parameters and
    their gradients): within 5%, and never above the plan's budget.
+f. **hybrid**: one model per recurrent mixer family (Gated DeltaNet: Qwen3-Next; Mamba2: Granite-4.0
+   hybrid; short convolution: LFM2; hidden 1024, 4 layers of both kinds), the runtime's loss and
+   gradients on a 4,500-token sequence split over three chunks (one slice of 2 tokens), its tail
+   with a whole sequence, and a packed chunk, against HF on the right-padded batch in bfloat16,
+   both against HF in float32 (:func:`section_hybrid`); with HF's CUDA kernels where installed
+   (fla-core, causal-conv1d, mamba-ssm: recorded), HF's torch paths otherwise.
 
 Writes ``benchmarks/results/gpu/gpu_check.{json,md}`` (``--out`` for another folder): each check
 with its target, measured value and pass/fail, each section's wall time, the torch / transformers
@@ -56,7 +62,7 @@ computed there too but marked informational.
 
 Nothing here imports flash-attn: the backend decides its kernel itself, and the sections record
 which one ran. Costs on an H200 (estimates until the first run): imports and model builds ~20 s,
-(a) ~10 s, (b) ~1-2 min, (c) ~1 min, (d) ~20 s, (e) ~30 s.
+(a) ~10 s, (b) ~1-2 min, (c) ~1 min, (d) ~20 s, (e) ~30 s, (f) ~30 s.
 """
 
 from __future__ import annotations
@@ -108,6 +114,7 @@ SECTIONS = {
     "c": "profiler: layer time vs chunk tokens, cost-model error on held-out chunks",
     "d": "MFU of a chunk's forward+backward",
     "e": "predicted vs measured activation peak",
+    "f": "hybrid layers (Gated DeltaNet, Mamba2, short convolution) vs HF on right-padded batches",
 }
 
 # ---------------------------------------------------------------------------------- sizes
@@ -993,10 +1000,133 @@ def section_memory(chk: Check, rec: dict) -> None:
         raise RuntimeError("no memory scenario completed: " + "; ".join(rec["results"]["failures"])[:1500])
 
 
+# ---------------------------------------------------------------------------------- hybrid layers
+
+#: (name, model type, config overrides at GPU size) of section (f): one per recurrent mixer family,
+#: with ``scripts/model_support.py``'s tiny config's layer mix (4 layers, both kinds); the CPU smoke
+#: run keeps its tiny sizes too
+HYBRID_MODELS = (
+    ("Gated DeltaNet (Qwen3-Next)", "qwen3_next",
+     dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+          linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128, num_experts=0)),
+    ("Mamba2 (Granite-4.0 hybrid)", "granitemoehybrid",
+     dict(hidden_size=1024, intermediate_size=2816, shared_intermediate_size=2816, num_attention_heads=8,
+          num_key_value_heads=2, mamba_n_heads=32, mamba_d_head=64, mamba_d_state=128, mamba_chunk_size=256)),
+    ("short convolution (LFM2)", "lfm2",
+     dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=2)),
+)
+#: GPU: a sequence split over three chunks (the second slice 2 tokens: shorter than a convolution
+#: window; cuts at non-multiples of the scan chunks), its tail with a whole sequence, a packed chunk
+HYBRID_GPU = ((4500, 900, 300, 3), (((0, 0, 1501),), ((0, 1501, 2),), ((0, 1503, 2000),),
+                                    ((0, 3503, 997), (1, 0, 900)), ((2, 0, 300), (3, 0, 3))))
+HYBRID_CPU = ((150, 9, 7, 3), (((0, 0, 67),), ((0, 67, 2),), ((0, 69, 50),), ((0, 119, 31), (1, 0, 9)),
+                               ((2, 0, 7), (3, 0, 3))))
+
+
+def _hybrid_model(chk: Check, model_type: str, overrides: dict):
+    """``model_type`` from ``scripts/model_support.py``'s tiny config (4 layers; on the GPU the
+    overrides' sizes), float32, eager attention, on the device."""
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import model_support
+
+    cfg = model_support.tiny_config(model_type, **({} if chk.cpu else overrides))
+    torch.manual_seed(chk.seed)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().to(chk.device).train()
+
+
+def _padded_loss_grads(model, ids, labels, num_items: int):
+    """HF on the right-padded batch (each row its sequence alone for these models): loss, gradients."""
+    width = max(len(t) for t in ids)
+    dev = ids[0].device
+    x = torch.zeros(len(ids), width, dtype=torch.long, device=dev)
+    mask = torch.zeros_like(x)
+    y = torch.full_like(x, -100)
+    for i, (t, lab) in enumerate(zip(ids, labels)):
+        x[i, :len(t)], mask[i, :len(t)], y[i, :len(t)] = t, 1, lab
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=x, attention_mask=mask, labels=y, num_items_in_batch=num_items, use_cache=False).loss
+    loss.backward()
+    return float(loss.detach()), {k: p.grad.detach().float().clone() for k, p in model.named_parameters()
+                                  if p.grad is not None}
+
+
+def _grads_error(got: dict, ref: dict) -> float:
+    """Relative Frobenius difference over every parameter's gradient together."""
+    num = sum(float((got[k].double() - g.double()).norm()) ** 2 for k, g in ref.items() if k in got)
+    missing = [k for k in ref if k not in got]
+    if missing:
+        return float("inf")
+    return (num / max(sum(float(g.double().norm()) ** 2 for g in ref.values()), 1e-300)) ** 0.5
+
+
+def section_hybrid(chk: Check, rec: dict) -> None:
+    """(f): per recurrent mixer family, the runtime's loss and gradients (one stage; split, hybrid and
+    packed chunks, the first half of the layers recomputed) against HF on the right-padded batch,
+    both in the check's dtype, each against a float32 HF reference: the runtime passes where its error
+    is at most twice HF's own in that dtype or torch's default rtol (float32: loss 1e-5 and gradients
+    1e-4, the test suite's bounds). Records which optional kernels are installed (fla-core,
+    causal-conv1d, mamba-ssm: HF's module-level functions take them on CUDA)."""
+    from concertina_hf.planning import Chunk, ChunkKind, Plan, Slice, StageLayout, build_schedule
+    from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
+
+    lens, spec = HYBRID_CPU if chk.cpu else HYBRID_GPU
+    rec["results"].update(rows=[], seq_lens=list(lens), chunks=[list(map(list, c)) for c in spec],
+                          kernels_installed={m: _has_module(m) for m in ("fla", "causal_conv1d", "mamba_ssm")})
+    for name, model_type, overrides in HYBRID_MODELS:
+        chk.check_budget(f"the hybrid model {name!r}")
+
+        def one() -> dict:
+            model = _hybrid_model(chk, model_type, overrides)
+            g = torch.Generator().manual_seed(chk.seed)
+            vocab = int(model.config.vocab_size)
+            ids = [torch.randint(0, vocab, (n,), generator=g).to(chk.device) for n in lens]
+            labels = [t.clone() for t in ids]
+            items = sum(n - 1 for n in lens)
+            ref_loss, ref_grads = _padded_loss_grads(model, ids, labels, items)
+            low = copy.deepcopy(model).to(chk.dtype)
+            hf_loss, hf_grads = _padded_loss_grads(low, ids, labels, items) if chk.dtype != torch.float32 else (
+                ref_loss, ref_grads)
+            layers = int(model.config.num_hidden_layers)
+            layout = StageLayout.even(layers, 1)
+            chunks = []
+            for i, c in enumerate(spec):
+                slices = tuple(Slice(*x) for x in c)
+                chunks.append(Chunk(i, ChunkKind.of(slices, lens), slices))
+            groups = (tuple(range(len(chunks))),)
+            plan = Plan(strategy="gpu-check-hybrid", seq_lens=tuple(lens), layout=layout, chunks=tuple(chunks),
+                        groups=groups, schedule=build_schedule(chunks, groups, 1),
+                        recompute=(tuple(layers // 2 for _ in chunks),)).validate()
+            wrapper = PipelineWrapper(low, layout, 0)
+            res = PipelineExecutor(wrapper, device=chk.device).run_step(plan, ids, labels, num_items_in_batch=items)
+            got = {k: p.grad.detach().float() for k, p in wrapper.named_parameters() if p.grad is not None}
+            row = dict(name=name, model_type=model_type, layers=layers, hidden=int(model.config.hidden_size),
+                       loss_ref=ref_loss, loss_hf=hf_loss, loss_ours=float(res.loss),
+                       loss_ours_vs_ref=abs(float(res.loss) - ref_loss) / abs(ref_loss),
+                       loss_hf_vs_ref=abs(hf_loss - ref_loss) / abs(ref_loss),
+                       grads_ours_vs_ref=_grads_error(got, ref_grads), grads_hf_vs_ref=_grads_error(hf_grads, ref_grads))
+            del model, low, wrapper
+            return row
+
+        row = _guarded(chk, rec, f"hybrid model {name!r}", one)
+        if row is None:
+            add_check(rec, f"{name}: the step ran", 0.0, "runs", False)
+            continue
+        rec["results"]["rows"].append(row)
+        for what, floor in (("loss", 1e-5), ("grads", 1e-4)):
+            limit = floor if chk.dtype == torch.float32 else max(2 * row[f"{what}_hf_vs_ref"],
+                                                                 DEFAULT_RTOL[chk.dtype])
+            err = row[f"{what}_ours_vs_ref"]
+            add_check(rec, f"{name}: {what} vs float32 HF (right-padded)", err, f"<= {limit:.3g}", err <= limit)
+        chk.cleanup()
+
+
 # ---------------------------------------------------------------------------------- report
 
 RUNNERS: dict[str, Callable[[Check, dict], None]] = {
     "a": section_attention, "b": section_trainer, "c": section_profiler, "d": section_mfu, "e": section_memory,
+    "f": section_hybrid,
 }
 
 
@@ -1124,6 +1254,16 @@ def render(report: dict) -> str:
                 lines.append(f"| {c['name']} | {t} | {_fmt(e['ours_vs_ref'])} | {_fmt(e['hf_vs_ref'])} | "
                              f"{_fmt(e['ours_vs_hf'])} | {_fmt(e['limit'])} | {c['kernel']} |")
         lines += ["", "Ops seen per case: " + "; ".join(f"{c['name']}: {', '.join(c['ops'][:6])}" for c in a["cases"])]
+    f = secs.get("f", {}).get("results", {})
+    if f.get("rows"):
+        lines += ["", "## (f) Hybrid layers", "",
+                  f"Sequences {f['seq_lens']}, chunks {f['chunks']}; optional kernels installed: "
+                  f"{', '.join(k for k, v in f['kernels_installed'].items() if v) or 'none'}. Errors relative "
+                  "to HF in float32 on the right-padded batch.", "",
+                  "| model | hidden | loss ours | loss HF | gradients ours | gradients HF |", "|---|---|---|---|---|---|"]
+        for r in f["rows"]:
+            lines.append(f"| {r['name']} | {r['hidden']} | {_fmt(r['loss_ours_vs_ref'])} | {_fmt(r['loss_hf_vs_ref'])} | "
+                         f"{_fmt(r['grads_ours_vs_ref'])} | {_fmt(r['grads_hf_vs_ref'])} |")
     b = secs.get("b", {}).get("results", {})
     if "Trainer" in b.get("runs", {}) and "ConcertinaTrainer" in b.get("runs", {}):
         lines += ["", "## (b) ConcertinaTrainer vs Trainer", "",
@@ -1181,7 +1321,8 @@ def render(report: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     run_ = Run(__file__, argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="a,b,c,d,e", help="comma-separated sections to run (default: all of a,b,c,d,e)")
+    ap.add_argument("--only", default=",".join(SECTIONS),
+                    help=f"comma-separated sections to run (default: all of {','.join(SECTIONS)})")
     ap.add_argument("--budget-s", type=float, default=450.0,
                     help="global time budget; sections not started by then are skipped with a note (default 450)")
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_PEAK_FLOPS / 1e12,

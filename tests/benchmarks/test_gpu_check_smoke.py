@@ -46,7 +46,7 @@ def test_cpu_smoke_runs_every_section(launched):
     rep = json.loads((tmp_path / "gpu_check.json").read_text())
     assert rep["mode"] == "cpu-smoke" and rep["dtype"] == "float32"
     assert rep["environment"]["torch"] == torch.__version__ and rep["environment"]["transformers"]
-    assert set(rep["sections"]) == set("abcde")
+    assert set(rep["sections"]) == set("abcdef")
     for key, sec in rep["sections"].items():
         assert sec["status"] in ("passed", "failed"), (key, sec.get("error"), sec.get("note"), sec.get("traceback"))
         assert sec["checks"], key
@@ -78,6 +78,9 @@ def test_cpu_smoke_runs_every_section(launched):
     e = rep["sections"]["e"]["results"]["rows"]
     assert len(e) == 3 and all(r["measured_act_bytes"] > 0 and r["predicted_act_bytes"] > 0 for r in e)
     assert e[1]["budget_act_bytes"] > 0 and e[2]["recompute_layers"] > 0
+    # (f) float32: each recurrent mixer family's loss 1e-5 and gradients 1e-4 of HF's on the padded batch
+    f = rep["sections"]["f"]
+    assert f["status"] == "passed" and len(f["results"]["rows"]) == 3 and len(f["checks"]) == 6, f["checks"]
     md = (tmp_path / "gpu_check.md").read_text()
     assert "## Checks" in md and "## (a) Attention" in md and "## (e) Memory" in md
 
