@@ -10,7 +10,8 @@ The attention, per slice ``i`` of the chunk (a *segment*): the slice's queries (
 ``start_i .. start_i + s_i - 1``) attend to keys ``[prefix_i, own_i]``, where ``prefix_i`` is the
 K/V its sequence's earlier slices left in the :class:`KVStore` (``C_i = start_i`` tokens) and
 ``own_i`` the slice's own keys: query at position ``p`` sees key at ``p' <= p`` (causal, aligned
-bottom-right: queries shorter than keys) and, under a sliding window ``W``, ``p - p' < W``. With it,
+bottom-right: queries shorter than keys) and, under a sliding window ``W``, ``p - p' < W``; under
+chunked attention (Llama 4), ``p' // c == p // c`` for chunks of ``c`` tokens (:mod:`.chunked`). With it,
 for each layer (:func:`concertina_attention_forward`, :mod:`.forward`):
 
 1. every slice that is not the last of its sequence stores its post-rotary K and V in the
@@ -31,7 +32,7 @@ Modules, each one job: :mod:`.context` (token layout, K/V store, context deliver
 :mod:`.keywords` (the keyword policy), :mod:`.segments` (per-segment autograd paths),
 :mod:`.cpu` (the CPU kernel), :mod:`.varlen` (the CUDA varlen adapters), :mod:`.kernels` (the
 kernel choice), :mod:`.forward` (the attention function), :mod:`.registration` (HF's
-``AttentionInterface``).
+``AttentionInterface``), :mod:`.chunked` (chunked attention and Llama 4's query temperature).
 
 Shape legend: ``T`` query tokens of the chunk, ``S`` key tokens (``T`` plus the contexts), ``s``
 / ``C`` a segment's queries / context, ``H`` query heads, ``K`` key/value heads, ``D`` head dim.

@@ -7,7 +7,9 @@ queries at positions ``start_i .. start_i + s_i - 1`` and its keys ``[prefix_i, 
 start_i`` tokens) and ``own_i`` the slice's own keys; as ``position_ids`` and as the varlen layout
 (``cu_seqlens_q`` / ``cu_seqlens_k``). :func:`segment_mask` is which of those keys a segment's
 queries see: key ``p' <= p`` for the query at ``p`` (causal, aligned bottom-right: queries shorter
-than keys) and, under a sliding window ``W``, ``p - p' < W``.
+than keys) and, under a sliding window ``W``, ``p - p' < W``. A chunked-attention layer (Llama 4)
+runs on :meth:`ChunkAttentionContext.chunked`, the slices cut at their documents' chunk edges into
+pieces whose keys start at their chunk's edge (:mod:`.chunked`).
 
 The store keeps, per ``(sequence, slice start, layer)``, a non-final slice's post-rotary K and V
 (a view of the chunk's keys, still attached to the graph, for its own backward) and a detached
