@@ -276,3 +276,24 @@ def test_outside_a_step_the_model_is_hf(model_type):
         ref = m(input_ids=x, attention_mask=mask, use_cache=False).logits
         got = w.model(input_ids=x, attention_mask=mask, use_cache=False).logits
     assert float(((got - ref).abs() * mask[..., None]).max()) < 1e-4 * float(ref.abs().max())
+
+
+def test_the_indexer_scores_long_segments_in_blocks_of_queries(model, monkeypatch):
+    """With the indexer's score budget at 3 rows of 30 keys (8 heads), a segment of more queries than
+    fit is scored in blocks of queries (one call for the keys first): the same loss and gradients."""
+    ids, labels = model_support.batch()
+    ref_loss, ref_grads = padded_reference(model, ids, labels)
+    monkeypatch.setattr(indexed, "SCORE_BLOCK_BYTES", 4 * 8 * 30 * 3)
+    blocks = []
+
+    class Counted(indexed._IndexerKeys):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            blocks.append(self.keys is not None)
+
+    monkeypatch.setattr(indexed, "_IndexerKeys", Counted)
+    w = PipelineWrapper(copy.deepcopy(model), StageLayout.even(4, 1), 0)
+    res = PipelineExecutor(w).run_step(make_plan(w.layout, "partial"), ids, labels, num_items_in_batch=num_items(labels))
+    loss_diff, grad_diff = model_support.compare(res.loss, ref_loss, list(w.named_parameters()), ref_grads)
+    assert loss_diff < LOSS_TOL and grad_diff < GRAD_TOL, (loss_diff, grad_diff)
+    assert sum(blocks) > 20  # the blocks of the segments with more than 90 / keys queries, on every layer

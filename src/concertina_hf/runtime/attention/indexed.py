@@ -40,8 +40,9 @@ the modules' own ``forward`` runs; the attention function then applies HF's top-
 mask itself (:func:`mask_with_indices`), as HF's eager path does.
 
 Cost: per segment one indexer call, its scores ``[s, H_idx, C + s]`` in float32 (HF's, per
-sequence), a boolean ``s x (C + s)`` mask for the attention (no varlen kernel: SDPA per
-segment); per non-final slice and layer, ``s x index_head_dim`` indexer keys kept until the
+sequence), or, above :data:`SCORE_BLOCK_BYTES`, one call for the keys and one per block of
+queries; a boolean ``s x (C + s)`` mask for the attention (no varlen kernel: SDPA per segment,
+dense under the mask, which it saves for backward in the compute dtype); per non-final slice and layer, ``s x index_head_dim`` indexer keys kept until the
 slice's backward; a GLM chunk keeps each ``"full"`` layer's masks while the chunk lives.
 """
 
@@ -56,12 +57,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .context import ChunkAttentionContext, SliceSpec, current_context, step_running
+from .context import ChunkAttentionContext, current_context, step_running
 from .segments import pad_head_dims
 
-__all__ = ["INDEXED_ATTENTION", "INDEXED_ATTENTION_TYPES", "INDEXED_LAYER_INPUTS", "NOT_REPRODUCED", "UNMASKED",
-           "Selection", "check_stage", "indexed_attention", "indexer_layer", "install", "mask_with_indices", "refusal",
-           "sequence_parallel_refusal"]
+__all__ = ["INDEXED_ATTENTION", "INDEXED_ATTENTION_TYPES", "INDEXED_LAYER_INPUTS", "NOT_REPRODUCED",
+           "SCORE_BLOCK_BYTES", "UNMASKED", "Selection", "check_stage", "indexed_attention", "indexer_layer",
+           "install", "mask_with_indices", "refusal", "sequence_parallel_refusal"]
 
 _HF = "transformers.models"
 #: model type -> (HF modeling module, attention class, indexer class): the classes run here
@@ -223,17 +224,29 @@ def _attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return type(self).forward(self, *args, **kwargs)
 
 
-class _IndexerKeys:
-    """The key cache HF's indexer ``forward`` reads for one segment: the sequence's earlier indexer
-    keys, then the segment's own (kept in the store for later slices of a non-final slice)."""
+#: at most this many bytes of the indexer's float32 scores (``[rows, H_idx, keys]``) in one call: a
+#: segment's queries are scored in blocks of rows when all of them would take more (HF scores a
+#: sequence's queries at once)
+SCORE_BLOCK_BYTES = 1 << 28
 
-    def __init__(self, ctx: ChunkAttentionContext, s: SliceSpec, layer: int, prefix: torch.Tensor | None) -> None:
-        self.ctx, self.s, self.layer, self.prefix = ctx, s, layer, prefix
+
+class _IndexerKeys:
+    """The key cache HF's indexer ``forward`` reads in one call on a segment's queries: ``keys`` when
+    given (the sequence's earlier indexer keys, then the segment's own, from an earlier call); else
+    the call's own keys are the segment's, kept in :attr:`own`, after ``prefix``, or alone when
+    ``probe`` (that call scores one key: it is for the keys)."""
+
+    def __init__(self, prefix: torch.Tensor | None = None, keys: torch.Tensor | None = None,
+                 probe: bool = False) -> None:
+        self.prefix, self.keys, self.probe = prefix, keys, probe
+        self.own: torch.Tensor | None = None
 
     def update_indexer(self, k: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        if not self.s.final:  # [1, s, D] as [1, 1, s, D], the store's token axis
-            own = k.detach().unsqueeze(1)
-            self.ctx.store.put_if_absent(self.s.seq, self.s.start, indexer_layer(self.layer), own, own, False)
+        if self.keys is not None:
+            return self.keys.to(k.dtype)
+        self.own = k
+        if self.probe:
+            return k[:, :1]
         return k if self.prefix is None else torch.cat([self.prefix.to(k.dtype), k], dim=1)
 
 
@@ -252,17 +265,33 @@ def _indexer_forward(self: nn.Module, hidden_states: torch.Tensor, q_resid: torc
     layer = self.layer_idx
     cos, sin = position_embeddings
     allowed = []
+
+    def score(a: int, b: int, mask: torch.Tensor, keys: _IndexerKeys) -> torch.Tensor:  # chunk tokens [a, b)
+        pos = None if position_ids is None else position_ids[:, a:b]
+        return type(self).forward(self, hidden_states[:, a:b], q_resid[:, a:b], (cos[:, a:b], sin[:, a:b]),
+                                  mask[None], pos, cache=keys)[0].long()  # [b - a, topk]
+
     for s in ctx.slices:
-        sl = slice(s.offset, s.offset + s.length)
         prefix = None
         if s.start > 0:
             prefix = ctx.store.prefix(s.seq, s.start, indexer_layer(layer))[0].squeeze(1)  # [1, C, D]
         causal = torch.ones(s.length, s.start + s.length, dtype=torch.bool, device=hidden_states.device
                             ).tril(s.start)
-        pos = None if position_ids is None else position_ids[:, sl]
-        top = type(self).forward(self, hidden_states[:, sl], q_resid[:, sl], (cos[:, sl], sin[:, sl]), causal[None],
-                                 pos, cache=_IndexerKeys(ctx, s, layer, prefix))  # [1, s, topk]
-        chosen = torch.zeros_like(causal).scatter_(-1, top[0].long(), True)
+        chosen = torch.zeros_like(causal)
+        rows = max(1, SCORE_BLOCK_BYTES // (4 * int(getattr(self, "n_heads", 1)) * causal.shape[1]))
+        first = _IndexerKeys(prefix, probe=rows < s.length)
+        top = score(s.offset, s.offset + s.length, causal[:, :1] if first.probe else causal, first)
+        if first.probe:  # the keys from that call, the queries' scores in blocks of rows
+            keys = first.own if prefix is None else torch.cat([prefix.to(first.own.dtype), first.own], dim=1)
+            for a in range(0, s.length, rows):
+                b = min(a + rows, s.length)
+                chosen[a:b].scatter_(-1, score(s.offset + a, s.offset + b, causal[a:b], _IndexerKeys(keys=keys)),
+                                     True)
+        else:
+            chosen.scatter_(-1, top, True)
+        if not s.final:  # [1, s, D] as [1, 1, s, D], the store's token axis
+            own = first.own.detach().unsqueeze(1)
+            ctx.store.put_if_absent(s.seq, s.start, indexer_layer(layer), own, own, False)
         allowed.append(chosen & causal)
     sel = Selection(tuple(allowed))
     if getattr(self.config, "indexer_types", None):  # GLM: later "shared" layers reuse it
