@@ -15,7 +15,10 @@ naming the model type and the feature:
 - **mixers that are not attention** (Mamba, Mamba2, linear attention, KDA, short convolutions:
   Jamba, Falcon-H1, LFM2, Kimi-Linear, ...) and attention the backend does not implement
   (indexed / sparse): ``config.layer_types`` naming anything but ``full_attention`` /
-  ``sliding_attention`` / ``chunked_attention`` (Llama 4's, :mod:`.attention.chunked`), a
+  ``sliding_attention`` / ``chunked_attention`` (Llama 4's, :mod:`.attention.chunked`) /
+  ``indexed_attention`` of :data:`~.attention.indexed.INDEXED_ATTENTION_TYPES` (DeepSeek-V3.2,
+  GLM-MoE-DSA: top-k sparse attention, :mod:`.attention.indexed`; others refused naming what
+  their forward does besides, :data:`~.attention.indexed.NOT_REPRODUCED`), a
   decoder layer without ``self_attn`` (or JetMoe's ``self_attention``),
   or a token-mixing ``Conv1d`` in a layer. Their state would leak between packed sequences and be
   lost between slices. The exception: the Gated DeltaNet layers (``linear_attention``,
