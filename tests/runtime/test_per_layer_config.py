@@ -142,3 +142,22 @@ def test_the_profiler_refuses_per_layer_inputs():
         with pytest.raises(ValueError, match="the profiler does not measure layers fed per-layer inputs or shared "
                                              "K/V .*set concertina_cost_model='analytic'"):
             build_probe(target)
+
+
+def test_sequence_parallel_checks_each_layers_heads():
+    """Ulysses' head rule on every layer of a per-layer config (the global K/V heads would pass)."""
+    from transformers import Gemma4TextConfig
+
+    from concertina_hf.runtime.per_layer import layer_heads
+    from concertina_hf.runtime.ulysses import SequenceParallel
+
+    cfg = Gemma4TextConfig(vocab_size=96, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
+                           num_key_value_heads=6, head_dim=8, layer_types=["sliding_attention", "full_attention"],
+                           attention_k_eq_v=True, num_global_key_value_heads=3, global_head_dim=16)
+    assert layer_heads(cfg) == [(6, 6), (6, 3)]
+    sp = SequenceParallel.__new__(SequenceParallel)
+    sp.size = 3
+    assert sp.check_model(cfg) == 1
+    sp.size = 2
+    with pytest.raises(ValueError, match="concertina_sequence_parallel_size=2 and the model's num_key_value_heads=3"):
+        sp.check_model(cfg)

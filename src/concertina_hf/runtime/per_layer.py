@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 __all__ = ["PER_LAYER_MODULES", "PER_LAYER_PARAMETERS", "PER_LAYER_TYPES", "check_kv_sharing", "embed_per_layer",
-           "kv_sources", "message_width", "per_layer_input_size"]
+           "kv_sources", "layer_heads", "message_width", "per_layer_input_size"]
 
 #: model types whose forward computes per-layer inputs and shares K/V between layers (Gemma 4's text models)
 PER_LAYER_TYPES = frozenset({"gemma4_text", "gemma4_unified_text"})
@@ -85,6 +85,19 @@ def check_kv_sharing(sources: tuple[int | None, ...] | None, layer_ranges: tuple
                     f"config.num_kv_shared_layers), but the stage layout {list(layer_ranges)} puts them on two "
                     "stages; the pipeline does not pass shared K/V between stages. Use a layout that keeps layers "
                     f"{j}-{i} on one stage, or fewer stages (concertina_pipeline_size)")
+
+
+def layer_heads(config: Any) -> list[tuple[int, int]]:
+    """Per decoder layer, ``(query heads, K/V heads)`` of a per-layer config (HF's
+    ``config.per_layer_config``); empty for a config without one."""
+    if config.__dict__.get("_heterogeneity_spec") is None:
+        return []
+    out = []
+    for i in range(int(config.num_hidden_layers)):
+        layer = config.per_layer_config[i]
+        heads = int(layer.num_attention_heads)
+        out.append((heads, int(getattr(layer, "num_key_value_heads", None) or heads)))
+    return out
 
 
 def message_width(hidden_size: int, ple_size: int, num_layers: int, after_layer: int) -> int:

@@ -60,6 +60,7 @@ import torch.nn.functional as F
 
 from ..planning.fit import nonneg_lstsq
 from .attention import ChunkAttentionContext
+from .per_layer import layer_heads
 
 __all__ = [
     "SequenceParallel",
@@ -195,10 +196,13 @@ class SequenceParallel:
         self.rank = dist.get_rank(group)
 
     def check_model(self, config: Any) -> int:
-        """The K/V replication for ``config`` (see :func:`check_heads`)."""
-        heads = int(config.num_attention_heads)
-        kv = int(getattr(config, "num_key_value_heads", None) or heads)
-        return check_heads(heads, kv, self.size)
+        """The K/V replication for ``config`` (see :func:`check_heads`); a per-layer config's layers
+        each checked (:func:`~.per_layer.layer_heads`), the replication then per layer from the K/V's shape."""
+        shapes = layer_heads(config)
+        if not shapes:
+            heads = int(config.num_attention_heads)
+            shapes = [(heads, int(getattr(config, "num_key_value_heads", None) or heads))]
+        return [check_heads(heads, kv, self.size) for heads, kv in shapes][0]
 
     def tokens(self, num_tokens: int) -> int:
         """This rank's tokens of a chunk of ``num_tokens`` (padding included)."""
