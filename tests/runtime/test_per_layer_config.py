@@ -161,3 +161,19 @@ def test_sequence_parallel_checks_each_layers_heads():
     sp.size = 2
     with pytest.raises(ValueError, match="concertina_sequence_parallel_size=2 and the model's num_key_value_heads=3"):
         sp.check_model(cfg)
+
+
+def test_cost_model_counts_the_per_layer_inputs():
+    """The first stage's per-layer embedding and projection in its parameters, and the messages
+    between stages at the hidden size plus half the layers' per-layer inputs."""
+    from concertina_hf.planning import CostModel
+
+    cfg = model_support.tiny_config("gemma4_text")
+    cost = CostModel.from_hf_config(cfg, dtype_bytes=4)
+    plain = CostModel.from_hf_config(model_support.tiny_config("gemma4_text", hidden_size_per_layer_input=0),
+                                     dtype_bytes=4)
+    model = _model()
+    ple = sum(p.numel() for n, p in model.model.named_parameters() if n.split(".")[0] in
+              ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm"))
+    assert cost.embed_params - plain.embed_params == ple
+    assert cost.hidden_bytes_per_token == 4 * (64 + 4 * 8 / 2)

@@ -260,7 +260,12 @@ def analytic_coefficients(
     static = 16.0 if static_bytes_per_param is None else static_bytes_per_param
     if compute_dtype_bytes and compute_dtype_bytes < b:
         static += compute_dtype_bytes  # autocast's weight copies, kept for the step
-    embed_params = vocab * h
+    # Gemma 4's per-layer inputs (runtime/per_layer.py): the first stage's per-layer embedding
+    # (vocab_size_per_layer_input x L x D) and projection (hidden x L x D), looked up and projected per
+    # token; the messages between stages carry the later layers' L x D, half of them on average
+    ple = int(get("hidden_size_per_layer_input") or 0) * n_layers
+    ple_params = (int(get("vocab_size_per_layer_input") or vocab) + h) * ple + ple // max(1, n_layers)
+    embed_params = vocab * h + ple_params
     head_params = (0 if get("tie_word_embeddings") else vocab * h) + h
     # weight gradients before accumulation (CostModel.transient_memory): a layer's largest matrix,
     # the LM head's and the embedding's dense one (tied or not: each backward makes its own)
@@ -271,7 +276,7 @@ def analytic_coefficients(
         alpha_tok=alpha_tok,
         beta=dev.kernel_overhead_s,
         bwd_factor=2.0,
-        embed_time_per_token=b * h / dev.mem_bandwidth,
+        embed_time_per_token=b * (h + ple) / dev.mem_bandwidth + 2.0 * h * ple / dev.flops,
         head_time_per_token=2.0 * h * vocab / dev.flops + 3 * 4 * vocab / dev.mem_bandwidth,
         act_bytes_per_token=saved.layer,
         ckpt_bytes_per_token=saved.layer_input,
@@ -281,7 +286,7 @@ def analytic_coefficients(
         # the final norm, the LM head's input, the loss's float32 log-probabilities
         logits_bytes_per_token=saved.head,
         output_bytes_per_token=saved.output,
-        hidden_bytes_per_token=b * h,
+        hidden_bytes_per_token=b * (h + ple / 2),
         bwd_transient_bytes=layer_grad,
         bwd_transient_slope=2 * b * h,
         bwd_transient_bytes_per_token=saved.layer_bwd,
@@ -290,7 +295,7 @@ def analytic_coefficients(
         head_bwd_transient_bytes=b * vocab * h,
         # the logits' gradient and the hidden-state gradients while the LM head's weight gradient exists
         head_bwd_transient_slope=saved.logits_grad + 2 * b * h,
-        embed_bwd_transient_bytes=b * vocab * h,
+        embed_bwd_transient_bytes=b * (vocab * h + ple_params),
         embed_bwd_bytes_per_token=b * h,  # the embedding output's gradient
         # a slice with context, backward: dK and dV of its keys at the query heads' width
         # (the kernel's, before the K/V heads' sum) and their sum
