@@ -145,14 +145,14 @@ def test_the_self_check_probes_a_slice_shorter_than_the_convolution_window(monke
 
 
 def test_what_is_not_built_is_refused(model):
-    from transformers import KimiLinearConfig
+    from transformers import JambaConfig
 
     from concertina_hf.runtime.attention import ChunkAttentionContext, KVStore, SliceSpec
     from concertina_hf.runtime.families import UnsupportedModelError, check_config, inspect_model
     from concertina_hf.runtime.linear_attention import gated_deltanet_forward
 
-    with pytest.raises(UnsupportedModelError, match="model type 'kimi_linear'.*'linear_attention' layers"):
-        check_config(KimiLinearConfig())  # Kimi Delta Attention, not a Gated DeltaNet
+    with pytest.raises(UnsupportedModelError, match="model type 'jamba'.*'linear_attention' layers"):
+        check_config(JambaConfig())  # Mamba (1), not a Gated DeltaNet
     assert inspect_model(model).linear_attention
     mixer = model.model.layers[0].linear_attn
     x = torch.zeros(1, 4, model.config.hidden_size)

@@ -68,14 +68,14 @@ def test_other_layouts_are_refused_naming_the_model_type(model_type, expected):
 
 
 def test_config_level_refusals():
-    from transformers import Gemma3Config, KimiLinearConfig, MixtralConfig, T5Config
+    from transformers import Gemma3Config, JambaConfig, MixtralConfig, T5Config
 
     cases = [
         (T5Config(), "model type 't5'", "encoder-decoder"),
         (Gemma3Config(), "model type 'gemma3'",
          "a composite config with text_config, vision_config (several models in one) is not supported; train its "
          "text model"),
-        (KimiLinearConfig(), "model type 'kimi_linear'", "config.layer_types has 'linear_attention' layers"),
+        (JambaConfig(), "model type 'jamba'", "config.layer_types has 'linear_attention' layers"),
         (MixtralConfig(output_router_logits=True), "model type 'mixtral'", "output_router_logits=True adds the router"),
     ]
     for cfg, name, expected in cases:

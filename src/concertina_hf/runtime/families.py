@@ -30,7 +30,11 @@ naming the model type and the feature:
   Granite-4.0 hybrid), exactly HF's mixer class of each, which :mod:`.ssm` runs likewise (:attr:`ModelFamily.ssm`),
   and the short convolutions (``conv``) of :data:`~.short_conv.SHORT_CONV_TYPES` (LFM2, LFM2-MoE,
   LFM3), exactly HF's class of each, which :mod:`.short_conv` runs likewise
-  (:attr:`ModelFamily.short_conv`);
+  (:attr:`ModelFamily.short_conv`), and the lightning attention (``linear_attention``, in
+  ``self_attn``) of :data:`~.lightning_attention.LIGHTNING_TYPES` (MiniMax), exactly HF's class, which
+  :mod:`.lightning_attention` runs likewise (:attr:`ModelFamily.lightning_attention`), and the Kimi
+  Delta Attention (``linear_attention``, in ``self_attn``) of :data:`~.kda.KDA_TYPES` (Kimi Linear),
+  which :mod:`.kda` runs likewise (:attr:`ModelFamily.kda`);
 - **inputs the model's forward computes for its layers**: a decoder layer whose ``forward`` takes
   a parameter outside :data:`LAYER_INPUTS` (Beam's ``attention_scaling``; Gemma 4's per-layer inputs and
   shared K/V are reproduced, below), and
@@ -93,6 +97,10 @@ from .ssm import mixer_class as ssm_mixer_class
 from .short_conv import MIXER_ATTRIBUTE as SHORT_CONV_ATTRIBUTE
 from .short_conv import SHORT_CONV_LAYER_TYPE, SHORT_CONV_TYPES
 from .short_conv import mixer_class as short_conv_mixer_class
+from .lightning_attention import LIGHTNING_TYPES
+from .lightning_attention import mixer_class as lightning_mixer_class
+from .kda import KDA_TYPES
+from .kda import mixer_class as kda_mixer_class
 from .per_layer import PER_LAYER_MODULES, PER_LAYER_PARAMETERS, PER_LAYER_TYPES, kv_sources, per_layer_input_size
 from .router_aux import ROUTER_AUX_LOSS_MODES, RouterAux, router_aux_of
 
@@ -138,7 +146,7 @@ NORM_BEFORE_LAYERS = frozenset({"nanochat"})
 NO_POSITION_LAYER_TYPES = {"lara_mini": frozenset({"full_attention"}), "lfm3": frozenset({"conv"})}
 #: model types whose ``model.rotary_emb`` is None when ``config.rope_parameters`` has no ``rope_theta``
 #: (OLMo Hybrid's released checkpoints): then no layer gets position embeddings
-ROTARY_OPTIONAL = frozenset({"olmo_hybrid", "granitemoehybrid"})
+ROTARY_OPTIONAL = frozenset({"olmo_hybrid", "granitemoehybrid", "kimi_linear"})
 #: model types whose ``forward`` adds no router auxiliary loss whatever ``output_router_logits`` says
 #: (Llama 4 returns the router logits only): that flag changes nothing the runtime reproduces
 NO_ROUTER_AUX_LOSS = frozenset({"llama4_text"})
@@ -198,7 +206,8 @@ def check_config(config: Any, model: nn.Module | None = None, router_aux_loss: s
     if isinstance(types, (list, tuple)):
         kind = str(getattr(config, "model_type", "") or "")
         other = sorted({str(t) for t in types} - ATTENTION_LAYER_TYPES
-                       - ({"linear_attention"} if kind in LINEAR_ATTENTION_TYPES | SSM_TYPES else set())
+                       - ({"linear_attention"} if kind in LINEAR_ATTENTION_TYPES | SSM_TYPES | LIGHTNING_TYPES
+                          | KDA_TYPES else set())
                        - ({SHORT_CONV_LAYER_TYPE} if kind in SHORT_CONV_TYPES else set())
                        - ({"indexed_attention"} if kind in INDEXED_ATTENTION_TYPES else set()))
         if other == ["indexed_attention"]:  # top-k sparse attention: .attention.indexed runs these types' classes
@@ -211,7 +220,10 @@ def check_config(config: Any, model: nn.Module | None = None, router_aux_loss: s
                                          "the pipeline does not implement (only full_attention, "
                                          "sliding_attention and chunked_attention, and linear_attention for the Gated DeltaNet of "
                                          f"{', '.join(sorted(LINEAR_ATTENTION_TYPES))}, and for the Mamba2 of "
-                                         f"{', '.join(sorted(SSM_TYPES))}, and conv for the short convolution of "
+                                         f"{', '.join(sorted(SSM_TYPES))}, and for the lightning attention of "
+                                         f"{', '.join(sorted(LIGHTNING_TYPES))}, and for the Kimi Delta "
+                                         f"Attention of {', '.join(sorted(KDA_TYPES))}, and conv for the short "
+                                         "convolution of "
                                          f"{', '.join(sorted(SHORT_CONV_TYPES))}): other recurrent, "
                                          "linear-attention or convolutional mixers (Mamba2, short convolutions, "
                                          "KDA, lightning attention, ...) would carry state between packed sequences and lose it between slices of "
@@ -259,6 +271,11 @@ class ModelFamily:
     indexed_attention: bool = False
     #: decoder layers mix tokens with a short convolution (:mod:`.short_conv`), sequence parallel size 1 only
     short_conv: bool = False
+    #: decoder layers mix tokens with MiniMax's lightning attention (:mod:`.lightning_attention`), sequence
+    #: parallel size 1 only
+    lightning_attention: bool = False
+    #: decoder layers mix tokens with Kimi Delta Attention (:mod:`.kda`), sequence parallel size 1 only
+    kda: bool = False
     #: the final norm's name in ``model.model`` (:data:`MODULE_NAMES`)
     final_norm: str = "norm"
     #: the rotary embedding's name in ``model.model`` (:data:`MODULE_NAMES`)
@@ -338,7 +355,7 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
     config = getattr(model, "config", None)
     check_config(config, model, router_aux_loss)
     kind = str(getattr(config, "model_type", "") or "")
-    nope = kind in ROTARY_OPTIONAL and getattr(getattr(model, "model", None), "rotary_emb", 0) is None
+    nope = kind in ROTARY_OPTIONAL and getattr(getattr(model, "model", None), "rotary_emb", None) is None
     names = MODULE_NAMES.get(kind, {})
     norm_name, rotary_name = names.get("norm", "norm"), names.get("rotary_emb", "rotary_emb")
     for path in _LAYOUT:
@@ -367,9 +384,17 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
         linear, attribute = ssm_mixer_class(kind), MAMBA2[kind].attribute
     if kind in SHORT_CONV_TYPES:
         linear, attribute = short_conv_mixer_class(kind), SHORT_CONV_ATTRIBUTE
+    if kind in LIGHTNING_TYPES:  # in the self_attn of the linear_attention layers (.lightning_attention)
+        linear, attribute = lightning_mixer_class(kind), "self_attn"
+    if kind in KDA_TYPES:  # likewise (.kda)
+        linear, attribute = kda_mixer_class(kind), "self_attn"
+    layer_types = getattr(config, "layer_types", None) or ()
     has_linear = False
     for i, layer in enumerate(inner.layers):
         mixer = getattr(layer, attribute, None) if attribute else None
+        if mixer is not None and attribute in ATTENTION_MODULES and not (
+                i < len(layer_types) and layer_types[i] == "linear_attention"):
+            mixer = None  # an attention layer of the model (its layer type says so)
         if linear is not None and mixer is not None:
             if type(mixer) is not linear:
                 raise _refuse(config, model, f"decoder layer {i}'s {attribute} is a {type(mixer).__name__}, not "
@@ -443,6 +468,8 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
         linear_attention=has_linear and kind in LINEAR_ATTENTION_TYPES,
         ssm=has_linear and kind in SSM_TYPES,
         short_conv=has_linear and kind in SHORT_CONV_TYPES,
+        lightning_attention=has_linear and kind in LIGHTNING_TYPES,
+        kda=has_linear and kind in KDA_TYPES,
         final_norm=norm_name,
         rotary=rotary_name,
         per_layer_input_size=per_layer_input_size(model) if per_layer else 0,
