@@ -94,7 +94,11 @@ TINY_TYPE_SETTINGS = {"llama4_text": dict(attention_chunk_size=8, no_rope_layers
                       # Mamba2 layers beside attention layers: 4 heads of 32 in 2 groups, scan chunks of 16 (the
                       # split slices start off a chunk's edge); Bamba's layer types derive from attn_layer_indices
                       "bamba": dict(attn_layer_indices=[1, 3], **MAMBA2_SIZES),
-                      "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"] * 2, **MAMBA2_SIZES)}
+                      "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"] * 2, **MAMBA2_SIZES),
+                      # Falcon-H1: a Mamba2 beside the attention in every layer; its mup multipliers not 1
+                      "falcon_h1": dict(mamba_d_ssm=128, ssm_multipliers=[0.5, 2.0, 1.5, 0.7, 3.0], ssm_in_multiplier=0.8,
+                                        lm_head_multiplier=0.5, key_multiplier=1.3, attention_in_multiplier=0.9,
+                                        ssm_out_multiplier=1.2, attention_out_multiplier=0.7, **MAMBA2_SIZES)}
 
 #: the layer kinds of model types whose default config does not name each of them (LFM2's default
 #: has only attention layers, LFM2-MoE's none: its layers would not build)

@@ -2,7 +2,9 @@
 (``tests/runtime/test_ssm.py``, pp=1) and the launch (``tests/launch/test_linear_attention_launch.py``, pp=2).
 
 A tiny model per Mamba2 class (:data:`MODELS`: Granite-4.0 hybrid with MoE layers and rotary-free
-attention, Bamba with its final norm ``final_layernorm`` and partial rotary; 4 decoder layers, Mamba2 at layers 0 and 2, attention at 1 and 3, 4 heads of 32 over
+attention, Bamba with its final norm ``final_layernorm`` and partial rotary, Falcon-H1 with a Mamba2
+beside the attention in every layer and its mup multipliers; 4 decoder layers, Mamba2 at layers 0
+and 2 and attention at 1 and 3 (Falcon-H1: both in each, :data:`MAMBA_LAYERS`), 4 heads of 32 over
 2 groups, ``d_state`` 16, scan chunk 32, convolution width 4: each token reads 3 earlier inputs,
 float32, ``initializer_range`` 0.2). The batch, the chunks (split at tokens 50, 52 and 101 of a
 150-token sequence: none a multiple of 32, the 2-token slice shorter than the convolution's
@@ -23,11 +25,19 @@ MIXER_PARAMS = ("mamba.A_log", "mamba.dt_bias", "mamba.D", "mamba.conv1d.weight"
 LAYER_TYPES = ["linear_attention", "full_attention"] * 2
 SIZES = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=2, mamba_expand=2, mamba_d_conv=4,
              mamba_chunk_size=32)
+#: Falcon-H1's mup multipliers (input, projection sections, outputs, keys, logits), none 1
+FALCON_H1_MUP = dict(ssm_multipliers=[0.5, 2.0, 1.5, 0.7, 3.0], ssm_in_multiplier=0.8, lm_head_multiplier=0.5,
+                     key_multiplier=1.3, attention_in_multiplier=0.9, ssm_out_multiplier=1.2,
+                     attention_out_multiplier=0.7)
 #: case name -> (model type, config overrides): one per Mamba2 class
 MODELS = {
     "granitemoehybrid": ("granitemoehybrid", dict(layer_types=LAYER_TYPES)),
     "bamba": ("bamba", dict(attn_layer_indices=[1, 3])),  # its layer_types derive from these
+    # every layer a Mamba2 beside attention, its mup multipliers far from 1, the gate without a norm
+    "falcon_h1": ("falcon_h1", dict(mamba_d_ssm=128, **FALCON_H1_MUP)),
 }
+#: case name -> the decoder layers holding a Mamba2
+MAMBA_LAYERS = {"granitemoehybrid": (0, 2), "bamba": (0, 2), "falcon_h1": (0, 1, 2, 3)}
 
 
 def build_model(name: str = "granitemoehybrid"):
@@ -37,7 +47,8 @@ def build_model(name: str = "granitemoehybrid"):
     cfg = model_support.tiny_config(model_type, **{**SIZES, **overrides})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().train()
-    assert [getattr(layer, "mamba", None) is not None for layer in model.model.layers] == [True, False, True, False]
+    assert [i for i, layer in enumerate(model.model.layers) if getattr(layer, "mamba", None) is not None] == list(
+        MAMBA_LAYERS[name])
     return model
 
 

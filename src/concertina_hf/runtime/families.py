@@ -27,7 +27,7 @@ naming the model type and the feature:
   which :mod:`.linear_attention` runs per document with its state carried across slices
   (:attr:`ModelFamily.linear_attention`; sequence parallel size 1 only), and the Mamba2 layers
   (``linear_attention``, ``mamba``) of the model types of :data:`~.ssm.SSM_TYPES` (Bamba,
-  Granite-4.0 hybrid), exactly HF's mixer class of each, which :mod:`.ssm` runs likewise (:attr:`ModelFamily.ssm`),
+  Granite-4.0 hybrid, Falcon-H1's ``hybrid`` layers beside their attention), exactly HF's mixer class of each, which :mod:`.ssm` runs likewise (:attr:`ModelFamily.ssm`),
   and the short convolutions (``conv``) of :data:`~.short_conv.SHORT_CONV_TYPES` (LFM2, LFM2-MoE,
   LFM3), exactly HF's class of each, which :mod:`.short_conv` runs likewise
   (:attr:`ModelFamily.short_conv`), and the lightning attention (``linear_attention``, in
@@ -56,7 +56,7 @@ Reproduced outside the layers (:class:`ModelFamily`), each read from a config at
 
 - ``embedding_multiplier`` (Granite): the embedding output times it (Gemma's ``sqrt(hidden)``
   normalizer lives in its embedding module and needs nothing);
-- ``logit_scale`` (Cohere): logits times it; ``logits_scaling`` (Granite, MiniCPM3): logits
+- ``logit_scale`` (Cohere; Falcon-H1's ``lm_head_multiplier``, :data:`LOGIT_SCALE_NAMES`): logits times it; ``logits_scaling`` (Granite, MiniCPM3): logits
   divided by it, except for the model types in :data:`LOGITS_SCALING_MULTIPLIES`, whose
   ``forward`` multiplies by the attribute of the same name (the config does not say which);
 - ``final_logit_softcapping`` (Gemma2/3, nanochat): ``tanh(logits / cap) * cap``;
@@ -92,7 +92,7 @@ from torch import nn
 
 from .attention.indexed import INDEXED_ATTENTION_TYPES, INDEXED_LAYER_INPUTS, NOT_REPRODUCED
 from .linear_attention import LINEAR_ATTENTION_TYPES, MIXER_ATTRIBUTE, mixer_class
-from .ssm import MAMBA2, SSM_TYPES
+from .ssm import HYBRID_TYPES, MAMBA2, SSM_TYPES
 from .ssm import mixer_class as ssm_mixer_class
 from .short_conv import MIXER_ATTRIBUTE as SHORT_CONV_ATTRIBUTE
 from .short_conv import SHORT_CONV_LAYER_TYPE, SHORT_CONV_TYPES
@@ -110,6 +110,7 @@ __all__ = [
     "FORWARD_WORK",
     "LAYER_INPUTS",
     "LOGITS_SCALING_MULTIPLIES",
+    "LOGIT_SCALE_NAMES",
     "MODULE_NAMES",
     "NORM_BEFORE_LAYERS",
     "NO_POSITION_LAYER_TYPES",
@@ -138,6 +139,9 @@ ATTENTION_MODULES = ("self_attn", "self_attention")
 #: model types whose ``forward`` multiplies the logits by ``config.logits_scaling`` (Granite and
 #: MiniCPM3 divide by it): the attribute's name does not tell
 LOGITS_SCALING_MULTIPLIES = frozenset({"hyperclovax"})
+#: model types whose ``forward`` multiplies the logits by a config attribute named otherwise than
+#: ``logit_scale`` (Falcon-H1's mup ``lm_head_multiplier``)
+LOGIT_SCALE_NAMES = {"falcon_h1": "lm_head_multiplier"}
 #: model types whose ``forward`` applies the final norm to the embeddings too, before the layers
 #: (no config attribute says it); the stage does the same (a norm without parameters only)
 NORM_BEFORE_LAYERS = frozenset({"nanochat"})
@@ -164,12 +168,14 @@ FORWARD_WORK = {
 #: another one (``attention_scaling``, ``per_layer_input``, ...) is computed by the model's forward
 LAYER_INPUTS = frozenset({"hidden_states", "attention_mask", "position_ids", "position_embeddings", "cache",
                           "past_key_values", "past_key_value", "use_cache", "cache_position", "output_attentions",
-                          "output_router_logits", "kwargs", "args"})
+                          "output_router_logits", "kwargs", "args",
+                          "mamba_attention_mask"})  # Falcon-H1's padding mask of its Mamba2: a chunk has no padding
 #: model types whose final norm or rotary embedding has another name in ``model.model`` than ``norm`` /
 #: ``rotary_emb`` (LFM2's ``embedding_norm`` runs after the last layer, not on the embeddings; LFM2-MoE's rotary
 #: embedding is ``pos_emb``): ``{model type: {layout name: the model's name}}``
 MODULE_NAMES = {"lfm2": {"norm": "embedding_norm"}, "lfm2_moe": {"norm": "embedding_norm", "rotary_emb": "pos_emb"},
-                "lfm3": {"norm": "embedding_norm"}, "bamba": {"norm": "final_layernorm"}}
+                "lfm3": {"norm": "embedding_norm"}, "bamba": {"norm": "final_layernorm"},
+                "falcon_h1": {"norm": "final_layernorm"}}
 _LAYOUT = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
 _INNER = frozenset({"embed_tokens", "layers"})
 _OUTER = frozenset({"model", "lm_head"})
@@ -208,6 +214,7 @@ def check_config(config: Any, model: nn.Module | None = None, router_aux_loss: s
         other = sorted({str(t) for t in types} - ATTENTION_LAYER_TYPES
                        - ({"linear_attention"} if kind in LINEAR_ATTENTION_TYPES | SSM_TYPES | LIGHTNING_TYPES
                           | KDA_TYPES else set())
+                       - ({"hybrid"} if kind in HYBRID_TYPES else set())
                        - ({SHORT_CONV_LAYER_TYPE} if kind in SHORT_CONV_TYPES else set())
                        - ({"indexed_attention"} if kind in INDEXED_ATTENTION_TYPES else set()))
         if other == ["indexed_attention"]:  # top-k sparse attention: .attention.indexed runs these types' classes
@@ -458,7 +465,7 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
         indexed_attention=kind in INDEXED_ATTENTION_TYPES,
         model_type=kind,
         embedding_multiplier=_number(config, "embedding_multiplier"),
-        logit_scale=_number(config, "logit_scale"),
+        logit_scale=_number(config, LOGIT_SCALE_NAMES.get(kind, "logit_scale")),
         logits_scaling=_number(config, "logits_scaling"),
         logits_scaling_multiplies=kind in LOGITS_SCALING_MULTIPLIES,
         final_logit_softcapping=_number(config, "final_logit_softcapping"),

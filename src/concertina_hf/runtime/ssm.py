@@ -1,6 +1,6 @@
 """Mamba2 (SSD) layers (a state space model with a recurrent state) in a pipeline chunk.
 
-A Mamba2 mixer (the ``mamba`` of Bamba and Granite-4.0 hybrid, :data:`MAMBA2`) projects each
+A Mamba2 mixer (the ``mamba`` of Bamba, Granite-4.0 hybrid and Falcon-H1, :data:`MAMBA2`) projects each
 token to a gate, the convolution's input ``x | B | C`` and a time step ``dt``; a depthwise causal
 convolution of width ``k`` runs over ``x | B | C`` (each token reads the ``k - 1`` inputs before
 it), and the SSD scan carries a state per head (``[H, head_dim, d_state]``, float32) from token to
@@ -9,7 +9,8 @@ would reach the next through either, and a split slice would start from zero ins
 sequence's earlier tokens.
 
 The classes differ only token-wise: how the hidden states become the projection (Falcon-H1
-multiplies by its mup factors) and the gated norm after the scan. One :class:`Adapter` per class
+multiplies its input by ``ssm_in_multiplier`` and the projection by its ``mup_vector``; its gated
+norm is optional, ``mamba_rms_norm``) and the gated norm after the scan. One :class:`Adapter` per class
 says that; the per-document convolution, scan and carry are shared, as for the Gated DeltaNet
 (:mod:`.linear_attention`; the convolution is :func:`~.causal_conv.per_document_conv`). HF's
 module-level functions are read from the class's own module:
@@ -30,7 +31,8 @@ runtime sets around each decoder-layer call (:func:`~.attention.context.current_
   ``[1, H, head_dim, d_state]``) and its convolution tail (the sequence's last ``k - 1``
   pre-convolution inputs up to the slice's end; a slice shorter than ``k - 1`` takes the rest from
   the tail it received) in the chunk's :class:`~.attention.KVStore` (``KVEntry.k``: the state,
-  ``KVEntry.v``: the tail), as a Gated DeltaNet layer does; the executor hands the gradient the
+  ``KVEntry.v``: the tail; a Falcon-H1 layer, whose attention keeps its K/V under the layer's index,
+  under ``-1 - index``), as a Gated DeltaNet layer does; the executor hands the gradient the
   next slice's backward leaves on them to this slice's backward, and a recomputed layer's replay
   reads the same leaves (the store is set-if-absent).
 
@@ -57,7 +59,7 @@ from torch import nn
 from .attention.context import ChunkAttentionContext, current_context, step_running
 from .causal_conv import per_document_conv
 
-__all__ = ["Adapter", "MAMBA2", "SSM_TYPES", "install", "mamba2_forward", "mixer_class"]
+__all__ = ["Adapter", "HYBRID_TYPES", "MAMBA2", "SSM_TYPES", "install", "mamba2_forward", "mixer_class"]
 
 
 def _project(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -66,6 +68,14 @@ def _project(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _gated_norm(mod: nn.Module, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return mod.norm(y, gate)
+
+
+def _falcon_h1_project(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return mod.in_proj(x * mod.ssm_in_multiplier) * mod.mup_vector  # its mup multipliers, per section
+
+
+def _falcon_h1_gated_norm(mod: nn.Module, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return mod.norm(y, gate) if mod.mamba_rms_norm else y * torch.nn.functional.silu(gate)
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,8 @@ class Adapter:
     project: Callable[[nn.Module, torch.Tensor], torch.Tensor] = _project
     #: ``(mod, scan output [1, T, intermediate], gate)`` -> the output projection's input
     gated_norm: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = _gated_norm
+    #: the layer's attention keeps its K/V under the layer's index: the state goes under ``-1 - index``
+    beside_attention: bool = False
 
 
 _HF = "transformers.models"
@@ -86,9 +98,14 @@ _HF = "transformers.models"
 MAMBA2 = {
     "bamba": Adapter(f"{_HF}.bamba.modeling_bamba", "BambaMixer"),
     "granitemoehybrid": Adapter(f"{_HF}.granitemoehybrid.modeling_granitemoehybrid", "GraniteMoeHybridMambaLayer"),
+    "falcon_h1": Adapter(f"{_HF}.falcon_h1.modeling_falcon_h1", "FalconH1Mixer", project=_falcon_h1_project,
+                         gated_norm=_falcon_h1_gated_norm, beside_attention=True),
 }
-#: model types whose Mamba2 layers (``config.layer_types`` ``linear_attention``) run here
+#: model types whose Mamba2 layers (``config.layer_types`` ``linear_attention``; Falcon-H1's ``hybrid``
+#: layers run one beside their attention) run here
 SSM_TYPES = frozenset(MAMBA2)
+#: model types whose ``hybrid`` layers (``config.layer_types``) hold a Mamba2 beside their attention
+HYBRID_TYPES = frozenset({"falcon_h1"})
 
 
 def mixer_class(model_type: str) -> type | None:
@@ -161,13 +178,13 @@ def mamba2_forward(mod: nn.Module, hidden_states: torch.Tensor, ctx: ChunkAttent
     if why is not None:
         raise ValueError(why)
     hf = sys.modules[type(mod).__module__]  # HF's module-level functions (a kernel mapped there included)
-    layer = mod.layer_idx
+    adapter = _adapter(mod)
+    layer = -1 - mod.layer_idx if adapter.beside_attention else mod.layer_idx  # its key in the store
     x = hidden_states
     if x.shape[0] != 1 or x.shape[1] != ctx.num_tokens:
         raise ValueError(f"{type(mod).__name__} expects one packed row of {ctx.num_tokens} tokens, got "
                          f"{tuple(x.shape)}")
     dtype = x.dtype
-    adapter = _adapter(mod)
     gate, xbc, dt = adapter.project(mod, x).split([mod.intermediate_size, mod.conv_dim, mod.num_heads], dim=-1)
     width = int(mod.conv1d.kernel_size[0]) - 1  # the earlier inputs each token's convolution reads
     doc = per_document_conv(xbc.transpose(1, 2), ctx, layer, width, lambda cols: hf.causal_conv1d_fn(
