@@ -145,8 +145,8 @@ def check_stage(config: Any, layers: range) -> None:
                 f"model type {config.model_type!r}: decoder layer {i} reuses the top-k selection of layer {j} "
                 f"(config.indexer_types {i}: 'shared'), which lies on an earlier pipeline stage (this stage has "
                 f"layers {layers.start}..{layers.stop - 1}); the pipeline does not send that selection between "
-                "stages: choose stage boundaries (concertina_layer_partition / the plan's layout) that start each "
-                "stage at a 'full' indexer layer")
+                f"stages. Use a layout that keeps layers {j}-{i} on one stage (each stage starting at a 'full' "
+                "indexer layer), or fewer stages (concertina_pipeline_size)")
 
 
 def install(model: nn.Module) -> int:
