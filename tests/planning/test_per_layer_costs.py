@@ -73,3 +73,26 @@ def test_concertina_plan_takes_the_preset(tmp_path, capsys):
                    "--strategy", "packed", "--time-limit", "0.5"])
     assert rc == 0
     assert "packed" in capsys.readouterr().out
+
+
+def test_layers_sharing_kv_stay_on_one_stage():
+    """Gemma 4's KV sharing (the last 10 layers read the K/V of layers 18 and 19): no stage boundary
+    between layer 18 and the end; too many stages for the boundaries left is refused, naming the
+    pipeline size that fits."""
+    import pytest
+
+    from concertina_hf.planning import PlanError
+
+    shared = dict(PER_LAYER, num_kv_shared_layers=10, layer_types=["sliding_attention", "full_attention"] * 15)
+    cost = CostModel.from_hf_config(shared, DeviceSpec.preset("h100"))
+    assert cost.kv_share_spans == ((18, 29),) and CostModel.from_dict(cost.to_dict()) == cost
+    assert "kv_share_spans" not in CostModel.from_hf_config(PER_LAYER).to_dict()
+    free = dataclasses.replace(cost, kv_share_spans=())
+    assert partition_layers(free, 4).layer_ranges[-1][0] > 18  # the unconstrained one cuts the span
+    for p in (2, 4, 8):
+        ranges = partition_layers(cost, p).layer_ranges
+        assert ranges[-1] == (18, 30) or ranges[-1][0] < 18, ranges
+        assert not any(18 < a <= 29 for a, _ in ranges), ranges
+    with pytest.raises(PlanError, match=r"cannot place 30 decoder layers on 20 pipeline stages keeping layers "
+                                        r"\(\(18, 29\),\) on one stage each"):
+        partition_layers(cost, 20)

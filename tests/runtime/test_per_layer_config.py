@@ -6,8 +6,9 @@ functions, as ``scripts/model_support.py`` checks every type: split, hybrid and 
 one layer recomputed, ``PipelineExecutor`` on one stage and 2 stages run one after the other,
 against HF on each sequence alone (loss 1e-5, gradients 1e-4 relative). The per-layer inputs are
 computed on the first stage and travel with the hidden states (:mod:`concertina_hf.runtime.per_layer`);
-K/V shared between layers (``num_kv_shared_layers``) on one stage, with a layout keeping a layer and
-its source together; a layout splitting them, and bidirectional attention, are refused by message.
+K/V shared between layers (``num_kv_shared_layers``) on one stage, with the cost model's partition
+keeping a layer and its source together; a layout splitting them, and bidirectional attention, are
+refused by message.
 """
 
 from __future__ import annotations
@@ -92,7 +93,13 @@ def test_shared_kv_within_a_stage_equals_hf():
     assert model.model.layers[3].self_attn.v_proj is None and not hasattr(model.model.layers[5].self_attn, "k_proj")
     family = inspect_model(model)
     assert family.kv_sources == (None, None, None, None, 2, 3)
-    pp1, pp2 = _check(model, StageLayout(6, ((0, 2), (2, 6))))
+    from concertina_hf.planning import CostModel, partition_layers
+
+    cost = CostModel.from_hf_config(model.config, dtype_bytes=4)  # the trainer's partition keeps 2-5 together
+    assert cost.kv_share_spans == ((2, 5),)
+    layout = partition_layers(cost, 2)
+    assert layout.layer_ranges == ((0, 2), (2, 6)), layout
+    pp1, pp2 = _check(model, layout)
     assert pp1[0] < LOSS_TOL and pp1[1] < GRAD_TOL, pp1
     assert pp2[0] < LOSS_TOL and pp2[1] < GRAD_TOL, pp2
 

@@ -325,7 +325,23 @@ def analytic_coefficients(
                               saved.layer, inter, attention_kernel),
         # per-layer configs: each attention layer's shape against layer 0's (CostModel.layer_scales)
         **_layer_scales(layers, dev, b, compute_dtype_bytes, attention_kernel),
+        **_kv_share_spans(get),
     )
+
+
+def _kv_share_spans(get: Callable[[str], Any]) -> dict[str, Any]:
+    """``{"kv_share_spans": ((a, L - 1),)}`` for a config whose last ``num_kv_shared_layers`` layers
+    read the K/V of the last earlier layer of their type (Gemma 4: HF's ``kv_sharing_modes``), ``a``
+    the first such source; ``{}`` without KV sharing."""
+    n_shared = int(get("num_kv_shared_layers") or 0)
+    n_layers = int(get("num_hidden_layers"))
+    types = get("layer_types")
+    first = n_layers - n_shared
+    if not n_shared or first <= 0 or not isinstance(types, (list, tuple)):
+        return {}
+    sources = [max(i for i in range(first) if types[i] == t) for t in set(types[first:n_layers])
+               if t in types[:first]]
+    return {"kv_share_spans": ((min(sources), n_layers - 1),)} if sources else {}
 
 
 def _layer_terms(get: Callable[[str], Any], dev: DeviceSpec, b: int) -> tuple[float, float, int]:

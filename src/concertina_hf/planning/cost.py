@@ -286,6 +286,10 @@ class CostModel(ParallelCosts):
     # (alpha_attn, alpha_tok, act_bytes_per_token, kv_bytes_per_token, layer_params); empty: all alike.
     # to_dict leaves it out while empty
     layer_scales: tuple[tuple[float, float, float, float, float], ...] = ()
+    # decoder-layer ranges [a, b] a stage holds whole: layers up to b read the K/V layer a wrote (Gemma 4's
+    # KV sharing, num_kv_shared_layers; the runtime passes no K/V between stages), kept together by the
+    # partition. to_dict leaves it out while empty
+    kv_share_spans: tuple[tuple[int, int], ...] = ()
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -650,6 +654,8 @@ class CostModel(ParallelCosts):
             del d["chunked_layers"], d["attention_chunk"]
         if not d["layer_scales"]:
             del d["layer_scales"]
+        if not d["kv_share_spans"]:
+            del d["kv_share_spans"]
         if not d["layer_kinds"]:  # an attention model's file stays as it was
             for k in ("layer_kinds", "lin_alpha_tok", "lin_beta_segment", "lin_act_bytes_per_token",
                       "lin_state_bytes", "lin_layer_params"):
@@ -680,4 +686,6 @@ class CostModel(ParallelCosts):
             d["layer_kinds"] = tuple(str(k) for k in d["layer_kinds"])
         if "layer_scales" in d:
             d["layer_scales"] = tuple(tuple(float(x) for x in row) for row in d["layer_scales"])
+        if "kv_share_spans" in d:
+            d["kv_share_spans"] = tuple((int(a), int(b)) for a, b in d["kv_share_spans"])
         return cls(**d)

@@ -8,7 +8,9 @@ tokens at context 0 (forward plus backward, no recompute)::
 With layers of several kinds (:attr:`~.cost.CostModel.layer_kinds`: attention and linear
 attention) or attention layers of several shapes (:attr:`~.cost.CostModel.layer_scales`: per-layer
 configs, Gemma 4's full layers of twice the head size) ``(b - a) * layer_time`` is the sum of the
-stage's own layers' times, each at its kind's and shape's.
+stage's own layers' times, each at its kind's and shape's. Layers that share K/V
+(:attr:`~.cost.CostModel.kv_share_spans`, Gemma 4's ``num_kv_shared_layers``) stay on one stage: no
+boundary falls inside a span.
 
 The layout minimizing the slowest stage comes from an exact dynamic program over split points,
 ``best[k][j]`` = the smallest possible maximum stage time when the first ``k`` stages own the
@@ -93,12 +95,20 @@ def partition_layers(cost: CostModel, num_stages: int, num_layers: int | None = 
         return t
 
     inf = float("inf")
+    spans = cost.kv_share_spans  # layers a stage holds whole (KV sharing): no boundary inside
+
+    def cut_ok(j: int) -> bool:
+        """A stage may end after layer ``j - 1``."""
+        return not any(a < j <= b for a, b in spans)
+
     # best[k][j]: min over layouts of the first k stages on the first j layers of the max time
     best = [[inf] * (L + 1) for _ in range(p + 1)]
     best[0][0] = 0.0
     for k in range(1, p + 1):
         # stage k-1 ends at layer j; stages before it need >= 1 layer each, after it too
         for j in range(k, L - (p - k) + 1):
+            if k < p and not cut_ok(j):
+                continue
             row = best[k - 1]
             m = inf
             # the stage's own time grows as its start i moves left: once it alone reaches the
@@ -113,6 +123,12 @@ def partition_layers(cost: CostModel, num_stages: int, num_layers: int | None = 
                     m = v
             best[k][j] = m
     target = best[p][L]
+    if target == inf:
+        raise PlanError(
+            f"cannot place {L} decoder layers on {p} pipeline stages keeping layers {spans} on one stage each "
+            "(KV sharing: later layers read the K/V of an earlier one, and no K/V passes between stages)",
+            Remedy("pipeline_size", "lower", 1 + sum(cut_ok(j) for j in range(1, L))),
+        )
     # Reconstruct from the last stage backwards, each stage taking as many layers as the
     # optimum allows (later stages hold fewer chunks in flight in 1F1B).
     tol = 1e-12 * max(1.0, target)

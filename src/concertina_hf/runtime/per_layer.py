@@ -19,8 +19,10 @@ decoder layers, which the stage (:class:`~concertina_hf.runtime.stage.PipelineWr
   ``shared_kv_states`` dict the stage passes to its layers for one chunk (:func:`kv_sources`).
   The pipeline's attention keeps K/V per layer for later slices, so a reading layer stores the
   (same) tensors under its own index as well: the carried K/V of the source layer is what HF's
-  forward would use, and its gradient reaches the source layer through both. A layer and its
-  source on two stages is refused (:func:`check_kv_sharing`).
+  forward would use, and its gradient reaches the source layer through both. The planner's
+  partition keeps a layer and its source on one stage
+  (:attr:`~concertina_hf.planning.cost.CostModel.kv_share_spans`); a layout splitting them is
+  refused (:func:`check_kv_sharing`).
 
 Cost: nothing for the layers; the first stage runs the per-layer embedding and projection once
 per chunk.
