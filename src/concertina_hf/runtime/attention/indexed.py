@@ -28,11 +28,13 @@ the classes are untouched):
   selection as its boolean mask, the earlier slices' K/V leaves receiving gradient as for any
   attention layer. A GLM layer whose ``config.indexer_types`` entry is ``"shared"`` reuses the
   selection of the previous ``"full"`` layer (HF's ``prev_topk_indices``), kept per chunk
-  while the chunk's context lives; a stage whose first such layer's ``"full"`` layer lies on an
-  earlier stage is refused (the selection is not sent between stages).
+  while the chunk's context lives; a stage with a ``"shared"`` layer whose ``"full"`` layer lies on
+  an earlier stage is refused (:func:`check_stage`: the selection is not sent between stages).
 
-Ties: ``topk`` over float scores; a near-tie can select differently under another summation
-order, as it can between HF's own batch layouts.
+Ties: ``topk`` over float scores. A near-tie can select differently under another summation
+order, and exact ties (scores of 0, every head's ``relu`` at 0: likely with few indexer heads)
+are broken by the row's width, which differs between a slice's ``C + s`` keys and HF's padded
+batch, as it differs between HF's own batch layouts (its loss moves with the padding then).
 
 Not implemented, refused with the feature named: sequence parallelism (Ulysses or placed
 chunks), segment-level training (``concertina_segment_*``). Outside a chunk and outside a step,
@@ -42,8 +44,10 @@ mask itself (:func:`mask_with_indices`), as HF's eager path does.
 Cost: per segment one indexer call, its scores ``[s, H_idx, C + s]`` in float32 (HF's, per
 sequence), or, above :data:`SCORE_BLOCK_BYTES`, one call for the keys and one per block of
 queries; a boolean ``s x (C + s)`` mask for the attention (no varlen kernel: SDPA per segment,
-dense under the mask, which it saves for backward in the compute dtype); per non-final slice and layer, ``s x index_head_dim`` indexer keys kept until the
-slice's backward; a GLM chunk keeps each ``"full"`` layer's masks while the chunk lives.
+dense under the mask, which it saves for backward in the compute dtype: the cost model's
+``planning/mixers.py`` prices it); per non-final slice and layer, ``s x index_head_dim`` indexer
+keys kept until the slice's backward; a GLM chunk keeps each ``"full"`` layer's masks while the
+chunk lives.
 """
 
 from __future__ import annotations
