@@ -143,3 +143,33 @@ def test_what_is_not_built_is_refused(model):
 
     with pytest.raises(ValueError, match=f"{name} .* sequence parallel size 1 only"):
         forward(mixer, x, Sharded(spec, KVStore(), "cpu", True))
+
+
+@pytest.mark.parametrize("name, tokens, split", [("minimax", 512, False), ("minimax", 512, True),
+                                                 ("kimi_linear", 256, True)])
+def test_analytic_activation_memory_within_bounds(name, tokens, split):
+    """The analytic cost model's activation memory (``planning/mixers.py``: lightning_layer_fields with
+    blocks of 64, kda_layer_fields on HF's torch scan) against the step's measured peak of saved
+    tensors, one stage, float32: within 0.85x-1.05x of the prediction, the bounds of
+    ``tests/runtime/test_analytic_memory.py``; a split sequence keeps the earlier slice's state."""
+    from transformers import AutoModelForCausalLM
+
+    from concertina_hf.planning import CostModel, DeviceSpec
+
+    more = dict(block_size=64) if name == "minimax" else dict(linear_head_dim=32)
+    model_type, overrides, _ = MODELS[name]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cases.model_support.tiny_config(model_type, **{**overrides, **more}))
+    model = model.float()
+    layout = StageLayout.even(model.config.num_hidden_layers, 1)
+    half = tokens // 2
+    spec = (((0, 0, half),), ((0, half, tokens - half),)) if split else (((0, 0, tokens),),)
+    plan = cases.make_plan(layout, "none", spec, (tokens,))
+    ids = [torch.randint(0, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1))]
+    res = PipelineExecutor(PipelineWrapper(model, layout, 0)).run_step(plan, ids)
+    cost = CostModel.from_hf_config(model.config, DeviceSpec.cpu(), dtype_bytes=4, attention_kernel="sdpa-cpu-flash")
+    assert cost.layer_kinds.count("linear") == 2
+    predicted = sum(cost.act_memory(layout, 0, c) for c in plan.chunks)
+    ratio = res.peak_activation_bytes / predicted
+    print(name, tokens, split, res.peak_activation_bytes, int(predicted), round(ratio, 3))
+    assert 0.85 <= ratio <= 1.05, (res.peak_activation_bytes, predicted, ratio)

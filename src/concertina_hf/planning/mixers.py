@@ -54,7 +54,7 @@ from typing import Any, Callable
 
 __all__ = ["LINEAR_KIND", "SCAN_CHUNK", "SCAN_KERNELS", "indexed_pair_bytes", "indexer_pair_flops",
            "layer_kinds", "linear_layer_fields", "scan_kernel",
-           "short_conv_layer_fields", "ssm_layer_fields"]
+           "kda_layer_fields", "lightning_layer_fields", "short_conv_layer_fields", "ssm_layer_fields"]
 
 #: a layer kind of :attr:`~.cost.CostModel.layer_kinds` (the other: ``"attention"``)
 LINEAR_KIND = "linear"
@@ -103,6 +103,12 @@ def linear_layer_fields(get: Callable[[str], Any], flops: float, mem_bandwidth: 
     kinds = layer_kinds(get)
     if not kinds:
         return {}
+    if get("block_size") is not None and get("linear_attn_alpha_factor") is not None:  # MiniMax's lightning
+        return lightning_layer_fields(get, flops, mem_bandwidth, kernel_overhead_s, dtype_bytes, compute_dtype_bytes,
+                                      attention_layer_bytes, mlp_width)
+    if get("linear_num_heads") is not None and get("linear_head_dim") is not None:  # Kimi Delta Attention
+        return kda_layer_fields(get, flops, mem_bandwidth, kernel_overhead_s, dtype_bytes, compute_dtype_bytes,
+                                attention_layer_bytes, mlp_width, attention_kernel)
     if get("conv_L_cache") is not None:  # LFM2's short convolutions
         return short_conv_layer_fields(get, flops, mem_bandwidth, kernel_overhead_s, dtype_bytes,
                                        compute_dtype_bytes, attention_layer_bytes, mlp_width)
@@ -298,5 +304,103 @@ def short_conv_layer_fields(get: Callable[[str], Any], flops: float, mem_bandwid
                                                                                   / mem_bandwidth),
         lin_act_bytes_per_token=float(act),
         lin_state_bytes=float(a * (k - 1) * h),
+        lin_layer_params=int(params),
+    )
+
+
+def lightning_layer_fields(get: Callable[[str], Any], flops: float, mem_bandwidth: float, kernel_overhead_s: float,
+                           dtype_bytes: int, compute_dtype_bytes: int | None, attention_layer_bytes: float,
+                           mlp_width: int) -> dict[str, Any]:
+    """The :class:`~.cost.CostModel` fields of MiniMax's lightning-attention layers (the
+    ``linear_attention`` entries of its ``layer_types``; ``{}``: none), as :func:`linear_layer_fields`.
+    Reads ``hidden_size``, ``num_attention_heads``, ``head_dim``, ``block_size`` (HF's default where absent: 256).
+
+    A layer (``concertina_hf.runtime.lightning_attention``, HF's block recurrence per slice): the
+    ``qkv`` projection and its SiLU, per block of ``B`` tokens the decayed ``Q K^T`` and its product with
+    ``V``, the queries against the ``[H, D, D]`` state and the state's update, the RMS norm over the
+    heads, the sigmoid output gate and ``out_proj``. Saved per token (measured on CPU with saved-tensor
+    hooks: within 2%): its input, the SiLU's input and output (``3 H D`` each), the decayed queries and
+    keys, the norm's input, normed values and output, the gate, the gated values (``H D`` each; the norm's
+    two in float32), the block's decayed scores (``H B``) and the state once per block (``H D^2 / B``).
+    A non-final slice keeps the state."""
+    kinds = layer_kinds(get)
+    if not kinds:
+        return {}
+    r = int(dtype_bytes)
+    a = int(compute_dtype_bytes or dtype_bytes)
+    h = int(get("hidden_size"))
+    heads = int(get("num_attention_heads"))
+    d = int(get("head_dim") or h // heads)
+    b = int(get("block_size") or 256)
+    hd = heads * d
+    params = 5 * h * hd + hd + 3 * h * mlp_width + 2 * h
+    scan_flops = 4 * heads * (b * d + d * d)  # intra-block Q K^T and its V product; the state's read and update
+    act = (max(0.0, attention_layer_bytes - _attention_part(get, a, h))
+           + a * (h + 11 * hd + heads * b + heads * d * d / b) + 8 * hd + 4)
+    moved = a * (8 * hd + 2 * heads * b)
+    elementwise = r * (10 * h + 4 * mlp_width) + moved
+    return dict(
+        layer_kinds=kinds,
+        lin_alpha_tok=(2.0 * params + scan_flops) / flops + elementwise / mem_bandwidth,
+        # a slice's last block is partial (half a block of the per-token work on average) and its own launches
+        lin_beta_segment=SEGMENT_CALL_SHARE * kernel_overhead_s + (b / 2) * scan_flops / flops,
+        lin_act_bytes_per_token=float(act),
+        lin_state_bytes=float(a * heads * d * d),
+        lin_layer_params=int(params),
+    )
+
+
+def kda_layer_fields(get: Callable[[str], Any], flops: float, mem_bandwidth: float, kernel_overhead_s: float,
+                     dtype_bytes: int, compute_dtype_bytes: int | None, attention_layer_bytes: float,
+                     mlp_width: int, attention_kernel: str | None = None) -> dict[str, Any]:
+    """The :class:`~.cost.CostModel` fields of Kimi Linear's Kimi Delta Attention layers (the
+    ``linear_attention`` entries of its ``layer_types``; ``{}``: none), as :func:`linear_layer_fields`.
+    Reads ``hidden_size``, ``linear_num_heads``, ``linear_head_dim``, ``linear_conv_kernel_dim`` (HF's
+    defaults where absent: 32, 128, 4).
+
+    A layer (``concertina_hf.runtime.kda``): the ``q, k, v`` projections through one depthwise
+    convolution, a low-rank forget gate per channel, ``beta`` per head, the gated delta rule over a
+    ``[H, D, D]`` float32 state in chunks of ``C = SCAN_CHUNK`` tokens, a low-rank output gate, the gated
+    norm and ``o_proj``. HF's torch reference (``chunk_kimi_delta_attention``, on CPU) saves per token and
+    head, in float32, three ``C x D`` products (the per-channel decay mask, the keys' products within a
+    chunk before the triangular system and the queries' within the loop), about 30 ``D``-wide tensors
+    (the projections, their float32, normalised, padded, weighted and decayed copies, the new values) and
+    the ``C^2 / 3`` entries the triangular solve's row clones keep, plus per token the gates' low-rank
+    inputs (measured with saved-tensor hooks: within 1%). flash-linear-attention's ``chunk_kda`` (CUDA)
+    saves its inputs and one ``C``-wide matrix per head, as the Gated DeltaNet's. A non-final slice keeps
+    the state and the convolution's last ``k - 1`` inputs (``3 H D`` wide)."""
+    kinds = layer_kinds(get)
+    if not kinds:
+        return {}
+    r = int(dtype_bytes)
+    a = int(compute_dtype_bytes or dtype_bytes)
+    h = int(get("hidden_size"))
+    heads = int(get("linear_num_heads") or 32)
+    d = int(get("linear_head_dim") or 128)
+    width = int(get("linear_conv_kernel_dim") or 4)
+    c = SCAN_CHUNK
+    hd = heads * d
+    # q, k, v, the convolution, the forget gate (h -> D -> H D, dt_bias, A_log), beta, the output gate
+    # (h -> D -> H D), the gated norm, o_proj; the MLP and two norms as an attention layer's
+    mixer_params = 3 * h * hd + 3 * hd * width + 2 * (h * d + d * hd) + hd + heads + h * heads + d + hd * h
+    params = mixer_params + 3 * h * mlp_width + 2 * h
+    # per token and head: the decay mask and the two C-wide D-wide products, the triangular solve,
+    # the state's read and update
+    scan_flops = heads * 2 * (3 * c * d + c * c / 2 + c * d + 3 * d * d)
+    if scan_kernel(attention_kernel) == "torch":
+        scan_bytes = 4 * heads * ((3 * c + 30) * d + c * c / 3 + 115)
+        moved = 2 * scan_bytes
+    else:
+        scan_bytes = a * (4 * hd + heads + heads * c) + 4 * 3 * heads
+        moved = 3 * (scan_bytes + 4 * heads * d * d / c)
+    act = max(0.0, attention_layer_bytes - _attention_part(get, a, h)) + a * h + 4 * (2 * d + 12) + scan_bytes
+    elementwise = r * (10 * h + 4 * mlp_width) + moved
+    per_token_scan = scan_flops / flops + moved / mem_bandwidth
+    return dict(
+        layer_kinds=kinds,
+        lin_alpha_tok=2.0 * params / flops + scan_flops / flops + elementwise / mem_bandwidth,
+        lin_beta_segment=SEGMENT_CALL_SHARE * kernel_overhead_s + (c / 2) * per_token_scan,
+        lin_act_bytes_per_token=float(act),
+        lin_state_bytes=float(4 * heads * d * d + a * (width - 1) * 3 * hd),
         lin_layer_params=int(params),
     )
