@@ -173,3 +173,15 @@ def test_analytic_activation_memory_within_bounds(name, tokens, split):
     ratio = res.peak_activation_bytes / predicted
     print(name, tokens, split, res.peak_activation_bytes, int(predicted), round(ratio, 3))
     assert 0.85 <= ratio <= 1.05, (res.peak_activation_bytes, predicted, ratio)
+
+
+def test_layout_auto_leaves_sequence_parallelism_out(model, tmp_path):
+    from concertina_hf import ConcertinaTrainingArguments
+    from concertina_hf.planning.layouts import Layout
+    from concertina_hf.training import auto_layout
+
+    args = ConcertinaTrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    refused = auto_layout._runtime_refusals(args, model, 4)
+    assert set(refused) == {Layout(1, 2, 2), Layout(2, 2, 1), Layout(1, 4, 1)}
+    name = "lightning-attention" if model.case_name == "minimax" else "Kimi Delta Attention"
+    assert all(f"{name} (" in why and "sequence parallel size 1 only" in why for why in refused.values())

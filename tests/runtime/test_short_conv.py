@@ -194,3 +194,15 @@ def test_the_cost_model_prices_the_convolutions_by_kind():
     assert 0 < cost.lin_beta_segment < 0.1 * min(cost.linear_layer_time(early), cost.beta)
     # "conv" names a short convolution only in a config that has one
     assert layer_kinds({"layer_types": ["conv", "full_attention"]}.get) == ()
+
+
+def test_layout_auto_leaves_sequence_parallelism_out(model, tmp_path):
+    from concertina_hf import ConcertinaTrainingArguments
+    from concertina_hf.planning.layouts import Layout
+    from concertina_hf.training import auto_layout
+
+    args = ConcertinaTrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    refused = auto_layout._runtime_refusals(args, model, 4)
+    assert set(refused) == {Layout(1, 2, 2), Layout(2, 2, 1), Layout(1, 4, 1)}
+    assert all("short-convolution (LFM2 conv) layers run with sequence parallel size 1 only" in why
+               for why in refused.values())

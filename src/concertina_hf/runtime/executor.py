@@ -106,6 +106,7 @@ from .attention.chunked import sequence_parallel_refusal as chunked_sp_refusal
 from .attention.indexed import sequence_parallel_refusal as indexed_sp_refusal
 from .context_parallel import EMPTY_RANK_TOKENS, ContextParallelContext
 from .linear_attention import sequence_parallel_refusal as linear_sp_refusal
+from .families import recurrent_sp_refusal
 from .ulysses import SequenceParallel
 
 __all__ = ["PipelineExecutor", "StepResult"]
@@ -217,6 +218,9 @@ class PipelineExecutor:
             indexed_why = indexed_sp_refusal(wrapper.config, dist.get_world_size(sp_group))
             if indexed_why is not None:  # top-k indexed attention: attention/indexed.py
                 raise ValueError(indexed_why)
+            recurrent_why = recurrent_sp_refusal(wrapper.config, dist.get_world_size(sp_group))
+            if recurrent_why is not None:  # short convolutions, lightning attention, KDA (families.py)
+                raise ValueError(recurrent_why)
             why = linear_sp_refusal(wrapper.config, dist.get_world_size(sp_group)) if (
                 wrapper.family.linear_attention) else None  # Ulysses splits their heads too
             if why is not None:

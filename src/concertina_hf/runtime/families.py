@@ -120,6 +120,7 @@ __all__ = [
     "ModelFamily",
     "UnsupportedModelError",
     "check_config",
+    "recurrent_sp_refusal",
     "final_norm",
     "rotary_embedding",
     "inspect_model",
@@ -332,6 +333,22 @@ class ModelFamily:
                 per_type[kind] = rotary(hidden, position_ids, kind)
             out.append(per_type[kind])
         return out
+
+
+def recurrent_sp_refusal(config: Any, sp: int) -> str | None:
+    """Why a stage of ``sp`` ranks cannot run ``config``'s short convolutions (:mod:`.short_conv`),
+    lightning attention (:mod:`.lightning_attention`) or Kimi Delta Attention (:mod:`.kda`): their state
+    would have to pass between the stage's ranks (``None``: it can, or the model has none)."""
+    kind = str(getattr(config, "model_type", "") or "")
+    types = {str(t) for t in (getattr(config, "layer_types", None) or ())}
+    feature = ("short-convolution (LFM2 conv)" if kind in SHORT_CONV_TYPES and SHORT_CONV_LAYER_TYPE in types else
+               "lightning-attention (MiniMax linear attention)" if kind in LIGHTNING_TYPES and "linear_attention" in types
+               else "Kimi Delta Attention (KDA)" if kind in KDA_TYPES and "linear_attention" in types else None)
+    if sp <= 1 or feature is None:
+        return None
+    return (f"model type {kind!r}: {feature} layers run with sequence parallel size 1 only (a chunk sharded over a "
+            f"stage's {sp} ranks would need their state passed between them); set concertina_sequence_parallel_size=1 "
+            "(concertina_layout='auto' leaves sp > 1 out for this model)")
 
 
 def _module_name(model: nn.Module, name: str) -> str:

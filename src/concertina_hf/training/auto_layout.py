@@ -197,7 +197,8 @@ def _runtime_refusals(args: ConcertinaTrainingArguments, model: torch.nn.Module,
     (Gated DeltaNet) layers: an ``sp > 1`` their heads do not divide by, or any ``sp > 1`` outside
     Ulysses (:func:`~concertina_hf.runtime.linear_attention.sequence_parallel_refusal`). Chunked
     attention and Llama 4's query temperature: any ``sp > 1``
-    (:func:`~concertina_hf.runtime.attention.chunked.sequence_parallel_refusal`)."""
+    (:func:`~concertina_hf.runtime.attention.chunked.sequence_parallel_refusal`). Short convolutions,
+    lightning attention, KDA: any ``sp > 1`` (:func:`~concertina_hf.runtime.families.recurrent_sp_refusal`)."""
     from ..integrations.peft import base_model_of
     from ..runtime.linear_attention import sequence_parallel_refusal
 
@@ -215,6 +216,12 @@ def _runtime_refusals(args: ConcertinaTrainingArguments, model: torch.nn.Module,
                     if why is not None and world % (pp * sp) == 0})
     from ..runtime.attention.chunked import sequence_parallel_refusal as chunked_sp_refusal
 
+    from ..runtime.families import recurrent_sp_refusal
+
+    for sp in range(2, world + 1):  # short convolutions, lightning attention, KDA: sp = 1 only
+        why = recurrent_sp_refusal(base_model_of(model).config, sp)
+        out.update({Layout(pp, sp, world // (pp * sp)): f"refused: {why}" for pp in range(1, world + 1)
+                    if why is not None and world % (pp * sp) == 0})
     for sp in range(2, world + 1):  # chunked attention, query temperature (Llama 4): sp = 1 only
         why = chunked_sp_refusal(base_model_of(model).config, sp)
         out.update({Layout(pp, sp, world // (pp * sp)): f"refused: {why}" for pp in range(1, world + 1)
