@@ -98,7 +98,10 @@ TINY_TYPE_SETTINGS = {"llama4_text": dict(attention_chunk_size=8, no_rope_layers
                       # Falcon-H1: a Mamba2 beside the attention in every layer; its mup multipliers not 1
                       "falcon_h1": dict(mamba_d_ssm=128, ssm_multipliers=[0.5, 2.0, 1.5, 0.7, 3.0], ssm_in_multiplier=0.8,
                                         lm_head_multiplier=0.5, key_multiplier=1.3, attention_in_multiplier=0.9,
-                                        ssm_out_multiplier=1.2, attention_out_multiplier=0.7, **MAMBA2_SIZES)}
+                                        ssm_out_multiplier=1.2, attention_out_multiplier=0.7, **MAMBA2_SIZES),
+                      # Nemotron-H: the same sizes under its names; its default layers Mamba2, MoE, attention, MLP
+                      "nemotron_h": dict(mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=16, n_groups=2,
+                                         chunk_size=16)}
 
 #: the layer kinds of model types whose default config does not name each of them (LFM2's default
 #: has only attention layers, LFM2-MoE's none: its layers would not build)

@@ -3,7 +3,8 @@
 
 A tiny model per Mamba2 class (:data:`MODELS`: Granite-4.0 hybrid with MoE layers and rotary-free
 attention, Bamba with its final norm ``final_layernorm`` and partial rotary, Falcon-H1 with a Mamba2
-beside the attention in every layer and its mup multipliers; 4 decoder layers, Mamba2 at layers 0
+beside the attention in every layer and its mup multipliers, Nemotron-H with its own module names,
+no rotary embedding, an MoE and an MLP block without token mixer; 4 decoder layers, Mamba2 at layers 0
 and 2 and attention at 1 and 3 (Falcon-H1: both in each, :data:`MAMBA_LAYERS`), 4 heads of 32 over
 2 groups, ``d_state`` 16, scan chunk 32, convolution width 4: each token reads 3 earlier inputs,
 float32, ``initializer_range`` 0.2). The batch, the chunks (split at tokens 50, 52 and 101 of a
@@ -21,7 +22,7 @@ from _linear_attention_cases import (CHUNKS, GRAD_TOL, LOSS_TOL, RECOMPUTE, SEQ_
                                      make_plan, model_support, num_items, padded_reference)
 
 #: the Mamba2 layers' own parameters every case reports by name
-MIXER_PARAMS = ("mamba.A_log", "mamba.dt_bias", "mamba.D", "mamba.conv1d.weight")
+MIXER_PARAMS = (".A_log", ".dt_bias", ".D", ".conv1d.weight")
 LAYER_TYPES = ["linear_attention", "full_attention"] * 2
 SIZES = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=2, mamba_expand=2, mamba_d_conv=4,
              mamba_chunk_size=32)
@@ -35,9 +36,12 @@ MODELS = {
     "bamba": ("bamba", dict(attn_layer_indices=[1, 3])),  # its layer_types derive from these
     # every layer a Mamba2 beside attention, its mup multipliers far from 1, the gate without a norm
     "falcon_h1": ("falcon_h1", dict(mamba_d_ssm=128, **FALCON_H1_MUP)),
+    # its own names for the same sizes; layers: Mamba2, MoE, attention, MLP (the default pattern "ME*-")
+    "nemotron_h": ("nemotron_h", dict(mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=16, n_groups=2,
+                                      conv_kernel=4, chunk_size=32)),
 }
 #: case name -> the decoder layers holding a Mamba2
-MAMBA_LAYERS = {"granitemoehybrid": (0, 2), "bamba": (0, 2), "falcon_h1": (0, 1, 2, 3)}
+MAMBA_LAYERS = {"granitemoehybrid": (0, 2), "bamba": (0, 2), "falcon_h1": (0, 1, 2, 3), "nemotron_h": (0,)}
 
 
 def build_model(name: str = "granitemoehybrid"):
@@ -47,7 +51,10 @@ def build_model(name: str = "granitemoehybrid"):
     cfg = model_support.tiny_config(model_type, **{**SIZES, **overrides})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().train()
-    assert [i for i, layer in enumerate(model.model.layers) if getattr(layer, "mamba", None) is not None] == list(
+    from concertina_hf.runtime.ssm import mixer_class
+
+    cls = mixer_class(model_type)
+    assert [i for i, layer in enumerate(model.model.layers) if any(type(m) is cls for m in layer.modules())] == list(
         MAMBA_LAYERS[name])
     return model
 

@@ -9,7 +9,7 @@ under recompute none / partial / full, and the adaptive planner's plan; loss 1e-
 stage's every gradient 1e-4 (``A_log``, ``dt_bias``, the convolution weights among them). Then a
 stage of 2 sequence-parallel ranks over one key head is refused, naming the setting (Ulysses
 itself: ``tests/launch/test_ulysses_launch.py``). Then the Mamba2 (SSD) models of
-:data:`_ssm_cases.MODELS` (Granite-4.0 hybrid, Bamba, Falcon-H1) likewise, ``D`` among the compared parameters.
+:data:`_ssm_cases.MODELS` (Granite-4.0 hybrid, Bamba, Falcon-H1, Nemotron-H) likewise, ``D`` among the compared parameters.
 The one-process tests (pp=1, the leak test, the self-check): ``tests/runtime/test_linear_attention.py``,
 ``tests/runtime/test_ssm.py``.
 """

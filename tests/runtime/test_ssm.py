@@ -1,5 +1,5 @@
 """Mamba2 (SSD) layers through the runtime, one process (pp=1), for each class
-(:data:`_ssm_cases.MODELS`: Granite-4.0 hybrid, Bamba, Falcon-H1).
+(:data:`_ssm_cases.MODELS`: Granite-4.0 hybrid, Bamba, Falcon-H1, Nemotron-H).
 
 - **No leak between documents**: in a packed chunk (and in the hybrid chunk, after a split
   sequence's tail) changing one document's tokens, its labels ignored, leaves the loss and every
@@ -116,7 +116,7 @@ def test_what_is_not_built_is_refused(model):
             check_config(cfg)
     family = inspect_model(model)
     assert family.ssm and not family.linear_attention
-    mixer = model.model.layers[0].mamba
+    mixer = next(m for m in model.model.layers[0].modules() if type(m).__name__.endswith(("Mixer", "MambaLayer")))
     x = torch.zeros(1, 4, model.config.hidden_size)
     spec = [SliceSpec(0, 0, 4, 0, True)]
     with pytest.raises(ValueError, match="segment-level training .* not implemented for Mamba2"):

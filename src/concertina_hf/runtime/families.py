@@ -27,7 +27,8 @@ naming the model type and the feature:
   which :mod:`.linear_attention` runs per document with its state carried across slices
   (:attr:`ModelFamily.linear_attention`; sequence parallel size 1 only), and the Mamba2 layers
   (``linear_attention``, ``mamba``) of the model types of :data:`~.ssm.SSM_TYPES` (Bamba,
-  Granite-4.0 hybrid, Falcon-H1's ``hybrid`` layers beside their attention), exactly HF's mixer class of each, which :mod:`.ssm` runs likewise (:attr:`ModelFamily.ssm`),
+  Granite-4.0 hybrid, Falcon-H1's ``hybrid`` layers beside their attention, Nemotron-H's ``mixer`` beside
+  its ``mlp`` / ``moe`` layers without a token mixer), exactly HF's mixer class of each, which :mod:`.ssm` runs likewise (:attr:`ModelFamily.ssm`),
   and the short convolutions (``conv``) of :data:`~.short_conv.SHORT_CONV_TYPES` (LFM2, LFM2-MoE,
   LFM3), exactly HF's class of each, which :mod:`.short_conv` runs likewise
   (:attr:`ModelFamily.short_conv`), and the lightning attention (``linear_attention``, in
@@ -69,7 +70,7 @@ Reproduced outside the layers (:class:`ModelFamily`), each read from a config at
 - nanochat's final norm applied to the embeddings too (:data:`NORM_BEFORE_LAYERS`; no config
   attribute says it);
 - the final norm under another name than ``model.model.norm`` (LFM2's ``embedding_norm``, which runs
-  after the last layer, Bamba's ``final_layernorm``, and LFM2-MoE's rotary embedding ``pos_emb``:
+  after the last layer, Bamba's ``final_layernorm``, Nemotron-H's ``norm_f`` and embedding ``embeddings``, and LFM2-MoE's rotary embedding ``pos_emb``:
   :data:`MODULE_NAMES`);
 - layers without position embeddings: Lara-Mini's global layers, LFM3's convolutions
   (:data:`NO_POSITION_LAYER_TYPES`),
@@ -92,7 +93,7 @@ from torch import nn
 
 from .attention.indexed import INDEXED_ATTENTION_TYPES, INDEXED_LAYER_INPUTS, NOT_REPRODUCED
 from .linear_attention import LINEAR_ATTENTION_TYPES, MIXER_ATTRIBUTE, mixer_class
-from .ssm import HYBRID_TYPES, MAMBA2, SSM_TYPES
+from .ssm import HYBRID_TYPES, MAMBA2, MIXERLESS_LAYER_TYPES, SSM_TYPES
 from .ssm import mixer_class as ssm_mixer_class
 from .short_conv import MIXER_ATTRIBUTE as SHORT_CONV_ATTRIBUTE
 from .short_conv import SHORT_CONV_LAYER_TYPE, SHORT_CONV_TYPES
@@ -150,8 +151,8 @@ NORM_BEFORE_LAYERS = frozenset({"nanochat"})
 #: (no config attribute says it): Lara-Mini's global attention layers (only its sliding ones rotate)
 NO_POSITION_LAYER_TYPES = {"lara_mini": frozenset({"full_attention"}), "lfm3": frozenset({"conv"})}
 #: model types whose ``model.rotary_emb`` is None when ``config.rope_parameters`` has no ``rope_theta``
-#: (OLMo Hybrid's released checkpoints): then no layer gets position embeddings
-ROTARY_OPTIONAL = frozenset({"olmo_hybrid", "granitemoehybrid", "kimi_linear"})
+#: (OLMo Hybrid's released checkpoints), or absent (Nemotron-H): then no layer gets position embeddings
+ROTARY_OPTIONAL = frozenset({"olmo_hybrid", "granitemoehybrid", "kimi_linear", "nemotron_h"})
 #: model types whose ``forward`` adds no router auxiliary loss whatever ``output_router_logits`` says
 #: (Llama 4 returns the router logits only): that flag changes nothing the runtime reproduces
 NO_ROUTER_AUX_LOSS = frozenset({"llama4_text"})
@@ -176,7 +177,8 @@ LAYER_INPUTS = frozenset({"hidden_states", "attention_mask", "position_ids", "po
 #: embedding is ``pos_emb``): ``{model type: {layout name: the model's name}}``
 MODULE_NAMES = {"lfm2": {"norm": "embedding_norm"}, "lfm2_moe": {"norm": "embedding_norm", "rotary_emb": "pos_emb"},
                 "lfm3": {"norm": "embedding_norm"}, "bamba": {"norm": "final_layernorm"},
-                "falcon_h1": {"norm": "final_layernorm"}}
+                "falcon_h1": {"norm": "final_layernorm"},
+                "nemotron_h": {"norm": "norm_f", "embed_tokens": "embeddings"}}
 _LAYOUT = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
 _INNER = frozenset({"embed_tokens", "layers"})
 _OUTER = frozenset({"model", "lm_head"})
@@ -216,6 +218,7 @@ def check_config(config: Any, model: nn.Module | None = None, router_aux_loss: s
                        - ({"linear_attention"} if kind in LINEAR_ATTENTION_TYPES | SSM_TYPES | LIGHTNING_TYPES
                           | KDA_TYPES else set())
                        - ({"hybrid"} if kind in HYBRID_TYPES else set())
+                       - MIXERLESS_LAYER_TYPES.get(kind, frozenset())
                        - ({SHORT_CONV_LAYER_TYPE} if kind in SHORT_CONV_TYPES else set())
                        - ({"indexed_attention"} if kind in INDEXED_ATTENTION_TYPES else set()))
         if other == ["indexed_attention"]:  # top-k sparse attention: .attention.indexed runs these types' classes
@@ -291,6 +294,8 @@ class ModelFamily:
     #: indices of the decoder layers HF's forward passes no position embeddings (:data:`NO_POSITION_LAYER_TYPES`,
     #: :data:`ROTARY_OPTIONAL`); None: every layer (no rotary embedding)
     no_position_layers: frozenset[int] | None = frozenset()
+    #: the token embedding's name in ``model.model`` (:data:`MODULE_NAMES`)
+    embedding: str = "embed_tokens"
     #: ``D`` of Gemma 4's per-layer inputs (:mod:`.per_layer`; 0: none): the first stage computes them and
     #: they travel with the hidden states
     per_layer_input_size: int = 0
@@ -398,7 +403,7 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
         raise _refuse(config, model, "model.model.layers is not a ModuleList of decoder layers")
     extra = [f"model.{n} ({type(m).__name__})" for n, m in model.named_children() if n not in _OUTER]
     extra += [f"model.model.{n} ({type(m).__name__})" for n, m in inner.named_children()
-              if n not in _INNER and n not in (norm_name, rotary_name)
+              if n not in _INNER and n not in (norm_name, rotary_name, names.get("embed_tokens", "embed_tokens"))
               and not (kind in PER_LAYER_TYPES and n in PER_LAYER_MODULES)]
     if extra:
         raise _refuse(config, model, f"{', '.join(extra)} run(s) in the model's forward outside the decoder layers, "
@@ -416,7 +421,7 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
     has_linear = False
     for i, layer in enumerate(inner.layers):
         mixer = getattr(layer, attribute, None) if attribute else None
-        if mixer is not None and attribute in ATTENTION_MODULES and not (
+        if mixer is not None and (attribute in ATTENTION_MODULES or kind in MIXERLESS_LAYER_TYPES) and not (
                 i < len(layer_types) and layer_types[i] == "linear_attention"):
             mixer = None  # an attention layer of the model (its layer type says so)
         if linear is not None and mixer is not None:
@@ -424,6 +429,9 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
                 raise _refuse(config, model, f"decoder layer {i}'s {attribute} is a {type(mixer).__name__}, not "
                                              f"HF's {linear.__name__}, the recurrent mixer the pipeline implements")
             has_linear = True
+        elif kind in MIXERLESS_LAYER_TYPES and getattr(layer, "block_type", None) in (
+                MIXERLESS_LAYER_TYPES[kind] | ATTENTION_LAYER_TYPES):
+            pass  # Nemotron-H: an MLP or MoE without a token mixer, or its attention in `mixer`
         elif all(getattr(layer, n, None) is None for n in ATTENTION_MODULES):
             kids = ", ".join(n for n, _ in layer.named_children())
             raise _refuse(config, model, f"decoder layer {i} ({type(layer).__name__}) has no self_attn (its modules: "
@@ -496,6 +504,7 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
         kda=has_linear and kind in KDA_TYPES,
         final_norm=norm_name,
         rotary=rotary_name,
+        embedding=names.get("embed_tokens", "embed_tokens"),
         per_layer_input_size=per_layer_input_size(model) if per_layer else 0,
         kv_sources=kv_sources(config) if per_layer else None,
         shared_kv_states=per_layer,

@@ -63,7 +63,7 @@ def shard_stage(wrapper: Any, topology: Topology) -> bool:
     # the executor calls the embedding, each layer, the norm and the head itself: each is its own
     # FSDP2 root (a unit of several modules cannot be a root)
     units = list(wrapper.decoder_layers) + [
-        m for m in (getattr(hf.model, "embed_tokens", None), getattr(hf.model, wrapper.family.final_norm, None),
+        m for m in (getattr(hf.model, wrapper.family.embedding, None), getattr(hf.model, wrapper.family.final_norm, None),
                   getattr(hf, "lm_head", None))
         if m is not None and any(True for _ in m.parameters(recurse=True))]
     fsdp = [fully_shard(unit, mesh=mesh, reshard_after_forward=True) for unit in units]

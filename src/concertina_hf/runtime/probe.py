@@ -459,12 +459,13 @@ def _probe_modules(model_or_wrapper: Any, num_layers: int | None, device: Any) -
         layers = all_layers[:n]
         stage: Any = _StageView(layers, w.rotary_emb,
                                 w.final_norm if w.is_last else None, w.model.lm_head if w.is_last else None,
-                                w.model.model.embed_tokens if w.is_first else None, w.family, w.layer_start)
+                                getattr(w.model.model, w.family.embedding) if w.is_first else None, w.family,
+                                w.layer_start)
         has_head, has_embed = w.is_last, w.is_first
         config = w.config
         own = list(w.parameters())
         head = [w.final_norm, w.model.lm_head] if has_head else []
-        embed = [w.model.model.embed_tokens] if has_embed else []
+        embed = [getattr(w.model.model, w.family.embedding)] if has_embed else []
     else:
         model = model_or_wrapper
         for path in ("model", "lm_head"):
@@ -473,7 +474,7 @@ def _probe_modules(model_or_wrapper: Any, num_layers: int | None, device: Any) -
                                  "pass such a model or a PipelineWrapper")
         inner = model.model
         family = inspect_model(model)
-        for path in ("embed_tokens", "layers", family.final_norm, family.rotary):
+        for path in (family.embedding, "layers", family.final_norm, family.rotary):
             if not hasattr(inner, path):
                 raise ValueError(f"{type(model).__name__}.model has no `{path}`; the profiler supports HF causal LMs "
                                  "with model.embed_tokens / .layers / .norm / .rotary_emb and lm_head")
@@ -493,7 +494,7 @@ def _probe_modules(model_or_wrapper: Any, num_layers: int | None, device: Any) -
         layers = list(copies[:n])
         norm, norm_own = _on(getattr(inner, family.final_norm), dev)
         lm_head, head_own = _on(model.lm_head, dev)
-        embed_tokens, embed_own = _on(inner.embed_tokens, dev)
+        embed_tokens, embed_own = _on(getattr(inner, family.embedding), dev)
         stage = _StageView(layers, copies[n], norm, lm_head, embed_tokens, family)
         has_head = has_embed = True
         config = model.config

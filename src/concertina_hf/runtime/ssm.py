@@ -1,6 +1,7 @@
 """Mamba2 (SSD) layers (a state space model with a recurrent state) in a pipeline chunk.
 
-A Mamba2 mixer (the ``mamba`` of Bamba, Granite-4.0 hybrid and Falcon-H1, :data:`MAMBA2`) projects each
+A Mamba2 mixer (the ``mamba`` of Bamba, Granite-4.0 hybrid and Falcon-H1, Nemotron-H's ``mixer``,
+:data:`MAMBA2`) projects each
 token to a gate, the convolution's input ``x | B | C`` and a time step ``dt``; a depthwise causal
 convolution of width ``k`` runs over ``x | B | C`` (each token reads the ``k - 1`` inputs before
 it), and the SSD scan carries a state per head (``[H, head_dim, d_state]``, float32) from token to
@@ -59,7 +60,7 @@ from torch import nn
 from .attention.context import ChunkAttentionContext, current_context, step_running
 from .causal_conv import per_document_conv
 
-__all__ = ["Adapter", "HYBRID_TYPES", "MAMBA2", "SSM_TYPES", "install", "mamba2_forward", "mixer_class"]
+__all__ = ["Adapter", "HYBRID_TYPES", "MAMBA2", "MIXERLESS_LAYER_TYPES", "SSM_TYPES", "install", "mamba2_forward", "mixer_class"]
 
 
 def _project(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -98,6 +99,7 @@ _HF = "transformers.models"
 MAMBA2 = {
     "bamba": Adapter(f"{_HF}.bamba.modeling_bamba", "BambaMixer"),
     "granitemoehybrid": Adapter(f"{_HF}.granitemoehybrid.modeling_granitemoehybrid", "GraniteMoeHybridMambaLayer"),
+    "nemotron_h": Adapter(f"{_HF}.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer", attribute="mixer"),
     "falcon_h1": Adapter(f"{_HF}.falcon_h1.modeling_falcon_h1", "FalconH1Mixer", project=_falcon_h1_project,
                          gated_norm=_falcon_h1_gated_norm, beside_attention=True),
 }
@@ -106,6 +108,8 @@ MAMBA2 = {
 SSM_TYPES = frozenset(MAMBA2)
 #: model types whose ``hybrid`` layers (``config.layer_types``) hold a Mamba2 beside their attention
 HYBRID_TYPES = frozenset({"falcon_h1"})
+#: model types with layer kinds (``config.layer_types``) that mix no tokens (Nemotron-H's MLP and MoE blocks)
+MIXERLESS_LAYER_TYPES = {"nemotron_h": frozenset({"mlp", "moe"})}
 
 
 def mixer_class(model_type: str) -> type | None:

@@ -129,7 +129,7 @@ class PipelineWrapper(nn.Module):
             )
         if not 0 <= stage < layout.num_stages:
             raise ValueError(f"stage {stage} outside 0..{layout.num_stages - 1}")
-        embed_weight = getattr(model.model.embed_tokens, "weight", None)
+        embed_weight = getattr(getattr(model.model, self.family.embedding), "weight", None)
         tied = embed_weight is not None and getattr(model.lm_head, "weight", None) is embed_weight
         if layout.num_stages > 1 and not tied and getattr(model.config, "tie_word_embeddings", False):
             raise ValueError(
@@ -155,7 +155,8 @@ class PipelineWrapper(nn.Module):
             if not self.layer_start <= i < self.layer_end:
                 layers[i] = _Placeholder(f"model.layers.{i}", f"stage {owner[i]}")
         if not self.is_first:
-            model.model.embed_tokens = _Placeholder("model.embed_tokens", "stage 0")
+            emb = self.family.embedding  # model.model.embed_tokens, or its name in this family
+            setattr(model.model, emb, _Placeholder(f"model.{emb}", "stage 0"))
             if self.family.per_layer_input_size:  # Gemma 4's per-layer inputs come from stage 0 (.per_layer)
                 for name in PER_LAYER_MODULES:
                     setattr(model.model, name, _Placeholder(f"model.{name}", "stage 0"))
@@ -243,7 +244,7 @@ class PipelineWrapper(nn.Module):
         if not self.tied_embeddings or self.layout.num_stages == 1:
             return None
         if self.is_first:
-            return self.model.model.embed_tokens.weight
+            return getattr(self.model.model, self.family.embedding).weight
         if self.is_last:
             return self.model.lm_head.weight
         return None
@@ -275,7 +276,8 @@ class PipelineWrapper(nn.Module):
     # ------------------------------------------------------------------ computations
     def embed(self, input_ids_T: torch.Tensor) -> torch.Tensor:
         """Stage 0: token ids [T] -> hidden states [1, T, hidden]."""
-        hidden = self.family.scale_embeddings(self.model.model.embed_tokens(input_ids_T.unsqueeze(0)))
+        embed_tokens = getattr(self.model.model, self.family.embedding)
+        hidden = self.family.scale_embeddings(embed_tokens(input_ids_T.unsqueeze(0)))
         hidden = hidden if self._embedding_norm is None else self._embedding_norm(hidden)
         if self.family.per_layer_input_size:  # [1, T, hidden + L x D]: Gemma 4's per-layer inputs too
             return embed_per_layer(self.model.model, input_ids_T.unsqueeze(0), hidden)
