@@ -7,6 +7,8 @@
   later slices run backward); a stage's time, memory and parameters count its layers by kind.
 - The partition balances per-layer costs: on a model whose attention layers are all at the
   start, the slowest stage is the least of every contiguous layout's, below the even split's.
+- Under Ulysses (sp = 2) a linear layer's share of compute, activations and state is one GPU's,
+  and it moves its own tensors (two all-to-alls per direction), not attention's q, k, v, output.
 - At 64K, ``hybrid-7b`` (3 Gated DeltaNet layers to 1 attention layer, LLaMA-7B's sizes) splits
   less, recomputes less and is predicted faster than the same model with attention layers only.
 """
@@ -77,6 +79,35 @@ def test_linear_layers_keep_a_state_per_split_slice_not_kv():
     attn = CostModel.from_hf_config(ATTENTION)  # parameters per layer by kind
     more = 3 * (cost.lin_layer_params - cost.layer_params) * cost.static_bytes_per_param
     assert cost.static_memory(lay, 0) - attn.static_memory(lay, 0) == more
+
+
+def test_under_ulysses_a_linear_layer_moves_its_own_tensors():
+    """sp = 2: a Gated DeltaNet layer's time is half its compute plus two all-to-alls per direction
+    of its convolution input, beta, a and scan output (not attention's four of q, k, v, output);
+    its activations and carried state are halved; one stage's all-to-all bytes count each kind's."""
+    cost = CostModel.from_hf_config(HYBRID, DeviceSpec.preset("h100"))
+    sp2 = cost.with_parallel(sp=2)
+    hk, hv, dk, dv, a = 16, 32, 128, 128, 2
+    assert cost.lin_a2a_bytes_per_token == a * (2 * hk * dk + hv * dv + 2 * hv + hv * dv)
+    assert cost.lin_a2a_bytes_per_token != cost.a2a_bytes_per_token and cost.lin_a2a_time(4096) == 0.0
+    tok = 8192
+    lat, bw = sp2.intra_node_latency_s, sp2.intra_node_bandwidth
+    want = 2 * lat + cost.lin_a2a_bytes_per_token * tok / 2 * (1 / 2) / bw
+    assert abs(sp2.lin_a2a_time(tok) - want) <= 1e-12 * want
+    whole = [Slice(0, 0, tok)]
+    assert abs(sp2.linear_layer_fwd_time(whole) - (sp2.linear_layer_time(whole) + want)) <= 1e-12 * want
+    assert abs(sp2.lin_alpha_tok - cost.lin_alpha_tok / 2) <= 1e-18
+    assert sp2.lin_state_bytes == cost.lin_state_bytes / 2 and sp2.lin_act_bytes_per_token == cost.lin_act_bytes_per_token / 2
+    lay = StageLayout(32, ((0, 4), (4, 8), (8, 32)))  # stage 1: three linear layers, one attention layer
+    chunk = _chunk(ChunkKind.PACKED, (0, 0, tok))
+    fwd = 3 * sp2.linear_layer_fwd_time(chunk.slices) + sp2.layer_fwd_time(chunk.slices)
+    assert abs(sp2.fwd_time(lay, 1, chunk) - fwd) <= 1e-12 * fwd
+    bwd = 3 * (sp2.bwd_factor * sp2.linear_layer_time(chunk.slices) + want) + sp2.layer_bwd_time(chunk.slices)
+    assert abs(sp2.bwd_time(lay, 1, chunk) - bwd) <= 1e-12 * bwd
+    assert abs(sp2.comm_time(lay, 1, chunk, False) - (3 * want + sp2.a2a_time(tok))) <= 1e-12 * want
+    moved = 2 * (3 * cost.lin_a2a_bytes_per_token + sp2._a2a_bytes(2)) * tok / 2
+    assert abs(sp2.stage_comm_bytes(lay, 1, chunk) - moved) <= 1e-9 * moved
+    assert CostModel.from_dict(sp2.to_dict()) == sp2
 
 
 def test_the_partition_balances_per_layer_costs():

@@ -71,8 +71,9 @@ layer, saved or recomputed) and the later slices' backward its gradient. A stage
 and parameters count its layers by kind (the partition balances per-layer costs). The recompute
 planner's model is linear in ``r``: a recomputed layer is priced in memory at its stage's mix of
 kinds and in time as the model's mean layer (:meth:`CostModel.recompute_time` does not know the
-stage), not as the stage's first ``r`` layers' own kinds (exact at ``r = 0`` and ``r = n``). sp > 1
-prices every layer as attention (the runtime runs linear layers at sp = 1 only).
+stage), not as the stage's first ``r`` layers' own kinds (exact at ``r = 0`` and ``r = n``). At sp > 1
+(Ulysses, Gated DeltaNet only) a linear layer's per-token time, activations and state are one GPU's
+share and it adds two all-to-alls per direction (:meth:`ParallelCosts.lin_a2a_time`).
 
 A stage of several GPUs (Ulysses inside attention), a chunk placed whole-doc / per-doc over
 them and sharded weights and optimizer state are priced by :mod:`.cost_parallel`
@@ -281,6 +282,9 @@ class CostModel(ParallelCosts):
     lin_scan_chunk: int = 0
     lin_pad_bytes_per_token: float = 0.0
     lin_layer_params: int = 0  # parameters of a linear layer
+    # a Gated DeltaNet layer's two all-to-alls under Ulysses, bytes per token (whole, sp = 1): the
+    # convolution's input with beta and a, and the scan's output (0: its layers refuse sp > 1)
+    lin_a2a_bytes_per_token: float = 0.0
     # per decoder layer, its attention shape against the model's attention layer (per-layer configs:
     # heads, K/V heads, head size per layer; :func:`~.coefficients.layer_fields`): factors on
     # (alpha_attn, alpha_tok, act_bytes_per_token, kv_bytes_per_token, layer_params); empty: all alike.
@@ -334,8 +338,12 @@ class CostModel(ParallelCosts):
         return self.alpha_attn * pairs + self.alpha_tok * tok + self.beta
 
     def linear_layer_time(self, slices: Sequence[Slice]) -> float:
-        """Forward of one linear-attention layer (sp = 1): linear in tokens, per slice an overhead."""
+        """Forward compute of one linear-attention layer: linear in tokens, per slice an overhead."""
         return self.lin_alpha_tok * sum(s.length for s in slices) + self.lin_beta_segment * len(slices) + self.beta
+
+    def linear_layer_fwd_time(self, slices: Sequence[Slice]) -> float:
+        """Forward of one linear-attention layer, its all-to-alls included (``sp > 1``)."""
+        return self.linear_layer_time(slices) + self.lin_a2a_time(sum(s.length for s in slices))
 
     def chunked_saving(self, slices: Sequence[Slice]) -> float:
         """Forward compute a chunked-attention layer saves against a full one on ``slices``."""
@@ -408,7 +416,7 @@ class CostModel(ParallelCosts):
         if self.layer_scales:  # per-layer attention shapes: the stage's own layers
             t += self._shape_extra_time(n_attn, self.shape_sums(layout, stage), chunk.slices)
         if n_lin:
-            t += n_lin * self.linear_layer_time(chunk.slices)
+            t += n_lin * self.linear_layer_fwd_time(chunk.slices)
         if self.chunked_layers:  # attention within the chunk only
             t -= self.num_chunked(layout, stage) * self.chunked_saving(chunk.slices)
         if layout.has_embedding(stage):
@@ -439,12 +447,14 @@ class CostModel(ParallelCosts):
             return self._placed_bwd(layout, stage, chunk, recompute_layers)
         if self.sp == 1 and not self.zero3:
             return self.bwd_factor * self.fwd_time(layout, stage, chunk) + self.recompute_time(chunk, recompute_layers)
-        t = layout.num_stage_layers(stage) * self.layer_bwd_time(chunk.slices)
-        if self.layer_scales:
-            n_attn = self.layer_kind_counts(layout, stage)[0]
-            t += self.bwd_factor * self._shape_extra_time(n_attn, self.shape_sums(layout, stage), chunk.slices)
+        n_attn, n_lin = self.layer_kind_counts(layout, stage)
+        t = n_attn * self.layer_bwd_time(chunk.slices)
+        if n_lin:
+            t += n_lin * (self.bwd_factor * self.linear_layer_time(chunk.slices) + self.lin_a2a_time(chunk.num_tokens))
         if self.chunked_layers:
             t -= self.bwd_factor * self.num_chunked(layout, stage) * self.chunked_saving(chunk.slices)
+        if self.layer_scales:
+            t += self.bwd_factor * self._shape_extra_time(n_attn, self.shape_sums(layout, stage), chunk.slices)
         if layout.has_embedding(stage):
             t += self.bwd_factor * (self.embed_time_per_token * chunk.num_tokens + self.embed_time_per_call)
         if layout.has_head(stage):
@@ -469,8 +479,12 @@ class CostModel(ParallelCosts):
             if share:  # the model's mean layer (the stage is not known here: module docstring)
                 layer = (1.0 - share) * layer + share * self.linear_layer_time(chunk.slices)
             return recompute_layers * self.recompute_factor * layer
-        return recompute_layers * (self.recompute_factor * self.layer_compute_time(chunk.slices)
-                                   + self.a2a_time(chunk.num_tokens))
+        layer = self.recompute_factor * self.layer_compute_time(chunk.slices) + self.a2a_time(chunk.num_tokens)
+        share = self._mean_linear_share()
+        if share:  # the model's mean layer, as at sp = 1
+            layer = (1.0 - share) * layer + share * (self.recompute_factor * self.linear_layer_time(chunk.slices)
+                                                     + self.lin_a2a_time(chunk.num_tokens))
+        return recompute_layers * layer
 
     def p2p_time(self, chunk: Chunk) -> float:
         """Time to send one chunk's hidden states (or their gradient) to the next stage (sp
@@ -650,15 +664,15 @@ class CostModel(ParallelCosts):
             del d["sp_rank"]
         if not d["whole_doc_carried"]:
             del d["whole_doc_carried"]
-        if not d["chunked_layers"]:
-            del d["chunked_layers"], d["attention_chunk"]
         if not d["layer_scales"]:
             del d["layer_scales"]
         if not d["kv_share_spans"]:
             del d["kv_share_spans"]
+        if not d["chunked_layers"]:
+            del d["chunked_layers"], d["attention_chunk"]
         if not d["layer_kinds"]:  # an attention model's file stays as it was
             for k in ("layer_kinds", "lin_alpha_tok", "lin_beta_segment", "lin_act_bytes_per_token",
-                      "lin_state_bytes", "lin_layer_params"):
+                      "lin_state_bytes", "lin_layer_params", "lin_a2a_bytes_per_token"):
                 del d[k]
         if not d["lin_act_bytes_per_slice"] and not d["lin_scan_chunk"]:  # only a Mamba2 scan has them
             for k in ("lin_act_bytes_per_slice", "lin_scan_chunk", "lin_pad_bytes_per_token"):

@@ -94,7 +94,8 @@ class ParallelCosts:
                 "bwd_transient_bytes_per_token", "head_bwd_transient_bytes_per_token", "ckpt_chunk_bytes_per_token",
                 "embed_bwd_bytes_per_token", "bwd_transient_slope", "head_bwd_transient_slope",
                 "recompute_bwd_transient_bytes_per_token", "bwd_context_bytes_per_token", "stage_bytes_per_token",
-                "attn_bytes_per_pair", "bwd_transient_bytes_per_pair")
+                "attn_bytes_per_pair", "bwd_transient_bytes_per_pair", "lin_alpha_tok", "lin_act_bytes_per_token",
+                "lin_state_bytes")
 
     def with_parallel(self, *, sp: int = 1, state_shards: int | None = None, zero3: bool = False,
                       ulysses: bool = True) -> Self:
@@ -163,15 +164,24 @@ class ParallelCosts:
     def a2a_time(self, tokens: int) -> float:
         """The four all-to-alls of one decoder layer in one direction for a chunk of ``tokens``
         tokens (module docstring); 0 at ``sp = 1``."""
+        return self._all_to_alls(self._a2a_bytes(self.sp), 4, tokens)
+
+    def lin_a2a_time(self, tokens: int) -> float:
+        """The two all-to-alls of one Gated DeltaNet layer in one direction under Ulysses
+        (``lin_a2a_bytes_per_token``: the convolution's input with ``beta`` and ``a`` to the
+        rank's heads, the scan's output back); 0 at ``sp = 1``."""
+        return self._all_to_alls(self.lin_a2a_bytes_per_token, 2, tokens)
+
+    def _all_to_alls(self, bytes_per_token: float, calls: int, tokens: int) -> float:
         sp = self.sp
         if sp <= 1:
             return 0.0
-        moved = self._a2a_bytes(sp) * tokens / sp * (sp - 1) / sp
+        moved = bytes_per_token * tokens / sp * (sp - 1) / sp
         lat, intra, inter = self._link(sp)
         if not inter:
-            return 4 * lat + moved / intra
+            return calls * lat + moved / intra
         g = self.gpus_per_node
-        return 4 * lat + max(moved * (sp - g) / (sp - 1) / inter, moved * (g - 1) / (sp - 1) / intra)
+        return calls * lat + max(moved * (sp - g) / (sp - 1) / inter, moved * (g - 1) / (sp - 1) / intra)
 
     def _a2a_bytes(self, sp: int) -> float:
         """Bytes per token of the four tensors, K and V replicated up to ``sp`` heads."""
@@ -292,7 +302,10 @@ class ParallelCosts:
             return 0.0
         calls = 2 * layout.num_stage_layers(stage) + recompute_layers
         if not chunk.placement:
-            return calls * self._a2a_bytes(sp) * chunk.num_tokens * (sp - 1) / sp
+            n_attn, n_lin = self.layer_kind_counts(layout, stage)
+            share = n_lin / max(1, n_attn + n_lin)  # recomputed layers at the stage's mix
+            per_token = (1 - share) * self._a2a_bytes(sp) + share * self.lin_a2a_bytes_per_token
+            return calls * per_token * chunk.num_tokens * (sp - 1) / sp
         return calls * self.rank_model().kv_bytes_per_token * self._placement(chunk).gathered * (sp - 1)
 
     def kv_grad_scale(self, chunk: Chunk, slice_index: int) -> float:
@@ -322,8 +335,11 @@ class ParallelCosts:
                 return layout.num_stage_layers(stage) * self.gather_kv_time(g)
             return (layout.num_stage_layers(stage) * self.gather_kv_time(g, backward=True)
                     + recompute_layers * self.gather_kv_time(g))
-        a = self.a2a_time(chunk.num_tokens)
-        return a * (layout.num_stage_layers(stage) + (recompute_layers if backward else 0))
+        n_attn, n_lin = self.layer_kind_counts(layout, stage)
+        a, lin = self.a2a_time(chunk.num_tokens), self.lin_a2a_time(chunk.num_tokens)
+        rec = recompute_layers if backward else 0
+        share = n_lin / max(1, n_attn + n_lin)  # recomputed layers at the stage's mix
+        return n_attn * a + n_lin * lin + rec * ((1 - share) * a + share * lin)
 
     def _placed_fwd(self, layout: StageLayout, stage: int, chunk: Chunk) -> float:
         info, base = self._placement(chunk), self.rank_model()

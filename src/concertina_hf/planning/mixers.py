@@ -163,6 +163,7 @@ def linear_layer_fields(get: Callable[[str], Any], flops: float, mem_bandwidth: 
         lin_act_bytes_per_token=float(act),
         lin_state_bytes=float(4 * hv * dk * dv + a * (width - 1) * conv_dim),
         lin_layer_params=int(params),
+        lin_a2a_bytes_per_token=float(a * (conv_dim + 2 * hv + value_dim)),
     )
 
 
