@@ -11,7 +11,8 @@
   forward-only step gives the same loss.
 - **The self-check** at construction passes for it.
 - **The analytic activation memory** of the Mamba2 layers (``planning/mixers.py``, HF's torch
-  scan) within 0.85x-1.05x of the measured peak of saved tensors (whole, split and short sequences).
+  scan) within 0.85x-1.05x of the measured peak of saved tensors (whole, split and short sequences);
+  each type's sizes read under its own config names.
 - **Refusals**: Mamba2 families not mapped keep theirs (naming the layer type); sequence
   parallelism and segment-level training are refused by the mixer, naming the feature.
 """
@@ -160,3 +161,20 @@ def test_analytic_activation_memory_within_bounds(tokens, split):
     ratio = res.peak_activation_bytes / predicted
     print(tokens, split, res.peak_activation_bytes, int(predicted), round(ratio, 3))
     assert 0.85 <= ratio <= 1.05, (res.peak_activation_bytes, predicted, ratio)
+
+
+@pytest.mark.parametrize("name", ["granitemoehybrid", "bamba", "nemotron_h"])
+def test_the_cost_model_reads_each_types_sizes(name):
+    """``planning/mixers.py`` prices the Mamba2 layers of each type from its own config names: its
+    Mamba2 layers are the linear kind, and a split slice keeps ``H x head_dim x d_state`` float32 and
+    ``k - 1`` convolution inputs per Mamba2 layer (float32 here)."""
+    from concertina_hf.planning import CostModel
+
+    model_type, overrides = cases.MODELS[name]
+    cfg = cases.model_support.tiny_config(model_type, **{**cases.SIZES, **overrides})
+    cost = CostModel.from_hf_config(cfg, dtype_bytes=4)
+    assert [i for i, k in enumerate(cost.layer_kinds) if k == "linear"] == list(cases.MAMBA_LAYERS[name])
+    heads, head_dim, d_state, groups, width = 4, 32, 16, 2, 4  # _ssm_cases.SIZES, under each type's names
+    conv_dim = heads * head_dim + 2 * groups * d_state
+    assert cost.lin_state_bytes == 4 * heads * head_dim * d_state + 4 * (width - 1) * conv_dim
+    assert cost.lin_scan_chunk == 0  # the CUDA kernel's: no padding kept per scan call

@@ -112,7 +112,7 @@ def linear_layer_fields(get: Callable[[str], Any], flops: float, mem_bandwidth: 
     if get("conv_L_cache") is not None:  # LFM2's short convolutions
         return short_conv_layer_fields(get, flops, mem_bandwidth, kernel_overhead_s, dtype_bytes,
                                        compute_dtype_bytes, attention_layer_bytes, mlp_width)
-    if get("mamba_d_state") is not None:  # the linear_attention layers are Mamba2's
+    if get("mamba_d_state") is not None or get("ssm_state_size") is not None:  # the linear_attention layers are Mamba2's
         return ssm_layer_fields(get, flops, mem_bandwidth, kernel_overhead_s, dtype_bytes, compute_dtype_bytes,
                                 attention_layer_bytes, mlp_width, attention_kernel)
     r = int(dtype_bytes)
@@ -214,21 +214,28 @@ def ssm_layer_fields(get: Callable[[str], Any], flops: float, mem_bandwidth: flo
     entries of ``layer_types``; ``{}``: none), as :func:`linear_layer_fields`. Reads ``hidden_size``,
     ``mamba_n_heads``, ``mamba_d_head`` (``"auto"``: the intermediate size over the heads),
     ``mamba_d_state``, ``mamba_n_groups``, ``mamba_expand``, ``mamba_d_conv``, ``mamba_chunk_size``
-    (HF's defaults where absent: 128, 64, 256, 1, 2, 4, 256)."""
+    (HF's defaults where absent: 128, 64, 256, 1, 2, 4, 256), Falcon-H1's ``mamba_d_ssm`` (the
+    intermediate size) and Nemotron-H's names (``mamba_num_heads``, ``mamba_head_dim``,
+    ``ssm_state_size``, ``n_groups``, ``conv_kernel``, ``chunk_size``: heads times head size wide)."""
     kinds = layer_kinds(get)
     if not kinds:
         return {}
     r = int(dtype_bytes)
     a = int(compute_dtype_bytes or dtype_bytes)
     h = int(get("hidden_size"))
-    heads = int(get("mamba_n_heads") or 128)
-    inter = int(float(get("mamba_expand") or 2) * h)
-    head_dim = get("mamba_d_head")
+    heads = int(get("mamba_n_heads") or get("mamba_num_heads") or 128)
+    head_dim = get("mamba_d_head") or get("mamba_head_dim")
+    if get("mamba_d_ssm"):  # Falcon-H1's own width
+        inter = int(get("mamba_d_ssm"))
+    elif get("mamba_num_heads") and head_dim not in (None, "auto"):  # Nemotron-H: heads x head size
+        inter = heads * int(head_dim)
+    else:
+        inter = int(float(get("mamba_expand") or 2) * h)
     p = inter // heads if head_dim in (None, "auto") else int(head_dim)
-    n = int(get("mamba_d_state") or 256)
-    g = int(get("mamba_n_groups") or 1)
-    width = int(get("mamba_d_conv") or 4)
-    c = int(get("mamba_chunk_size") or 256)
+    n = int(get("mamba_d_state") or get("ssm_state_size") or 256)
+    g = int(get("mamba_n_groups") or get("n_groups") or 1)
+    width = int(get("mamba_d_conv") or get("conv_kernel") or 4)
+    c = int(get("mamba_chunk_size") or get("chunk_size") or 256)
     conv_dim = inter + 2 * g * n
     # parameters: the input projection (gate, x B C, dt), the depthwise convolution, A_log, dt_bias,
     # D, the gated norm, the output projection; the MLP and two norms as an attention layer's
