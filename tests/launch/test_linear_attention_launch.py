@@ -10,8 +10,10 @@ stage's every gradient 1e-4 (``A_log``, ``dt_bias``, the convolution weights amo
 stage of 2 sequence-parallel ranks over one key head is refused, naming the setting (Ulysses
 itself: ``tests/launch/test_ulysses_launch.py``). Then the Mamba2 (SSD) models of
 :data:`_ssm_cases.MODELS` (Granite-4.0 hybrid, Bamba, Falcon-H1, Nemotron-H) likewise, ``D`` among the compared parameters.
-The one-process tests (pp=1, the leak test, the self-check): ``tests/runtime/test_linear_attention.py``,
-``tests/runtime/test_ssm.py``.
+Then the short-convolution (LFM2, LFM2-MoE, LFM3), lightning-attention (MiniMax) and KDA (Kimi
+Linear) models of :data:`_recurrent_cases.MODELS` likewise. The one-process tests (pp=1, the leak
+test, the self-check): ``tests/runtime/test_linear_attention.py``, ``tests/runtime/test_ssm.py``,
+``tests/runtime/test_short_conv.py``, ``tests/runtime/test_lightning_kda.py``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def _worker(outdir: str) -> None:
                              "pp": trainer.topology.pipeline_size}
         _run(report)
         _run_ssm(report)
+        _run_recurrent(report)
     except Exception:
         report["failures"].append("crash:\n" + traceback.format_exc())
     with open(os.path.join(outdir, f"rank{report['rank']}.json"), "w") as fh:
@@ -134,11 +137,50 @@ def _run_ssm(report: dict) -> None:
             report["cases"] += 1
 
 
+def _run_recurrent(report: dict) -> None:
+    """The short-convolution, lightning-attention and KDA models of :data:`_recurrent_cases.MODELS` at
+    pp=2, as :func:`_run`: each stage one recurrent layer and an attention layer (LFM2's final norm
+    ``embedding_norm`` and LFM2-MoE's rotary ``pos_emb`` on their stages)."""
+    import _linear_attention_cases as cases
+    import _recurrent_cases as recurrent
+    from concertina_hf.planning import CostModel, StageLayout
+    from concertina_hf.planning.strategies import plan_step
+    from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    ids, labels = cases.batch()
+    layout = StageLayout.even(4, world)
+    for kind in recurrent.MODELS:
+        model = recurrent.build_model(kind)
+        ref_loss, ref_grads = cases.padded_reference(model, ids, labels)
+        w = PipelineWrapper(copy.deepcopy(model), layout, rank)
+        ex = PipelineExecutor(w)
+        plans = [(f"recompute {r}", cases.make_plan(layout, r)) for r in cases.RECOMPUTE]
+        cost = CostModel.from_hf_config(model.config, dtype_bytes=4)
+        plans.append(("adaptive planner", plan_step(list(cases.SEQ_LENS), cost, layout, 0, "adaptive",
+                                                    max_tokens_per_chunk=40)))
+        for name, plan in plans:
+            w.zero_grad(set_to_none=True)
+            res = ex.run_step(plan, ids, labels, num_items_in_batch=cases.num_items(labels))
+            errors = cases.gradient_errors(w.named_parameters(), ref_grads)
+            if model.config.tie_word_embeddings:  # each end stage holds its part (the trainer adds them)
+                errors = {k: v for k, v in errors.items() if k not in ("model.embed_tokens.weight", "lm_head.weight")}
+            row, bad = cases.check_case(f"{kind} pp={world} stage {rank} {name}", res.loss, ref_loss, errors,
+                                        mixer_params=recurrent.mixer_params(kind))
+            row["chunks"] = [c.kind.value for c in plan.chunks]
+            report["rows"].append(row)
+            report["failures"] += bad
+            if row["mixer_params"] != 3:  # the three named parameters of the stage's recurrent layer
+                report["failures"].append(f"{kind} {name}: {row['mixer_params']} recurrent-layer parameters compared")
+            report["cases"] += 1
+
+
 def test_pp2_split_hybrid_and_packed_chunks_equal_hf(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     import _linear_attention_cases as cases
+    import _recurrent_cases
     import _ssm_cases
 
     run_ranks(2, _worker, str(tmp_path), logs=tmp_path / "logs", timeout=900)
@@ -147,7 +189,8 @@ def test_pp2_split_hybrid_and_packed_chunks_equal_hf(tmp_path):
         for row in r["rows"]:
             print(row)
     assert [f for r in reports for f in r["failures"]] == []
-    assert all(r["cases"] == 4 * len(cases.MODELS) + 1 + 4 * len(_ssm_cases.MODELS) for r in reports)
+    assert all(r["cases"] == 4 * len(cases.MODELS) + 1 + 4 * len(_ssm_cases.MODELS) + 4 * len(_recurrent_cases.MODELS)
+               for r in reports)
     kinds = {k for r in reports for row in r["rows"] for k in row["chunks"]}
     assert {"split", "hybrid", "packed"} <= kinds, kinds
     # ConcertinaTrainer at pp=2 against Trainer on right-padded batches: loss 1e-5, every parameter 1e-3

@@ -1,12 +1,10 @@
 """MiniMax lightning attention (``runtime/lightning_attention.py``) and Kimi Linear's Kimi Delta
 Attention (``runtime/kda.py``) through the runtime, one process (pp=1).
 
-The models: :mod:`_linear_attention_cases`'s tiny sizes, 4 decoder layers, the recurrent layers at 0
-and 2 (full attention at 1 and 3, MoE MLPs), float32; MiniMax with blocks of 16 tokens (the split
-sequence's slices cross block edges away from HF's, which start at the sequence's first token), Kimi
-with 2 heads of 16 and a convolution of width 4 (each token reads 3 earlier inputs); the batch and
+The models: :mod:`_recurrent_cases` (the recurrent layers at 0 and 2, full attention at 1 and 3, MoE
+MLPs; MiniMax's blocks of 16 tokens, Kimi's convolution reading 3 earlier inputs); the batch and
 chunks of :mod:`_linear_attention_cases` (a split slice of 2 tokens, shorter than the convolution's
-window).
+window). pp=2: ``tests/launch/test_linear_attention_launch.py``.
 
 - **No leak between documents**: in a packed chunk (and in the hybrid chunk, after a split
   sequence's tail) changing one document's tokens, its labels ignored, leaves the loss and every
@@ -28,33 +26,13 @@ import pytest
 import torch
 
 import _linear_attention_cases as cases
+import _recurrent_cases as recurrent
 from concertina_hf.planning import StageLayout
 from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
 
-LAYERS = dict(layer_types=["linear_attention", "full_attention"] * 2)
-#: case name -> (model type, config overrides, the recurrent layers' parameters reported by name)
-MODELS = {
-    # every token to all 4 experts: an expert's matmul then has the same rows whatever one document routes
-    # (with 2 of 4, the row count changes the other rows' rounding on CPU, a difference the no-leak test sees)
-    "minimax": ("minimax", dict(LAYERS, block_size=16, num_experts_per_tok=4),
-                ("self_attn.qkv_proj.weight", "self_attn.output_gate.weight", "self_attn.out_proj.weight")),
-    "kimi_linear": ("kimi_linear", dict(LAYERS, linear_num_heads=2, linear_head_dim=16, linear_conv_kernel_dim=4),
-                    ("self_attn.conv1d.weight", "self_attn.forget_gate.A_log", "self_attn.forget_gate.dt_bias")),
-}
-
-
-def build_model(name: str, **more):
-    from transformers import AutoModelForCausalLM
-
-    model_type, overrides, _ = MODELS[name]
-    cfg = cases.model_support.tiny_config(model_type, **{**overrides, **more})
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().train()
-
-
-@pytest.fixture(scope="module", params=list(MODELS))
+@pytest.fixture(scope="module", params=list(recurrent.LIGHTNING_KDA))
 def model(request):
-    m = build_model(request.param)
+    m = recurrent.build_model(request.param)
     m.case_name = request.param
     return m
 
@@ -103,7 +81,7 @@ def test_split_hybrid_and_packed_chunks_equal_hf(model):
         res, _, w = _step(model, cases.CHUNKS, cases.SEQ_LENS, ids, labels, recompute)
         errors = cases.gradient_errors(w.named_parameters(), ref_grads)
         row, bad = cases.check_case(f"{model.case_name} pp=1 recompute {recompute}", res.loss, ref_loss, errors,
-                                    mixer_params=MODELS[model.case_name][2])
+                                    mixer_params=recurrent.mixer_params(model.case_name))
         assert row["mixer_params"] == 6, row  # three parameters of layers 0 and 2
         rows.append(row)
         failures += bad
@@ -157,7 +135,7 @@ def test_analytic_activation_memory_within_bounds(name, tokens, split):
     from concertina_hf.planning import CostModel, DeviceSpec
 
     more = dict(block_size=64) if name == "minimax" else dict(linear_head_dim=32)
-    model_type, overrides, _ = MODELS[name]
+    model_type, overrides, _ = recurrent.MODELS[name]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cases.model_support.tiny_config(model_type, **{**overrides, **more}))
     model = model.float()

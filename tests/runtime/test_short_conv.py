@@ -3,9 +3,9 @@ each class: LFM2, LFM2-MoE (its rotary embedding ``pos_emb``, MoE layers 2 and 3
 and a global attention layer, convolutions without position embeddings); the final norm is LFM2's
 ``embedding_norm``.
 
-The models: :func:`_linear_attention_cases`'s tiny sizes, 4 decoder layers, convolutions at layers 0
-and 2, ``conv_L_cache`` 4 (each token reads 3 earlier inputs), float32; the batch and chunks of
-:mod:`_linear_attention_cases` (a split slice of 2 tokens, shorter than the convolution's window).
+The models: :mod:`_recurrent_cases` (convolutions at layers 0 and 2, each token reading 3 earlier
+inputs); the batch and chunks of :mod:`_linear_attention_cases` (a split slice of 2 tokens, shorter
+than the convolution's window). pp=2: ``tests/launch/test_linear_attention_launch.py``.
 
 - **No leak between documents**: in a packed chunk (and in the hybrid chunk, after a split
   sequence's tail) changing one document's tokens, its labels ignored, leaves the loss and every
@@ -28,31 +28,15 @@ import pytest
 import torch
 
 import _linear_attention_cases as cases
+import _recurrent_cases as recurrent
 from concertina_hf.planning import StageLayout
 from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
 
-#: the convolution layers' own parameters each case reports by name (layers 0 and 2: 6)
-MIXER_PARAMS = ("conv.conv.weight", "conv.in_proj.weight", "conv.out_proj.weight")
-#: case name -> (model type, config overrides)
-MODELS = {
-    "lfm2": ("lfm2", dict(layer_types=["conv", "full_attention"] * 2)),
-    "lfm2_moe": ("lfm2_moe", dict(layer_types=["conv", "full_attention"] * 2, num_dense_layers=2)),
-    "lfm3": ("lfm3", dict(layer_types=["conv", "sliding_attention", "conv", "full_attention"])),
-}
 
 
-def build_model(name: str):
-    from transformers import AutoModelForCausalLM
-
-    model_type, overrides = MODELS[name]
-    cfg = cases.model_support.tiny_config(model_type, conv_L_cache=4, **overrides)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().train()
-
-
-@pytest.fixture(scope="module", params=list(MODELS))
+@pytest.fixture(scope="module", params=list(recurrent.SHORT_CONV))
 def model(request):
-    m = build_model(request.param)
+    m = recurrent.build_model(request.param)
     m.case_name = request.param
     return m
 
@@ -102,7 +86,7 @@ def test_split_hybrid_and_packed_chunks_equal_hf(model):
         res, _, w = _step(model, cases.CHUNKS, cases.SEQ_LENS, ids, labels, recompute)
         errors = cases.gradient_errors(w.named_parameters(), ref_grads)
         row, bad = cases.check_case(f"{model.case_name} pp=1 recompute {recompute}", res.loss, ref_loss, errors,
-                                    mixer_params=MIXER_PARAMS)
+                                    mixer_params=recurrent.mixer_params(model.case_name))
         assert row["mixer_params"] == 6, row  # conv, in_proj, out_proj weights of layers 0 and 2
         rows.append(row)
         failures += bad
