@@ -1,4 +1,7 @@
-"""Analytic costs of the decoder layers that are not attention: Gated DeltaNet (linear attention), Mamba2.
+"""Analytic costs of the decoder layers that are not attention: Gated DeltaNet (linear attention), Mamba2,
+LFM2's short convolutions, MiniMax's lightning attention, Kimi Delta Attention (the last three:
+:func:`short_conv_layer_fields`, :func:`lightning_layer_fields`, :func:`kda_layer_fields`, one kind
+``linear`` with their own coefficients).
 
 A config's ``layer_types`` names each decoder layer's kind; ``linear_attention`` layers (the Gated
 DeltaNet of Qwen3-Next, Qwen3.5, OLMo Hybrid, Lara-Mini: ``concertina_hf.runtime.linear_attention``)

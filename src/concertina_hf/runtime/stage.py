@@ -26,15 +26,17 @@ Cohere, OLMo 1-3, DeepSeek-V3, Mixtral, StableLM, gpt-oss, ...: ``docs/supported
 every causal-LM model type of the installed transformers, checked numerically by
 ``scripts/model_support.py``). :func:`~.families.inspect_model` runs first: it refuses what the
 runtime cannot reproduce (other layouts, recurrent / linear-attention / convolutional mixers but
-the Gated DeltaNet classes of :mod:`.linear_attention` and the Mamba2 classes of :mod:`.ssm`, whose
-modules :func:`~.linear_attention.install` and :func:`~.ssm.install` route through the chunk context, the
+the Gated DeltaNet classes of :mod:`.linear_attention`, the Mamba2 classes of :mod:`.ssm`, LFM2's short
+convolutions (:mod:`.short_conv`), MiniMax's lightning attention (:mod:`.lightning_attention`) and Kimi
+Linear's KDA (:mod:`.kda`), whose modules each module's ``install`` routes through the chunk context, the
 router auxiliary loss unless ``concertina_router_aux_loss='per_chunk'`` (then the stage records its
 routers' logits for the per-chunk term of :mod:`.router_aux`), work the model's ``forward`` does
 between the layers) with a message naming
 the model type and the feature, and returns the :class:`~.families.ModelFamily` that
 :meth:`PipelineWrapper.embed`, :meth:`PipelineWrapper.run_layers` and
 :meth:`PipelineWrapper.head_logits` apply: the embedding multiplier, per-layer-type rotary
-embeddings, logit scaling and final soft-capping, read from the config; Gemma 4's per-layer inputs
+embeddings, logit scaling and final soft-capping, read from the config (the final norm and the rotary
+embedding under the family's names: LFM2's ``embedding_norm``); Gemma 4's per-layer inputs
 (:mod:`.per_layer`) leave the first stage with the hidden states, a message of
 :attr:`PipelineWrapper.in_width` numbers per token.
 
