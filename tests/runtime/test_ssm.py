@@ -13,7 +13,8 @@
 - **The analytic activation memory** of the Mamba2 layers (``planning/mixers.py``, HF's torch
   scan) within 0.85x-1.05x of the measured peak of saved tensors (whole, split and short sequences);
   each type's sizes read under its own config names.
-- **Refusals**: Mamba2 families not mapped keep theirs (naming the layer type); sequence
+- **Refusals**: the state space models not run (Mamba2's backbone layout, Zamba2's shared block,
+  Mamba 1) are refused naming the feature; sequence
   parallelism and segment-level training are refused by the mixer, naming the feature.
 """
 
@@ -106,14 +107,16 @@ def test_the_self_check_passes(model):
 
 
 def test_what_is_not_built_is_refused(model):
-    from transformers import Mamba2Config, Zamba2Config
+    from transformers import Mamba2Config, MambaConfig, Zamba2Config
 
     from concertina_hf.runtime.attention import ChunkAttentionContext, KVStore, SliceSpec
     from concertina_hf.runtime.families import UnsupportedModelError, check_config, inspect_model
     from concertina_hf.runtime.ssm import mamba2_forward
 
-    for cfg, name in ((Mamba2Config(), "mamba2"), (Zamba2Config(), "zamba2")):
-        with pytest.raises(UnsupportedModelError, match=f"model type '{name}'.*'linear_attention'"):
+    for cfg, name, feature in ((Mamba2Config(), "mamba2", "its layout is model.backbone"),
+                               (Zamba2Config(), "zamba2", "one shared transformer block"),
+                               (MambaConfig(), "mamba", "its Mamba .1. layers")):
+        with pytest.raises(UnsupportedModelError, match=f"model type '{name}'.*{feature}"):
             check_config(cfg)
     family = inspect_model(model)
     assert family.ssm and not family.linear_attention

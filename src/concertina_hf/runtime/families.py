@@ -93,7 +93,7 @@ from torch import nn
 
 from .attention.indexed import INDEXED_ATTENTION_TYPES, INDEXED_LAYER_INPUTS, NOT_REPRODUCED
 from .linear_attention import LINEAR_ATTENTION_TYPES, MIXER_ATTRIBUTE, mixer_class
-from .ssm import HYBRID_TYPES, MAMBA2, MIXERLESS_LAYER_TYPES, SSM_TYPES
+from .ssm import HYBRID_TYPES, MAMBA2, MIXERLESS_LAYER_TYPES, SSM_REFUSED, SSM_TYPES
 from .ssm import mixer_class as ssm_mixer_class
 from .short_conv import MIXER_ATTRIBUTE as SHORT_CONV_ATTRIBUTE
 from .short_conv import SHORT_CONV_LAYER_TYPE, SHORT_CONV_TYPES
@@ -211,6 +211,9 @@ def check_config(config: Any, model: nn.Module | None = None, router_aux_loss: s
                 "given the composite model, its name or directory" if "text_config" in subs else "")
         raise _refuse(config, model, f"a composite config with {', '.join(subs)} (several models in one) is not "
                                      f"supported{hint}")
+    refused = SSM_REFUSED.get(str(getattr(config, "model_type", "") or ""))
+    if refused is not None:  # state space models whose mixer or layout the pipeline does not run (.ssm)
+        raise _refuse(config, model, refused)
     types = getattr(config, "layer_types", None)
     if isinstance(types, (list, tuple)):
         kind = str(getattr(config, "model_type", "") or "")

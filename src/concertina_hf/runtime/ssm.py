@@ -60,7 +60,7 @@ from torch import nn
 from .attention.context import ChunkAttentionContext, current_context, step_running
 from .causal_conv import per_document_conv
 
-__all__ = ["Adapter", "HYBRID_TYPES", "MAMBA2", "MIXERLESS_LAYER_TYPES", "SSM_TYPES", "install", "mamba2_forward", "mixer_class"]
+__all__ = ["Adapter", "HYBRID_TYPES", "MAMBA2", "MIXERLESS_LAYER_TYPES", "SSM_REFUSED", "SSM_TYPES", "install", "mamba2_forward", "mixer_class"]
 
 
 def _project(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -108,6 +108,22 @@ MAMBA2 = {
 SSM_TYPES = frozenset(MAMBA2)
 #: model types whose ``hybrid`` layers (``config.layer_types``) hold a Mamba2 beside their attention
 HYBRID_TYPES = frozenset({"falcon_h1"})
+#: model types with state space layers this module does not run, and why (the message of their refusal)
+SSM_REFUSED = {
+    "mamba2": "its layout is model.backbone (embeddings, layers, norm_f), not model.model: the pipeline's stages "
+              "read model.model.embed_tokens / .layers / .norm (its Mamba2 mixer is the one runtime/ssm.py runs for "
+              "bamba, falcon_h1, granitemoehybrid and nemotron_h)",
+    "zamba2": "its hybrid layers run one shared transformer block (the same Zamba2AttentionDecoderLayer in several "
+              "layers, on the layer's input concatenated with the embeddings) beside the Mamba2: a module shared "
+              "across stages and a second input stream the pipeline does not carry",
+    "zamba": "its hybrid layers run one shared transformer block (the same ZambaAttentionDecoderLayer in several "
+             "layers, on the layer's input concatenated with the embeddings) beside Mamba (1) layers: a module "
+             "shared across stages and a second input stream the pipeline does not carry",
+    **{kind: "its Mamba (1) layers (a selective scan with a state per channel) would carry state between packed "
+             "sequences and lose it between slices of a split sequence; runtime/ssm.py runs the Mamba2 (SSD) "
+             "mixers of bamba, falcon_h1, granitemoehybrid and nemotron_h only"
+       for kind in ("mamba", "falcon_mamba")},
+}
 #: model types with layer kinds (``config.layer_types``) that mix no tokens (Nemotron-H's MLP and MoE blocks)
 MIXERLESS_LAYER_TYPES = {"nemotron_h": frozenset({"mlp", "moe"})}
 
