@@ -15,7 +15,8 @@
   each type's sizes read under its own config names.
 - **Refusals**: the state space models not run (Mamba2's backbone layout, Zamba2's shared block,
   Mamba 1) are refused naming the feature; sequence
-  parallelism and segment-level training are refused by the mixer, naming the feature.
+  parallelism and segment-level training are refused by the mixer, naming the feature, and sequence
+  parallelism already when the executor is built and by the automatic layout.
 """
 
 from __future__ import annotations
@@ -181,3 +182,20 @@ def test_the_cost_model_reads_each_types_sizes(name):
     conv_dim = heads * head_dim + 2 * groups * d_state
     assert cost.lin_state_bytes == 4 * heads * head_dim * d_state + 4 * (width - 1) * conv_dim
     assert cost.lin_scan_chunk == 0  # the CUDA kernel's: no padding kept per scan call
+
+
+def test_sequence_parallelism_is_refused_before_a_step(model, tmp_path):
+    """The executor's check at construction (``families.recurrent_sp_refusal``) and
+    ``concertina_layout='auto'`` leave every ``sp > 1`` out, naming the feature and the setting."""
+    from concertina_hf import ConcertinaTrainingArguments
+    from concertina_hf.planning.layouts import Layout
+    from concertina_hf.runtime.families import recurrent_sp_refusal
+    from concertina_hf.training import auto_layout
+
+    why = recurrent_sp_refusal(model.config, 2)
+    assert f"model type {model.config.model_type!r}: Mamba2 (SSD) layers run with sequence parallel size 1 only" in why
+    assert "concertina_sequence_parallel_size=1" in why and recurrent_sp_refusal(model.config, 1) is None
+    args = ConcertinaTrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    refused = auto_layout._runtime_refusals(args, model, 4)
+    assert set(refused) == {Layout(1, 2, 2), Layout(2, 2, 1), Layout(1, 4, 1)}
+    assert all("Mamba2 (SSD) layers run with sequence parallel size 1 only" in r for r in refused.values())

@@ -345,13 +345,15 @@ class ModelFamily:
 
 def recurrent_sp_refusal(config: Any, sp: int) -> str | None:
     """Why a stage of ``sp`` ranks cannot run ``config``'s short convolutions (:mod:`.short_conv`),
-    lightning attention (:mod:`.lightning_attention`) or Kimi Delta Attention (:mod:`.kda`): their state
+    lightning attention (:mod:`.lightning_attention`), Kimi Delta Attention (:mod:`.kda`) or Mamba2
+    (:mod:`.ssm`): their state
     would have to pass between the stage's ranks (``None``: it can, or the model has none)."""
     kind = str(getattr(config, "model_type", "") or "")
     types = {str(t) for t in (getattr(config, "layer_types", None) or ())}
     feature = ("short-convolution (LFM2 conv)" if kind in SHORT_CONV_TYPES and SHORT_CONV_LAYER_TYPE in types else
                "lightning-attention (MiniMax linear attention)" if kind in LIGHTNING_TYPES and "linear_attention" in types
-               else "Kimi Delta Attention (KDA)" if kind in KDA_TYPES and "linear_attention" in types else None)
+               else "Kimi Delta Attention (KDA)" if kind in KDA_TYPES and "linear_attention" in types
+               else "Mamba2 (SSD)" if kind in SSM_TYPES and types & {"linear_attention", "hybrid"} else None)
     if sp <= 1 or feature is None:
         return None
     return (f"model type {kind!r}: {feature} layers run with sequence parallel size 1 only (a chunk sharded over a "
