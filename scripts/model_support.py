@@ -84,6 +84,10 @@ MAMBA2_SIZES = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_
 TINY_TYPE_SETTINGS = {"llama4_text": dict(attention_chunk_size=8, no_rope_layers=[1, 0, 1, 0],
                                           layer_types=["chunked_attention", "full_attention"] * 2,
                                           moe_layers=[0, 1, 2, 3], floor_scale=4, attn_scale=0.5),
+                      # Kimi Delta Attention: 2 heads of 16 (the defaults, 32 of 128, take minutes on the CPU);
+                      # MiniMax's lightning attention in blocks of 16 (the batch's slices cross block edges)
+                      "kimi_linear": dict(linear_num_heads=2, linear_head_dim=16),
+                      "minimax": dict(block_size=16),
                       # indexed attention: the top 8 keys of up to 30 (selection changes across slices), 8
                       # indexer heads (with 2, many scores are exact zeros: ties topk breaks by row length)
                       "deepseek_v32": dict(index_topk=8, index_head_dim=16, index_n_heads=8),
@@ -142,6 +146,11 @@ def tiny_config(model_type: str, **overrides):
     if default_types:  # every layer type of the default config, in turn
         kinds = list(dict.fromkeys(default_types))
         put("layer_types", [kinds[i % len(kinds)] for i in range(cfg.num_hidden_layers)])
+    for k in list(vars(cfg)):  # other per-layer lists (DeepSeek-V3.2's mlp_layer_types): the tiny model's
+        value = getattr(cfg, k, None)  # layers, as built (save_pretrained validates their length)
+        if k != "layer_types" and k.endswith("layer_types") and isinstance(value, list) and (
+                len(value) > cfg.num_hidden_layers):
+            put(k, value[:cfg.num_hidden_layers])
     for k, v in {**TINY_TYPE_SETTINGS.get(model_type, {}), **overrides}.items():
         setattr(cfg, k, v)
     if spec is not None:
