@@ -102,7 +102,7 @@ def test_the_self_check_passes(model):
 
 def test_what_is_not_built_is_refused(model):
     from concertina_hf.runtime.attention import ChunkAttentionContext, KVStore, SliceSpec
-    from concertina_hf.runtime.families import inspect_model
+    from concertina_hf.runtime.families import UnsupportedModelError, inspect_model
     from concertina_hf.runtime.kda import kda_forward
     from concertina_hf.runtime.lightning_attention import lightning_forward
 
@@ -110,6 +110,11 @@ def test_what_is_not_built_is_refused(model):
     lightning = model.case_name == "minimax"
     assert (family.lightning_attention, family.kda) == (lightning, not lightning)
     forward, name = (lightning_forward, "lightning-attention") if lightning else (kda_forward, "Kimi Delta Attention")
+    m = copy.deepcopy(model)  # an attention module where the layer type says linear_attention: not HF's class
+    m.model.layers[0].self_attn = m.model.layers[1].self_attn
+    wrong, right = type(m.model.layers[1].self_attn).__name__, type(model.model.layers[0].self_attn).__name__
+    with pytest.raises(UnsupportedModelError, match=f"decoder layer 0's self_attn is a {wrong}, not HF's {right}"):
+        inspect_model(m)
     mixer = model.model.layers[0].self_attn
     x = torch.zeros(1, 4, model.config.hidden_size)
     spec = [SliceSpec(0, 0, 4, 0, True)]
