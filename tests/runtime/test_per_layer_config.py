@@ -132,11 +132,13 @@ def test_cost_model_reads_each_layer():
     assert CostModel.from_hf_config(cfg.to_dict(), dtype_bytes=4) == cost
 
 
-def test_composite_gemma4_trains_its_language_model_as_its_forward():
-    """Gemma4ForConditionalGeneration on text (runtime/composite.py): its language model through the
-    pipeline against the composite's own forward, which soft-caps the logits as gemma4_text's does."""
-    row = model_support.check_type("gemma4", final_logit_softcapping=2.0)
-    assert row["verdict"] == "supported" and row["class"] == "Gemma4ForConditionalGeneration", row
+@pytest.mark.parametrize("model_type, cls", [("gemma4", "Gemma4ForConditionalGeneration"),
+                                             ("gemma4_unified", "Gemma4UnifiedForConditionalGeneration")])
+def test_composite_gemma4_trains_its_language_model_as_its_forward(model_type, cls):
+    """Gemma 4's composites on text (runtime/composite.py): the language model through the pipeline
+    against the composite's own forward, which soft-caps the logits as the text type's does."""
+    row = model_support.check_type(model_type, final_logit_softcapping=2.0)
+    assert row["verdict"] == "supported" and row["class"] == cls, row
     for loss, grad in (row["pp1"], row["pp2"]):
         assert loss < LOSS_TOL and grad < GRAD_TOL, row
 

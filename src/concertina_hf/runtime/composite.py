@@ -74,6 +74,9 @@ COMPOSITE_TYPES = {
     "gemma4": CompositeLayout("gemma4", other_inputs=("pixel_values", "pixel_values_videos", "input_features",
                                                       "mm_encoder_outputs", "inputs_embeds", "per_layer_inputs"),
                               softcaps_logits=True),
+    "gemma4_unified": CompositeLayout("gemma4_unified", other_inputs=(
+        "pixel_values", "pixel_values_videos", "input_features", "mm_encoder_outputs", "inputs_embeds"),
+        softcaps_logits=True),
 }
 #: what the pipeline gets in a text batch: any other entry of the composite's forward is refused
 _TEXT_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "labels", "use_cache", "cache",
