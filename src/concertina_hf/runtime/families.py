@@ -12,8 +12,8 @@ naming the model type and the feature:
   wrappers): the supported layout is ``model.model.embed_tokens / .layers / .norm / .rotary_emb``
   and ``model.lm_head``, nothing else at either level (an extra module there, such as an
   embedding norm, per-layer inputs or shared blocks, runs in ``forward`` between the pieces);
-- **mixers that are not attention** (Mamba, Mamba2, linear attention, KDA, short convolutions:
-  Jamba, Falcon-H1, LFM2, Kimi-Linear, ...) and attention the backend does not implement
+- **mixers that are not attention** (Mamba, Mamba2, RG-LRU, linear attention, short convolutions:
+  Jamba, Zamba, RecurrentGemma, ...) and attention the backend does not implement
   (indexed / sparse): ``config.layer_types`` naming anything but ``full_attention`` /
   ``sliding_attention`` / ``chunked_attention`` (Llama 4's, :mod:`.attention.chunked`) /
   ``indexed_attention`` of :data:`~.attention.indexed.INDEXED_ATTENTION_TYPES` (DeepSeek-V3.2,
@@ -239,8 +239,8 @@ def check_config(config: Any, model: nn.Module | None = None, router_aux_loss: s
                                          f"Attention of {', '.join(sorted(KDA_TYPES))}, and conv for the short "
                                          "convolution of "
                                          f"{', '.join(sorted(SHORT_CONV_TYPES))}): other recurrent, "
-                                         "linear-attention or convolutional mixers (Mamba2, short convolutions, "
-                                         "KDA, lightning attention, ...) would carry state between packed sequences and lose it between slices of "
+                                         "linear-attention or convolutional mixers (Mamba, Mamba2 and short "
+                                         "convolutions of other model types, RG-LRU, ...) would carry state between packed sequences and lose it between slices of "
                                          "a split sequence; sparse or indexed attention selects keys the "
                                          "pipeline's attention does not")
     if router_aux_loss is not None and router_aux_loss not in ROUTER_AUX_LOSS_MODES:
