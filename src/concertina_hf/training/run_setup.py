@@ -41,6 +41,7 @@ from ..planning import CostModel, DeviceSpec, PlanError, StageLayout, partition_
 from ..planning.activations import SINKS, SOFTCAPPED_ATTENTION
 from ..planning.layouts import count_head_copy
 from ..planning.segments import SegmentOptions
+from ..runtime.per_layer import layer_heads
 from ..runtime.ulysses import check_heads
 
 __all__ = ["RunSetup", "budget_setting", "budget_source", "build_topology", "check_static_memory", "check_trainer_arguments",
@@ -133,8 +134,9 @@ def resolve_run(args: ConcertinaTrainingArguments, model: nn.Module, topology: T
     shards = sp if zero3 else sp * topology.data_parallel_size if args.concertina_shard_optimizer else 1
     sp_mode = args.sequence_parallel_mode
     if sp > 1 and sp_mode == "ulysses":  # whole-doc / per-doc have no head-count rule
-        heads = int(model.config.num_attention_heads)
-        check_heads(heads, int(getattr(model.config, "num_key_value_heads", None) or heads), sp)
+        for heads, kv in layer_heads(model.config) or [(int(model.config.num_attention_heads), int(
+                getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads))]:
+            check_heads(heads, kv, sp)  # a per-layer config's every layer (runtime/per_layer.py)
     segment = args.segment_options
     if segment is not None and segment.global_heads:
         heads = int(model.config.num_attention_heads)
