@@ -109,7 +109,10 @@ TINY_TYPE_SETTINGS = {"llama4_text": dict(attention_chunk_size=8, no_rope_layers
                                         ssm_out_multiplier=1.2, attention_out_multiplier=0.7, **MAMBA2_SIZES),
                       # Nemotron-H: the same sizes under its names; its default layers Mamba2, MoE, attention, MLP
                       "nemotron_h": dict(mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=16, n_groups=2,
-                                         chunk_size=16)}
+                                         chunk_size=16),
+                      # Jamba: Mamba (1) at layers 0 and 2, attention (and MoE) at 1 and 3; dt rank 8
+                      "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                                    expert_layer_offset=1, mamba_dt_rank=8)}
 
 #: the layer kinds of model types whose default config does not name each of them (LFM2's default
 #: has only attention layers, LFM2-MoE's none: its layers would not build)

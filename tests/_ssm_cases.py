@@ -4,14 +4,15 @@
 A tiny model per Mamba2 class (:data:`MODELS`: Granite-4.0 hybrid with MoE layers and rotary-free
 attention, Bamba with its final norm ``final_layernorm`` and partial rotary, Falcon-H1 with a Mamba2
 beside the attention in every layer and its mup multipliers, Nemotron-H with its own module names,
-no rotary embedding, an MoE and an MLP block without token mixer; 4 decoder layers, Mamba2 at layers 0
+no rotary embedding, an MoE and an MLP block without token mixer, Jamba's Mamba (1) (its own scan,
+its ``dt_proj.bias`` for ``dt_bias``); 4 decoder layers, Mamba2 at layers 0
 and 2 and attention at 1 and 3 (Falcon-H1: both in each, :data:`MAMBA_LAYERS`), 4 heads of 32 over
 2 groups, ``d_state`` 16, scan chunk 32, convolution width 4: each token reads 3 earlier inputs,
 float32, ``initializer_range`` 0.2). The batch, the chunks (split at tokens 50, 52 and 101 of a
 150-token sequence: none a multiple of 32, the 2-token slice shorter than the convolution's
 window), the recompute settings, the reference (HF on the right-padded batch) and the bounds
 (loss 1e-5, every gradient 1e-4) are those of :mod:`_linear_attention_cases`; the Mamba2 layers'
-``A_log``, ``dt_bias``, ``D`` and convolution weights are reported by name.
+``A_log``, ``dt_bias`` (Jamba: ``dt_proj.bias``), ``D`` and convolution weights are reported by name.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from _linear_attention_cases import (CHUNKS, GRAD_TOL, LOSS_TOL, RECOMPUTE, SEQ_
                                      make_plan, model_support, num_items, padded_reference)
 
 #: the Mamba2 layers' own parameters every case reports by name
-MIXER_PARAMS = (".A_log", ".dt_bias", ".D", ".conv1d.weight")
+MIXER_PARAMS = (".A_log", ".dt_bias", ".dt_proj.bias", ".D", ".conv1d.weight")
 LAYER_TYPES = ["linear_attention", "full_attention"] * 2
 SIZES = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=2, mamba_expand=2, mamba_d_conv=4,
              mamba_chunk_size=32)
@@ -39,9 +40,14 @@ MODELS = {
     # its own names for the same sizes; layers: Mamba2, MoE, attention, MLP (the default pattern "ME*-")
     "nemotron_h": ("nemotron_h", dict(mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=16, n_groups=2,
                                       conv_kernel=4, chunk_size=32)),
+    # Mamba (1): Mamba at layers 0 and 2 (attention every second layer from 1), dt rank 8; dense MLPs (its
+    # MoE's expert batches change with the other documents' routing: every gradient then differs by ~1e-7,
+    # which the leak test's bit-identity would count)
+    "jamba": ("jamba", dict(attn_layer_period=2, attn_layer_offset=1, num_experts=1, mamba_dt_rank=8)),
 }
 #: case name -> the decoder layers holding a Mamba2
-MAMBA_LAYERS = {"granitemoehybrid": (0, 2), "bamba": (0, 2), "falcon_h1": (0, 1, 2, 3), "nemotron_h": (0,)}
+MAMBA_LAYERS = {"granitemoehybrid": (0, 2), "bamba": (0, 2), "falcon_h1": (0, 1, 2, 3), "nemotron_h": (0,),
+                "jamba": (0, 2)}
 
 
 def build_model(name: str = "granitemoehybrid"):

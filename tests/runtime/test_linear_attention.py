@@ -145,14 +145,16 @@ def test_the_self_check_probes_a_slice_shorter_than_the_convolution_window(monke
 
 
 def test_what_is_not_built_is_refused(model):
-    from transformers import JambaConfig
+    from transformers import LlamaConfig
 
     from concertina_hf.runtime.attention import ChunkAttentionContext, KVStore, SliceSpec
     from concertina_hf.runtime.families import UnsupportedModelError, check_config, inspect_model
     from concertina_hf.runtime.linear_attention import gated_deltanet_forward
 
-    with pytest.raises(UnsupportedModelError, match="model type 'jamba'.*'linear_attention' layers"):
-        check_config(JambaConfig())  # Mamba (1), not a Gated DeltaNet
+    other = LlamaConfig()  # linear_attention layers of a model type without a Gated DeltaNet
+    other.layer_types = ["linear_attention"] * other.num_hidden_layers
+    with pytest.raises(UnsupportedModelError, match="model type 'llama'.*'linear_attention' layers"):
+        check_config(other)
     assert inspect_model(model).linear_attention
     mixer = model.model.layers[0].linear_attn
     x = torch.zeros(1, 4, model.config.hidden_size)

@@ -68,14 +68,16 @@ def test_other_layouts_are_refused_naming_the_model_type(model_type, expected):
 
 
 def test_config_level_refusals():
-    from transformers import Gemma3Config, JambaConfig, MixtralConfig, T5Config
+    from transformers import Gemma3Config, LlamaConfig, MixtralConfig, T5Config
 
+    other_mixer = LlamaConfig()  # layers of a kind no implemented mixer runs for this model type
+    other_mixer.layer_types = ["linear_attention"] * other_mixer.num_hidden_layers
     cases = [
         (T5Config(), "model type 't5'", "encoder-decoder"),
         (Gemma3Config(), "model type 'gemma3'",
          "a composite config with text_config, vision_config (several models in one) is not supported; train its "
          "text model"),
-        (JambaConfig(), "model type 'jamba'", "config.layer_types has 'linear_attention' layers"),
+        (other_mixer, "model type 'llama'", "config.layer_types has 'linear_attention' layers"),
         (MixtralConfig(output_router_logits=True), "model type 'mixtral'", "output_router_logits=True adds the router"),
     ]
     for cfg, name, expected in cases:

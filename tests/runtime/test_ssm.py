@@ -1,5 +1,5 @@
 """Mamba2 (SSD) layers through the runtime, one process (pp=1), for each class
-(:data:`_ssm_cases.MODELS`: Granite-4.0 hybrid, Bamba, Falcon-H1, Nemotron-H).
+(:data:`_ssm_cases.MODELS`: Granite-4.0 hybrid, Bamba, Falcon-H1, Nemotron-H; Jamba's Mamba (1)).
 
 - **No leak between documents**: in a packed chunk (and in the hybrid chunk, after a split
   sequence's tail) changing one document's tokens, its labels ignored, leaves the loss and every
@@ -110,9 +110,11 @@ def test_the_self_check_passes(model):
 def test_what_is_not_built_is_refused(model):
     from transformers import Mamba2Config, MambaConfig, Zamba2Config
 
+    from concertina_hf.runtime.ssm import mamba1_forward
+
     from concertina_hf.runtime.attention import ChunkAttentionContext, KVStore, SliceSpec
     from concertina_hf.runtime.families import UnsupportedModelError, check_config, inspect_model
-    from concertina_hf.runtime.ssm import mamba2_forward
+    from concertina_hf.runtime.ssm import MIXERS, mamba2_forward
 
     for cfg, name, feature in ((Mamba2Config(), "mamba2", "its layout is model.backbone"),
                                (Zamba2Config(), "zamba2", "one shared transformer block"),
@@ -122,16 +124,17 @@ def test_what_is_not_built_is_refused(model):
     family = inspect_model(model)
     assert family.ssm and not family.linear_attention
     mixer = next(m for m in model.model.layers[0].modules() if type(m).__name__.endswith(("Mixer", "MambaLayer")))
+    forward = mamba1_forward if MIXERS[model.config.model_type].version == 1 else mamba2_forward
     x = torch.zeros(1, 4, model.config.hidden_size)
     spec = [SliceSpec(0, 0, 4, 0, True)]
     with pytest.raises(ValueError, match="segment-level training .* not implemented for Mamba2"):
-        mamba2_forward(mixer, x, ChunkAttentionContext(spec, KVStore(gradient="previous"), "cpu", True))
+        forward(mixer, x, ChunkAttentionContext(spec, KVStore(gradient="previous"), "cpu", True))
 
     class Sharded(ChunkAttentionContext):
         pass
 
     with pytest.raises(ValueError, match="Mamba2 .SSD. layers run with sequence parallel size 1 only"):
-        mamba2_forward(mixer, x, Sharded(spec, KVStore(), "cpu", True))
+        forward(mixer, x, Sharded(spec, KVStore(), "cpu", True))
 
 
 @pytest.mark.parametrize("tokens, split", [(1024, False), (700, True), (300, False)])

@@ -93,7 +93,7 @@ from torch import nn
 
 from .attention.indexed import INDEXED_ATTENTION_TYPES, INDEXED_LAYER_INPUTS, NOT_REPRODUCED
 from .linear_attention import LINEAR_ATTENTION_TYPES, MIXER_ATTRIBUTE, mixer_class
-from .ssm import HYBRID_TYPES, MAMBA2, MIXERLESS_LAYER_TYPES, SSM_REFUSED, SSM_TYPES
+from .ssm import HYBRID_TYPES, MIXERLESS_LAYER_TYPES, MIXERS, SSM_REFUSED, SSM_TYPES
 from .ssm import mixer_class as ssm_mixer_class
 from .short_conv import MIXER_ATTRIBUTE as SHORT_CONV_ATTRIBUTE
 from .short_conv import SHORT_CONV_LAYER_TYPE, SHORT_CONV_TYPES
@@ -152,7 +152,7 @@ NORM_BEFORE_LAYERS = frozenset({"nanochat"})
 NO_POSITION_LAYER_TYPES = {"lara_mini": frozenset({"full_attention"}), "lfm3": frozenset({"conv"})}
 #: model types whose ``model.rotary_emb`` is None when ``config.rope_parameters`` has no ``rope_theta``
 #: (OLMo Hybrid's released checkpoints), or absent (Nemotron-H): then no layer gets position embeddings
-ROTARY_OPTIONAL = frozenset({"olmo_hybrid", "granitemoehybrid", "kimi_linear", "nemotron_h"})
+ROTARY_OPTIONAL = frozenset({"olmo_hybrid", "granitemoehybrid", "kimi_linear", "nemotron_h", "jamba"})
 #: model types whose ``forward`` adds no router auxiliary loss whatever ``output_router_logits`` says
 #: (Llama 4 returns the router logits only): that flag changes nothing the runtime reproduces
 NO_ROUTER_AUX_LOSS = frozenset({"llama4_text"})
@@ -178,7 +178,8 @@ LAYER_INPUTS = frozenset({"hidden_states", "attention_mask", "position_ids", "po
 MODULE_NAMES = {"lfm2": {"norm": "embedding_norm"}, "lfm2_moe": {"norm": "embedding_norm", "rotary_emb": "pos_emb"},
                 "lfm3": {"norm": "embedding_norm"}, "bamba": {"norm": "final_layernorm"},
                 "falcon_h1": {"norm": "final_layernorm"},
-                "nemotron_h": {"norm": "norm_f", "embed_tokens": "embeddings"}}
+                "nemotron_h": {"norm": "norm_f", "embed_tokens": "embeddings"},
+                "jamba": {"norm": "final_layernorm"}}
 _LAYOUT = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
 _INNER = frozenset({"embed_tokens", "layers"})
 _OUTER = frozenset({"model", "lm_head"})
@@ -415,7 +416,7 @@ def inspect_model(model: nn.Module, router_aux_loss: str | None = None) -> Model
                                      "which the pipeline does not reproduce")
     linear, attribute = (mixer_class(kind), MIXER_ATTRIBUTE) if kind in LINEAR_ATTENTION_TYPES else (None, "")
     if kind in SSM_TYPES:
-        linear, attribute = ssm_mixer_class(kind), MAMBA2[kind].attribute
+        linear, attribute = ssm_mixer_class(kind), MIXERS[kind].attribute
     if kind in SHORT_CONV_TYPES:
         linear, attribute = short_conv_mixer_class(kind), SHORT_CONV_ATTRIBUTE
     if kind in LIGHTNING_TYPES:  # in the self_attn of the linear_attention layers (.lightning_attention)

@@ -37,6 +37,11 @@ runtime sets around each decoder-layer call (:func:`~.attention.context.current_
   next slice's backward leaves on them to this slice's backward, and a recomputed layer's replay
   reads the same leaves (the store is set-if-absent).
 
+Jamba's Mamba (1) mixer (:data:`MAMBA1`) runs the same way (:func:`mamba1_forward`): the convolution
+per document over its projection's ``x`` half, HF's torch selective scan (a loop over tokens,
+written here with an initial state: :func:`selective_scan`) per slice, its state
+``[intermediate, d_state]`` float32 carried.
+
 Outside a chunk and outside a step (a plain ``model(...)``, ``generate``) the module's own
 ``forward`` runs; inside a step without a chunk context it raises. Refused here with the feature
 named: sequence parallelism (a Ulysses or placed chunk's context) and segment-level training.
@@ -60,7 +65,8 @@ from torch import nn
 from .attention.context import ChunkAttentionContext, current_context, step_running
 from .causal_conv import per_document_conv
 
-__all__ = ["Adapter", "HYBRID_TYPES", "MAMBA2", "MIXERLESS_LAYER_TYPES", "SSM_REFUSED", "SSM_TYPES", "install", "mamba2_forward", "mixer_class"]
+__all__ = ["Adapter", "HYBRID_TYPES", "MAMBA1", "MAMBA2", "MIXERLESS_LAYER_TYPES", "MIXERS", "SSM_REFUSED", "SSM_TYPES",
+           "install", "mamba1_forward", "mamba2_forward", "mixer_class", "selective_scan"]
 
 
 def _project(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -92,6 +98,8 @@ class Adapter:
     gated_norm: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = _gated_norm
     #: the layer's attention keeps its K/V under the layer's index: the state goes under ``-1 - index``
     beside_attention: bool = False
+    #: the Mamba version: 2 (SSD, :func:`mamba2_forward`) or 1 (Jamba's selective scan, :func:`mamba1_forward`)
+    version: int = 2
 
 
 _HF = "transformers.models"
@@ -103,9 +111,13 @@ MAMBA2 = {
     "falcon_h1": Adapter(f"{_HF}.falcon_h1.modeling_falcon_h1", "FalconH1Mixer", project=_falcon_h1_project,
                          gated_norm=_falcon_h1_gated_norm, beside_attention=True),
 }
-#: model types whose Mamba2 layers (``config.layer_types`` ``linear_attention``; Falcon-H1's ``hybrid``
+#: model type -> the :class:`Adapter` of its Mamba (1) mixer (Jamba's, with norms on ``dt``, ``B``, ``C``)
+MAMBA1 = {"jamba": Adapter(f"{_HF}.jamba.modeling_jamba", "JambaMambaMixer", version=1)}
+#: every mixer this module runs, by model type
+MIXERS = {**MAMBA2, **MAMBA1}
+#: model types whose Mamba layers (``config.layer_types`` ``linear_attention``; Falcon-H1's ``hybrid``
 #: layers run one beside their attention) run here
-SSM_TYPES = frozenset(MAMBA2)
+SSM_TYPES = frozenset(MIXERS)
 #: model types whose ``hybrid`` layers (``config.layer_types``) hold a Mamba2 beside their attention
 HYBRID_TYPES = frozenset({"falcon_h1"})
 #: model types with state space layers this module does not run, and why (the message of their refusal)
@@ -131,7 +143,7 @@ MIXERLESS_LAYER_TYPES = {"nemotron_h": frozenset({"mlp", "moe"})}
 def mixer_class(model_type: str) -> type | None:
     """The HF class of ``model_type``'s Mamba2 mixer (``None``: not implemented here, or not in the
     installed transformers)."""
-    entry = MAMBA2.get(model_type)
+    entry = MIXERS.get(model_type)
     if entry is None:
         return None
     try:
@@ -142,10 +154,10 @@ def mixer_class(model_type: str) -> type | None:
 
 def _adapter(mod: nn.Module) -> Adapter:
     cls = type(mod)
-    for entry in MAMBA2.values():
+    for entry in MIXERS.values():
         if entry.cls == cls.__name__ and entry.module == cls.__module__:
             return entry
-    raise TypeError(f"{cls.__module__}.{cls.__name__} is not a Mamba2 class of MAMBA2")
+    raise TypeError(f"{cls.__module__}.{cls.__name__} is not a Mamba class of MIXERS")
 
 
 def install(model: nn.Module) -> int:
@@ -176,6 +188,8 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = None,
     if cache is not None or attention_mask is not None:
         raise ValueError(f"{type(self).__name__} got a cache or an attention_mask inside a concertina chunk, whose "
                          "documents the chunk context defines")
+    if _adapter(self).version == 1:
+        return mamba1_forward(self, hidden_states, ctx)
     return mamba2_forward(self, hidden_states, ctx)
 
 
@@ -230,3 +244,66 @@ def mamba2_forward(mod: nn.Module, hidden_states: torch.Tensor, ctx: ChunkAttent
     y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     y = adapter.gated_norm(mod, y, gate)
     return mod.out_proj(y.to(dtype))
+
+
+def selective_scan(hs: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+                   d: torch.Tensor, z: torch.Tensor, dt_bias: torch.Tensor | None,
+                   initial: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's torch selective scan (``mamba_selective_scan``'s recurrent iteration, ``dt_bias`` and
+    softplus on ``dt``, the ``D`` skip and the ``silu(z)`` gate) from the state ``initial``
+    (``[1, I, N]``; ``None``: zeros, as HF's): ``hs``, ``dt``, ``z`` ``[1, I, n]``, ``b``, ``c``
+    ``[1, n, N]``. Returns the output ``[1, I, n]`` and the final state (float32)."""
+    input_dtype = hs.dtype
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)[..., None]
+    dt = torch.nn.functional.softplus(dt)
+    discrete_a = torch.exp(a[None, :, None, :] * dt[:, :, :, None])
+    delta_b_u = dt[:, :, :, None] * b[:, None, :, :].float() * hs[:, :, :, None].float()
+    state = initial if initial is not None else hs.new_zeros(hs.shape[0], hs.shape[1], a.shape[-1])
+    outs = []
+    for i in range(hs.shape[-1]):
+        state = discrete_a[:, :, i] * state + delta_b_u[:, :, i]
+        outs.append(torch.matmul(state.to(input_dtype), c[:, i, :].unsqueeze(-1))[:, :, 0])
+    y = torch.stack(outs, dim=-1)
+    y = y + hs * d[None, :, None]
+    return y * torch.nn.functional.silu(z), state.float()
+
+
+def mamba1_forward(mod: nn.Module, hidden_states: torch.Tensor, ctx: ChunkAttentionContext) -> torch.Tensor:
+    """HF's Jamba Mamba (1) mixer ``forward`` (no cache, its torch path) on one chunk ``[1, T, hidden]``,
+    per slice as :func:`mamba2_forward`: the convolution per document over the projection's ``x``
+    half, ``x_proj`` and the norms on ``dt``, ``B``, ``C`` token-wise, :func:`selective_scan` per slice
+    from the carried state ``[1, intermediate, d_state]`` (float32). HF's scan is a loop over tokens:
+    one step per token and slice."""
+    why = _refusal(ctx)
+    if why is not None:
+        raise ValueError(why)
+    hf = sys.modules[type(mod).__module__]
+    layer = mod.layer_idx
+    x = hidden_states
+    if x.shape[0] != 1 or x.shape[1] != ctx.num_tokens:
+        raise ValueError(f"{type(mod).__name__} expects one packed row of {ctx.num_tokens} tokens, got "
+                         f"{tuple(x.shape)}")
+    dtype = x.dtype
+    xs, gate = mod.in_proj(x).transpose(1, 2).chunk(2, dim=1)  # [1, I, T] each
+    width = int(mod.conv1d.kernel_size[0]) - 1
+    doc = per_document_conv(xs, ctx, layer, width, lambda cols: hf.causal_conv1d_fn(
+        cols, mod.conv1d.weight.squeeze(1), mod.conv1d.bias, activation=mod.activation), state="SSM state")
+    xs = doc.out  # [1, I, T]
+    time_step, b, c = torch.split(mod.x_proj(xs.transpose(1, 2)),
+                                  [mod.time_step_rank, mod.ssm_state_size, mod.ssm_state_size], dim=-1)
+    time_step, b, c = mod.dt_layernorm(time_step), mod.b_layernorm(b), mod.c_layernorm(c)
+    time_step = mod.dt_proj.weight @ time_step.transpose(1, 2)  # [1, I, T]
+    a = -torch.exp(mod.A_log.float())
+    dt_bias = mod.dt_proj.bias.float() if mod.dt_proj.bias is not None else None
+    outs = []
+    for i, s in enumerate(ctx.slices):
+        sl = slice(s.offset, s.offset + s.length)
+        initial = doc.carried[i].k_leaf if i in doc.carried else None
+        y, state = selective_scan(xs[:, :, sl], time_step[:, :, sl], a, b[:, sl], c[:, sl], mod.D.float(),
+                                  gate[:, :, sl], dt_bias, initial)
+        if not s.final:
+            ctx.store.put_if_absent(s.seq, s.start, layer, state, doc.tails[i], ctx.requires_grad)
+        outs.append(y)
+    y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+    return mod.out_proj(y.transpose(1, 2).to(dtype))
