@@ -12,7 +12,7 @@
 - **The self-check** at construction passes for it.
 - **The analytic activation memory** of the Mamba2 layers (``planning/mixers.py``, HF's torch
   scan) within 0.85x-1.05x of the measured peak of saved tensors (whole, split and short sequences);
-  each type's sizes read under its own config names.
+  each type's sizes read under its own config names; Jamba's Mamba (1) layers likewise.
 - **Refusals**: the state space models not run (Mamba2's backbone layout, Zamba2's shared block,
   Mamba 1) are refused naming the feature; sequence
   parallelism and segment-level training are refused by the mixer, naming the feature, and sequence
@@ -202,3 +202,32 @@ def test_sequence_parallelism_is_refused_before_a_step(model, tmp_path):
     refused = auto_layout._runtime_refusals(args, model, 4)
     assert set(refused) == {Layout(1, 2, 2), Layout(2, 2, 1), Layout(1, 4, 1)}
     assert all("Mamba2 (SSD) layers run with sequence parallel size 1 only" in r for r in refused.values())
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_analytic_activation_memory_of_mamba1_within_bounds(split):
+    """Jamba's Mamba (1) layers (``planning/mixers.py``: the runtime's torch selective scan, a loop
+    over tokens keeping each step's state): a 300-token sequence, whole or split in two, through 4
+    Mamba layers (dense MLPs, intermediate 512, ``d_state`` 16), float32: the measured peak of saved
+    tensors within 0.85x-1.05x of the prediction."""
+    from transformers import AutoModelForCausalLM
+
+    from concertina_hf.planning import CostModel, DeviceSpec
+
+    cfg = cases.model_support.tiny_config(
+        "jamba", hidden_size=256, intermediate_size=512, mamba_d_state=16, mamba_expand=2, mamba_dt_rank=16,
+        mamba_d_conv=4, attn_layer_period=100, attn_layer_offset=99, num_experts=1)  # no attention layer
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float()
+    layout = StageLayout.even(cfg.num_hidden_layers, 1)
+    tokens = 300
+    spec = (((0, 0, 150),), ((0, 150, 150),)) if split else (((0, 0, tokens),),)
+    plan = cases.make_plan(layout, "none", spec, (tokens,))
+    ids = [torch.randint(0, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1))]
+    res = PipelineExecutor(PipelineWrapper(model, layout, 0)).run_step(plan, ids)
+    cost = CostModel.from_hf_config(model.config, DeviceSpec.cpu(), dtype_bytes=4, attention_kernel="sdpa-cpu-flash")
+    assert cost.layer_kinds == ("linear",) * 4
+    predicted = sum(cost.act_memory(layout, 0, c) for c in plan.chunks)
+    ratio = res.peak_activation_bytes / predicted
+    print(split, res.peak_activation_bytes, int(predicted), round(ratio, 3))
+    assert 0.85 <= ratio <= 1.05, (res.peak_activation_bytes, predicted, ratio)

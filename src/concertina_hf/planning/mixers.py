@@ -41,7 +41,10 @@ state (its initial one) and the padding of its last chunk (:attr:`~.cost.CostMod
 :attr:`~.cost.CostModel.lin_pad_bytes_per_token`); measured on CPU (``tests/runtime/test_ssm.py``)
 within the attention layers' bounds. On CUDA (``mamba_chunk_scan_combined``) the scan saves its inputs,
 its output and the decays' cumulative sums. A non-final slice keeps ``H x head_dim x d_state`` float32
-and the convolution's last ``k - 1`` inputs (``conv_dim`` wide).
+and the convolution's last ``k - 1`` inputs (``conv_dim`` wide). Jamba's Mamba (1) layers (a config
+with ``mamba_dt_rank``) run the runtime's torch selective scan on every device, a loop over tokens:
+per token two ``intermediate x d_state`` float32 tensors (the decays, the decayed inputs) and the
+step's state, per slice its initial state; a non-final slice keeps ``intermediate x d_state`` float32.
 
 **Top-k indexed attention** (``indexed_attention`` layers: ``concertina_hf.runtime.attention.indexed``)
 is attention priced as such plus :func:`indexer_pair_flops` (the indexer's forward-only score per
@@ -223,6 +226,9 @@ def ssm_layer_fields(get: Callable[[str], Any], flops: float, mem_bandwidth: flo
     kinds = layer_kinds(get)
     if not kinds:
         return {}
+    if get("mamba_dt_rank") is not None:  # Jamba's Mamba (1)
+        return _mamba1_layer_fields(get, kinds, flops, mem_bandwidth, kernel_overhead_s, dtype_bytes,
+                                    compute_dtype_bytes, attention_layer_bytes, mlp_width)
     r = int(dtype_bytes)
     a = int(compute_dtype_bytes or dtype_bytes)
     h = int(get("hidden_size"))
@@ -414,4 +420,44 @@ def kda_layer_fields(get: Callable[[str], Any], flops: float, mem_bandwidth: flo
         lin_act_bytes_per_token=float(act),
         lin_state_bytes=float(4 * heads * d * d + a * (width - 1) * 3 * hd),
         lin_layer_params=int(params),
+    )
+
+
+def _mamba1_layer_fields(get: Callable[[str], Any], kinds: tuple[str, ...], flops: float, mem_bandwidth: float,
+                         kernel_overhead_s: float, dtype_bytes: int, compute_dtype_bytes: int | None,
+                         attention_layer_bytes: float, mlp_width: int) -> dict[str, Any]:
+    """:func:`ssm_layer_fields` of Jamba's Mamba (1) layers: ``mamba_expand``, ``mamba_d_state``,
+    ``mamba_dt_rank``, ``mamba_d_conv`` (module docstring)."""
+    r = int(dtype_bytes)
+    a = int(compute_dtype_bytes or dtype_bytes)
+    h = int(get("hidden_size"))
+    inter = int(float(get("mamba_expand") or 2) * h)
+    n = int(get("mamba_d_state") or 16)
+    rank = int(get("mamba_dt_rank") or 256)
+    width = int(get("mamba_d_conv") or 4)
+    # parameters: in_proj (x and gate), the convolution, x_proj (dt, B, C), dt_proj, A_log, D, the
+    # dt / B / C norms, out_proj; the MLP and two norms as an attention layer's
+    mixer_params = (h * 2 * inter + inter * (width + 1) + inter * (rank + 2 * n) + rank * inter + inter
+                    + inter * n + inter + rank + 2 * n + inter * h)
+    params = mixer_params + 3 * h * mlp_width + 2 * h
+    state = 4 * inter * n
+    scan_flops = 8 * inter * n  # the decays, the decayed inputs, the state's update and its read, per token
+    scan_bytes = 3 * state  # the decays, the decayed inputs, the step's state (float32)
+    mixer_bytes = (a * h + a * 2 * inter  # its input, the projection (x and gate)
+                   + 2 * a * inter  # the convolution's input and output before the activation
+                   + 3 * 4 * inter + 4 * inter  # dt and its softplus, the scan's output, x in float32
+                   + 2 * a * inter  # x_proj's and out_proj's inputs
+                   + 4 * (4 * n + rank)  # B and C before and after their norms, dt's norm
+                   + scan_bytes)
+    act = max(0.0, attention_layer_bytes - _attention_part(get, a, h)) + mixer_bytes
+    moved = 2 * scan_bytes
+    elementwise = r * (10 * h + 4 * mlp_width) + moved
+    return dict(
+        layer_kinds=kinds,
+        lin_alpha_tok=2.0 * params / flops + scan_flops / flops + elementwise / mem_bandwidth,
+        lin_beta_segment=SEGMENT_CALL_SHARE * kernel_overhead_s,
+        lin_act_bytes_per_token=float(act),
+        lin_state_bytes=float(state + a * (width - 1) * inter),
+        lin_layer_params=int(params),
+        lin_act_bytes_per_slice=float(state),
     )
