@@ -118,7 +118,7 @@ def test_what_is_not_built_is_refused(model):
 
     for cfg, name, feature in ((Mamba2Config(), "mamba2", "its layout is model.backbone"),
                                (Zamba2Config(), "zamba2", "one shared transformer block"),
-                               (MambaConfig(), "mamba", "its Mamba .1. layers")):
+                               (MambaConfig(), "mamba", "its Mamba .1. mixer is not one")):
         with pytest.raises(UnsupportedModelError, match=f"model type '{name}'.*{feature}"):
             check_config(cfg)
     family = inspect_model(model)

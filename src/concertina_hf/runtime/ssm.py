@@ -131,9 +131,9 @@ SSM_REFUSED = {
     "zamba": "its hybrid layers run one shared transformer block (the same ZambaAttentionDecoderLayer in several "
              "layers, on the layer's input concatenated with the embeddings) beside Mamba (1) layers: a module "
              "shared across stages and a second input stream the pipeline does not carry",
-    **{kind: "its Mamba (1) layers (a selective scan with a state per channel) would carry state between packed "
-             "sequences and lose it between slices of a split sequence; runtime/ssm.py runs the Mamba2 (SSD) "
-             "mixers of bamba, falcon_h1, granitemoehybrid and nemotron_h only"
+    **{kind: "its layout is model.backbone (embeddings, layers, norm_f), not model.model, and its Mamba (1) "
+             "mixer is not one runtime/ssm.py runs (Jamba's): its state would cross packed sequences and be lost "
+             "between slices of a split sequence"
        for kind in ("mamba", "falcon_mamba")},
 }
 #: model types with layer kinds (``config.layer_types``) that mix no tokens (Nemotron-H's MLP and MoE blocks)
