@@ -62,7 +62,9 @@ recompute (``r == n``), by ``act_bytes_per_token`` per token.
 (:attr:`CostModel.layer_kinds`, from ``config.layer_types``: :mod:`.mixers`); empty, every layer is
 an attention layer and nothing below changes. A linear layer's forward is
 ``lin_alpha_tok * sum(s_i) + lin_beta_segment * slices + beta`` (no context term: a slice reads a
-fixed-size state; a per-segment overhead: one scan call per slice); saved, it keeps
+fixed-size state; a per-segment overhead: one scan call per slice), plus ``lin_pad_time_per_token``
+per token of each slice's padding to ``lin_scan_chunk`` (a profiled chunked scan, which computes its
+padding: HF's torch scan on CPU); saved, it keeps
 ``lin_act_bytes_per_token`` per token (a Mamba2 layer also ``lin_act_bytes_per_slice`` per slice and
 ``lin_pad_bytes_per_token`` per token of each slice's padding to ``lin_scan_chunk``); recomputed,
 its input as an attention layer; it keeps no
@@ -281,6 +283,7 @@ class CostModel(ParallelCosts):
     lin_act_bytes_per_slice: float = 0.0
     lin_scan_chunk: int = 0
     lin_pad_bytes_per_token: float = 0.0
+    lin_pad_time_per_token: float = 0.0  # forward seconds per token of that padding (profiled)
     lin_layer_params: int = 0  # parameters of a linear layer
     # a Gated DeltaNet layer's two all-to-alls under Ulysses, bytes per token (whole, sp = 1): the
     # convolution's input with beta and a, and the scan's output (0: its layers refuse sp > 1)
@@ -338,8 +341,12 @@ class CostModel(ParallelCosts):
         return self.alpha_attn * pairs + self.alpha_tok * tok + self.beta
 
     def linear_layer_time(self, slices: Sequence[Slice]) -> float:
-        """Forward compute of one linear-attention layer: linear in tokens, per slice an overhead."""
-        return self.lin_alpha_tok * sum(s.length for s in slices) + self.lin_beta_segment * len(slices) + self.beta
+        """Forward compute of one linear-attention layer: linear in tokens, per slice an overhead, per
+        token of the slices' padding to ``lin_scan_chunk`` its share."""
+        t = self.lin_alpha_tok * sum(s.length for s in slices) + self.lin_beta_segment * len(slices) + self.beta
+        if self.lin_pad_time_per_token and self.lin_scan_chunk:
+            t += self.lin_pad_time_per_token * sum(-s.length % self.lin_scan_chunk for s in slices)
+        return t
 
     def linear_layer_fwd_time(self, slices: Sequence[Slice]) -> float:
         """Forward of one linear-attention layer, its all-to-alls included (``sp > 1``)."""
@@ -675,7 +682,7 @@ class CostModel(ParallelCosts):
                       "lin_state_bytes", "lin_layer_params", "lin_a2a_bytes_per_token"):
                 del d[k]
         if not d["lin_act_bytes_per_slice"] and not d["lin_scan_chunk"]:  # only a Mamba2 scan has them
-            for k in ("lin_act_bytes_per_slice", "lin_scan_chunk", "lin_pad_bytes_per_token"):
+            for k in ("lin_act_bytes_per_slice", "lin_scan_chunk", "lin_pad_bytes_per_token", "lin_pad_time_per_token"):
                 d.pop(k, None)
         return d
 

@@ -95,7 +95,7 @@ class ParallelCosts:
                 "embed_bwd_bytes_per_token", "bwd_transient_slope", "head_bwd_transient_slope",
                 "recompute_bwd_transient_bytes_per_token", "bwd_context_bytes_per_token", "stage_bytes_per_token",
                 "attn_bytes_per_pair", "bwd_transient_bytes_per_pair", "lin_alpha_tok", "lin_act_bytes_per_token",
-                "lin_state_bytes")
+                "lin_state_bytes", "lin_pad_time_per_token")
 
     def with_parallel(self, *, sp: int = 1, state_shards: int | None = None, zero3: bool = False,
                       ulysses: bool = True) -> Self:

@@ -8,6 +8,11 @@
   profiled :class:`~concertina_hf.planning.coefficients.ProfileSample` s.
 - :func:`fit_activation_bytes`: the per-token and per-context-token bytes of
   chunks measured without recompute (the profiler's byte fit).
+- :func:`fit_linear_layer`: a linear-attention layer's time per token, per slice and per token
+  of the scan's padding (``lin_alpha_tok``, ``lin_beta_segment``, ``lin_pad_time_per_token``) from
+  chunks timed on such layers alone;
+  :func:`fit_linear_bytes`: its saved bytes per token, per token of each slice's padding to
+  the scan chunk and per slice.
 - :class:`ActionSample` / :func:`action_samples`: a chunk's measured forward and backward on a
   stage, paired from a step's measured actions.
 - :func:`refit_cost_model`: the online refit (time coefficients from measured actions, every
@@ -36,7 +41,8 @@ from .plan import Plan
 from .types import Action, ActionKind, Chunk, StageLayout
 
 __all__ = [
-    "FLOOR_FRACTION", "ActionSample", "action_samples", "bounded_refit", "fit_activation_bytes", "fit_profile",
+    "FLOOR_FRACTION", "ActionSample", "action_samples", "bounded_refit", "fit_activation_bytes", "fit_linear_bytes",
+    "fit_linear_layer", "fit_profile",
     "nonneg_lstsq", "prediction_error", "refit_cost_model", "relative_line", "through_origin",
 ]
 
@@ -120,6 +126,65 @@ def relative_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, floa
     if coef is None:
         return 0.0, 0.0
     return float(coef[0]), float(coef[1])
+
+
+def fit_linear_layer(chunks: Sequence[ChunkShape], seconds: Sequence[float], beta: float,
+                     scan_chunk: int = 0) -> tuple[float, float, float]:
+    """``(lin_alpha_tok, lin_beta_segment, lin_pad_time_per_token)`` of a linear layer's time
+    ``lin_alpha_tok * tokens + lin_beta_segment * slices + lin_pad_time_per_token * padding + beta``
+    (:meth:`~.cost.CostModel.linear_layer_time`, ``beta`` the attention layers' constant;
+    ``padding``: each slice's tokens up to a multiple of ``scan_chunk``, the chunked scan's; 0
+    drops that term), all >= 0, fitted on relative errors (as :func:`relative_line`) to
+    ``seconds`` per layer of each chunk shape. Chunks of one slice and of many short ones, of the
+    same tokens, separate the terms. ``(0, 0, 0)`` when no time is positive.
+
+    >>> a, b, p = fit_linear_layer([((0, 64),), ((0, 8),) * 8, ((0, 256),)], [1.0 + 64e-3, 8.0 + 64e-3, 1.0 + 256e-3], 0.0)
+    >>> round(a, 6), round(b, 6), p
+    (0.001, 1.0, 0.0)
+    >>> shapes = [((0, 64),), ((0, 16),) * 4, ((0, 8),) * 8, ((0, 100),), ((0, 128),)]
+    >>> secs = [1e-3 * sum(s for _, s in x) + 0.1 * len(x) + 1e-4 * sum(-s % 64 for _, s in x) for x in shapes]
+    >>> tuple(round(c, 6) for c in fit_linear_layer(shapes, secs, 0.0, 64))
+    (0.001, 0.1, 0.0001)
+    """
+    import numpy as np
+
+    rows = []
+    for shp, t in zip(chunks, seconds):
+        if t > 0:
+            pad = sum(-s % scan_chunk for _, s in shp) if scan_chunk else 0
+            rows.append((float(sum(s for _, s in shp)), float(len(shp)), float(pad), float(t)))
+    if not rows:
+        return 0.0, 0.0, 0.0
+    cols = 3 if scan_chunk else 2
+    a_mat = np.array([[tok / t, n / t, pad / t][:cols] for tok, n, pad, t in rows])
+    coef = nonneg_lstsq(a_mat, np.array([1.0 - beta / t for *_, t in rows]))
+    if coef is None:
+        return 0.0, 0.0, 0.0
+    return float(coef[0]), float(coef[1]), float(coef[2]) if cols == 3 else 0.0
+
+
+def fit_linear_bytes(chunks: Sequence[ChunkShape], nbytes: Sequence[float], scan_chunk: int) -> tuple[float, float, float]:
+    """``(per_token, per_pad_token, per_slice)`` >= 0 of a linear layer's saved bytes ``per_token *
+    tokens + per_pad_token * padding + per_slice * slices`` (``padding``: each slice's tokens up
+    to a multiple of ``scan_chunk``, the scan's padding; 0 drops that term), least squares on
+    relative errors over ``nbytes`` per layer of each chunk shape.
+
+    >>> fit_linear_bytes([((0, 64),), ((0, 8),) * 8, ((0, 100),), ((0, 30),) * 3], [6410.0, 7376.0, 10066.0, 9234.0], 64)
+    (100.0, 2.0, 10.0)
+    """
+    import numpy as np
+
+    rows = []
+    for shp, y in zip(chunks, nbytes):
+        if y > 0:
+            pad = sum(-s % scan_chunk for _, s in shp) if scan_chunk else 0
+            rows.append(([float(sum(s for _, s in shp)), float(pad), float(len(shp))], float(y)))
+    if not rows:
+        return 0.0, 0.0, 0.0
+    coef = nonneg_lstsq(np.array([[v / y for v in x] for x, y in rows]), np.ones(len(rows)))
+    if coef is None:
+        return 0.0, 0.0, 0.0
+    return tuple(round(float(c), 9) for c in coef)
 
 
 def through_origin(xs: Sequence[float], ys: Sequence[float]) -> float:

@@ -60,6 +60,7 @@ import torch
 from torch import nn
 
 from ..planning.coefficients import ChunkShape
+from ..planning.mixers import LINEAR_KIND
 from .attention import (
     ATTN_IMPLEMENTATION,
     ChunkAttentionContext,
@@ -122,6 +123,10 @@ class Probe:
     embed_params: int
     head_params: int
     amp: torch.dtype | None = None  # autocast dtype of the forwards (None: autocast off)
+    # the decoder-layer indices (of layer_ids) whose token mixer is linear (Gated DeltaNet, Mamba2,
+    # short convolution, ...: CostModel.layer_kinds); a slice with context finds their carried
+    # state in the store instead of K/V
+    linear_ids: frozenset[int] = frozenset()
 
     @property
     def num_layers(self) -> int:
@@ -179,16 +184,43 @@ class Probe:
         return LiveTensorMeter([*self.exclude, *exclude])
 
     def _store(self, specs: Sequence[SliceSpec]) -> KVStore:
-        """A store holding, for every slice with context, random K/V of its earlier tokens."""
+        """A store holding, for every slice with context, random K/V of its earlier tokens on
+        the attention layers, and on the linear layers (:attr:`linear_ids`) the state and
+        convolution tail an earlier slice of its sequence leaves (:meth:`_carried`)."""
         store = KVStore()
+        self._carried(specs, store)
         for s in specs:
             if s.start > 0:
                 for layer in self.layer_ids:
+                    if layer in self.linear_ids:
+                        continue
                     k = torch.randn(1, self.num_kv_heads, s.start, self.head_dim, dtype=self.kv_dtype,
                                     device=self.device)
                     v = torch.randn_like(k)
                     store.put_if_absent(s.seq, 0, layer, k, v, requires_grad=True)
         return store
+
+    def _carried(self, specs: Sequence[SliceSpec], store: KVStore) -> None:
+        """Put in ``store``, for every slice with context and linear layer, the entry (state,
+        convolution tail) a non-final first slice of its sequence leaves: the probe's layers run
+        without gradient on such slices of ``min(16, context)`` tokens, and the linear layers'
+        entries are kept (their sizes do not depend on the earlier tokens' count)."""
+        later = [s for s in specs if s.start > 0]
+        if not self.linear_ids or not later:
+            return
+        short = [min(16, s.start) for s in later]
+        pre, off, pre_specs = KVStore(), 0, []
+        for s, n in zip(later, short):
+            pre_specs.append(SliceSpec(seq=s.seq, start=0, length=n, offset=off, final=False))
+            off += n
+        x = torch.randn(1, off, self.hidden_size, dtype=self.dtype, device=self.device)
+        with torch.no_grad(), self._fwd():
+            self.stage.run_layers(x, ChunkAttentionContext(pre_specs, pre, self.device, requires_grad=False), 0)
+        for s in later:
+            for layer in self.linear_ids:
+                state, tail = pre.leaves(s.seq, 0, layer)
+                store.put_if_absent(s.seq, 0, layer, state, tail, requires_grad=True)
+        pre.clear()
 
     # ------------------------------------------------------------------ one chunk
     def time_chunk(self, shape: ChunkShape, split: bool, recompute: int, repeats: int,
@@ -296,7 +328,8 @@ class Probe:
                 p.grad = torch.zeros_like(p)
         specs = _specs(((context, tokens),), False)
         store = self._store(specs)
-        leaves = [t for layer in self.layer_ids for pair in store.prefix_parts(0, context, layer) for t in pair]
+        leaves = [t for layer in self.layer_ids if layer not in self.linear_ids
+                  for pair in store.prefix_parts(0, context, layer) for t in pair]
         for t in leaves:
             t.grad = torch.zeros_like(t)
         exclude = [*self.exclude, *(p.grad for p in params), *leaves, *(t.grad for t in leaves)]
@@ -400,19 +433,28 @@ class Probe:
 
 
 def build_probe(model_or_wrapper: Any, num_layers: int | None = None, device: Any = None,
-                autocast_dtype: torch.dtype | str | None = "caller") -> Probe:
+                autocast_dtype: torch.dtype | str | None = "caller", layers: Sequence[int] | None = None,
+                layer_kinds: Sequence[str] = ()) -> Probe:
     """A :class:`Probe` of an HF causal LM (copies of ``num_layers`` of its decoder layers,
     default 2, on ``device``, default the model's; head and embedding included) or of a
     :class:`PipelineWrapper` (its own first ``num_layers`` layers, default all, and its head or
-    embedding when it holds them). ``autocast_dtype``: the dtype the forwards run under
+    embedding when it holds them). ``layers``: the model's decoder-layer indices to probe instead
+    of a prefix (a wrapper's: within its stage), e.g. the layers of one kind; ``layer_kinds``: each
+    of the model's decoder layers' kind (:attr:`~concertina_hf.planning.cost.CostModel.layer_kinds`;
+    empty: all attention), whose ``"linear"`` layers are fed a carried state on slices with context.
+    ``autocast_dtype``: the dtype the forwards run under
     ``torch.autocast``; ``"caller"`` takes the caller's autocast state on the device, ``None``
     none. A :class:`Probe` is returned as is, with that autocast dtype.
     """
     if isinstance(model_or_wrapper, Probe):
         pr = model_or_wrapper
     else:
+        if layers is not None and num_layers is not None:
+            raise ValueError("pass num_layers (a prefix) or layers (chosen indices), not both")
         _refuse_per_layer_inputs(model_or_wrapper)
-        pr = _probe_modules(model_or_wrapper, num_layers, device)
+        pr = _probe_modules(model_or_wrapper, num_layers, device, layers)
+        linear = frozenset(i for i in pr.layer_ids if i < len(layer_kinds) and layer_kinds[i] == LINEAR_KIND)
+        pr = dataclasses.replace(pr, linear_ids=linear)
     if autocast_dtype == "caller":
         autocast_dtype = _caller_autocast(pr.device.type)
     return dataclasses.replace(pr, amp=autocast_dtype)
@@ -444,7 +486,46 @@ def _on(module: nn.Module, device: torch.device) -> tuple[nn.Module, bool]:
     return copy.deepcopy(module).to(device), False
 
 
-def _probe_modules(model_or_wrapper: Any, num_layers: int | None, device: Any) -> Probe:
+def _view_family(family: ModelFamily, ids: Sequence[int]) -> tuple[ModelFamily, int]:
+    """The family and ``layer_start`` of a :class:`_StageView` of the model's layers ``ids``: as
+    is for consecutive layers, else the per-layer rotary fields renumbered 0.. in that order."""
+    if list(ids) == list(range(ids[0], ids[0] + len(ids))):
+        return family, ids[0]
+    none = family.no_position_layers
+    types = family.rotary_layer_types
+    return dataclasses.replace(
+        family, no_position_layers=None if none is None else frozenset(k for k, i in enumerate(ids) if i in none),
+        rotary_layer_types=None if types is None else tuple(types[i] for i in ids)), 0
+
+
+def _chosen(ids: Sequence[int] | None, count: int, total: int, num_layers: int | None, default: int) -> list[int]:
+    """Positions ``0..total-1`` of the probed layers: the chosen ``ids`` (less ``count``'s offset),
+    or a prefix of ``num_layers`` (``default`` when None)."""
+    if ids is not None:
+        out = [int(i) - count for i in ids]
+        if not out or len(set(out)) != len(out) or not all(0 <= i < total for i in out):
+            raise ValueError(f"layers={list(ids)}: choose distinct decoder layers among {count}..{count + total - 1}")
+        return out
+    n = default if num_layers is None else int(num_layers)
+    if not 1 <= n <= total:
+        raise ValueError(f"num_layers={num_layers}: {total} decoder layers to choose from")
+    return list(range(n))
+
+
+def _install_mixers(model: Any, family: ModelFamily, modules: nn.Module) -> None:
+    """Route the token mixers of ``modules`` (copies of ``model``'s layers) through the chunk
+    context, as :class:`PipelineWrapper` routes its own."""
+    from . import kda, lightning_attention, linear_attention, short_conv, ssm
+
+    holder = SimpleNamespace(config=model.config, modules=modules.modules)
+    for flag, mod in (("linear_attention", linear_attention), ("ssm", ssm), ("short_conv", short_conv),
+                      ("lightning_attention", lightning_attention), ("kda", kda)):
+        if getattr(family, flag, False):
+            mod.install(holder)
+
+
+def _probe_modules(model_or_wrapper: Any, num_layers: int | None, device: Any,
+                   chosen: Sequence[int] | None = None) -> Probe:
     register_attention()
     if isinstance(model_or_wrapper, PipelineWrapper):
         w = model_or_wrapper
@@ -453,14 +534,13 @@ def _probe_modules(model_or_wrapper: Any, num_layers: int | None, device: Any) -
             raise ValueError(f"the PipelineWrapper lives on {dev}; move it to {device} before profiling "
                              "(or pass device=None)")
         all_layers = w.decoder_layers
-        n = len(all_layers) if num_layers is None else int(num_layers)
-        if not 1 <= n <= len(all_layers):
-            raise ValueError(f"num_layers={num_layers}: the stage has {len(all_layers)} decoder layers")
-        layers = all_layers[:n]
+        pos = _chosen(chosen, w.layer_start, len(all_layers), num_layers, len(all_layers))
+        layers = [all_layers[i] for i in pos]
+        family, start = _view_family(w.family, [w.layer_start + i for i in pos])
         stage: Any = _StageView(layers, w.rotary_emb,
                                 w.final_norm if w.is_last else None, w.model.lm_head if w.is_last else None,
-                                getattr(w.model.model, w.family.embedding) if w.is_first else None, w.family,
-                                w.layer_start)
+                                getattr(w.model.model, w.family.embedding) if w.is_first else None, family,
+                                start)
         has_head, has_embed = w.is_last, w.is_first
         config = w.config
         own = list(w.parameters())
@@ -474,17 +554,18 @@ def _probe_modules(model_or_wrapper: Any, num_layers: int | None, device: Any) -
                                  "pass such a model or a PipelineWrapper")
         inner = model.model
         family = inspect_model(model)
-        for path in (family.embedding, "layers", family.final_norm, family.rotary):
+        rotary = (family.rotary,) if family.no_position_layers is not None else ()  # none without one
+        for path in (family.embedding, "layers", family.final_norm, *rotary):
             if not hasattr(inner, path):
                 raise ValueError(f"{type(model).__name__}.model has no `{path}`; the profiler supports HF causal LMs "
                                  "with model.embed_tokens / .layers / .norm / .rotary_emb and lm_head")
         dev = torch.device(device) if device is not None else next(model.parameters()).device
         total = len(inner.layers)
-        n = min(2, total) if num_layers is None else int(num_layers)
-        if not 1 <= n <= total:
-            raise ValueError(f"num_layers={num_layers}: the model has {total} decoder layers")
+        pos = _chosen(chosen, 0, total, num_layers, min(2, total))
+        n = len(pos)
         # copies of the profiled layers, switched to the concertina backend: the model is untouched
-        copies = copy.deepcopy(nn.ModuleList([*inner.layers[:n], getattr(inner, family.rotary)])).to(dev)
+        copies = copy.deepcopy(nn.ModuleList([*(inner.layers[i] for i in pos),
+                                              getattr(inner, family.rotary, None)])).to(dev)
         for m in copies.modules():
             cfg = getattr(m, "config", None)
             if cfg is not None and hasattr(cfg, "_attn_implementation"):
@@ -492,10 +573,12 @@ def _probe_modules(model_or_wrapper: Any, num_layers: int | None, device: Any) -
             if getattr(m, "gradient_checkpointing", False) is True:  # the plan decides recompute
                 m.gradient_checkpointing = False
         layers = list(copies[:n])
+        _install_mixers(model, family, copies)
         norm, norm_own = _on(getattr(inner, family.final_norm), dev)
         lm_head, head_own = _on(model.lm_head, dev)
         embed_tokens, embed_own = _on(getattr(inner, family.embedding), dev)
-        stage = _StageView(layers, copies[n], norm, lm_head, embed_tokens, family)
+        view_family, start = _view_family(family, pos)
+        stage = _StageView(layers, copies[n], norm, lm_head, embed_tokens, view_family, start)
         has_head = has_embed = True
         config = model.config
         own = [p for m, o in ((norm, norm_own), (lm_head, head_own), (embed_tokens, embed_own)) if o
@@ -508,7 +591,8 @@ def _probe_modules(model_or_wrapper: Any, num_layers: int | None, device: Any) -
     head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
     mods = [*layers, *head, *embed]
     exclude = [t for m in mods for t in (*m.parameters(), *m.buffers())]
-    exclude += list(stage.rotary_emb.buffers())
+    if stage.rotary_emb is not None:  # (a model without rotary embeddings: OLMo Hybrid's, Granite-4.0's)
+        exclude += list(stage.rotary_emb.buffers())
     head_params = sum(p.numel() for m in head for p in m.parameters())
     if head and head[1].weight is (embed[0].weight if embed else None):  # tied: counted with the embedding
         head_params -= head[1].weight.numel()

@@ -87,10 +87,18 @@ import torch
 
 from ..planning.coefficients import ChunkShape, DeviceSpec, ProfileSample
 from ..planning.cost import CostModel
-from ..planning.fit import fit_activation_bytes, fit_profile, relative_line, through_origin
-from .probe import build_probe
+from ..planning.fit import (
+    fit_activation_bytes,
+    fit_linear_bytes,
+    fit_linear_layer,
+    fit_profile,
+    relative_line,
+    through_origin,
+)
+from ..planning.mixers import LINEAR_KIND, SCAN_CHUNK, layer_kinds as config_layer_kinds
+from .probe import Probe, build_probe
 
-__all__ = ["default_shapes", "measure_chunk", "profile_cost_model"]
+__all__ = ["default_shapes", "kind_layers", "linear_shapes", "measure_chunk", "profile_cost_model"]
 
 
 def default_shapes(max_tokens: int) -> list[ChunkShape]:
@@ -126,7 +134,8 @@ def _check_shape(shape: Sequence[Sequence[int]]) -> ChunkShape:
 
 def measure_chunk(model_or_wrapper: Any, shape: Sequence[Sequence[int]], *, split: bool = False,
                   recompute_layers: int = 0, repeats: int = 3, warmup: int = 1, num_layers: int | None = None,
-                  device: Any = None, autocast_dtype: torch.dtype | str | None = "caller") -> ProfileSample:
+                  device: Any = None, autocast_dtype: torch.dtype | str | None = "caller",
+                  layers: Sequence[int] | None = None) -> ProfileSample:
     """Profile one chunk shape on real decoder layers (see the module docstring).
 
     ``shape``: ``(context, length)`` per slice; every slice is the last of its sequence unless
@@ -139,10 +148,12 @@ def measure_chunk(model_or_wrapper: Any, shape: Sequence[Sequence[int]], *, spli
     ``repeats`` after ``warmup``, see the module docstring) and the activation bytes the chunk
     keeps until its backward **per layer** (the chunk's total over the profiled layers, divided
     by their number). ``repeats=0`` skips timing
-    (times are 0). ``autocast_dtype``: see :func:`profile_cost_model`.
+    (times are 0). ``autocast_dtype``: see :func:`profile_cost_model`. ``layers``: the decoder
+    layers measured instead of a prefix (model indices, e.g. one kind's: :func:`kind_layers`).
     """
     shp = _check_shape(shape)
-    pr = build_probe(model_or_wrapper, num_layers, device, autocast_dtype)
+    pr = build_probe(model_or_wrapper, num_layers, device, autocast_dtype, layers=layers,
+                     layer_kinds=_model_kinds(model_or_wrapper, None))
     if not 0 <= recompute_layers <= pr.num_layers:
         raise ValueError(f"recompute_layers={recompute_layers} outside 0..{pr.num_layers} (the profiled layers)")
     with pr.measuring():
@@ -184,7 +195,13 @@ def profile_cost_model(
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0 (got {repeats}, {warmup})")
-    pr = build_probe(model, num_layers, device, autocast_dtype)
+    kinds = _model_kinds(model, base)
+    attn_ids, lin_ids = kind_layers(model, kinds, num_layers)
+    if lin_ids and attn_ids:  # a hybrid model: each kind measured on its own layers
+        pr = build_probe(model, None, device, autocast_dtype, layers=attn_ids, layer_kinds=kinds)
+    else:
+        pr = build_probe(model, num_layers, device, autocast_dtype, layer_kinds=kinds)
+    lin_pr = build_probe(model, None, device, autocast_dtype, layers=lin_ids, layer_kinds=kinds) if lin_ids else None
     if max_tokens is None:
         max_tokens = 8192 if pr.device.type == "cuda" else 512
     shape_list = [_check_shape(s) for s in (shapes if shapes is not None else default_shapes(max_tokens))]
@@ -269,6 +286,13 @@ def profile_cost_model(
         if pr.has_embed:
             for tok in sorted({max(16, biggest >> k) for k in (0, 2, 4, 6)}):
                 embeds.append((tok, pr.time_embed(tok, repeats, warmup)))
+    lin_rows: list[tuple[ChunkShape, float, float]] = []
+    lin_split = 0.0
+    if lin_pr is not None:
+        with lin_pr.measuring():
+            lin_rows, lin_split = _measure_linear(lin_pr, max_tokens, repeats, warmup)
+            lin_shared = lin_pr.shared_bytes(max_tokens // 2)
+        say(f"linear layers {lin_pr.layer_ids}: {len(lin_rows)} chunks measured")
     say(f"measured in {time.perf_counter() - t_start:.1f} s")
 
     if samples_out is not None:
@@ -329,7 +353,95 @@ def profile_cost_model(
         # (what the executor holds besides on a stage without the head: CostModel.embed_bwd_memory)
         changes["embed_bwd_transient_bytes"] = const
         changes["embed_bwd_bytes_per_token"] = per_tok
+    if lin_pr is not None:
+        changes.update(_fit_linear(base, lin_pr, lin_rows, lin_split, lin_shared, cost.beta, cost.bwd_factor))
     return dataclasses.replace(cost, **changes)
+
+
+def _model_kinds(model: Any, base: CostModel | None) -> tuple[str, ...]:
+    """Each decoder layer's kind (:attr:`CostModel.layer_kinds`): ``base``'s, else the config's."""
+    if base is not None:
+        return tuple(base.layer_kinds)
+    if isinstance(model, Probe):
+        return ()
+    config = getattr(model, "config", None)
+    return config_layer_kinds(lambda k: getattr(config, k, None)) if config is not None else ()
+
+
+def kind_layers(model: Any, kinds: Sequence[str], num_layers: int | None = None) -> tuple[list[int], list[int]]:
+    """The decoder layers (model indices) a profile measures of each kind, ``(attention,
+    linear)``: up to ``num_layers`` of each (default 2 of a model, every one of a
+    :class:`PipelineWrapper`'s stage) among the model's (the stage's) layers; ``([], [])`` for
+    a model with no linear layer (its prefix is profiled) or a :class:`Probe`."""
+    if LINEAR_KIND not in kinds or isinstance(model, Probe):
+        return [], []
+    wrapper = hasattr(model, "decoder_layers") and hasattr(model, "layer_start")
+    ids = range(model.layer_start, model.layer_end) if wrapper else range(len(model.model.layers))
+    n = len(ids) if num_layers is None and wrapper else 2 if num_layers is None else int(num_layers)
+    attn = [i for i in ids if i >= len(kinds) or kinds[i] != LINEAR_KIND][:n]
+    lin = [i for i in ids if i < len(kinds) and kinds[i] == LINEAR_KIND][:n]
+    return attn, lin
+
+
+def linear_shapes(max_tokens: int) -> list[ChunkShape]:
+    """Chunk shapes timed and measured on the linear layers: whole sequences (``M/8 .. M`` and
+    ``3M/8``), packed chunks of several slices of the same token counts (``M/4`` as 4 and 16
+    slices, ``M/2`` as 4 and 8, ``M`` as 16: the per-slice term; the scan pads each slice), and
+    a slice with context."""
+    m = int(max_tokens)
+    e, q, h = m // 8, m // 4, m // 2
+    return [((0, e),), ((0, q),), ((0, 3 * e),), ((0, h),), ((0, m),),
+            ((0, q // 4),) * 4, ((0, q // 16),) * 16, ((0, e),) * 4, ((0, h // 8),) * 8,
+            ((0, m // 16),) * 16, ((h, q),)]
+
+
+def _measure_linear(pr: Any, max_tokens: int, repeats: int, warmup: int) -> tuple[list, float]:
+    """Per :func:`linear_shapes` shape ``(shape, seconds, bytes)`` per linear layer (forward plus
+    backward; the bytes a chunk keeps, shared tables included), and the extra bytes per layer of a
+    non-final slice of ``M/2`` tokens over a final one (its state and convolution tail)."""
+    n = pr.num_layers
+    rows = []
+    for shp in linear_shapes(max_tokens):
+        f, b = pr.time_chunk(shp, False, 0, repeats, warmup)
+        rows.append((shp, (f + b) / n, pr.chunk_bytes(shp, False, 0) / n))
+    size = max(16, max_tokens // 2)
+    split = (pr.chunk_bytes(((0, size),), True, 0) - pr.chunk_bytes(((0, size),), False, 0)) / n
+    return rows, split
+
+
+def _fit_linear(base: CostModel, pr: Any, rows: Sequence[tuple[ChunkShape, float, float]], split: float,
+                shared: float, beta: float, bwd_factor: float) -> dict[str, Any]:
+    """The linear kind's fields from :func:`_measure_linear`'s rows: ``lin_alpha_tok``,
+    ``lin_beta_segment`` and ``lin_pad_time_per_token`` (per token of each slice's padding to the
+    scan chunk: HF's torch scan computes it) from the forward-plus-backward times over ``1 + bwd_factor`` (the
+    planner prices a linear layer's backward as the attention's, ``bwd_factor`` times its
+    forward); ``lin_act_bytes_per_token``, ``lin_pad_bytes_per_token`` and ``lin_act_bytes_per_slice``
+    (:func:`~concertina_hf.planning.fit.fit_linear_bytes`, the scan chunk :func:`_scan_chunk`'s) from the
+    bytes less the shared tables
+    (counted once per stage); ``lin_state_bytes``: what a non-final slice keeps besides (its state
+    and convolution tail, the graph of its final state)."""
+    shapes = [shp for shp, _, _ in rows]
+    n = pr.num_layers
+    scan = _scan_chunk(base, pr.config)
+    alpha, seg, pad_t = fit_linear_layer(shapes, [t / (1.0 + bwd_factor) for _, t, _ in rows], beta, scan)
+    act, pad, per_slice = fit_linear_bytes(
+        shapes, [nbytes - shared * sum(s for _, s in shp) / n for shp, _, nbytes in rows], scan)
+    return dict(lin_alpha_tok=alpha, lin_beta_segment=seg, lin_pad_time_per_token=pad_t,
+                lin_act_bytes_per_token=act, lin_act_bytes_per_slice=per_slice, lin_pad_bytes_per_token=pad,
+                lin_scan_chunk=scan if pad or pad_t else 0, lin_state_bytes=max(0.0, split),
+                lin_layer_params=pr.layer_params)
+
+
+def _scan_chunk(base: CostModel, config: Any) -> int:
+    """The tokens of a linear layer's scan chunk, to which each slice is padded: ``base``'s, else a
+    Mamba2 config's (``mamba_chunk_size`` / ``chunk_size``, default 256, as
+    :func:`~concertina_hf.planning.mixers.ssm_layer_fields` reads it), else HF's Gated DeltaNet scan's
+    (:data:`~concertina_hf.planning.mixers.SCAN_CHUNK`)."""
+    if base.lin_scan_chunk:
+        return int(base.lin_scan_chunk)
+    if getattr(config, "mamba_d_state", None) or getattr(config, "ssm_state_size", None):
+        return int(getattr(config, "mamba_chunk_size", None) or getattr(config, "chunk_size", None) or 256)
+    return SCAN_CHUNK
 
 
 def _line(xs: Sequence[int], ys: Sequence[float]) -> tuple[float, float]:
