@@ -13,6 +13,7 @@
 - **The analytic activation memory** of the Mamba2 layers (``planning/mixers.py``, HF's torch
   scan) within 0.85x-1.05x of the measured peak of saved tensors (whole, split and short sequences);
   each type's sizes read under its own config names; Jamba's Mamba (1) layers likewise.
+- **The profiler** (``build_probe`` on the HF model) measures their chunks.
 - **Refusals**: the state space models not run (Mamba2's backbone layout, Zamba2's shared block,
   Mamba 1) are refused naming the feature; sequence
   parallelism and segment-level training are refused by the mixer, naming the feature, and sequence
@@ -231,3 +232,12 @@ def test_analytic_activation_memory_of_mamba1_within_bounds(split):
     ratio = res.peak_activation_bytes / predicted
     print(split, res.peak_activation_bytes, int(predicted), round(ratio, 3))
     assert 0.85 <= ratio <= 1.05, (res.peak_activation_bytes, predicted, ratio)
+
+
+def test_the_profiler_measures_a_packed_chunk(model):
+    """``build_probe`` on the HF model itself (Nemotron-H and Jamba have no rotary embedding): the
+    saved bytes of a packed chunk through the first two layers, the Mamba layers routed as the stage's."""
+    from concertina_hf.runtime.probe import build_probe
+
+    probe = build_probe(copy.deepcopy(model), num_layers=2)
+    assert probe.chunk_bytes(((0, 40), (0, 24)), False, 0) > probe.chunk_bytes(((0, 40),), False, 0) > 0
