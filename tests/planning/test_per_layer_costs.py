@@ -59,11 +59,31 @@ def test_a_stage_is_priced_by_its_own_layers():
 
 def test_the_partition_follows_the_per_layer_costs():
     cost = CostModel.from_hf_config(PER_LAYER, DeviceSpec.preset("h100"))
-    uniform = dataclasses.replace(cost, layer_scales=())
-    per_layer = partition_layers(cost, 2, tokens_hint=32768)
-    even = partition_layers(uniform, 2, tokens_hint=32768)
-    assert per_layer.layer_ranges == ((0, 16), (16, 30)) and even.layer_ranges == ((0, 15), (15, 30))
-    assert max(stage_times(cost, per_layer, 32768)) < max(stage_times(cost, even, 32768))
+    uniform = dataclasses.replace(cost, layer_scales=(), windowed_layers=())  # every layer layer 0's, unwindowed
+    for p, want, even_want in ((2, ((0, 16), (16, 30)), ((0, 15), (15, 30))),
+                               (4, ((0, 8), (8, 17), (17, 24), (24, 30)), ((0, 7), (7, 15), (15, 23), (23, 30)))):
+        per_layer = partition_layers(cost, p, tokens_hint=32768)
+        even = partition_layers(uniform, p, tokens_hint=32768)
+        assert per_layer.layer_ranges == want and even.layer_ranges == even_want
+        assert max(stage_times(cost, per_layer, 32768)) < max(stage_times(cost, even, 32768))
+
+
+def test_sliding_layers_count_their_window():
+    """A sliding layer's keys: its window of 1024 (twice-counted pairs: quadratic within the window,
+    2 x 1024 per query beyond); the full layers all earlier keys."""
+    from concertina_hf.planning.cost import attn_pairs, windowed_pairs
+
+    cost = CostModel.from_hf_config(PER_LAYER, DeviceSpec.preset("h100"))
+    assert cost.attention_window == 1024 and cost.windowed_layers == tuple(i for i in range(30) if i not in FULL)
+    assert windowed_pairs(0, 512, 1024) == attn_pairs([Slice(0, 0, 512)])
+    assert windowed_pairs(16384, 8192, 1024) == 2 * 1024 * 8192
+    chunk = Chunk(0, ChunkKind.SPLIT, (Slice(0, 16384, 8192),))
+    lay = StageLayout(30, ((0, 5), (5, 6), (6, 30)))  # stage 0: five sliding layers
+    plain = dataclasses.replace(cost, windowed_layers=())
+    saving = cost.alpha_attn * (attn_pairs(chunk.slices) - 2 * 1024 * 8192)
+    assert abs(plain.fwd_time(lay, 0, chunk) - cost.fwd_time(lay, 0, chunk) - 5 * saving) < 1e-9
+    assert cost.fwd_time(lay, 1, chunk) == plain.fwd_time(lay, 1, chunk)  # a full layer
+    assert "windowed_layers" not in CostModel.from_hf_config(MODEL_PRESETS["llama-7b"]).to_dict()
 
 
 def test_concertina_plan_takes_the_preset(tmp_path, capsys):

@@ -326,7 +326,19 @@ def analytic_coefficients(
         # per-layer configs: each attention layer's shape against layer 0's (CostModel.layer_scales)
         **_layer_scales(layers, dev, b, compute_dtype_bytes, attention_kernel),
         **_kv_share_spans(get),
+        **_window_fields(get),
     )
+
+
+def _window_fields(get: Callable[[str], Any]) -> dict[str, Any]:
+    """``windowed_layers`` and ``attention_window`` of a config whose ``layer_types`` name
+    ``sliding_attention`` layers (``sliding_window`` keys each); ``{}`` without any."""
+    types = get("layer_types")
+    window = get("sliding_window")
+    if not isinstance(types, (list, tuple)) or not window or "sliding_attention" not in types:
+        return {}
+    return dict(windowed_layers=tuple(i for i, t in enumerate(types) if str(t) == "sliding_attention"),
+                attention_window=int(window))
 
 
 def _kv_share_spans(get: Callable[[str], Any]) -> dict[str, Any]:

@@ -8,7 +8,8 @@ Per decoder layer, for a chunk whose slices have lengths ``s_i`` and contexts ``
 The attention term counts (query, key) pairs under the causal mask, so a late slice of a long
 sequence costs more than an early one of the same length; a chunked-attention layer (Llama 4's,
 :attr:`CostModel.chunked_layers`) counts those within its chunk of ``attention_chunk`` tokens
-only (:func:`attn_pairs`), linear in a long sequence's length. The first stage adds the embedding,
+only (:func:`attn_pairs`), linear in a long sequence's length; a sliding-window layer
+(:attr:`CostModel.windowed_layers`) those within its window (:func:`windowed_pairs`). The first stage adds the embedding,
 the last the head and loss: ``embed_time_per_token * T + embed_time_per_call`` forward (and
 ``head_...`` likewise), backward ``bwd_factor`` times it. Activation memory per layer is
 ``act_bytes_per_token * tokens`` when the layer saves its activations and
@@ -108,10 +109,22 @@ from .cost_parallel import ParallelCosts, whole_doc_carried_of
 from .segments import parse_heads
 from .types import Chunk, ChunkKind, Slice, StageLayout
 
-__all__ = ["CostModel", "attn_pairs"]
+__all__ = ["CostModel", "attn_pairs", "windowed_pairs"]
 
 #: fields of cost models saved before, no longer modelled (:meth:`CostModel.from_dict`)
 _RETIRED_FIELDS = ("alpha_mask", "mask_bytes_per_pair")
+
+
+def windowed_pairs(context: int, length: int, window: int) -> int:
+    """:func:`attn_pairs` of one slice under a sliding window of ``window`` keys (a query attends to
+    its ``window`` latest keys, itself included): quadratic while a query's keys fit in the window,
+    ``2 * window`` per query beyond.
+
+    >>> windowed_pairs(0, 4, 8), windowed_pairs(0, 12, 4), windowed_pairs(8, 4, 4)
+    (16, 80, 32)
+    """
+    a, b = min(context, window), min(context + length, window)
+    return b * b - a * a + 2 * window * max(0, context + length - max(context, window))
 
 
 def attn_pairs(slices: Iterable[Slice], kv_tail: int | None = None, chunk: int | None = None) -> int:
@@ -297,6 +310,11 @@ class CostModel(ParallelCosts):
     # KV sharing, num_kv_shared_layers; the runtime passes no K/V between stages), kept together by the
     # partition. to_dict leaves it out while empty
     kv_share_spans: tuple[tuple[int, int], ...] = ()
+    # sliding-window layers (config.layer_types' sliding_attention; config.sliding_window =
+    # attention_window): a query attends to its attention_window latest keys, itself included
+    # (:func:`windowed_pairs`). to_dict leaves them out while empty
+    windowed_layers: tuple[int, ...] = ()
+    attention_window: int = 0
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -392,6 +410,20 @@ class CostModel(ParallelCosts):
         tok = sum(s.length for s in slices)
         return (sums[0] - n_attn) * self.alpha_attn * pairs + (sums[1] - n_attn) * self.alpha_tok * tok
 
+    def window_saving(self, slices: Sequence[Slice]) -> float:
+        """Forward compute a sliding-window layer (of the model's attention shape) saves against a full one."""
+        if not self.windowed_layers:
+            return 0.0
+        full = attn_pairs(slices, self.segment_kv_tail)
+        windowed = sum(windowed_pairs(s.context, s.length, self.attention_window) for s in slices)
+        return self.alpha_attn * max(0, full - windowed)
+
+    def windowed_share(self, layout: StageLayout, stage: int) -> float:
+        """``stage``'s sliding-window layers, each at its attention shape's factor (:attr:`layer_scales`)."""
+        a, b = layout.layer_ranges[stage]
+        scales = self.layer_scales
+        return sum(scales[i][0] if i < len(scales) else 1.0 for i in self.windowed_layers if a <= i < b)
+
     def _mean_linear_share(self) -> float:
         kinds = self.layer_kinds
         return sum(k == "linear" for k in kinds) / len(kinds) if kinds else 0.0
@@ -422,6 +454,8 @@ class CostModel(ParallelCosts):
         t = n_attn * self.layer_fwd_time(chunk.slices)
         if self.layer_scales:  # per-layer attention shapes: the stage's own layers
             t += self._shape_extra_time(n_attn, self.shape_sums(layout, stage), chunk.slices)
+        if self.windowed_layers:  # sliding-window layers: the keys within their window only
+            t -= self.windowed_share(layout, stage) * self.window_saving(chunk.slices)
         if n_lin:
             t += n_lin * self.linear_layer_fwd_time(chunk.slices)
         if self.chunked_layers:  # attention within the chunk only
@@ -462,6 +496,8 @@ class CostModel(ParallelCosts):
             t -= self.bwd_factor * self.num_chunked(layout, stage) * self.chunked_saving(chunk.slices)
         if self.layer_scales:
             t += self.bwd_factor * self._shape_extra_time(n_attn, self.shape_sums(layout, stage), chunk.slices)
+        if self.windowed_layers:
+            t -= self.bwd_factor * self.windowed_share(layout, stage) * self.window_saving(chunk.slices)
         if layout.has_embedding(stage):
             t += self.bwd_factor * (self.embed_time_per_token * chunk.num_tokens + self.embed_time_per_call)
         if layout.has_head(stage):
@@ -482,6 +518,9 @@ class CostModel(ParallelCosts):
                 n = len(self.layer_scales)
                 layer += self._shape_extra_time(1.0, [sum(r[k] for r in self.layer_scales) / n for k in range(2)],
                                                 chunk.slices)
+            if self.windowed_layers:  # the model's mean layer
+                whole = StageLayout(self.num_layers, ((0, self.num_layers),))
+                layer -= self.windowed_share(whole, 0) / self.num_layers * self.window_saving(chunk.slices)
             share = self._mean_linear_share()
             if share:  # the model's mean layer (the stage is not known here: module docstring)
                 layer = (1.0 - share) * layer + share * self.linear_layer_time(chunk.slices)
@@ -675,6 +714,8 @@ class CostModel(ParallelCosts):
             del d["layer_scales"]
         if not d["kv_share_spans"]:
             del d["kv_share_spans"]
+        if not d["windowed_layers"]:
+            del d["windowed_layers"], d["attention_window"]
         if not d["chunked_layers"]:
             del d["chunked_layers"], d["attention_chunk"]
         if not d["layer_kinds"]:  # an attention model's file stays as it was
@@ -709,4 +750,6 @@ class CostModel(ParallelCosts):
             d["layer_scales"] = tuple(tuple(float(x) for x in row) for row in d["layer_scales"])
         if "kv_share_spans" in d:
             d["kv_share_spans"] = tuple((int(a), int(b)) for a, b in d["kv_share_spans"])
+        if "windowed_layers" in d:
+            d["windowed_layers"] = tuple(int(i) for i in d["windowed_layers"])
         return cls(**d)

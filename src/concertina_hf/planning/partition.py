@@ -7,8 +7,9 @@ tokens at context 0 (forward plus backward, no recompute)::
 
 With layers of several kinds (:attr:`~.cost.CostModel.layer_kinds`: attention and linear
 attention) or attention layers of several shapes (:attr:`~.cost.CostModel.layer_scales`: per-layer
-configs, Gemma 4's full layers of twice the head size) ``(b - a) * layer_time`` is the sum of the
-stage's own layers' times, each at its kind's and shape's. Layers that share K/V
+configs, Gemma 4's full layers of twice the head size) or sliding-window layers
+(:attr:`~.cost.CostModel.windowed_layers`) ``(b - a) * layer_time`` is the sum of the stage's own
+layers' times, each at its kind's, shape's and window's. Layers that share K/V
 (:attr:`~.cost.CostModel.kv_share_spans`, Gemma 4's ``num_kv_shared_layers``) stay on one stage: no
 boundary falls inside a span.
 
@@ -68,19 +69,22 @@ def partition_layers(cost: CostModel, num_stages: int, num_layers: int | None = 
         )
     if tokens_hint < 1:
         raise PlanError(f"tokens_hint must be positive, got {tokens_hint}")
-    if cost.layer_kinds or cost.layer_scales:  # each layer at its kind's and shape's time (the checks
-        # of _unit_times on each)
-        layer, embed, head = _unit_times(dataclasses.replace(cost, layer_kinds=(), layer_scales=()), tokens_hint)
+    if cost.layer_kinds or cost.layer_scales or cost.windowed_layers:  # each layer at its kind's, shape's
+        # and window's time (the checks of _unit_times on each)
+        layer, embed, head = _unit_times(dataclasses.replace(cost, layer_kinds=(), layer_scales=(),
+                                                             windowed_layers=()), tokens_hint)
         times: dict[tuple, float] = {}
         prefix = [0.0]
         for i in range(L):
             kind = cost.layer_kinds[i] if i < len(cost.layer_kinds) else "attention"
             shape = cost.layer_scales[i] if i < len(cost.layer_scales) else (1.0,) * 5
-            if (kind, shape) not in times:
+            windowed = i in cost.windowed_layers
+            if (kind, shape, windowed) not in times:
                 one = dataclasses.replace(cost, layer_kinds=(kind,) * 3 if cost.layer_kinds else (),
-                                          layer_scales=(shape,) * 3 if cost.layer_scales else ())
-                times[kind, shape] = _unit_times(one, tokens_hint)[0]
-            prefix.append(prefix[-1] + times[kind, shape])
+                                          layer_scales=(shape,) * 3 if cost.layer_scales else (),
+                                          windowed_layers=(0, 1, 2) if windowed else ())
+                times[kind, shape, windowed] = _unit_times(one, tokens_hint)[0]
+            prefix.append(prefix[-1] + times[kind, shape, windowed])
     else:
         layer, embed, head = _unit_times(cost, tokens_hint)
         prefix = None

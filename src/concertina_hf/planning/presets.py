@@ -6,9 +6,9 @@ using the bundled 8192-token tokenizer's vocabulary; ``hybrid-7b``: LLaMA-7B's s
 Gated DeltaNet (linear attention) layers to every attention layer, Qwen3-Next's mixer sizes (16 key
 heads, 32 value heads of 128, convolution width 4), for the per-layer-kind cost model
 (:mod:`.mixers`); ``per-layer-7b``: a per-layer config (``per_layer_config``) in Gemma 4's pattern, five
-sliding layers of head size 256 and 2 K/V heads to one full layer of head size 512 and one K/V head,
-at about LLaMA-7B's width, for the per-layer shapes of the cost model
-(:attr:`~.cost.CostModel.layer_scales`). ``concertina plan --model-config NAME`` accepts the names.
+sliding layers of head size 256, 2 K/V heads and a window of 1024 keys to one full layer of head size
+512 and one K/V head, at about LLaMA-7B's width, for the per-layer shapes and windows of the cost model
+(:attr:`~.cost.CostModel.layer_scales`, :attr:`~.cost.CostModel.windowed_layers`). ``concertina plan --model-config NAME`` accepts the names.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                       linear_conv_kernel_dim=4),
     "per-layer-7b": dict(model_type="gemma4_text", hidden_size=2560, num_attention_heads=8, num_key_value_heads=2,
                          head_dim=256, num_hidden_layers=30, intermediate_size=10240, vocab_size=32000,
-                         layer_types=_GEMMA4_TYPES,
+                         layer_types=_GEMMA4_TYPES, sliding_window=1024,
                          per_layer_config={i: dict(head_dim=512, num_key_value_heads=1)
                                            for i, t in enumerate(_GEMMA4_TYPES) if t == "full_attention"}),
     "tiny-llama": dict(model_type="llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
