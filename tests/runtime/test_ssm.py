@@ -12,7 +12,8 @@
 - **The self-check** at construction passes for it.
 - **The analytic activation memory** of the Mamba2 layers (``planning/mixers.py``, HF's torch
   scan) within 0.85x-1.05x of the measured peak of saved tensors (whole, split and short sequences);
-  each type's sizes read under its own config names; Jamba's Mamba (1) layers likewise.
+  each type's sizes read under its own config names; Jamba's Mamba (1) layers and Falcon-H1's hybrid
+  layers likewise.
 - **The profiler** (``build_probe`` on the HF model) measures their chunks.
 - **Refusals**: the state space models not run (Mamba2's backbone layout, Zamba2's shared block,
   Mamba 1) are refused naming the feature; sequence
@@ -241,3 +242,32 @@ def test_the_profiler_measures_a_packed_chunk(model):
 
     probe = build_probe(copy.deepcopy(model), num_layers=2)
     assert probe.chunk_bytes(((0, 40), (0, 24)), False, 0) > probe.chunk_bytes(((0, 40),), False, 0) > 0
+
+
+@pytest.mark.parametrize("tokens, split", [(512, False), (300, True)])
+def test_analytic_activation_memory_of_falcon_h1_within_bounds(tokens, split):
+    """Falcon-H1's layers (a Mamba2 beside the attention, ``planning/mixers.hybrid_mixer_terms``
+    priced into the attention layer with its per-slice, padding and split-state terms): 8 heads of
+    64, ``d_state`` 128, scan chunk 256, float32; two scan chunks whole, and a sequence split in two
+    slices each padded to its chunk: the measured peak within 0.85x-1.05x of the prediction."""
+    from transformers import AutoModelForCausalLM
+
+    from concertina_hf.planning import CostModel, DeviceSpec
+
+    cfg = cases.model_support.tiny_config(
+        "falcon_h1", hidden_size=256, intermediate_size=512, mamba_n_heads=8, mamba_d_head=64, mamba_d_ssm=512,
+        mamba_d_state=128, mamba_n_groups=1, mamba_expand=2, mamba_d_conv=4, mamba_chunk_size=256)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float()
+    layout = StageLayout.even(cfg.num_hidden_layers, 1)
+    half = tokens // 2
+    spec = (((0, 0, half),), ((0, half, tokens - half),)) if split else (((0, 0, tokens),),)
+    plan = cases.make_plan(layout, "none", spec, (tokens,))
+    ids = [torch.randint(0, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1))]
+    res = PipelineExecutor(PipelineWrapper(model, layout, 0)).run_step(plan, ids)
+    cost = CostModel.from_hf_config(model.config, DeviceSpec.cpu(), dtype_bytes=4, attention_kernel="sdpa-cpu-flash")
+    assert cost.layer_kinds == () and cost.hybrid_scan_chunk == 256
+    predicted = sum(cost.act_memory(layout, 0, c) for c in plan.chunks)
+    ratio = res.peak_activation_bytes / predicted
+    print(tokens, split, res.peak_activation_bytes, int(predicted), round(ratio, 3))
+    assert 0.85 <= ratio <= 1.05, (res.peak_activation_bytes, predicted, ratio)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from .activations import saved_bytes
-from .mixers import indexer_pair_flops, linear_layer_fields
+from .mixers import hybrid_mixer_terms, indexer_pair_flops, linear_layer_fields
 from .types import PlanError
 
 __all__ = ["DEVICE_PRESETS", "ChunkShape", "DeviceSpec", "ProfileSample", "analytic_coefficients",
@@ -270,6 +270,11 @@ def analytic_coefficients(
     # weight gradients before accumulation (CostModel.transient_memory): a layer's largest matrix,
     # the LM head's and the embedding's dense one (tied or not: each backward makes its own)
     layer_grad = b * h * max(inter, q_dim)
+    # Falcon-H1: a Mamba2 beside each layer's attention, priced into the attention layer (mixers.py)
+    hybrid = hybrid_mixer_terms(get, dev.flops, dev.mem_bandwidth, b, compute_dtype_bytes, attention_kernel)
+    alpha_tok += hybrid.pop("alpha_tok", 0.0)
+    layer_params += int(hybrid.pop("layer_params", 0))
+    hybrid_bytes = hybrid.pop("act_bytes_per_token", 0.0)
     return dict(
         num_layers=n_layers,
         alpha_attn=alpha_attn,
@@ -278,7 +283,7 @@ def analytic_coefficients(
         bwd_factor=2.0,
         embed_time_per_token=b * (h + ple) / dev.mem_bandwidth + 2.0 * h * ple / dev.flops,
         head_time_per_token=2.0 * h * vocab / dev.flops + 3 * 4 * vocab / dev.mem_bandwidth,
-        act_bytes_per_token=saved.layer,
+        act_bytes_per_token=saved.layer + hybrid_bytes,
         ckpt_bytes_per_token=saved.layer_input,
         kv_bytes_per_token=saved.kv,
         context_bytes_per_token=saved.context,
@@ -326,6 +331,7 @@ def analytic_coefficients(
         # per-layer configs: each attention layer's shape against layer 0's (CostModel.layer_scales)
         **_layer_scales(layers, dev, b, compute_dtype_bytes, attention_kernel),
         **_kv_share_spans(get),
+        **hybrid,  # its per-slice, padding and split-state terms (CostModel.hybrid_*)
         **_window_fields(get),
     )
 

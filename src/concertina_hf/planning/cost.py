@@ -296,6 +296,13 @@ class CostModel(ParallelCosts):
     lin_act_bytes_per_slice: float = 0.0
     lin_scan_chunk: int = 0
     lin_pad_bytes_per_token: float = 0.0
+    # Falcon-H1's layers, a Mamba2 beside the attention (mixers.hybrid_mixer_terms): per saved layer and
+    # slice its scan call's initial state, per token of each call's padding to hybrid_scan_chunk; per
+    # layer and split chunk the state and convolution tail kept. to_dict leaves them out while 0
+    hybrid_act_bytes_per_slice: float = 0.0
+    hybrid_scan_chunk: int = 0
+    hybrid_pad_bytes_per_token: float = 0.0
+    hybrid_state_bytes: float = 0.0
     lin_pad_time_per_token: float = 0.0  # forward seconds per token of that padding (profiled)
     lin_layer_params: int = 0  # parameters of a linear layer
     # a Gated DeltaNet layer's two all-to-alls under Ulysses, bytes per token (whole, sp = 1): the
@@ -554,6 +561,11 @@ class CostModel(ParallelCosts):
         kv_tok = tok if chunk.kind is ChunkKind.SPLIT else 0
         saved = n - recompute_layers
         mem = saved * self.act_bytes_per_token * tok
+        if self.hybrid_state_bytes:  # Falcon-H1's Mamba2 beside each layer's attention
+            c = self.hybrid_scan_chunk
+            pad = sum(-s.length % c for s in chunk.slices) if c else 0
+            mem += saved * (self.hybrid_act_bytes_per_slice * len(chunk.slices) + self.hybrid_pad_bytes_per_token * pad)
+            mem += n * self.hybrid_state_bytes * (chunk.kind is ChunkKind.SPLIT)
         mem += recompute_layers * (self.ckpt_bytes_per_token * tok + self.kv_bytes_per_token * kv_tok)
         if recompute_layers and self.ckpt_chunk_bytes_per_token:
             mem += self.ckpt_chunk_bytes_per_token * tok
@@ -722,6 +734,10 @@ class CostModel(ParallelCosts):
             for k in ("layer_kinds", "lin_alpha_tok", "lin_beta_segment", "lin_act_bytes_per_token",
                       "lin_state_bytes", "lin_layer_params", "lin_a2a_bytes_per_token"):
                 del d[k]
+        if not d["hybrid_state_bytes"]:  # only Falcon-H1's hybrid layers have them
+            for k in ("hybrid_act_bytes_per_slice", "hybrid_scan_chunk", "hybrid_pad_bytes_per_token",
+                      "hybrid_state_bytes"):
+                d.pop(k, None)
         if not d["lin_act_bytes_per_slice"] and not d["lin_scan_chunk"]:  # only a Mamba2 scan has them
             for k in ("lin_act_bytes_per_slice", "lin_scan_chunk", "lin_pad_bytes_per_token", "lin_pad_time_per_token"):
                 d.pop(k, None)

@@ -58,7 +58,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["LINEAR_KIND", "SCAN_CHUNK", "SCAN_KERNELS", "indexed_pair_bytes", "indexer_pair_flops",
+__all__ = ["LINEAR_KIND", "SCAN_CHUNK", "SCAN_KERNELS", "hybrid_mixer_terms", "indexed_pair_bytes", "indexer_pair_flops",
            "layer_kinds", "linear_layer_fields", "scan_kernel",
            "kda_layer_fields", "lightning_layer_fields", "short_conv_layer_fields", "ssm_layer_fields"]
 
@@ -232,6 +232,49 @@ def ssm_layer_fields(get: Callable[[str], Any], flops: float, mem_bandwidth: flo
     r = int(dtype_bytes)
     a = int(compute_dtype_bytes or dtype_bytes)
     h = int(get("hidden_size"))
+    m = _mamba2_mixer(get, a, attention_kernel)
+    params = m["params"] + 3 * h * mlp_width + 2 * h  # the MLP and two norms as an attention layer's
+    act = max(0.0, attention_layer_bytes - _attention_part(get, a, h)) + m["bytes"]
+    elementwise = r * (10 * h + 4 * mlp_width) + m["moved"]
+    per_token_scan = m["flops"] / flops + m["moved"] / mem_bandwidth
+    c = m["chunk"]
+    return dict(
+        layer_kinds=kinds,
+        lin_alpha_tok=2.0 * params / flops + m["flops"] / flops + elementwise / mem_bandwidth,
+        lin_beta_segment=SEGMENT_CALL_SHARE * kernel_overhead_s + (c / 2) * per_token_scan,
+        lin_act_bytes_per_token=float(act),
+        lin_state_bytes=float(m["state"] + m["tail"]),
+        lin_layer_params=int(params),
+        lin_act_bytes_per_slice=float(m["per_slice"]),
+        lin_scan_chunk=c if m["pad_bytes"] else 0,
+        lin_pad_bytes_per_token=float(m["pad_bytes"]),
+    )
+
+
+def hybrid_mixer_terms(get: Callable[[str], Any], flops: float, mem_bandwidth: float, dtype_bytes: int,
+                       compute_dtype_bytes: int | None, attention_kernel: str | None = None) -> dict[str, float]:
+    """What the Mamba2 beside each layer's attention (Falcon-H1's ``hybrid`` layers: ``layer_types``
+    ``hybrid`` and ``mamba_d_state``) adds to an attention layer's coefficients: ``alpha_tok`` (its
+    projections and scan per token), ``act_bytes_per_token`` (what it saves per token, as a Mamba2
+    layer's mixer: :func:`ssm_layer_fields`), ``layer_params``, and the :class:`~.cost.CostModel`
+    fields ``hybrid_*`` (per slice, per padded token, per split chunk); ``{}`` for other configs."""
+    types = get("layer_types")
+    if get("mamba_d_state") is None or not isinstance(types, (list, tuple)) or "hybrid" not in types:
+        return {}
+    a = int(compute_dtype_bytes or dtype_bytes)
+    m = _mamba2_mixer(get, a, attention_kernel)
+    return dict(alpha_tok=2.0 * m["params"] / flops + m["flops"] / flops + m["moved"] / mem_bandwidth,
+                act_bytes_per_token=float(m["bytes"]), layer_params=float(m["params"]),
+                hybrid_act_bytes_per_slice=float(m["per_slice"]),
+                hybrid_scan_chunk=m["chunk"] if m["pad_bytes"] else 0,
+                hybrid_pad_bytes_per_token=float(m["pad_bytes"]), hybrid_state_bytes=float(m["state"] + m["tail"]))
+
+
+def _mamba2_mixer(get: Callable[[str], Any], a: int, attention_kernel: str | None) -> dict[str, Any]:
+    """A Mamba2 mixer's own terms (:func:`ssm_layer_fields`): parameters, scan FLOPs and bytes moved
+    per token, bytes saved per token, per slice and per padded token, its scan chunk, the state and
+    the convolution tail a split slice keeps."""
+    h = int(get("hidden_size"))
     heads = int(get("mamba_n_heads") or get("mamba_num_heads") or 128)
     head_dim = get("mamba_d_head") or get("mamba_head_dim")
     if get("mamba_d_ssm"):  # Falcon-H1's own width
@@ -247,9 +290,8 @@ def ssm_layer_fields(get: Callable[[str], Any], flops: float, mem_bandwidth: flo
     c = int(get("mamba_chunk_size") or get("chunk_size") or 256)
     conv_dim = inter + 2 * g * n
     # parameters: the input projection (gate, x B C, dt), the depthwise convolution, A_log, dt_bias,
-    # D, the gated norm, the output projection; the MLP and two norms as an attention layer's
+    # D, the gated norm, the output projection
     mixer_params = h * (inter + conv_dim + heads) + conv_dim * (width + 1) + 3 * heads + inter + inter * h
-    params = mixer_params + 3 * h * mlp_width + 2 * h
     # the scan's FLOPs per token and head: the chunk's C B^T and its product with x (full chunk-wide
     # einsums), the chunk state's update and its read
     scan_flops = heads * 2 * (c * (n + p) + 2 * n * p)
@@ -268,22 +310,10 @@ def ssm_layer_fields(get: Callable[[str], Any], flops: float, mem_bandwidth: flo
     mixer_bytes = (a * h + a * (inter + conv_dim + heads)  # its input, the projection
                    + 3 * a * conv_dim  # the convolution's input, its output before and after the activation
                    + scan_bytes
-                   + 4 * (4 * inter + g)  # the gated norm's float32 tensors
+                   + (4 * (4 * inter + g) if get("mamba_rms_norm") is not False else 8 * inter)  # gated norm / gate
                    + a * inter)  # the output projection's input
-    act = max(0.0, attention_layer_bytes - _attention_part(get, a, h)) + mixer_bytes
-    elementwise = r * (10 * h + 4 * mlp_width) + moved
-    per_token_scan = scan_flops / flops + moved / mem_bandwidth
-    return dict(
-        layer_kinds=kinds,
-        lin_alpha_tok=2.0 * params / flops + scan_flops / flops + elementwise / mem_bandwidth,
-        lin_beta_segment=SEGMENT_CALL_SHARE * kernel_overhead_s + (c / 2) * per_token_scan,
-        lin_act_bytes_per_token=float(act),
-        lin_state_bytes=float(state + a * (width - 1) * conv_dim),
-        lin_layer_params=int(params),
-        lin_act_bytes_per_slice=float(per_slice),
-        lin_scan_chunk=c if pad_bytes else 0,
-        lin_pad_bytes_per_token=float(pad_bytes),
-    )
+    return dict(params=mixer_params, flops=scan_flops, moved=moved, bytes=mixer_bytes, state=state,
+                per_slice=per_slice, pad_bytes=pad_bytes, chunk=c, tail=a * (width - 1) * conv_dim)
 
 
 def short_conv_layer_fields(get: Callable[[str], Any], flops: float, mem_bandwidth: float, kernel_overhead_s: float,
