@@ -88,10 +88,6 @@ TINY_TYPE_SETTINGS = {"llama4_text": dict(attention_chunk_size=8, no_rope_layers
                       # MiniMax's lightning attention in blocks of 16 (the batch's slices cross block edges)
                       "kimi_linear": dict(linear_num_heads=2, linear_head_dim=16),
                       "minimax": dict(block_size=16),
-                      # Kimi Delta Attention: 2 heads of 16 (the defaults, 32 of 128, take minutes on the CPU);
-                      # MiniMax's lightning attention in blocks of 16 (the batch's slices cross block edges)
-                      "kimi_linear": dict(linear_num_heads=2, linear_head_dim=16),
-                      "minimax": dict(block_size=16),
                       # indexed attention: the top 8 keys of up to 30 (selection changes across slices), 8
                       # indexer heads (with 2, many scores are exact zeros: ties topk breaks by row length)
                       "deepseek_v32": dict(index_topk=8, index_head_dim=16, index_n_heads=8),
