@@ -29,15 +29,14 @@ many small ones); per non-final slice and layer an ``H x D x D`` state kept unti
 
 from __future__ import annotations
 
-import importlib
-import types
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention.context import ChunkAttentionContext, current_context, step_running
+from . import recurrent
+from .attention.context import ChunkAttentionContext
 
 __all__ = ["LIGHTNING", "LIGHTNING_TYPES", "install", "lightning_forward", "lightning_scan", "mixer_class"]
 
@@ -53,56 +52,21 @@ def mixer_class(model_type: str) -> type | None:
     """The HF class of ``model_type``'s lightning attention (``None``: not implemented here, or not in
     the installed transformers)."""
     entry = LIGHTNING.get(model_type)
-    if entry is None:
-        return None
-    try:
-        return getattr(importlib.import_module(entry[0]), entry[1], None)
-    except ImportError:
-        return None
+    return None if entry is None else recurrent.hf_class(*entry)
 
 
 def install(model: nn.Module) -> int:
     """Route every lightning-attention module of ``model`` through :func:`lightning_forward`; returns
     how many. Idempotent."""
-    cls = mixer_class(str(getattr(getattr(model, "config", None), "model_type", "")))
-    if cls is None:
-        return 0
-    n = 0
-    for mod in model.modules():
-        if type(mod) is cls:
-            if not isinstance(mod.__dict__.get("forward"), types.MethodType):
-                mod.forward = types.MethodType(_forward, mod)
-            n += 1
-    return n
+    return recurrent.install(model, mixer_class(str(getattr(getattr(model, "config", None), "model_type", ""))),
+                             _forward)
 
 
-def _forward(self: nn.Module, hidden_states: torch.Tensor, position_embeddings: Any = None,
-             attention_mask: torch.Tensor | None = None, cache: Any = None, **kwargs: Any) -> Any:
-    ctx = kwargs.pop("concertina_ctx", None)
-    ctx = ctx if ctx is not None else current_context()
-    if ctx is None:
-        if step_running():
-            raise RuntimeError(
-                f"{type(self).__name__} (layer {getattr(self, 'layer_idx', '?')}) ran without a chunk context while a "
-                "pipeline step runs: its state would cross packed sequences and miss earlier slices")
-        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
-    if cache is not None or attention_mask is not None:
-        raise ValueError(f"{type(self).__name__} got a cache or an attention_mask inside a concertina chunk, whose "
-                         "documents the chunk context defines")
-    return lightning_forward(self, hidden_states, ctx), None
+_forward = recurrent.routed(lambda mod, x, ctx: (lightning_forward(mod, x, ctx), None))
 
 
 def _refusal(ctx: Any) -> str | None:
-    if type(ctx) is not ChunkAttentionContext:
-        return ("lightning-attention (MiniMax linear attention) layers run with sequence parallel size 1 only (a "
-                "chunk sharded over a stage's ranks would need the recurrent state passed between them); set "
-                "concertina_sequence_parallel_size=1")
-    store = ctx.store
-    if store.gradient != "full" or store.kv_tail is not None or store.global_heads:
-        return ("segment-level training (concertina_segment_*) is not implemented for lightning-attention (MiniMax "
-                "linear attention) layers: their recurrent state carries every earlier token; train without the "
-                "segment options")
-    return None
+    return recurrent.chunk_refusal(ctx, "lightning-attention (MiniMax linear attention)")
 
 
 def lightning_scan(mod: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -61,7 +61,6 @@ adds two all-to-alls per layer forward and two backward: the convolution's input
 from __future__ import annotations
 
 import sys
-import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -69,7 +68,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention.context import ChunkAttentionContext, current_context, step_running
+from . import recurrent
+from .attention.context import ChunkAttentionContext
 from .causal_conv import per_document_conv
 from .ulysses import UlyssesContext
 
@@ -129,14 +129,7 @@ def mixer_class(model_type: str) -> type | None:
     """The HF class of ``model_type``'s Gated DeltaNet mixer (``None``: not implemented here, or not
     in the installed transformers)."""
     entry = GATED_DELTANET.get(model_type)
-    if entry is None:
-        return None
-    import importlib
-
-    try:
-        return getattr(importlib.import_module(entry.module), entry.cls, None)
-    except ImportError:
-        return None
+    return None if entry is None else recurrent.hf_class(entry.module, entry.cls)
 
 
 def _adapter(mod: nn.Module) -> Adapter:
@@ -150,32 +143,11 @@ def _adapter(mod: nn.Module) -> Adapter:
 def install(model: nn.Module) -> int:
     """Route every Gated DeltaNet module of ``model`` (of the class :func:`mixer_class` names for
     its model type) through :func:`gated_deltanet_forward`; returns how many. Idempotent."""
-    cls = mixer_class(str(getattr(getattr(model, "config", None), "model_type", "")))
-    if cls is None:
-        return 0
-    n = 0
-    for mod in model.modules():
-        if type(mod) is cls:
-            if not isinstance(mod.__dict__.get("forward"), types.MethodType):
-                mod.forward = types.MethodType(_forward, mod)
-            n += 1
-    return n
+    return recurrent.install(model, mixer_class(str(getattr(getattr(model, "config", None), "model_type", ""))),
+                             _forward)
 
 
-def _forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = None,
-             attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
-    ctx = kwargs.pop("concertina_ctx", None)
-    ctx = ctx if ctx is not None else current_context()
-    if ctx is None:
-        if step_running():
-            raise RuntimeError(
-                f"{type(self).__name__} (layer {getattr(self, 'layer_idx', '?')}) ran without a chunk context while a "
-                "pipeline step runs: its state would cross packed sequences and miss earlier slices")
-        return type(self).forward(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-    if cache is not None or attention_mask is not None:
-        raise ValueError(f"{type(self).__name__} got a cache or an attention_mask inside a concertina chunk, whose "
-                         "documents the chunk context defines")
-    return gated_deltanet_forward(self, hidden_states, ctx)
+_forward = recurrent.routed(lambda mod, x, ctx: gated_deltanet_forward(mod, x, ctx))
 
 
 def _refusal(ctx: Any) -> str | None:
@@ -184,12 +156,7 @@ def _refusal(ctx: Any) -> str | None:
         return ("linear-attention (Gated DeltaNet) layers run under Ulysses sequence parallelism or none: a "
                 "whole-doc / per-doc placed chunk would need the recurrent state passed between a stage's ranks; "
                 "set concertina_sequence_parallel_mode='ulysses' (or concertina_sequence_parallel_size=1)")
-    store = inner.store
-    if store.gradient != "full" or store.kv_tail is not None or store.global_heads:
-        return ("segment-level training (concertina_segment_*) is not implemented for linear-attention (Gated "
-                "DeltaNet) layers: their recurrent state carries every earlier token; train without the segment "
-                "options")
-    return None
+    return recurrent.chunk_refusal(inner, "linear-attention (Gated DeltaNet)")
 
 
 def sequence_parallel_refusal(config: Any, sp: int, mode: str = "ulysses") -> str | None:

@@ -30,15 +30,14 @@ and layer, ``(k - 1) * hidden`` values kept until the slice's backward.
 
 from __future__ import annotations
 
-import importlib
 import sys
-import types
 from typing import Any
 
 import torch
 from torch import nn
 
-from .attention.context import ChunkAttentionContext, current_context, step_running
+from . import recurrent
+from .attention.context import ChunkAttentionContext
 from .causal_conv import per_document_conv
 
 __all__ = ["MIXER_ATTRIBUTE", "SHORT_CONV", "SHORT_CONV_LAYER_TYPE", "SHORT_CONV_TYPES", "install", "mixer_class",
@@ -63,56 +62,22 @@ def mixer_class(model_type: str) -> type | None:
     """The HF class of ``model_type``'s short convolution (``None``: not implemented here, or not in
     the installed transformers)."""
     entry = SHORT_CONV.get(model_type)
-    if entry is None:
-        return None
-    try:
-        return getattr(importlib.import_module(entry[0]), entry[1], None)
-    except ImportError:
-        return None
+    return None if entry is None else recurrent.hf_class(*entry)
 
 
 def install(model: nn.Module) -> int:
     """Route every short-convolution module of ``model`` (of the class :func:`mixer_class` names for
     its model type) through :func:`short_conv_forward`; returns how many. Idempotent."""
-    cls = mixer_class(str(getattr(getattr(model, "config", None), "model_type", "")))
-    if cls is None:
-        return 0
-    n = 0
-    for mod in model.modules():
-        if type(mod) is cls:
-            if not isinstance(mod.__dict__.get("forward"), types.MethodType):
-                mod.forward = types.MethodType(_forward, mod)
-            n += 1
-    return n
+    return recurrent.install(model, mixer_class(str(getattr(getattr(model, "config", None), "model_type", ""))),
+                             _forward)
 
 
-def _forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = None,
-             attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
-    ctx = kwargs.pop("concertina_ctx", None)
-    ctx = ctx if ctx is not None else current_context()
-    if ctx is None:
-        if step_running():
-            raise RuntimeError(
-                f"{type(self).__name__} (layer {getattr(self, 'layer_idx', '?')}) ran without a chunk context while a "
-                "pipeline step runs: its convolution would cross packed sequences and miss earlier slices")
-        return type(self).forward(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-    if cache is not None or attention_mask is not None:
-        raise ValueError(f"{type(self).__name__} got a cache or an attention_mask inside a concertina chunk, whose "
-                         "documents the chunk context defines")
-    return short_conv_forward(self, hidden_states, ctx)
+_forward = recurrent.routed(lambda mod, x, ctx: short_conv_forward(mod, x, ctx), "its convolution")
 
 
 def _refusal(ctx: Any) -> str | None:
-    if type(ctx) is not ChunkAttentionContext:
-        return ("short-convolution (LFM2 conv) layers run with sequence parallel size 1 only (a chunk sharded over "
-                "a stage's ranks would need each rank's convolution tail passed to the next); set "
-                "concertina_sequence_parallel_size=1")
-    store = ctx.store
-    if store.gradient != "full" or store.kv_tail is not None or store.global_heads:
-        return ("segment-level training (concertina_segment_*) is not implemented for short-convolution (LFM2 conv) "
-                "layers: their convolution tail carries gradient to the previous slice; train without the segment "
-                "options")
-    return None
+    return recurrent.chunk_refusal(ctx, "short-convolution (LFM2 conv)", "each rank's convolution tail passed to the next",
+                                   "their convolution tail carries gradient to the previous slice")
 
 
 def short_conv_forward(mod: nn.Module, hidden_states: torch.Tensor, ctx: ChunkAttentionContext) -> torch.Tensor:

@@ -53,16 +53,15 @@ Cost: per slice one scan call (HF's torch scan pads each call to a multiple of i
 
 from __future__ import annotations
 
-import importlib
 import sys
-import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from .attention.context import ChunkAttentionContext, current_context, step_running
+from . import recurrent
+from .attention.context import ChunkAttentionContext
 from .causal_conv import per_document_conv
 
 __all__ = ["Adapter", "HYBRID_TYPES", "MAMBA1", "MAMBA2", "MIXERLESS_LAYER_TYPES", "MIXERS", "SSM_REFUSED", "SSM_TYPES",
@@ -144,12 +143,7 @@ def mixer_class(model_type: str) -> type | None:
     """The HF class of ``model_type``'s Mamba2 mixer (``None``: not implemented here, or not in the
     installed transformers)."""
     entry = MIXERS.get(model_type)
-    if entry is None:
-        return None
-    try:
-        return getattr(importlib.import_module(entry.module), entry.cls, None)
-    except ImportError:
-        return None
+    return None if entry is None else recurrent.hf_class(entry.module, entry.cls)
 
 
 def _adapter(mod: nn.Module) -> Adapter:
@@ -163,45 +157,17 @@ def _adapter(mod: nn.Module) -> Adapter:
 def install(model: nn.Module) -> int:
     """Route every Mamba2 module of ``model`` (of the class :func:`mixer_class` names for its model
     type) through :func:`mamba2_forward`; returns how many. Idempotent."""
-    cls = mixer_class(str(getattr(getattr(model, "config", None), "model_type", "")))
-    if cls is None:
-        return 0
-    n = 0
-    for mod in model.modules():
-        if type(mod) is cls:
-            if not isinstance(mod.__dict__.get("forward"), types.MethodType):
-                mod.forward = types.MethodType(_forward, mod)
-            n += 1
-    return n
+    return recurrent.install(model, mixer_class(str(getattr(getattr(model, "config", None), "model_type", ""))),
+                             _forward)
 
 
-def _forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = None,
-             attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
-    ctx = kwargs.pop("concertina_ctx", None)
-    ctx = ctx if ctx is not None else current_context()
-    if ctx is None:
-        if step_running():
-            raise RuntimeError(
-                f"{type(self).__name__} (layer {getattr(self, 'layer_idx', '?')}) ran without a chunk context while a "
-                "pipeline step runs: its state would cross packed sequences and miss earlier slices")
-        return type(self).forward(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-    if cache is not None or attention_mask is not None:
-        raise ValueError(f"{type(self).__name__} got a cache or an attention_mask inside a concertina chunk, whose "
-                         "documents the chunk context defines")
-    if _adapter(self).version == 1:
-        return mamba1_forward(self, hidden_states, ctx)
-    return mamba2_forward(self, hidden_states, ctx)
+_forward = recurrent.routed(lambda mod, x, ctx: (mamba1_forward if _adapter(mod).version == 1 else mamba2_forward)(
+    mod, x, ctx))
 
 
 def _refusal(ctx: Any) -> str | None:
-    if type(ctx) is not ChunkAttentionContext:
-        return ("Mamba2 (SSD) layers run with sequence parallel size 1 only (a chunk sharded over a stage's ranks "
-                "would need the SSM state passed between them); set concertina_sequence_parallel_size=1")
-    store = ctx.store
-    if store.gradient != "full" or store.kv_tail is not None or store.global_heads:
-        return ("segment-level training (concertina_segment_*) is not implemented for Mamba2 (SSD) layers: their "
-                "SSM state carries every earlier token; train without the segment options")
-    return None
+    return recurrent.chunk_refusal(ctx, "Mamba2 (SSD)", "the SSM state passed between them",
+                                   "their SSM state carries every earlier token")
 
 
 def mamba2_forward(mod: nn.Module, hidden_states: torch.Tensor, ctx: ChunkAttentionContext) -> torch.Tensor:
