@@ -185,3 +185,13 @@ def padded(rows):
         t = torch.tensor(r["input_ids"])
         ids[i, :len(t)], mask[i, :len(t)], labels[i, :len(t)] = t, 1, t
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def lora_model():
+    """:func:`build_model` with LoRA (r 4) on the Gated DeltaNet's and the attention's projections."""
+    import peft
+
+    model = build_model()
+    torch.manual_seed(2)  # LoRA A is drawn at random
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=[
+        "in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj", "v_proj"]))

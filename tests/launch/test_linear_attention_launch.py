@@ -13,7 +13,9 @@ itself: ``tests/launch/test_ulysses_launch.py``). Then the Mamba2 (SSD) models o
 Then the short-convolution (LFM2, LFM2-MoE, LFM3), lightning-attention (MiniMax) and KDA (Kimi
 Linear) models of :data:`_recurrent_cases.MODELS` likewise. The one-process tests (pp=1, the leak
 test, the self-check): ``tests/runtime/test_linear_attention.py``, ``tests/runtime/test_ssm.py``,
-``tests/runtime/test_short_conv.py``, ``tests/runtime/test_lightning_kda.py``.
+``tests/runtime/test_short_conv.py``, ``tests/runtime/test_lightning_kda.py``. Also: the saved
+Qwen3-Next checkpoint loaded by stage (``model=<directory>``) gives Trainer's next loss, and LoRA on
+its Gated DeltaNet and attention projections gives Trainer's losses and adapter update.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def _worker(outdir: str) -> None:
         report["trainer"] = {"losses": [h["loss"] for h in logs],
                              "split": [h.get("concertina/chunks_split", 0.0) for h in logs],
                              "pp": trainer.topology.pipeline_size}
+        _loaded_and_lora(outdir, report)
         _run(report)
         _run_ssm(report)
         _run_recurrent(report)
@@ -54,6 +57,32 @@ def _worker(outdir: str) -> None:
         json.dump(report, fh)
     if trainer is not None:
         trainer.end()
+
+
+def _loaded_and_lora(outdir: str, report: dict) -> None:
+    """The saved checkpoint loaded by stage (``model=<directory>``: each rank reads its stage's
+    tensors) and trained one step; then LoRA on the Gated DeltaNet and attention projections
+    (``in_proj_qkvz``, ``in_proj_ba``, ``out_proj``, ``q_proj``, ``v_proj``), 3 steps, its adapter saved."""
+    import torch
+    from safetensors.torch import load_file
+
+    import _linear_attention_cases as cases
+    from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
+
+    final = os.path.join(outdir, "trainer", "final")
+    saved = {k: v for f in os.listdir(final) if f.endswith(".safetensors") for k, v in load_file(os.path.join(final, f)).items()}
+    loaded = ConcertinaTrainer(model=final, train_dataset=cases.dataset(seed=1), args=ConcertinaTrainingArguments(
+        output_dir=os.path.join(outdir, "loaded"), concertina_max_tokens_per_chunk=32, **dict(cases.COMMON, max_steps=1)))
+    params = dict(loaded.model.named_parameters())
+    report["loaded_params"] = sorted(params)
+    report["loaded_equal"] = all(torch.equal(p.detach(), saved[k]) for k, p in params.items())
+    loaded.train()
+    report["loaded_losses"] = [h["loss"] for h in loaded.state.log_history if "loss" in h]
+    lora = ConcertinaTrainer(model=cases.lora_model(), train_dataset=cases.dataset(), args=ConcertinaTrainingArguments(
+        output_dir=os.path.join(outdir, "lora"), concertina_max_tokens_per_chunk=32, **cases.COMMON))
+    lora.train()
+    report["lora_losses"] = [h["loss"] for h in lora.state.log_history if "loss" in h]
+    lora.save_model(os.path.join(outdir, "lora", "final"))
 
 
 def _run(report: dict) -> None:
@@ -212,3 +241,34 @@ def test_pp2_split_hybrid_and_packed_chunks_equal_hf(tmp_path):
     print("worst parameter, relative to its update", worst)
     assert worst[0] < 1e-3, worst
     assert any("linear_attn.A_log" in k for k in saved) and torch.is_tensor(saved["model.layers.0.linear_attn.A_log"])
+    # loaded by stage: each rank holds its stage's tensors only, equal to the saved ones, and one more
+    # step gives Trainer's loss from the saved model
+    a, b = (r["loaded_params"] for r in reports)
+    assert a and b and not set(a) & set(b) and all(r["loaded_equal"] for r in reports), (a, b)
+    assert any(".linear_attn." in k for k in a) and any(".linear_attn." in k for k in b)
+    ref = Trainer(model=AutoModelForCausalLM.from_pretrained(str(tmp_path / "trainer" / "final")),
+                  args=TrainingArguments(output_dir=str(tmp_path / "ref-loaded"), **dict(cases.COMMON, max_steps=1)),
+                  train_dataset=cases.dataset(seed=1), data_collator=cases.padded)
+    ref.train()
+    want = [h["loss"] for h in ref.state.log_history if "loss" in h]
+    got = reports[0]["loaded_losses"]
+    assert len(got) == len(want) == 1 and abs(got[0] - want[0]) / want[0] < cases.LOSS_TOL, (got, want)
+    # LoRA on the Gated DeltaNet and attention projections: Trainer's losses, the adapter's update
+    # within 1e-3 of Trainer's (all its tensors together; the bound of tests/_peft_cases.py)
+    import peft
+
+    ref = Trainer(model=cases.lora_model(), args=TrainingArguments(output_dir=str(tmp_path / "ref-lora"), **cases.COMMON),
+                  train_dataset=cases.dataset(), data_collator=cases.padded)
+    init = {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
+    ref.train()
+    want = [h["loss"] for h in ref.state.log_history if "loss" in h]
+    got = reports[0]["lora_losses"]
+    assert len(got) == len(want) == 3 and max(abs(x - y) / y for x, y in zip(got, want)) < cases.LOSS_TOL, (got, want)
+    have = peft.PeftModel.from_pretrained(cases.build_model(), str(tmp_path / "lora" / "final")).state_dict()
+    want_sd = ref.model.state_dict()
+    trained = [k for k in want_sd if "lora_" in k and not torch.equal(want_sd[k], init[k])]
+    assert any("in_proj_qkvz" in k for k in trained) and any("out_proj" in k for k in trained), trained
+    update = torch.cat([(want_sd[k] - init[k]).flatten() for k in trained])
+    error = torch.cat([(have[k] - want_sd[k]).flatten() for k in trained])
+    print("LoRA adapter update error", (error.norm() / update.norm()).item())
+    assert (error.norm() / update.norm()).item() < 1e-3
