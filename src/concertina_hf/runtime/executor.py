@@ -102,11 +102,8 @@ from .distributed import group_timeout, p2p_channels
 from .p2p import TIED_GRAD_TAG, StageComm, activation_tag, gradient_tag
 from .rng import StageRNG
 from .stage import PipelineWrapper
-from .attention.chunked import sequence_parallel_refusal as chunked_sp_refusal
-from .attention.indexed import sequence_parallel_refusal as indexed_sp_refusal
 from .context_parallel import EMPTY_RANK_TOKENS, ContextParallelContext
-from .linear_attention import sequence_parallel_refusal as linear_sp_refusal
-from .families import recurrent_sp_refusal
+from .families import sequence_parallel_refusal as sp_refusal
 from .ulysses import SequenceParallel
 
 __all__ = ["PipelineExecutor", "StepResult"]
@@ -212,17 +209,7 @@ class PipelineExecutor:
                     "chunk's router statistics); set concertina_sequence_parallel_size=1 (with "
                     "concertina_layout='auto': concertina_pipeline_size x concertina_data_parallel_size = the "
                     "number of processes), or concertina_router_aux_loss=None")
-            chunked_why = chunked_sp_refusal(wrapper.config, dist.get_world_size(sp_group))
-            if chunked_why is not None:  # Llama 4: attention/chunked.py
-                raise ValueError(chunked_why)
-            indexed_why = indexed_sp_refusal(wrapper.config, dist.get_world_size(sp_group))
-            if indexed_why is not None:  # top-k indexed attention: attention/indexed.py
-                raise ValueError(indexed_why)
-            recurrent_why = recurrent_sp_refusal(wrapper.config, dist.get_world_size(sp_group))
-            if recurrent_why is not None:  # short convolutions, lightning attention, KDA (families.py)
-                raise ValueError(recurrent_why)
-            why = linear_sp_refusal(wrapper.config, dist.get_world_size(sp_group)) if (
-                wrapper.family.linear_attention) else None  # Ulysses splits their heads too
+            why = sp_refusal(wrapper.config, dist.get_world_size(sp_group))  # the mixers' and masks' (families.py)
             if why is not None:
                 raise ValueError(why)
             self.sp = SequenceParallel(sp_group)

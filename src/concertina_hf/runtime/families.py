@@ -362,6 +362,25 @@ def recurrent_sp_refusal(config: Any, sp: int) -> str | None:
             "(concertina_layout='auto' leaves sp > 1 out for this model)")
 
 
+def sequence_parallel_refusal(config: Any, sp: int, mode: str = "ulysses") -> str | None:
+    """Why a stage of ``sp`` ranks cannot run ``config``'s layers under
+    ``concertina_sequence_parallel_mode`` ``mode`` (``None``: it can): chunked attention and Llama 4's
+    query temperature (:mod:`.attention.chunked`), top-k indexed attention (:mod:`.attention.indexed`),
+    the recurrent mixers but Gated DeltaNet (:func:`recurrent_sp_refusal`), Gated DeltaNet outside
+    Ulysses or with key heads ``sp`` does not divide (:mod:`.linear_attention`). The executor, the
+    run's set-up and ``concertina_layout='auto'`` ask this one function."""
+    from .attention.chunked import sequence_parallel_refusal as chunked
+    from .attention.indexed import sequence_parallel_refusal as indexed
+    from .linear_attention import sequence_parallel_refusal as linear
+
+    if sp <= 1:
+        return None
+    for why in (chunked(config, sp), indexed(config, sp), recurrent_sp_refusal(config, sp), linear(config, sp, mode)):
+        if why is not None:
+            return why
+    return None
+
+
 def _module_name(model: nn.Module, name: str) -> str:
     kind = str(getattr(getattr(model, "config", None), "model_type", "") or "")
     return MODULE_NAMES.get(kind, {}).get(name, name)

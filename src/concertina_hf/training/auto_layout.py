@@ -193,37 +193,16 @@ def _runtime_refusals(args: ConcertinaTrainingArguments, model: torch.nn.Module,
     """Layouts the runtime refuses for reasons the planner cannot see (the model's modules):
     ``concertina_shard_parameters=True`` with tied embeddings on one stage (``pp=1``, ``sp > 1``:
     :func:`~concertina_hf.runtime.param_sharding.shard_stage`). ``pp > 1`` under parameter
-    sharding is the planner's refusal (``rank_layouts(shard_parameters=True)``). Linear-attention
-    (Gated DeltaNet) layers: an ``sp > 1`` their heads do not divide by, or any ``sp > 1`` outside
-    Ulysses (:func:`~concertina_hf.runtime.linear_attention.sequence_parallel_refusal`). Chunked
-    attention and Llama 4's query temperature: any ``sp > 1``
-    (:func:`~concertina_hf.runtime.attention.chunked.sequence_parallel_refusal`). Short convolutions,
-    lightning attention, KDA: any ``sp > 1`` (:func:`~concertina_hf.runtime.families.recurrent_sp_refusal`)."""
+    sharding is the planner's refusal (``rank_layouts(shard_parameters=True)``). The model's mixers
+    and attention masks: every ``sp > 1`` :func:`~concertina_hf.runtime.families.sequence_parallel_refusal`
+    refuses (chunked and indexed attention, the recurrent mixers; Gated DeltaNet outside Ulysses or
+    with key heads ``sp`` does not divide)."""
     from ..integrations.peft import base_model_of
-    from ..runtime.linear_attention import sequence_parallel_refusal
+    from ..runtime.families import sequence_parallel_refusal
 
     out, config = {}, base_model_of(model).config
     for sp in range(2, world + 1):
         why = sequence_parallel_refusal(config, sp, args.sequence_parallel_mode)
-        out.update({Layout(pp, sp, world // (pp * sp)): f"refused: {why}" for pp in range(1, world + 1)
-                    if why is not None and world % (pp * sp) == 0})
-    from ..integrations.peft import base_model_of
-    from ..runtime.attention.indexed import sequence_parallel_refusal as indexed_sp_refusal
-
-    for sp in range(2, world + 1):  # top-k indexed attention: sp = 1 only (runtime/attention/indexed.py)
-        why = indexed_sp_refusal(base_model_of(model).config, sp)
-        out.update({Layout(pp, sp, world // (pp * sp)): f"refused: {why}" for pp in range(1, world + 1)
-                    if why is not None and world % (pp * sp) == 0})
-    from ..runtime.attention.chunked import sequence_parallel_refusal as chunked_sp_refusal
-
-    from ..runtime.families import recurrent_sp_refusal
-
-    for sp in range(2, world + 1):  # short convolutions, lightning attention, KDA: sp = 1 only
-        why = recurrent_sp_refusal(base_model_of(model).config, sp)
-        out.update({Layout(pp, sp, world // (pp * sp)): f"refused: {why}" for pp in range(1, world + 1)
-                    if why is not None and world % (pp * sp) == 0})
-    for sp in range(2, world + 1):  # chunked attention, query temperature (Llama 4): sp = 1 only
-        why = chunked_sp_refusal(base_model_of(model).config, sp)
         out.update({Layout(pp, sp, world // (pp * sp)): f"refused: {why}" for pp in range(1, world + 1)
                     if why is not None and world % (pp * sp) == 0})
     if not args.concertina_shard_parameters or not ties_embeddings(model):

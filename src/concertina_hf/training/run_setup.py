@@ -35,7 +35,7 @@ from .checkpoint import layout_cost_model
 from ..integrations.peft import base_model_of, check_peft_model, is_peft_model
 from ..runtime.attention.kernels import choose_kernel
 from ..runtime.distributed import Topology, launched_world_size
-from ..runtime.linear_attention import sequence_parallel_refusal as linear_sp_refusal
+from ..runtime.families import sequence_parallel_refusal as sp_refusal
 from ..runtime.stage import PipelineWrapper
 from ..planning import CostModel, DeviceSpec, PlanError, StageLayout, partition_layers, stage_budgets
 from ..planning.activations import SINKS, SOFTCAPPED_ATTENTION
@@ -104,8 +104,8 @@ def resolve_run(args: ConcertinaTrainingArguments, model: nn.Module, topology: T
     """The run's :class:`RunSetup` (collective when rank 0 profiles: call it on every rank)."""
     # before the cost model reads a config it may not understand
     check_model_family(model, args.concertina_router_aux_loss)
-    why = linear_sp_refusal(base_model_of(model).config, topology.sequence_parallel_size, args.sequence_parallel_mode)
-    if why is not None:  # Gated DeltaNet layers: Ulysses splits their heads
+    why = sp_refusal(base_model_of(model).config, topology.sequence_parallel_size, args.sequence_parallel_mode)
+    if why is not None:  # the mixers and attention masks that run at sp = 1 only, or under Ulysses only
         raise ValueError(why)
     device_memory = device_memory_bytes(args.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     cost = layout_cost_model(args.resume_from_checkpoint)
