@@ -168,3 +168,16 @@ def test_layout_auto_leaves_sequence_parallelism_out(model, tmp_path):
     assert set(refused) == {Layout(1, 2, 2), Layout(2, 2, 1), Layout(1, 4, 1)}
     name = "lightning-attention" if model.case_name == "minimax" else "Kimi Delta Attention"
     assert all(f"{name} (" in why and "sequence parallel size 1 only" in why for why in refused.values())
+
+
+def test_a_profile_the_probe_cannot_run_is_refused_naming_the_analytic_model(tmp_path):
+    """``concertina_cost_model='profiled'`` on Kimi Linear: the profiler's probe cannot run its
+    attention (different query / key and value head sizes), so construction stops naming the setting
+    that plans without it."""
+    from concertina_hf import ConcertinaTrainer, ConcertinaTrainingArguments
+
+    args = ConcertinaTrainingArguments(output_dir=str(tmp_path), concertina_cost_model="profiled", report_to=[],
+                                       use_cpu=True, max_steps=1)
+    with pytest.raises(ValueError, match="concertina_cost_model='profiled': profiling model type 'kimi_linear' failed "
+                                         r"\(.*\); set concertina_cost_model='analytic'"):
+        ConcertinaTrainer(model=recurrent.build_model("kimi_linear"), args=args, train_dataset=cases.dataset())

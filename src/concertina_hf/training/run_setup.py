@@ -301,10 +301,15 @@ def _profile_on_rank0(model: nn.Module, args: ConcertinaTrainingArguments, base:
         # a model loaded by stage (parameters on the meta device): its first layers, read for the profile
         source = getattr(model, "_concertina_source", None)
         probe = source.prefix_model(layers) if source is not None else model
-        with without_router_logits(probe, args.concertina_router_aux_loss is not None):  # times the layers only
-            cost = profile_cost_model(probe, base=base, device=args.device, num_layers=layers,
-                                      max_tokens=None if cap is None else max(32, cap),
-                                      autocast_dtype=torch.bfloat16 if args.bf16 else None)
+        try:
+            with without_router_logits(probe, args.concertina_router_aux_loss is not None):  # times the layers only
+                cost = profile_cost_model(probe, base=base, device=args.device, num_layers=layers,
+                                          max_tokens=None if cap is None else max(32, cap),
+                                          autocast_dtype=torch.bfloat16 if args.bf16 else None)
+        except Exception as exc:  # a layer the profiler's probe cannot run: the analytic model still plans
+            raise ValueError(f"concertina_cost_model='profiled': profiling model type "
+                             f"{getattr(model.config, 'model_type', '?')!r} failed ({type(exc).__name__}: {exc}); "
+                             "set concertina_cost_model='analytic'") from exc
         logger.info("profiled the cost model in %.1fs", time.perf_counter() - t0)
         payload = json.dumps(cost.to_dict())
         os.makedirs(args.output_dir, exist_ok=True)
