@@ -6,7 +6,7 @@ Random plans, derandomized: every pipeline strategy, 2 to 8 stages, long-tailed 
 sequences of up to 128K tokens (split chains), budgets that make recompute and several pipeline
 groups bind, token caps, the extra warm-up forwards and the taper fixed or searched, stages of
 several GPUs (sp), and each plan's training and evaluation programs. The default suite plans
-1,000 of them (the suite's time on two cores); ``CONCERTINA_NCCL_PLANS=20000`` runs more. Planning takes nearly all of the time: the
+2,000 of them; ``CONCERTINA_NCCL_PLANS=20000`` runs more. Planning takes nearly all of the time: the
 cases are drawn in this process in order and planned on two processes (the suite's machine has two
 cores), the results taken in the order drawn, so the plans counted are those of one process.
 """
@@ -21,7 +21,7 @@ import pytest
 from concertina_hf.planning import PIPELINE_STRATEGIES, CostModel, DeviceSpec, PlanError, dry_run, lower, partition_layers, plan_step
 from concertina_hf.planning.presets import MODEL_PRESETS
 
-NUM_PLANS = int(os.environ.get("CONCERTINA_NCCL_PLANS", "1000"))
+NUM_PLANS = int(os.environ.get("CONCERTINA_NCCL_PLANS", "2000"))
 
 
 def _costs():
