@@ -17,7 +17,11 @@ window), the recompute settings, the reference (HF on the right-padded batch) an
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+import _linear_attention_cases
 
 from _linear_attention_cases import (CHUNKS, GRAD_TOL, LOSS_TOL, RECOMPUTE, SEQ_LENS, batch, gradient_errors,  # noqa: F401
                                      make_plan, model_support, num_items, padded_reference)
@@ -65,17 +69,5 @@ def build_model(name: str = "granitemoehybrid"):
     return model
 
 
-def check_case(name: str, loss: float, ref_loss: float, errors: dict[str, float],
-               grad_tol: float = GRAD_TOL) -> tuple[dict, list[str]]:
-    """A case's figures (loss difference, worst gradient, the Mamba2 parameters') and its failures."""
-    loss_err = abs(loss - ref_loss) / abs(ref_loss)
-    mixer = {k: v for k, v in errors.items() if any(k.endswith(m) for m in MIXER_PARAMS)}
-    row = {"case": name, "loss": loss_err, "grad": max(errors.values()), "mixer": max(mixer.values(), default=None),
-           "mixer_params": len(mixer)}
-    failures = []
-    if not loss_err < LOSS_TOL:
-        failures.append(f"{name}: loss differs by {loss_err:.2e}")
-    bad = {k: v for k, v in errors.items() if not v < grad_tol}
-    if bad:
-        failures.append(f"{name}: gradients differ: {sorted(bad.items(), key=lambda kv: -kv[1])[:5]}")
-    return row, failures
+#: :func:`_linear_attention_cases.check_case`, the Mamba layers' parameters reported by name
+check_case = functools.partial(_linear_attention_cases.check_case, mixer_params=MIXER_PARAMS)

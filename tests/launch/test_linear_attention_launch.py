@@ -85,9 +85,11 @@ def _loaded_and_lora(outdir: str, report: dict) -> None:
     lora.save_model(os.path.join(outdir, "lora", "final"))
 
 
-def _run(report: dict) -> None:
-    import torch.distributed as dist
-
+def _check_family(report: dict, kinds, build, mixer_params, expected, what: str, grad_tol=None) -> None:
+    """Each model of ``kinds`` (``build(kind)``) at pp=2 on this rank's stage: HF's reference on the
+    right-padded batch computed here, then the split, hybrid and packed chunks under recompute none /
+    partial / full and the adaptive planner's plan; loss 1e-5, every gradient ``grad_tol(kind)``
+    (1e-4), and ``expected(kind, (first, end))`` of the stage's ``mixer_params(kind)`` compared."""
     import _linear_attention_cases as cases
     from concertina_hf.planning import CostModel, StageLayout
     from concertina_hf.planning.strategies import plan_step
@@ -96,8 +98,8 @@ def _run(report: dict) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     ids, labels = cases.batch()
     layout = StageLayout.even(4, world)
-    for kind in cases.MODELS:
-        model = cases.build_model(kind)
+    for kind in kinds:
+        model = build(kind)
         ref_loss, ref_grads = cases.padded_reference(model, ids, labels)
         w = PipelineWrapper(copy.deepcopy(model), layout, rank)
         ex = PipelineExecutor(w)
@@ -112,13 +114,27 @@ def _run(report: dict) -> None:
             if model.config.tie_word_embeddings:  # each end stage holds its part (the trainer adds them)
                 errors = {k: v for k, v in errors.items() if k not in ("model.embed_tokens.weight", "lm_head.weight")}
             row, bad = cases.check_case(f"{kind} pp={world} stage {rank} {name}", res.loss, ref_loss, errors,
-                                        cases.GRAD_TOL_OF.get(kind, cases.GRAD_TOL))
+                                        grad_tol(kind) if grad_tol else cases.GRAD_TOL, mixer_params(kind))
             row["chunks"] = [c.kind.value for c in plan.chunks]
             report["rows"].append(row)
             report["failures"] += bad
-            if row["mixer_params"] != 3:  # A_log, dt_bias, conv1d.weight of the stage's linear layer
-                report["failures"].append(f"{kind} {name}: {row['mixer_params']} Gated DeltaNet parameters compared")
+            if row["mixer_params"] != expected(kind, layout.layer_ranges[rank]):
+                report["failures"].append(f"{kind} {name}: {row['mixer_params']} {what} parameters compared")
             report["cases"] += 1
+
+
+def _run(report: dict) -> None:
+    """The Gated DeltaNet models (layers 0-1 and 2-3: a linear layer and an attention layer each; its
+    ``A_log``, ``dt_bias``, ``conv1d.weight`` compared), then a stage of 2 sequence-parallel ranks over
+    one key head refused."""
+    import torch.distributed as dist
+
+    import _linear_attention_cases as cases
+    from concertina_hf.planning import StageLayout
+    from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
+
+    _check_family(report, cases.MODELS, cases.build_model, lambda kind: cases.MIXER_PARAMS, lambda kind, stage: 3,
+                  "Gated DeltaNet", lambda kind: cases.GRAD_TOL_OF.get(kind, cases.GRAD_TOL))
     model = cases.build_model_with("qwen3_next", linear_num_key_heads=1)  # one key head: Ulysses cannot split it
     one = PipelineWrapper(copy.deepcopy(model), StageLayout.even(4, 1), 0)
     try:
@@ -131,77 +147,22 @@ def _run(report: dict) -> None:
 
 
 def _run_ssm(report: dict) -> None:
-    """The Mamba2 (SSD) models of :data:`_ssm_cases.MODELS` at pp=2, as :func:`_run`: each stage a
-    Mamba2 layer and an attention layer, the last one Bamba's ``final_layernorm``."""
-    import _ssm_cases as cases
-    from concertina_hf.planning import CostModel, StageLayout
-    from concertina_hf.planning.strategies import plan_step
-    from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
+    """The Mamba2 (SSD) models of :data:`_ssm_cases.MODELS`: each stage's Mamba2 layers' ``A_log``,
+    ``dt_bias``, ``D`` and ``conv1d.weight`` compared (Bamba's ``final_layernorm`` on the last stage)."""
+    import _ssm_cases as ssm
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    ids, labels = cases.batch()
-    layout = StageLayout.even(4, world)
-    for kind in cases.MODELS:
-        model = cases.build_model(kind)
-        ref_loss, ref_grads = cases.padded_reference(model, ids, labels)
-        w = PipelineWrapper(copy.deepcopy(model), layout, rank)
-        ex = PipelineExecutor(w)
-        plans = [(f"recompute {r}", cases.make_plan(layout, r)) for r in cases.RECOMPUTE]
-        cost = CostModel.from_hf_config(model.config, dtype_bytes=4)
-        plans.append(("adaptive planner", plan_step(list(cases.SEQ_LENS), cost, layout, 0, "adaptive",
-                                                    max_tokens_per_chunk=40)))
-        for name, plan in plans:
-            w.zero_grad(set_to_none=True)
-            res = ex.run_step(plan, ids, labels, num_items_in_batch=cases.num_items(labels))
-            errors = cases.gradient_errors(w.named_parameters(), ref_grads)
-            if model.config.tie_word_embeddings:  # each end stage holds its part (the trainer adds them)
-                errors = {k: v for k, v in errors.items() if k not in ("model.embed_tokens.weight", "lm_head.weight")}
-            row, bad = cases.check_case(f"{kind} pp={world} stage {rank} {name}", res.loss, ref_loss, errors)
-            row["chunks"] = [c.kind.value for c in plan.chunks]
-            report["rows"].append(row)
-            report["failures"] += bad
-            own = [i for i in cases.MAMBA_LAYERS[kind] if layout.layer_ranges[rank][0] <= i < layout.layer_ranges[rank][1]]
-            if row["mixer_params"] != 4 * len(own):  # A_log, dt_bias, D, conv1d.weight of the stage's Mamba2 layers
-                report["failures"].append(f"{kind} {name}: {row['mixer_params']} Mamba2 parameters compared")
-            report["cases"] += 1
+    _check_family(report, ssm.MODELS, ssm.build_model, lambda kind: ssm.MIXER_PARAMS,
+                  lambda kind, stage: 4 * sum(stage[0] <= i < stage[1] for i in ssm.MAMBA_LAYERS[kind]), "Mamba2")
 
 
 def _run_recurrent(report: dict) -> None:
-    """The short-convolution, lightning-attention and KDA models of :data:`_recurrent_cases.MODELS` at
-    pp=2, as :func:`_run`: each stage one recurrent layer and an attention layer (LFM2's final norm
+    """The short-convolution, lightning-attention and KDA models of :data:`_recurrent_cases.MODELS`:
+    each stage one recurrent layer, its three named parameters compared (LFM2's final norm
     ``embedding_norm`` and LFM2-MoE's rotary ``pos_emb`` on their stages)."""
-    import _linear_attention_cases as cases
     import _recurrent_cases as recurrent
-    from concertina_hf.planning import CostModel, StageLayout
-    from concertina_hf.planning.strategies import plan_step
-    from concertina_hf.runtime import PipelineExecutor, PipelineWrapper
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    ids, labels = cases.batch()
-    layout = StageLayout.even(4, world)
-    for kind in recurrent.MODELS:
-        model = recurrent.build_model(kind)
-        ref_loss, ref_grads = cases.padded_reference(model, ids, labels)
-        w = PipelineWrapper(copy.deepcopy(model), layout, rank)
-        ex = PipelineExecutor(w)
-        plans = [(f"recompute {r}", cases.make_plan(layout, r)) for r in cases.RECOMPUTE]
-        cost = CostModel.from_hf_config(model.config, dtype_bytes=4)
-        plans.append(("adaptive planner", plan_step(list(cases.SEQ_LENS), cost, layout, 0, "adaptive",
-                                                    max_tokens_per_chunk=40)))
-        for name, plan in plans:
-            w.zero_grad(set_to_none=True)
-            res = ex.run_step(plan, ids, labels, num_items_in_batch=cases.num_items(labels))
-            errors = cases.gradient_errors(w.named_parameters(), ref_grads)
-            if model.config.tie_word_embeddings:  # each end stage holds its part (the trainer adds them)
-                errors = {k: v for k, v in errors.items() if k not in ("model.embed_tokens.weight", "lm_head.weight")}
-            row, bad = cases.check_case(f"{kind} pp={world} stage {rank} {name}", res.loss, ref_loss, errors,
-                                        mixer_params=recurrent.mixer_params(kind))
-            row["chunks"] = [c.kind.value for c in plan.chunks]
-            report["rows"].append(row)
-            report["failures"] += bad
-            if row["mixer_params"] != 3:  # the three named parameters of the stage's recurrent layer
-                report["failures"].append(f"{kind} {name}: {row['mixer_params']} recurrent-layer parameters compared")
-            report["cases"] += 1
+    _check_family(report, recurrent.MODELS, recurrent.build_model, recurrent.mixer_params, lambda kind, stage: 3,
+                  "recurrent-layer")
 
 
 def test_pp2_split_hybrid_and_packed_chunks_equal_hf(tmp_path):
