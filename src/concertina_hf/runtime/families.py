@@ -381,6 +381,19 @@ def sequence_parallel_refusal(config: Any, sp: int, mode: str = "ulysses") -> st
     return None
 
 
+def install_mixers(model: Any, family: ModelFamily) -> None:
+    """Route ``model``'s recurrent and convolutional mixers (the family's: Gated DeltaNet, Mamba,
+    short convolutions, lightning attention, KDA) through the chunk context (:mod:`.recurrent`).
+    ``model``: anything with the HF ``config`` and ``modules()`` (a model, or a holder of copies of
+    its layers)."""
+    from . import kda, lightning_attention, linear_attention, short_conv, ssm
+
+    for flag, mixers in (("linear_attention", linear_attention), ("ssm", ssm), ("short_conv", short_conv),
+                         ("lightning_attention", lightning_attention), ("kda", kda)):
+        if getattr(family, flag):
+            mixers.install(model)
+
+
 def _module_name(model: nn.Module, name: str) -> str:
     kind = str(getattr(getattr(model, "config", None), "model_type", "") or "")
     return MODULE_NAMES.get(kind, {}).get(name, name)

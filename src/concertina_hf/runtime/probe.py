@@ -70,7 +70,7 @@ from .attention import (
     register_attention,
 )
 from .memory import CudaPeakMeter, LiveTensorMeter
-from .families import ModelFamily, inspect_model
+from .families import ModelFamily, inspect_model, install_mixers
 from .per_layer import PER_LAYER_TYPES
 from .stage import PipelineWrapper
 
@@ -512,18 +512,6 @@ def _chosen(ids: Sequence[int] | None, count: int, total: int, num_layers: int |
     return list(range(n))
 
 
-def _install_mixers(model: Any, family: ModelFamily, modules: nn.Module) -> None:
-    """Route the token mixers of ``modules`` (copies of ``model``'s layers) through the chunk
-    context, as :class:`PipelineWrapper` routes its own."""
-    from . import kda, lightning_attention, linear_attention, short_conv, ssm
-
-    holder = SimpleNamespace(config=model.config, modules=modules.modules)
-    for flag, mod in (("linear_attention", linear_attention), ("ssm", ssm), ("short_conv", short_conv),
-                      ("lightning_attention", lightning_attention), ("kda", kda)):
-        if getattr(family, flag, False):
-            mod.install(holder)
-
-
 def _probe_modules(model_or_wrapper: Any, num_layers: int | None, device: Any,
                    chosen: Sequence[int] | None = None) -> Probe:
     register_attention()
@@ -573,7 +561,7 @@ def _probe_modules(model_or_wrapper: Any, num_layers: int | None, device: Any,
             if getattr(m, "gradient_checkpointing", False) is True:  # the plan decides recompute
                 m.gradient_checkpointing = False
         layers = list(copies[:n])
-        _install_mixers(model, family, copies)
+        install_mixers(SimpleNamespace(config=model.config, modules=copies.modules), family)  # as the stage's
         norm, norm_own = _on(getattr(inner, family.final_norm), dev)
         lm_head, head_own = _on(model.lm_head, dev)
         embed_tokens, embed_own = _on(getattr(inner, family.embedding), dev)

@@ -60,13 +60,8 @@ from torch.utils.checkpoint import checkpoint
 from ..planning.types import StageLayout
 from .attention import ChunkAttentionContext, chunk_context, register_attention, step_active
 from .attention import indexed
-from .families import inspect_model
-from .linear_attention import install as install_linear_attention
+from .families import inspect_model, install_mixers
 from .per_layer import PER_LAYER_MODULES, check_kv_sharing, embed_per_layer, message_width
-from .ssm import install as install_ssm
-from .short_conv import install as install_short_conv
-from .lightning_attention import install as install_lightning_attention
-from .kda import install as install_kda
 from .param_sharding import full_state
 
 __all__ = ["EMBED_WEIGHT", "HEAD_WEIGHT", "PipelineWrapper"]
@@ -187,16 +182,7 @@ class PipelineWrapper(nn.Module):
             model.config._attn_implementation = name
         if model.config._attn_implementation != name:
             model.config._attn_implementation = name
-        if self.family.linear_attention:  # Gated DeltaNet layers read the chunk context too (.linear_attention)
-            install_linear_attention(model)
-        if self.family.ssm:  # Mamba2 layers likewise (.ssm)
-            install_ssm(model)
-        if self.family.short_conv:  # LFM2 short convolutions likewise (.short_conv)
-            install_short_conv(model)
-        if self.family.lightning_attention:  # MiniMax's lightning attention likewise (.lightning_attention)
-            install_lightning_attention(model)
-        if self.family.kda:  # Kimi Delta Attention likewise (.kda)
-            install_kda(model)
+        install_mixers(model, self.family)  # recurrent mixers read the chunk context too (.recurrent)
         if self.family.indexed_attention:  # top-k indexed attention's indexers (.attention.indexed)
             indexed.check_stage(model.config, range(self.layer_start, self.layer_end))
             indexed.install(model)
