@@ -126,6 +126,11 @@ def test_the_self_check_probes_a_slice_shorter_than_the_convolution_window(monke
     model = cases.build_model("qwen3_next")
     probe = probe_for(model)
     assert probe != PROBE and probe.lengths[0] > 2 * 64 and min(n for c in probe.chunks for _, _, n in c) == 2
+    # any scan chunk (a tiny config's 4 tokens included) gives a valid probe plan
+    from concertina_hf.planning import StageLayout
+    from concertina_hf.training.self_check import _probe_plan, recurrent_probe
+
+    assert all(_probe_plan(recurrent_probe(c), StageLayout.even(2, 1), 1) for c in (4, 15, 64, 256))
     real = linear_attention.per_document_conv
 
     def own_tokens_only(mixed, ctx, layer, width, conv, state="state"):

@@ -197,7 +197,6 @@ class PipelineExecutor:
         self.stage = wrapper.stage
         self.num_stages = wrapper.layout.num_stages
         self.device = torch.device(device) if device is not None else wrapper.device
-        self.hidden_size = int(wrapper.config.hidden_size)
         self.comm: StageComm | None = None
         self.sp: SequenceParallel | None = None
         self._ulysses_refusal: str | None = None  # why Ulysses cannot split the heads (placed chunks still run)

@@ -28,7 +28,7 @@ every causal-LM model type of the installed transformers, checked numerically by
 runtime cannot reproduce (other layouts, recurrent / linear-attention / convolutional mixers but
 the Gated DeltaNet classes of :mod:`.linear_attention`, the Mamba2 classes of :mod:`.ssm`, LFM2's short
 convolutions (:mod:`.short_conv`), MiniMax's lightning attention (:mod:`.lightning_attention`) and Kimi
-Linear's KDA (:mod:`.kda`), whose modules each module's ``install`` routes through the chunk context, the
+Linear's KDA (:mod:`.kda`), whose modules :func:`~.families.install_mixers` routes through the chunk context, the
 router auxiliary loss unless ``concertina_router_aux_loss='per_chunk'`` (then the stage records its
 routers' logits for the per-chunk term of :mod:`.router_aux`), work the model's ``forward`` does
 between the layers) with a message naming

@@ -100,8 +100,9 @@ def recurrent_probe(scan_chunk: int) -> Probe:
     ``scan_chunk`` tokens, split at tokens ``c + 3``, ``c + 5`` and ``2 c - 9`` (none a multiple of
     ``c``; the second slice, 2 tokens, shorter than a convolution window, so the third reads two
     slices back), its tail in a hybrid chunk with a whole sequence, and a packed chunk of three short
-    documents (the last, 3 tokens, shorter than a window)."""
-    c = scan_chunk
+    documents (the last, 3 tokens, shorter than a window). A scan chunk under 16 tokens is probed as
+    16 (the third slice, ``c - 14`` tokens, stays non-empty)."""
+    c = max(16, scan_chunk)
     return Probe((2 * c + 22, 7, 5, 6, 3), (((0, 0, c + 3),), ((0, c + 3, 2),), ((0, c + 5, c - 14),),
                                           ((0, 2 * c - 9, 31), (1, 0, 7)), ((2, 0, 5), (3, 0, 6), (4, 0, 3))))
 
