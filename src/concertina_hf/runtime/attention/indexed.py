@@ -52,7 +52,6 @@ chunk lives.
 
 from __future__ import annotations
 
-import types
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -159,16 +158,11 @@ def install(model: nn.Module) -> int:
     classes = _classes(str(getattr(getattr(model, "config", None), "model_type", "")))
     if classes is None:
         return 0
+    from ..recurrent import install as route  # routes every module of a class through a forward
+
     attn_cls, idx_cls = classes
-    n = 0
-    for mod in model.modules():
-        if type(mod) is attn_cls:
-            if not isinstance(mod.__dict__.get("forward"), types.MethodType):
-                mod.forward = types.MethodType(_attention_forward, mod)
-            n += 1
-        elif type(mod) is idx_cls and not isinstance(mod.__dict__.get("forward"), types.MethodType):
-            mod.forward = types.MethodType(_indexer_forward, mod)
-    return n
+    route(model, idx_cls, _indexer_forward)
+    return route(model, attn_cls, _attention_forward)
 
 
 def sequence_parallel_refusal(config: Any, sp: int) -> str | None:
